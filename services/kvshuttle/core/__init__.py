@@ -1,0 +1,4 @@
+"""Domain building blocks shared by the services: errors, clocks, names, hash chains.
+
+Nothing here imports grpc.
+"""
