@@ -1,0 +1,64 @@
+"""kvshuttle's prefix-hash chain over token ids.
+
+Tokens are cut into full blocks of the engine's block size; block i's hash is
+H(hash of block i-1, tokens of block i), with H = BLAKE2b-64 over the parent hash
+(8 bytes, little-endian) followed by the block's tokens (uint32, little-endian). Equal
+hashes at position i mean equal tokens in blocks 0..i, so the longest common run of two
+chains is the verified common prefix. A trailing partial block has no hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+
+ROOT_HASH = 0
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    try:
+        data = array("I", tokens)  # 4 bytes on every platform CPython supports here
+    except OverflowError as exc:
+        raise ValueError("token ids must be within uint32") from exc
+    if data.itemsize != 4:  # pragma: no cover
+        raise RuntimeError("array('I') is not 4 bytes wide on this platform")
+    if sys.byteorder != "little":  # pragma: no cover
+        data.byteswap()
+    return data.tobytes()
+
+
+def block_hash(parent: int, block_tokens: Sequence[int]) -> int:
+    """Hash of one block given its parent's hash."""
+    h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
+    h.update(_token_bytes(block_tokens))
+    return int.from_bytes(h.digest(), "little")
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
+    """Hashes of every full block of `tokens`, chained from `parent`.
+
+    Raises ValueError for a non-positive block size or a token outside uint32.
+    """
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    raw = memoryview(_token_bytes(tokens))
+    step = block_size * 4
+    out: list[int] = []
+    prev = parent
+    for start in range(0, (len(tokens) // block_size) * step, step):
+        h = hashlib.blake2b(prev.to_bytes(8, "little"), digest_size=8)
+        h.update(raw[start:start + step])
+        prev = int.from_bytes(h.digest(), "little")
+        out.append(prev)
+    return out
+
+
+def common_prefix_blocks(a: Sequence[int], b: Sequence[int]) -> int:
+    """Number of leading equal hashes of two chains (the verified common prefix, in blocks)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
