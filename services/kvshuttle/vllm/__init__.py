@@ -1,0 +1,1 @@
+"""What kvshuttle knows of vLLM's wire formats (kv_transfer_params, KV events)."""

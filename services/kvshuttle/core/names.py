@@ -1,0 +1,113 @@
+"""Resource names (AIP-122 style) and their parsing.
+
+    nodes/{node}
+    tenants/{tenant}
+    tenants/{tenant}/conversations/{conversation}
+    tenants/{tenant}/conversations/{conversation}/retentions/{generation}
+
+Ids are 1..max_id_length characters of [A-Za-z0-9._~:-], starting with a letter or digit:
+conversation ids come from users' gateways (UUIDs, "conv_123"), so they are not lowercased.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvshuttle.core.errors import InvalidArgument
+
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._~:-]*")
+DEFAULT_MAX_ID_LENGTH = 128
+
+
+def check_id(value: str, field: str, *, max_length: int = DEFAULT_MAX_ID_LENGTH) -> str:
+    if not value:
+        raise InvalidArgument(field, "required")
+    if len(value) > max_length:
+        raise InvalidArgument(field, f"longer than {max_length} characters")
+    if not _ID.fullmatch(value):
+        raise InvalidArgument(field, "must be letters, digits and ._~:- and start with a letter or digit")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationName:
+    tenant: str
+    conversation: str
+
+    def __str__(self) -> str:
+        return f"tenants/{self.tenant}/conversations/{self.conversation}"
+
+    @property
+    def tenant_name(self) -> str:
+        return f"tenants/{self.tenant}"
+
+    def retention(self, generation: int) -> str:
+        return f"{self}/retentions/{generation}"
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionName:
+    conversation: ConversationName
+    generation: int
+
+    def __str__(self) -> str:
+        return self.conversation.retention(self.generation)
+
+
+def _split(name: str, field: str, max_length: int) -> list[str]:
+    if not name:
+        raise InvalidArgument(field, "required")
+    # Five ids and their collection words, bounded so a huge string is rejected cheaply.
+    if len(name) > 6 * (max_length + 16):
+        raise InvalidArgument(field, "too long")
+    return name.split("/")
+
+
+def parse_node(name: str, field: str = "name", *, max_length: int = DEFAULT_MAX_ID_LENGTH) -> str:
+    """`nodes/{node}` -> node id."""
+    parts = _split(name, field, max_length)
+    if len(parts) != 2 or parts[0] != "nodes":
+        raise InvalidArgument(field, "must be nodes/{node}")
+    return check_id(parts[1], field, max_length=max_length)
+
+
+def parse_tenant(name: str, field: str = "parent", *, max_length: int = DEFAULT_MAX_ID_LENGTH) -> str:
+    """`tenants/{tenant}` -> tenant id."""
+    parts = _split(name, field, max_length)
+    if len(parts) != 2 or parts[0] != "tenants":
+        raise InvalidArgument(field, "must be tenants/{tenant}")
+    return check_id(parts[1], field, max_length=max_length)
+
+
+def parse_conversation(name: str, field: str = "name", *,
+                       max_length: int = DEFAULT_MAX_ID_LENGTH) -> ConversationName:
+    parts = _split(name, field, max_length)
+    if len(parts) != 4 or parts[0] != "tenants" or parts[2] != "conversations":
+        raise InvalidArgument(field, "must be tenants/{tenant}/conversations/{conversation}")
+    return ConversationName(check_id(parts[1], field, max_length=max_length),
+                            check_id(parts[3], field, max_length=max_length))
+
+
+def parse_retention(name: str, field: str = "name", *,
+                    max_length: int = DEFAULT_MAX_ID_LENGTH) -> RetentionName:
+    parts = _split(name, field, max_length)
+    if len(parts) != 6 or parts[0] != "tenants" or parts[2] != "conversations" or parts[4] != "retentions":
+        raise InvalidArgument(
+            field, "must be tenants/{tenant}/conversations/{conversation}/retentions/{generation}")
+    generation = parts[5]
+    if not generation.isdigit() or len(generation) > 20 or int(generation) == 0:
+        raise InvalidArgument(field, "generation must be a positive integer")
+    conversation = ConversationName(check_id(parts[1], field, max_length=max_length),
+                                    check_id(parts[3], field, max_length=max_length))
+    return RetentionName(conversation, int(generation))
+
+
+def parse_tenant_or_conversation(name: str, field: str = "parent", *,
+                                 max_length: int = DEFAULT_MAX_ID_LENGTH) -> tuple[str, str | None]:
+    """`tenants/{t}` or `tenants/{t}/conversations/{c}` -> (tenant, conversation or None)."""
+    parts = _split(name, field, max_length)
+    if len(parts) == 2:
+        return parse_tenant(name, field, max_length=max_length), None
+    conv = parse_conversation(name, field, max_length=max_length)
+    return conv.tenant, conv.conversation

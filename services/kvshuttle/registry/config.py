@@ -1,0 +1,31 @@
+"""The registry's configuration: one object, from KVSHUTTLE_REGISTRY_* environment variables
+(nested with "__", e.g. KVSHUTTLE_REGISTRY_SERVER__LISTEN=0.0.0.0:50051,
+KVSHUTTLE_REGISTRY_LIMITS__MAX_PAGE_SIZE=500,
+KVSHUTTLE_REGISTRY_LIMITS__RETENTION_TTL='{"default": 300, "minimum": 1, "maximum": 3600}')."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvshuttle.registry.memory_store import StoreLimits
+from kvshuttle.registry.registry import RegistryLimits
+from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
+
+
+class RegistrySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVSHUTTLE_REGISTRY_", env_nested_delimiter="__",
+                                      extra="forbid")
+
+    server: ServerSettings = Field(default_factory=lambda: ServerSettings(listen="127.0.0.1:50051"))
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    # Where state lives. Only "memory" so far; Redis follows for HA.
+    store: Literal["memory"] = "memory"
+    limits: RegistryLimits = Field(default_factory=RegistryLimits)
+    store_limits: StoreLimits = Field(default_factory=StoreLimits)
+    # Blocks indexed per node before new BlockStored events are dropped.
+    max_indexed_blocks_per_node: int = Field(default=1_000_000, gt=0)
+    # The expiry timer wakes at least this often (seconds).
+    expiry_max_sleep: float = Field(default=1.0, gt=0)

@@ -1,0 +1,405 @@
+"""In-memory RegistryStore: one process, every operation atomic because it never awaits.
+
+Expiry runs off one min-heap of (deadline, kind, name) entries. Renewals push a new entry and
+leave the old one in place; a popped entry whose record has moved on is skipped, and the heap
+is rebuilt when stale entries outnumber live ones.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import heapq
+import uuid
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from kvshuttle.core.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted
+from kvshuttle.registry.model import (
+    ChangeKind,
+    Claim,
+    Conversation,
+    ExpiryResult,
+    Node,
+    NodeExpiry,
+    NodeLoad,
+    NodeRole,
+    NodeSpec,
+    PutResult,
+    Retention,
+    RetentionChange,
+    StoreCounts,
+)
+
+_NODE, _RETENTION, _FENCE = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class StoreLimits:
+    max_nodes: int = 10_000
+    max_retentions: int = 1_000_000
+    max_retentions_per_tenant: int = 100_000
+    # How long a conversation's fencing generation outlives its last retention, so a late
+    # commit of an older turn is still rejected.
+    fence_ttl: float = 3600.0
+    idempotency_ttl: float = 600.0
+    idempotency_max_entries: int = 100_000
+
+
+@dataclass(slots=True)
+class _Fence:
+    generation: int
+    forget_at: float
+
+
+class _IdempotencyCache:
+    """First responses by (operation, request_id), bounded in count and age."""
+
+    def __init__(self, ttl: float, max_entries: int) -> None:
+        self._ttl = ttl
+        self._max = max_entries
+        self._entries: OrderedDict[Hashable, tuple[float, Any]] = OrderedDict()
+
+    def get(self, key: Hashable, now: float) -> Any | None:
+        hit = self._entries.get(key)
+        if hit is None:
+            return None
+        if hit[0] <= now:
+            del self._entries[key]
+            return None
+        return hit[1]
+
+    def put(self, key: Hashable, value: Any, now: float) -> None:
+        self._entries[key] = (now + self._ttl, value)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self._max:
+            self._entries.popitem(last=False)
+        # Entries are added in time order, so the oldest are at the front.
+        while self._entries:
+            first = next(iter(self._entries.values()))
+            if first[0] > now:
+                break
+            self._entries.popitem(last=False)
+
+
+def _snapshot_node(node: Node) -> Node:
+    return copy.copy(node)
+
+
+def _snapshot(retention: Retention) -> Retention:
+    return copy.copy(retention)
+
+
+class InMemoryStore:
+    def __init__(self, limits: StoreLimits | None = None, *, incarnation_base: int = 0) -> None:
+        self._limits = limits or StoreLimits()
+        self._nodes: dict[str, Node] = {}
+        self._node_retentions: dict[str, set[str]] = {}
+        self._retentions: dict[str, Retention] = {}
+        self._by_conversation: dict[str, str] = {}
+        self._fences: dict[str, _Fence] = {}
+        # Sorted retention names per tenant, for stable paging.
+        self._tenant_names: dict[str, list[str]] = {}
+        self._heap: list[tuple[float, int, str]] = []
+        self._idempotency = _IdempotencyCache(self._limits.idempotency_ttl,
+                                              self._limits.idempotency_max_entries)
+        # Incarnations grow across registry restarts too (callers seed the base from the clock).
+        self._next_incarnation = incarnation_base + 1
+        self._claimed = 0
+
+    # ---- nodes ---------------------------------------------------------------------------
+
+    async def register_node(self, spec: NodeSpec, ttl: float, now: float
+                            ) -> tuple[Node, list[RetentionChange], bool]:
+        existing = self._nodes.get(spec.name)
+        if existing is None and len(self._nodes) >= self._limits.max_nodes:
+            raise ResourceExhausted(f"at most {self._limits.max_nodes} nodes",
+                                    reason="CAPACITY_EXCEEDED", metadata={"limit": "max_nodes"})
+        changes: list[RetentionChange] = []
+        engine_changed = existing is not None and existing.spec.engine_id != spec.engine_id
+        if engine_changed:
+            changes = self._drop_node_retentions(spec.name, ChangeKind.NODE_LOST, now)
+        node = Node(spec=copy.deepcopy(spec), incarnation=self._next_incarnation,
+                    register_time=now, expire_at=now + ttl, load=NodeLoad())
+        self._next_incarnation += 1
+        if existing is not None and not engine_changed:
+            node.retained_bytes = existing.retained_bytes
+            node.retention_count = existing.retention_count
+        self._nodes[spec.name] = node
+        self._node_retentions.setdefault(spec.name, set())
+        self._push(node.expire_at, _NODE, spec.name)
+        return _snapshot_node(node), changes, engine_changed
+
+    def _live_node(self, name: str, incarnation: int | None) -> Node:
+        node = self._nodes.get(name)
+        if node is None:
+            raise NotFound(f"node {name} is not registered (or its lease lapsed)",
+                           reason="NODE_NOT_FOUND", metadata={"node": name})
+        if incarnation is not None and node.incarnation != incarnation:
+            raise FailedPrecondition(
+                f"node {name} is at incarnation {node.incarnation}, not {incarnation}",
+                reason="NODE_INCARNATION_MISMATCH",
+                metadata={"node": name, "incarnation": str(node.incarnation)})
+        return node
+
+    async def heartbeat_node(self, name: str, incarnation: int, ttl: float, load: NodeLoad,
+                             now: float) -> Node:
+        node = self._live_node(name, incarnation)
+        node.expire_at = now + ttl
+        node.load = copy.copy(load)
+        self._push(node.expire_at, _NODE, name)
+        return _snapshot_node(node)
+
+    async def deregister_node(self, name: str, incarnation: int | None, now: float
+                              ) -> list[RetentionChange]:
+        self._live_node(name, incarnation)
+        return self._remove_node(name, now)
+
+    async def get_node(self, name: str) -> Node:
+        return _snapshot_node(self._live_node(name, None))
+
+    async def list_nodes(self, *, role: NodeRole | None, model: str | None, after: str,
+                         limit: int) -> list[Node]:
+        names = sorted(n for n in self._nodes if n > after)
+        out: list[Node] = []
+        for name in names:
+            node = self._nodes[name]
+            if node.spec.role.serves(role) and (not model or node.spec.model == model):
+                out.append(_snapshot_node(node))
+                if len(out) >= limit:
+                    break
+        return out
+
+    def _remove_node(self, name: str, now: float) -> list[RetentionChange]:
+        changes = self._drop_node_retentions(name, ChangeKind.NODE_LOST, now)
+        del self._nodes[name]
+        self._node_retentions.pop(name, None)
+        return changes
+
+    def _drop_node_retentions(self, name: str, kind: ChangeKind, now: float) -> list[RetentionChange]:
+        return [self._remove_retention(r, kind, now)
+                for r in sorted(self._node_retentions.get(name, ()))]
+
+    # ---- retentions ----------------------------------------------------------------------
+
+    async def put_retention(self, retention: Retention, ttl: float, now: float, *,
+                            request_id: str) -> tuple[PutResult, list[RetentionChange]]:
+        key = ("put", request_id)
+        if request_id:
+            cached: PutResult | None = self._idempotency.get(key, now)
+            if cached is not None:
+                return cached, []
+        node = self._nodes.get(retention.node)
+        if node is None:
+            raise FailedPrecondition(f"node {retention.node} is not registered",
+                                     reason="NODE_NOT_FOUND", metadata={"node": retention.node})
+        if node.spec.model != retention.model or node.spec.block_size != retention.block_size:
+            raise FailedPrecondition(
+                f"node {retention.node} serves model {node.spec.model!r} with block size "
+                f"{node.spec.block_size}, not {retention.model!r} / {retention.block_size}",
+                reason="NODE_MISMATCH", metadata={"node": retention.node})
+        conversation = retention.conversation
+        fence = self._fences.get(conversation)
+        if fence is not None and retention.generation <= fence.generation:
+            raise Aborted(
+                f"generation {retention.generation} is not newer than {fence.generation} "
+                f"for {conversation}",
+                reason="FENCING_GENERATION_STALE",
+                metadata={"fence_generation": str(fence.generation)})
+        expire_at = now + ttl
+        if retention.pin_expire_at is not None:
+            if retention.pin_expire_at <= now:
+                raise FailedPrecondition("pin_expire_time has already passed: the blocks are gone",
+                                         reason="PIN_EXPIRED")
+            expire_at = min(expire_at, retention.pin_expire_at)
+        old_name = self._by_conversation.get(conversation)
+        tenant = retention.tenant
+        if old_name is None:
+            if len(self._retentions) >= self._limits.max_retentions:
+                raise ResourceExhausted(f"at most {self._limits.max_retentions} retentions",
+                                        reason="CAPACITY_EXCEEDED",
+                                        metadata={"limit": "max_retentions"})
+            if len(self._tenant_names.get(tenant, ())) >= self._limits.max_retentions_per_tenant:
+                raise ResourceExhausted(
+                    f"tenant {tenant} holds {self._limits.max_retentions_per_tenant} retentions",
+                    reason="CAPACITY_EXCEEDED", metadata={"limit": "max_retentions_per_tenant"})
+        # Everything is checked: from here on nothing raises.
+        changes: list[RetentionChange] = []
+        replaced: Retention | None = None
+        if old_name is not None:
+            old_change = self._remove_retention(old_name, ChangeKind.REPLACED, now)
+            replaced = old_change.retention
+            changes.append(old_change)
+        record = _snapshot(retention)
+        record.create_time = now
+        record.expire_at = expire_at
+        record.claim = None
+        self._retentions[record.name] = record
+        self._by_conversation[conversation] = record.name
+        self._node_retentions[record.node].add(record.name)
+        node.retained_bytes += record.kv_bytes
+        node.retention_count += 1
+        bisect.insort(self._tenant_names.setdefault(tenant, []), record.name)
+        self._fences[conversation] = _Fence(record.generation, now + self._limits.fence_ttl)
+        self._push(expire_at, _RETENTION, record.name)
+        self._push(now + self._limits.fence_ttl, _FENCE, conversation)
+        result = PutResult(_snapshot(record), replaced)
+        changes.append(RetentionChange(ChangeKind.PUT, result.retention, now))
+        if request_id:
+            self._idempotency.put(key, result, now)
+        return result, changes
+
+    def _retention(self, name: str) -> Retention:
+        record = self._retentions.get(name)
+        if record is None:
+            raise NotFound(f"retention {name} not found", reason="RETENTION_NOT_FOUND",
+                           metadata={"retention": name})
+        return record
+
+    async def get_retention(self, name: str) -> Retention:
+        return _snapshot(self._retention(name))
+
+    async def get_conversation(self, name: str) -> Conversation:
+        fence = self._fences.get(name)
+        if fence is None:
+            raise NotFound(f"conversation {name} has no retention and no fencing generation",
+                           reason="CONVERSATION_NOT_FOUND", metadata={"conversation": name})
+        current = self._by_conversation.get(name)
+        return Conversation(name, fence.generation,
+                            _snapshot(self._retentions[current]) if current else None)
+
+    def _check_claimable(self, record: Retention, now: float) -> None:
+        if record.claim is not None:
+            raise Aborted(f"retention {record.name} is already claimed",
+                          reason="RETENTION_ALREADY_CLAIMED", metadata={"retention": record.name})
+        if record.expire_at <= now:
+            raise FailedPrecondition(f"retention {record.name} expired",
+                                     reason="RETENTION_EXPIRED", metadata={"retention": record.name})
+
+    async def renew_retention(self, name: str, ttl: float, max_ttl: float, now: float
+                              ) -> tuple[Retention, list[RetentionChange]]:
+        record = self._retention(name)
+        if record.claim is not None:
+            raise FailedPrecondition(f"retention {name} is claimed; a claim is never renewed",
+                                     reason="RETENTION_CLAIMED", metadata={"retention": name})
+        self._check_claimable(record, now)
+        expire_at = now + min(ttl, max_ttl)
+        if record.pin_expire_at is not None:
+            expire_at = min(expire_at, record.pin_expire_at)
+        if expire_at > record.expire_at:
+            record.expire_at = expire_at
+            self._push(expire_at, _RETENTION, name)
+        snapshot = _snapshot(record)
+        return snapshot, [RetentionChange(ChangeKind.RENEWED, snapshot, now)]
+
+    async def claim_retention(self, name: str, holder: str, claim_ttl: float, now: float, *,
+                              request_id: str) -> tuple[Retention, list[RetentionChange]]:
+        key = ("claim", request_id)
+        if request_id:
+            cached: Retention | None = self._idempotency.get(key, now)
+            if cached is not None:
+                return cached, []
+        record = self._retention(name)
+        self._check_claimable(record, now)
+        record.claim = Claim(uuid.uuid4().hex, holder, now, now + claim_ttl)
+        record.expire_at = record.claim.expire_at
+        self._claimed += 1
+        self._push(record.expire_at, _RETENTION, name)
+        snapshot = _snapshot(record)
+        if request_id:
+            self._idempotency.put(key, snapshot, now)
+        return snapshot, [RetentionChange(ChangeKind.CLAIMED, snapshot, now)]
+
+    async def release_retention(self, name: str, claim_id: str, force: bool, now: float
+                                ) -> list[RetentionChange]:
+        record = self._retention(name)
+        if record.claim is not None and not force and claim_id != record.claim.claim_id:
+            raise FailedPrecondition(f"retention {name} is claimed by {record.claim.holder}",
+                                     reason="CLAIM_MISMATCH", metadata={"retention": name})
+        return [self._remove_retention(name, ChangeKind.RELEASED, now)]
+
+    async def list_retentions(self, *, tenant: str, conversation: str | None, node: str | None,
+                              after: str, limit: int) -> list[Retention]:
+        names = self._tenant_names.get(tenant, [])
+        prefix = f"{conversation}/" if conversation else ""
+        start = bisect.bisect_right(names, max(after, prefix))
+        out: list[Retention] = []
+        for name in names[start:]:
+            if prefix and not name.startswith(prefix):
+                break
+            record = self._retentions[name]
+            if node and record.node != node:
+                continue
+            out.append(_snapshot(record))
+            if len(out) >= limit:
+                break
+        return out
+
+    def _remove_retention(self, name: str, kind: ChangeKind, now: float) -> RetentionChange:
+        record = self._retentions.pop(name)
+        conversation = record.conversation
+        if self._by_conversation.get(conversation) == name:
+            del self._by_conversation[conversation]
+        self._node_retentions[record.node].discard(name)
+        node = self._nodes.get(record.node)
+        if node is not None:
+            node.retained_bytes -= record.kv_bytes
+            node.retention_count -= 1
+        names = self._tenant_names[record.tenant]
+        del names[bisect.bisect_left(names, name)]
+        if not names:
+            del self._tenant_names[record.tenant]
+        if record.claim is not None:
+            self._claimed -= 1
+        return RetentionChange(kind, record, now)
+
+    # ---- expiry ----------------------------------------------------------------------------
+
+    def _push(self, deadline: float, kind: int, name: str) -> None:
+        heapq.heappush(self._heap, (deadline, kind, name))
+        live = len(self._nodes) + len(self._retentions) + len(self._fences)
+        if len(self._heap) > 4 * live + 1024:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        heap = [(n.expire_at, _NODE, name) for name, n in self._nodes.items()]
+        heap += [(r.expire_at, _RETENTION, name) for name, r in self._retentions.items()]
+        heap += [(f.forget_at, _FENCE, name) for name, f in self._fences.items()]
+        heapq.heapify(heap)
+        self._heap = heap
+
+    async def expire_due(self, now: float) -> ExpiryResult:
+        nodes: list[NodeExpiry] = []
+        retentions: list[RetentionChange] = []
+        while self._heap and self._heap[0][0] <= now:
+            _, kind, name = heapq.heappop(self._heap)
+            if kind == _NODE:
+                node = self._nodes.get(name)
+                if node is not None and node.expire_at <= now:
+                    snapshot = _snapshot_node(node)
+                    nodes.append(NodeExpiry(snapshot, tuple(self._remove_node(name, now))))
+            elif kind == _RETENTION:
+                record = self._retentions.get(name)
+                if record is not None and record.expire_at <= now:
+                    retentions.append(self._remove_retention(name, ChangeKind.EXPIRED, now))
+            else:
+                fence = self._fences.get(name)
+                if fence is None or fence.forget_at > now:
+                    continue
+                live = self._by_conversation.get(name)
+                if live is not None:
+                    # Keep fencing while a retention lives, and fence_ttl after it.
+                    fence.forget_at = self._retentions[live].expire_at + self._limits.fence_ttl
+                    self._push(fence.forget_at, _FENCE, name)
+                else:
+                    del self._fences[name]
+        return ExpiryResult(tuple(nodes), tuple(retentions))
+
+    def next_deadline(self) -> float | None:
+        return self._heap[0][0] if self._heap else None
+
+    def counts(self) -> StoreCounts:
+        return StoreCounts(nodes=len(self._nodes), retentions=len(self._retentions),
+                           claimed=self._claimed, fenced_conversations=len(self._fences))

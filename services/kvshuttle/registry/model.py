@@ -1,0 +1,167 @@
+"""The registry's domain records: nodes, retentions, claims and the changes they go through.
+
+Times are seconds on the registry's clock. Records returned by the store are snapshots:
+callers may keep them; the store never mutates a record it handed out.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class NodeRole(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+    def serves(self, wanted: NodeRole | None) -> bool:
+        """Whether a node of this role can serve `wanted` (None: any role)."""
+        return wanted is None or self is wanted or self is NodeRole.BOTH
+
+
+@dataclass(slots=True)
+class NodeLoad:
+    running_requests: int = 0
+    waiting_requests: int = 0
+    kv_cache_usage: float = 0.0
+    engine_healthy: bool = False
+
+
+@dataclass(slots=True)
+class NodeSpec:
+    """What a registrant says about its worker."""
+
+    name: str  # nodes/{node}
+    role: NodeRole
+    engine_id: str
+    http_endpoint: str
+    side_channel_host: str
+    side_channel_port: int
+    agent_endpoint: str
+    model: str
+    block_size: int
+    kv_bytes_per_token: int
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Node:
+    spec: NodeSpec
+    incarnation: int
+    register_time: float
+    expire_at: float
+    load: NodeLoad
+    retained_bytes: int = 0
+    retention_count: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(slots=True)
+class Claim:
+    claim_id: str
+    holder: str
+    claim_time: float
+    expire_at: float
+
+
+class RetentionState(StrEnum):
+    ACTIVE = "active"
+    CLAIMED = "claimed"
+
+
+@dataclass(slots=True)
+class Retention:
+    """KV one node keeps for a conversation's next turn.
+
+    `block_hashes` is kvshuttle's prefix-hash chain (array of uint64, treat as immutable);
+    `kv_transfer_params` is the serialized kvshuttle.vllm.v1.KvTransferParams the reader hands
+    to its prefill engine, kept opaque here so the registry neither parses nor rewrites it.
+    """
+
+    name: str  # tenants/{t}/conversations/{c}/retentions/{generation}
+    node: str  # nodes/{node}
+    generation: int
+    model: str
+    block_size: int
+    num_tokens: int
+    block_hashes: array[int]
+    kv_transfer_params: bytes
+    kv_bytes: int
+    pin_expire_at: float | None
+    create_time: float = 0.0
+    expire_at: float = 0.0
+    claim: Claim | None = None
+
+    @property
+    def conversation(self) -> str:
+        return self.name.rsplit("/", 2)[0]
+
+    @property
+    def tenant(self) -> str:
+        return self.name.split("/", 2)[1]
+
+    @property
+    def state(self) -> RetentionState:
+        return RetentionState.CLAIMED if self.claim is not None else RetentionState.ACTIVE
+
+
+class ChangeKind(StrEnum):
+    PUT = "put"
+    RENEWED = "renewed"
+    CLAIMED = "claimed"
+    RELEASED = "released"
+    EXPIRED = "expired"
+    REPLACED = "replaced"
+    NODE_LOST = "node_lost"
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionChange:
+    kind: ChangeKind
+    retention: Retention
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    name: str
+    fence_generation: int
+    retention: Retention | None
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    retention: Retention
+    replaced: Retention | None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeExpiry:
+    """A node whose lease lapsed, and the retentions that went with it."""
+
+    node: Node
+    changes: tuple[RetentionChange, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpiryResult:
+    nodes: tuple[NodeExpiry, ...]
+    retentions: tuple[RetentionChange, ...]
+
+    def changes(self) -> list[RetentionChange]:
+        out = [c for n in self.nodes for c in n.changes]
+        out.extend(self.retentions)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCounts:
+    nodes: int
+    retentions: int
+    claimed: int
+    fenced_conversations: int

@@ -1,0 +1,486 @@
+"""The registry's domain service: validates requests, applies them to the store, keeps the
+block index, fans changes out to watchers and runs the expiry timer.
+
+No grpc here. Every method validates all of its input before it touches the store, so a
+rejected request changes nothing; InvalidArgument names the request field (the proto path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import math
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from kvshuttle.core.clock import Clock
+from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from kvshuttle.core.names import (
+    check_id,
+    parse_conversation,
+    parse_node,
+    parse_retention,
+    parse_tenant,
+    parse_tenant_or_conversation,
+)
+from kvshuttle.registry.block_index import ApplyResult, BlockIndex, BlockStored, EventBatch
+from kvshuttle.registry.model import (
+    ChangeKind,
+    Conversation,
+    ExpiryResult,
+    Node,
+    NodeLoad,
+    NodeRole,
+    NodeSpec,
+    PutResult,
+    Retention,
+    RetentionChange,
+)
+from kvshuttle.registry.store import RegistryStore
+
+log = structlog.get_logger("kvshuttle.registry")
+
+
+@dataclass(frozen=True, slots=True)
+class TtlRange:
+    default: float
+    minimum: float
+    maximum: float
+
+    def pick(self, ttl: float | None, field_name: str) -> float:
+        if ttl is None or ttl == 0:
+            return self.default
+        if not math.isfinite(ttl) or ttl < self.minimum or ttl > self.maximum:
+            raise InvalidArgument(field_name, f"must be between {self.minimum:g}s and {self.maximum:g}s")
+        return ttl
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryLimits:
+    """Bounds on every request; all configurable."""
+
+    max_id_length: int = 128
+    max_endpoint_length: int = 256
+    max_labels: int = 16
+    max_label_length: int = 128
+    max_block_size: int = 4096
+    max_block_hashes: int = 65_536
+    max_kv_transfer_params_bytes: int = 64 * 1024
+    max_num_tokens: int = 4_194_304
+    max_page_size: int = 1000
+    default_page_size: int = 100
+    max_event_batches: int = 512
+    max_events_per_batch: int = 4096
+    max_event_blocks: int = 4096
+    max_lookup_hashes: int = 65_536
+    max_watchers: int = 256
+    watch_queue_size: int = 1024
+    node_ttl: TtlRange = TtlRange(default=10.0, minimum=1.0, maximum=300.0)
+    retention_ttl: TtlRange = TtlRange(default=300.0, minimum=1.0, maximum=3600.0)
+    claim_ttl: TtlRange = TtlRange(default=30.0, minimum=0.1, maximum=300.0)
+
+
+@dataclass(slots=True)
+class RegistryStats:
+    """Monotonic counters the metrics endpoint exposes."""
+
+    expirations: Counter[str] = field(default_factory=Counter)  # node / retention / claim
+    claims: Counter[str] = field(default_factory=Counter)  # granted / rejected reason
+    puts: int = 0
+    replaced: int = 0
+    event_batches: int = 0
+    event_gaps: int = 0
+    engine_restarts: int = 0
+    watchers_dropped: int = 0
+
+
+class Subscription:
+    """One WatchRetentions stream: a bounded queue, closed when the watcher falls behind."""
+
+    def __init__(self, tenant: str | None, node: str | None, size: int) -> None:
+        self.tenant = tenant
+        self.node = node
+        self._queue: asyncio.Queue[RetentionChange | None] = asyncio.Queue(maxsize=size)
+        self.overflowed = False
+
+    def matches(self, change: RetentionChange) -> bool:
+        if self.node is not None:
+            return change.retention.node == self.node
+        return change.retention.tenant == self.tenant
+
+    def offer(self, change: RetentionChange) -> bool:
+        try:
+            self._queue.put_nowait(change)
+        except asyncio.QueueFull:
+            self.overflowed = True
+            return False
+        return True
+
+    def close(self) -> None:
+        # Drop the oldest change if need be: the stream ends either way.
+        if self._queue.full():
+            self._queue.get_nowait()
+        self._queue.put_nowait(None)
+
+    async def __aiter__(self) -> AsyncIterator[RetentionChange]:
+        while True:
+            change = await self._queue.get()
+            if change is None:
+                if self.overflowed:
+                    raise ResourceExhausted("watcher fell behind; watch again",
+                                            reason="WATCH_OVERFLOW")
+                return
+            yield change
+
+
+class Registry:
+    def __init__(self, store: RegistryStore, clock: Clock, index: BlockIndex,
+                 limits: RegistryLimits | None = None) -> None:
+        self._store = store
+        self._clock = clock
+        self._index = index
+        self.limits = limits or RegistryLimits()
+        self.stats = RegistryStats()
+        self._subscriptions: set[Subscription] = set()
+        self._wake = asyncio.Event()
+        self._closed = False
+
+    # ---- validation helpers ------------------------------------------------------------
+
+    def _id(self, value: str, field_name: str) -> str:
+        return check_id(value, field_name, max_length=self.limits.max_id_length)
+
+    def _node_name(self, name: str, field_name: str) -> str:
+        parse_node(name, field_name, max_length=self.limits.max_id_length)
+        return name
+
+    def _bounded(self, value: str, field_name: str, *, required: bool = True) -> str:
+        if required and not value:
+            raise InvalidArgument(field_name, "required")
+        if len(value) > self.limits.max_endpoint_length:
+            raise InvalidArgument(field_name, f"longer than {self.limits.max_endpoint_length} characters")
+        return value
+
+    def _page(self, page_size: int, page_token: str, scope: str) -> tuple[int, str]:
+        if page_size < 0:
+            raise InvalidArgument("page_size", "must not be negative")
+        size = min(page_size or self.limits.default_page_size, self.limits.max_page_size)
+        if not page_token:
+            return size, ""
+        try:
+            token_scope, after = json.loads(base64.urlsafe_b64decode(page_token.encode()))
+        except (ValueError, TypeError, binascii.Error) as exc:
+            raise InvalidArgument("page_token", "malformed") from exc
+        if token_scope != scope or not isinstance(after, str):
+            raise InvalidArgument("page_token", "belongs to another listing")
+        return size, after
+
+    @staticmethod
+    def _next_token(scope: str, names: list[str], size: int) -> str:
+        if len(names) < size:
+            return ""
+        return base64.urlsafe_b64encode(json.dumps([scope, names[-1]]).encode()).decode()
+
+    # ---- nodes -----------------------------------------------------------------------------
+
+    def _check_spec(self, spec: NodeSpec) -> None:
+        self._node_name(spec.name, "node.name")
+        self._id(spec.engine_id, "node.engine_id")
+        self._bounded(spec.http_endpoint, "node.http_endpoint")
+        if not spec.http_endpoint.startswith(("http://", "https://")):
+            raise InvalidArgument("node.http_endpoint", "must be an http:// or https:// URL")
+        self._bounded(spec.side_channel_host, "node.side_channel_host")
+        if not 0 < spec.side_channel_port < 65536:
+            raise InvalidArgument("node.side_channel_port", "must be 1..65535")
+        self._bounded(spec.agent_endpoint, "node.agent_endpoint", required=False)
+        self._bounded(spec.model, "node.model")
+        if not 0 < spec.block_size <= self.limits.max_block_size:
+            raise InvalidArgument("node.block_size", f"must be 1..{self.limits.max_block_size}")
+        if spec.kv_bytes_per_token <= 0:
+            raise InvalidArgument("node.kv_bytes_per_token", "must be positive")
+        if len(spec.labels) > self.limits.max_labels:
+            raise InvalidArgument("node.labels", f"at most {self.limits.max_labels} labels")
+        for key, value in spec.labels.items():
+            if not key or len(key) > self.limits.max_label_length or len(value) > self.limits.max_label_length:
+                raise InvalidArgument("node.labels", f"keys must be 1..{self.limits.max_label_length} "
+                                      f"characters, values at most {self.limits.max_label_length}")
+
+    async def register_node(self, spec: NodeSpec, ttl: float | None) -> Node:
+        self._check_spec(spec)
+        lease = self.limits.node_ttl.pick(ttl, "ttl")
+        node, changes, engine_changed = await self._store.register_node(spec, lease, self._clock.now())
+        if engine_changed:
+            self._index.drop_node(spec.name)
+        self._publish(changes)
+        self._wake.set()
+        log.info("node.registered", node=spec.name, incarnation=node.incarnation,
+                 engine_changed=engine_changed)
+        return node
+
+    async def heartbeat_node(self, name: str, incarnation: int, ttl: float | None, load: NodeLoad) -> Node:
+        self._node_name(name, "name")
+        if incarnation <= 0:
+            raise InvalidArgument("incarnation", "required")
+        lease = self.limits.node_ttl.pick(ttl, "ttl")
+        if not (math.isfinite(load.kv_cache_usage) and 0.0 <= load.kv_cache_usage <= 1.0):
+            raise InvalidArgument("load.kv_cache_usage", "must be within 0..1")
+        # Renewals only push deadlines later, so the expiry timer need not wake.
+        return await self._store.heartbeat_node(name, incarnation, lease, load, self._clock.now())
+
+    async def deregister_node(self, name: str, incarnation: int) -> int:
+        self._node_name(name, "name")
+        changes = await self._store.deregister_node(name, incarnation or None, self._clock.now())
+        self._index.drop_node(name)
+        self._publish(changes)
+        return len(changes)
+
+    async def get_node(self, name: str) -> Node:
+        return await self._store.get_node(self._node_name(name, "name"))
+
+    async def list_nodes(self, *, role: NodeRole | None, model: str, page_size: int,
+                         page_token: str) -> tuple[list[Node], str]:
+        self._bounded(model, "model", required=False)
+        size, after = self._page(page_size, page_token, "nodes")
+        nodes = await self._store.list_nodes(role=role, model=model or None, after=after, limit=size)
+        return nodes, self._next_token("nodes", [n.name for n in nodes], size)
+
+    def indexed_blocks(self, node: str) -> int:
+        return self._index.node_block_count(node)
+
+    # ---- retentions ------------------------------------------------------------------------
+
+    def _check_retention(self, retention: Retention) -> None:
+        self._node_name(retention.node, "retention.node")
+        if retention.generation <= 0:
+            raise InvalidArgument("retention.generation", "must be positive")
+        self._bounded(retention.model, "retention.model")
+        if not 0 < retention.block_size <= self.limits.max_block_size:
+            raise InvalidArgument("retention.block_size", f"must be 1..{self.limits.max_block_size}")
+        if not 0 < retention.num_tokens <= self.limits.max_num_tokens:
+            raise InvalidArgument("retention.num_tokens", f"must be 1..{self.limits.max_num_tokens}")
+        if len(retention.block_hashes) > self.limits.max_block_hashes:
+            raise InvalidArgument("retention.block_hashes", f"at most {self.limits.max_block_hashes}")
+        if len(retention.block_hashes) != retention.num_tokens // retention.block_size:
+            raise InvalidArgument("retention.block_hashes",
+                                  "must hold one hash per full block of num_tokens")
+        if not retention.kv_transfer_params:
+            raise InvalidArgument("retention.kv_transfer_params", "required")
+        if len(retention.kv_transfer_params) > self.limits.max_kv_transfer_params_bytes:
+            raise InvalidArgument("retention.kv_transfer_params",
+                                  f"larger than {self.limits.max_kv_transfer_params_bytes} bytes")
+        if retention.kv_bytes < 0:
+            raise InvalidArgument("retention.kv_bytes", "must not be negative")
+
+    def _request_id(self, request_id: str) -> str:
+        if request_id:
+            self._id(request_id, "request_id")
+        return request_id
+
+    async def put_retention(self, *, request_id: str, parent: str, retention: Retention,
+                            ttl: float | None) -> PutResult:
+        self._request_id(request_id)
+        conversation = parse_conversation(parent, "parent", max_length=self.limits.max_id_length)
+        self._check_retention(retention)
+        lease = self.limits.retention_ttl.pick(ttl, "ttl")
+        if retention.pin_expire_at is not None and not math.isfinite(retention.pin_expire_at):
+            raise InvalidArgument("retention.pin_expire_time", "must be a finite time")
+        retention.name = conversation.retention(retention.generation)
+        result, changes = await self._store.put_retention(retention, lease, self._clock.now(),
+                                                          request_id=request_id)
+        if changes:
+            self.stats.puts += 1
+            self.stats.replaced += result.replaced is not None
+        self._publish(changes)
+        self._wake.set()
+        return result
+
+    def _retention_name(self, name: str, field_name: str = "name") -> str:
+        parse_retention(name, field_name, max_length=self.limits.max_id_length)
+        return name
+
+    async def get_retention(self, name: str) -> Retention:
+        return await self._store.get_retention(self._retention_name(name))
+
+    async def get_conversation(self, name: str) -> Conversation:
+        parse_conversation(name, "name", max_length=self.limits.max_id_length)
+        return await self._store.get_conversation(name)
+
+    async def renew_retention(self, name: str, ttl: float | None) -> Retention:
+        self._retention_name(name)
+        lease = self.limits.retention_ttl.pick(ttl, "ttl")
+        retention, changes = await self._store.renew_retention(
+            name, lease, self.limits.retention_ttl.maximum, self._clock.now())
+        self._publish(changes)
+        return retention
+
+    async def claim_retention(self, *, request_id: str, name: str, holder: str,
+                              claim_ttl: float | None) -> Retention:
+        self._request_id(request_id)
+        self._retention_name(name)
+        self._bounded(holder, "holder")
+        lease = self.limits.claim_ttl.pick(claim_ttl, "claim_ttl")
+        try:
+            retention, changes = await self._store.claim_retention(
+                name, holder, lease, self._clock.now(), request_id=request_id)
+        except Exception as exc:
+            self.stats.claims[getattr(exc, "reason", "ERROR")] += 1
+            raise
+        self.stats.claims["GRANTED"] += 1
+        self._publish(changes)
+        self._wake.set()
+        return retention
+
+    async def release_retention(self, name: str, *, claim_id: str, force: bool) -> None:
+        self._retention_name(name)
+        self._bounded(claim_id, "claim_id", required=False)
+        self._publish(await self._store.release_retention(name, claim_id, force, self._clock.now()))
+
+    async def list_retentions(self, *, parent: str, node: str, page_size: int,
+                              page_token: str) -> tuple[list[Retention], str]:
+        tenant, conversation = parse_tenant_or_conversation(
+            parent, "parent", max_length=self.limits.max_id_length)
+        if node:
+            self._node_name(node, "node")
+        scope = f"{parent}|{node}"
+        size, after = self._page(page_size, page_token, scope)
+        conv_name = f"tenants/{tenant}/conversations/{conversation}" if conversation else None
+        retentions = await self._store.list_retentions(
+            tenant=tenant, conversation=conv_name, node=node or None, after=after, limit=size)
+        return retentions, self._next_token(scope, [r.name for r in retentions], size)
+
+    # ---- watch -----------------------------------------------------------------------------
+
+    def watch(self, *, parent: str, node: str) -> Subscription:
+        """A subscription to changes of one tenant's or one node's retentions."""
+        if bool(parent) == bool(node):
+            raise InvalidArgument("parent", "set exactly one of parent or node")
+        tenant = parse_tenant(parent, "parent", max_length=self.limits.max_id_length) if parent else None
+        if node:
+            self._node_name(node, "node")
+        if self._closed:
+            raise Unavailable("registry is shutting down", reason="SHUTTING_DOWN")
+        if len(self._subscriptions) >= self.limits.max_watchers:
+            raise ResourceExhausted(f"at most {self.limits.max_watchers} watchers",
+                                    reason="CAPACITY_EXCEEDED", metadata={"limit": "max_watchers"})
+        sub = Subscription(tenant, node or None, self.limits.watch_queue_size)
+        self._subscriptions.add(sub)
+        return sub
+
+    def unwatch(self, sub: Subscription) -> None:
+        self._subscriptions.discard(sub)
+
+    def _publish(self, changes: Sequence[RetentionChange]) -> None:
+        if not changes or not self._subscriptions:
+            return
+        for sub in list(self._subscriptions):
+            for change in changes:
+                if sub.matches(change) and not sub.offer(change):
+                    self.stats.watchers_dropped += 1
+                    self._subscriptions.discard(sub)
+                    sub.close()
+                    break
+
+    # ---- block index -----------------------------------------------------------------------
+
+    async def report_block_events(self, node: str, incarnation: int,
+                                  batches: Sequence[EventBatch]) -> ApplyResult:
+        self._node_name(node, "node")
+        if incarnation <= 0:
+            raise InvalidArgument("incarnation", "required")
+        if len(batches) > self.limits.max_event_batches:
+            raise InvalidArgument("batches", f"at most {self.limits.max_event_batches} batches")
+        for i, batch in enumerate(batches):
+            if len(batch.events) > self.limits.max_events_per_batch:
+                raise InvalidArgument(f"batches[{i}].events",
+                                      f"at most {self.limits.max_events_per_batch} events")
+            for j, event in enumerate(batch.events):
+                blocks = getattr(event, "block_hashes", ())
+                if len(blocks) > self.limits.max_event_blocks:
+                    raise InvalidArgument(f"batches[{i}].events[{j}].block_hashes",
+                                          f"at most {self.limits.max_event_blocks} blocks")
+                if isinstance(event, BlockStored) and (
+                        len(event.token_ids) > self.limits.max_event_blocks * self.limits.max_block_size):
+                    raise InvalidArgument(f"batches[{i}].events[{j}].token_ids", "too many tokens")
+        # The node must be alive and this incarnation current: events of a dead or replaced
+        # agent would resurrect blocks the registry already dropped.
+        known = await self._store.get_node(node)
+        if known.incarnation != incarnation:
+            raise FailedPrecondition(f"node {node} is at incarnation {known.incarnation}",
+                                     reason="NODE_INCARNATION_MISMATCH",
+                                     metadata={"node": node, "incarnation": str(known.incarnation)})
+        result = self._index.apply(node, batches)
+        self.stats.event_batches += result.applied_batches
+        self.stats.event_gaps += result.gap_detected
+        self.stats.engine_restarts += result.engine_restarted
+        return result
+
+    async def lookup_blocks(self, block_hashes: Sequence[int], *, model: str,
+                            role: NodeRole | None) -> list[tuple[str, int]]:
+        if len(block_hashes) > self.limits.max_lookup_hashes:
+            raise InvalidArgument("block_hashes", f"at most {self.limits.max_lookup_hashes}")
+        self._bounded(model, "model", required=False)
+        if not block_hashes:
+            return []
+        nodes: list[str] = []
+        after = ""
+        while True:
+            page = await self._store.list_nodes(role=role, model=model or None, after=after,
+                                                limit=self.limits.max_page_size)
+            nodes.extend(n.name for n in page)
+            if len(page) < self.limits.max_page_size:
+                break
+            after = page[-1].name
+        return self._index.lookup(block_hashes, nodes)
+
+    # ---- expiry ----------------------------------------------------------------------------
+
+    async def expire_due(self) -> ExpiryResult:
+        """Apply every lapse up to now. The timer calls this; tests call it after a FakeClock step."""
+        result = await self._store.expire_due(self._clock.now())
+        for expired in result.nodes:
+            self._index.drop_node(expired.node.name)
+            self.stats.expirations["node"] += 1
+            log.info("node.expired", node=expired.node.name, retentions=len(expired.changes))
+        for change in result.retentions:
+            kind = "claim" if change.retention.claim is not None else "retention"
+            self.stats.expirations[kind] += 1
+        self._publish(result.changes())
+        return result
+
+    async def run_expiry(self, *, max_sleep: float = 1.0) -> None:
+        """The expiry timer: sleeps until the next deadline (or a new, possibly earlier one)."""
+        while not self._closed:
+            deadline = self._store.next_deadline()
+            delay = max_sleep if deadline is None else min(max(deadline - self._clock.now(), 0.0), max_sleep)
+            self._wake.clear()
+            if delay > 0:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=delay)
+                except TimeoutError:
+                    pass
+            await self.expire_due()
+
+    def close(self) -> None:
+        """End every watch stream and the expiry timer."""
+        self._closed = True
+        self._wake.set()
+        for sub in list(self._subscriptions):
+            sub.close()
+        self._subscriptions.clear()
+
+    def counts_by_kind(self) -> dict[str, int]:
+        counts = self._store.counts()
+        return {"node": counts.nodes, "retention": counts.retentions - counts.claimed,
+                "claim": counts.claimed}
+
+    @property
+    def index(self) -> BlockIndex:
+        return self._index
+
+
+__all__ = ["ChangeKind", "Registry", "RegistryLimits", "RegistryStats", "Subscription", "TtlRange"]

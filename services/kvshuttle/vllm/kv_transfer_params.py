@@ -1,0 +1,106 @@
+"""vLLM's `kv_transfer_params` JSON object <-> kvshuttle.vllm.v1.KvTransferParams.
+
+Known fields map one to one; every other key goes into `extra` and comes back out unchanged,
+so a newer vLLM's fields pass through kvshuttle untouched. JSON null and an absent key are
+the same to vLLM; both become an unset optional field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf import json_format
+
+from kvshuttle.core.errors import InvalidArgument
+from kvshuttle.vllm.v1.kv_transfer_params_pb2 import BlockIdList, KvTransferParams
+
+_BOOL = ("do_remote_prefill", "do_remote_decode")
+_STR = ("remote_engine_id", "remote_request_id", "remote_host", "transfer_mode")
+_UINT = ("remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
+         "remote_registration_generation", "remote_prefill_cached_tokens")
+_FLOAT = ("remote_blocks_expiry_time",)
+_KNOWN = frozenset((*_BOOL, *_STR, *_UINT, *_FLOAT, "remote_block_ids"))
+_UINT32_MAX = 2**32 - 1
+
+
+def _block_groups(value: Any, field: str) -> list[list[int]]:
+    # vLLM sends one list per KV-cache group; older versions sent one flat list.
+    if not isinstance(value, list):
+        raise InvalidArgument(field, "must be a list")
+    groups = value if value and all(isinstance(g, list) for g in value) else [value]
+    for group in groups:
+        if not isinstance(group, list) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= _UINT32_MAX for b in group):
+            raise InvalidArgument(field, "block ids must be non-negative integers")
+    return groups
+
+
+def from_vllm(params: dict[str, Any], field: str = "kv_transfer_params") -> KvTransferParams:
+    """Parse vLLM's dict. Raises InvalidArgument naming the bad key."""
+    if not isinstance(params, dict):
+        raise InvalidArgument(field, "must be a JSON object")
+    msg = KvTransferParams()
+    extra: dict[str, Any] = {}
+    for key, value in params.items():
+        path = f"{field}.{key}"
+        if key not in _KNOWN:
+            extra[key] = value
+            continue
+        if value is None:
+            continue
+        if key in _BOOL:
+            if not isinstance(value, bool):
+                raise InvalidArgument(path, "must be a boolean")
+            setattr(msg, key, value)
+        elif key in _STR:
+            if not isinstance(value, str):
+                raise InvalidArgument(path, "must be a string")
+            setattr(msg, key, value)
+        elif key in _UINT:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgument(path, "must be a non-negative integer")
+            if key != "remote_registration_generation" and value > _UINT32_MAX:
+                raise InvalidArgument(path, "out of range")
+            setattr(msg, key, value)
+        elif key in _FLOAT:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidArgument(path, "must be a number")
+            setattr(msg, key, float(value))
+        else:
+            for group in _block_groups(value, path):
+                msg.remote_block_ids.append(BlockIdList(block_ids=group))
+    if extra:
+        try:
+            msg.extra.update(extra)
+        except (ValueError, TypeError) as exc:
+            raise InvalidArgument(field, f"unsupported value in an unknown field: {exc}") from exc
+    return msg
+
+
+def to_vllm(msg: KvTransferParams) -> dict[str, Any]:
+    """The dict vLLM expects. Unset optional fields become null, as vLLM writes them."""
+    out: dict[str, Any] = {key: getattr(msg, key) for key in _BOOL}
+    for key in (*_STR, *_UINT, *_FLOAT):
+        out[key] = getattr(msg, key) if msg.HasField(key) else None
+    out["remote_block_ids"] = [list(g.block_ids) for g in msg.remote_block_ids] or None
+    if msg.HasField("extra"):
+        extra = json_format.MessageToDict(msg.extra)
+        out.update(_restore_ints(extra))
+    return out
+
+
+def _restore_ints(value: Any) -> Any:
+    # google.protobuf.Struct stores numbers as doubles; give integral ones back as ints so
+    # vLLM sees the same JSON it sent.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _restore_ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_restore_ints(v) for v in value]
+    return value
+
+
+def block_count(msg: KvTransferParams) -> int:
+    """Blocks of the first KV-cache group (full attention), the ones a token count maps to."""
+    return len(msg.remote_block_ids[0].block_ids) if msg.remote_block_ids else 0
