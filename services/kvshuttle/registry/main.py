@@ -1,0 +1,66 @@
+"""`kvshuttle-registry`: the registry service process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import structlog
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from kvshuttle.core.clock import Clock, SystemClock
+from kvshuttle.registry.block_index import BlockIndex
+from kvshuttle.registry.config import RegistrySettings
+from kvshuttle.registry.memory_store import InMemoryStore
+from kvshuttle.registry.metrics import register_metrics
+from kvshuttle.registry.registry import Registry
+from kvshuttle.registry.servicer import RegistryServicer
+from kvshuttle.registry.v1 import registry_service_pb2, registry_service_pb2_grpc
+from kvshuttle.serving.logging import configure_logging
+from kvshuttle.serving.server import GrpcServer
+
+SERVICE = registry_service_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name
+ERROR_DOMAIN = "registry.kvshuttle"
+
+
+def build_registry(settings: RegistrySettings, clock: Clock) -> Registry:
+    # Incarnations keep growing across registry restarts: agents of the previous process
+    # then re-register instead of colliding with a reused number.
+    store = InMemoryStore(settings.store_limits, incarnation_base=int(clock.now() * 1000))
+    return Registry(store, clock, BlockIndex(settings.max_indexed_blocks_per_node), settings.limits)
+
+
+def build_server(settings: RegistrySettings, registry: Registry,
+                 prometheus: CollectorRegistry = REGISTRY) -> GrpcServer:
+    def register(server: grpc.aio.Server) -> None:
+        registry_service_pb2_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(registry), server)
+
+    register_metrics(registry, prometheus)
+    return GrpcServer(settings.server, settings.telemetry, service_name="kvshuttle-registry",
+                      domain=ERROR_DOMAIN, register=register, service_names=[SERVICE],
+                      registry=prometheus)
+
+
+async def serve(settings: RegistrySettings) -> None:
+    registry = build_registry(settings, SystemClock())
+    server = build_server(settings, registry)
+    expiry = asyncio.create_task(registry.run_expiry(max_sleep=settings.expiry_max_sleep))
+    try:
+        await server.serve_until_signal()
+    finally:
+        registry.close()
+        expiry.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await expiry
+
+
+def main() -> None:
+    settings = RegistrySettings()
+    configure_logging(settings.telemetry)
+    structlog.get_logger("kvshuttle.registry").info("registry.config", **settings.model_dump(mode="json"))
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()
