@@ -1,0 +1,182 @@
+"""The one server interceptor: domain errors to gRPC statuses, one canonical log line and the
+metrics of every RPC.
+
+Servicers raise kvshuttle.core.errors and never touch status codes. Each RPC, of any of the four
+kinds, ends with exactly one `rpc.done` event carrying method, code, ms (and reason for a domain
+error), the ids bound at its start, and whatever the servicer bound with
+structlog.contextvars.bind_contextvars during the call. An unexpected exception is logged with
+its traceback in that same line, at error level, and reaches the client only as INTERNAL
+"internal error".
+
+Handlers must be async: coroutines, or async generators for streamed responses (a coroutine
+that streams with context.write, like grpc's health Watch, works too).
+
+Order: the OpenTelemetry server interceptor must come before this one in the server's list
+(the first is outermost), so its span is current when this one binds trace_id and span_id, and
+the aborts issued here go through its context wrapper, which records the code on the span.
+
+Each RPC starts by clearing structlog's contextvars: fields meant for every line of the process
+belong on the logger (structlog.get_logger().bind(...)), not in contextvars.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Never
+
+import grpc
+import grpc.aio
+import structlog
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped, unused-ignore]
+from grpc_status import rpc_status
+from opentelemetry import trace
+from structlog.typing import FilteringBoundLogger
+
+from kvshuttle.core.errors import KvshuttleError
+from kvshuttle.serving.metrics import RpcMetrics
+
+# All the client learns of an unexpected exception; the details are in the log and the span.
+INTERNAL_MESSAGE = "internal error"
+
+# Codes that mean a bug or lost data here, not a caller's mistake: logged at error level.
+_SERVER_FAULTS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS})
+
+if TYPE_CHECKING:  # generic in the stubs only
+    _Context = grpc.aio.ServicerContext[Any, Any]
+    _Handler = grpc.RpcMethodHandler[Any, Any]
+
+# (request_streaming, response_streaming) -> the handler's behavior attribute and its factory.
+_KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., _Handler]]] = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    service: str
+    method: str
+    started: float
+
+
+class RpcInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every handler of the server it is installed on. `domain` becomes ErrorInfo.domain
+    (e.g. "registry.kvshuttle")."""
+
+    def __init__(self, domain: str, metrics: RpcMetrics, logger: FilteringBoundLogger | None = None) -> None:
+        self._domain = domain
+        self._metrics = metrics
+        self._logger: FilteringBoundLogger = logger or structlog.get_logger("kvshuttle.rpc")
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[_Handler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> _Handler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED
+            return None
+        # "/kvshuttle.registry.v1.RegistryService/ClaimRetention"
+        service, _, method = handler_call_details.method.lstrip("/").partition("/")
+        attribute, factory = _KINDS[handler.request_streaming, handler.response_streaming]
+        behavior: Callable[..., Any] = getattr(handler, attribute)
+        # grpc.aio picks how to drive a handler by its kind, so the wrapper must be of the same kind.
+        wrap = self._wrap_generator if inspect.isasyncgenfunction(behavior) else self._wrap_coroutine
+        return factory(
+            wrap(behavior, service, method),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _wrap_coroutine(
+        self, behavior: Callable[..., Any], service: str, method: str
+    ) -> Callable[[Any, _Context], Awaitable[Any]]:
+        async def handle(request: Any, context: _Context) -> Any:
+            call = self._begin(service, method, request, context)
+            try:
+                response = await behavior(request, context)
+            except BaseException as exc:
+                await self._fail(call, exc, context)
+                raise
+            self._done(call, context.code() or grpc.StatusCode.OK)
+            return response
+
+        return handle
+
+    def _wrap_generator(
+        self, behavior: Callable[..., AsyncIterator[Any]], service: str, method: str
+    ) -> Callable[[Any, _Context], AsyncIterator[Any]]:
+        async def handle(request: Any, context: _Context) -> AsyncIterator[Any]:
+            call = self._begin(service, method, request, context)
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except BaseException as exc:
+                await self._fail(call, exc, context)
+                raise
+            self._done(call, context.code() or grpc.StatusCode.OK)
+
+        return handle
+
+    def _begin(self, service: str, method: str, request: Any, context: _Context) -> _Call:
+        """Start the clock and give the call's log lines their ids (the task may carry stale ones)."""
+        structlog.contextvars.clear_contextvars()
+        ids: dict[str, str] = {"rpc_service": service, "rpc_method": method, "peer": context.peer()}
+        span = trace.get_current_span().get_span_context()
+        if span.is_valid:
+            ids["trace_id"] = trace.format_trace_id(span.trace_id)
+            ids["span_id"] = trace.format_span_id(span.span_id)
+        # A streamed request is an iterator: it has no request_id.
+        request_id = getattr(request, "request_id", None)
+        if isinstance(request_id, str) and request_id:
+            ids["request_id"] = request_id
+        structlog.contextvars.bind_contextvars(**ids)
+        return _Call(service, method, time.perf_counter())
+
+    async def _fail(self, call: _Call, exc: BaseException, context: _Context) -> None:
+        """Log and count a call that raised. A domain error or an unexpected exception becomes
+        the call's status here (context.abort raises AbortError); otherwise this returns and the
+        caller re-raises `exc` untouched."""
+        if isinstance(exc, KvshuttleError):
+            code = grpc.StatusCode[exc.code.value]
+            self._done(call, code, reason=exc.reason)
+            await self._abort(context, code, exc)
+        elif isinstance(exc, grpc.aio.AbortError):  # the handler aborted: its status stands
+            self._done(call, context.code(), details=context.details())
+        elif isinstance(exc, asyncio.CancelledError | GeneratorExit):
+            # The client went away, its deadline passed, or the server's grace ran out.
+            remaining = context.time_remaining()  # None without a deadline, despite the stubs
+            late = remaining is not None and remaining <= 0
+            self._done(call, grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED)
+        elif isinstance(exc, Exception):
+            self._done(call, grpc.StatusCode.INTERNAL, exc_info=exc)
+            trace.get_current_span().record_exception(exc)
+            await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+        else:  # SystemExit, KeyboardInterrupt: the process is going down; still say so once
+            self._done(call, grpc.StatusCode.UNKNOWN, exc_info=exc)
+
+    async def _abort(self, context: _Context, code: grpc.StatusCode, err: KvshuttleError) -> Never:
+        info = any_pb2.Any()
+        info.Pack(error_details_pb2.ErrorInfo(reason=err.reason, domain=self._domain, metadata=err.metadata))
+        status = rpc_status.to_status(
+            status_pb2.Status(code=code.value[0], message=err.message, details=[info])
+        )
+        # context.abort rather than context.abort_with_status (which does the same): the
+        # OpenTelemetry context wrapper only overrides abort, and that is where it sets the
+        # span's status; abort_with_status would bypass it.
+        await context.abort(status.code, status.details, status.trailing_metadata)
+
+    def _done(self, call: _Call, code: grpc.StatusCode, **fields: Any) -> None:
+        """The canonical line and the metrics of one finished call."""
+        seconds = time.perf_counter() - call.started
+        self._metrics.observe(call.service, call.method, code.name, seconds)
+        log = self._logger.error if code in _SERVER_FAULTS else self._logger.info
+        present = {key: value for key, value in fields.items() if value}
+        log("rpc.done", method=call.method, code=code.name, ms=round(seconds * 1000, 2), **present)

@@ -1,0 +1,168 @@
+"""The lifecycle of one service's grpc.aio server, the same for every service: interceptors,
+health, reflection, TLS, the Prometheus endpoint, and a graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+import grpc.aio
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+
+from kvshuttle.serving.interceptor import RpcInterceptor
+from kvshuttle.serving.metrics import RpcMetrics
+from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
+from kvshuttle.serving.tracing import configure_tracing, server_tracing_interceptor, shutdown_tracing
+
+_log = structlog.get_logger("kvshuttle.serving")
+
+
+class GrpcServer:
+    """One service's server. Typical main(): configure_logging, then
+    `asyncio.run(GrpcServer(...).serve_until_signal())`.
+
+    `register` adds the service's servicers; `service_names` (fully qualified, e.g.
+    "kvshuttle.registry.v1.RegistryService") are what health reports on and reflection lists.
+    Without `tracer_provider` the server configures tracing from `telemetry` itself and shuts
+    that provider down on stop; a provider passed in is only flushed. Without `registry` the
+    metrics go to prometheus_client's default registry (so one GrpcServer per process then).
+    """
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        telemetry: TelemetrySettings,
+        *,
+        service_name: str,
+        domain: str,
+        register: Callable[[grpc.aio.Server], None],
+        service_names: Sequence[str],
+        registry: CollectorRegistry | None = None,
+        tracer_provider: TracerProvider | None = None,
+    ) -> None:
+        self._settings = settings
+        self._telemetry = telemetry
+        self._domain = domain
+        self._register = register
+        self._service_names = tuple(service_names)
+        self._registry = REGISTRY if registry is None else registry
+        self._metrics = RpcMetrics(self._registry)
+        self._owns_provider = tracer_provider is None
+        self._provider = (
+            configure_tracing(telemetry, service_name) if tracer_provider is None else tracer_provider
+        )
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._metrics_http: tuple[WSGIServer, threading.Thread] | None = None
+        self._port: int | None = None
+
+    @property
+    def port(self) -> int | None:
+        """The bound gRPC port once started (useful with listen port 0)."""
+        return self._port
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound /metrics port once started, None when metrics_listen is off."""
+        return None if self._metrics_http is None else self._metrics_http[0].server_port
+
+    async def start(self) -> int:
+        """Bind, start serving, report SERVING; returns the bound port."""
+        # Created here, not in __init__: a grpc.aio server belongs to the loop it is made on.
+        server = grpc.aio.server(
+            interceptors=[
+                # Outermost first: the span must exist while RpcInterceptor runs.
+                server_tracing_interceptor(self._provider),
+                RpcInterceptor(self._domain, self._metrics),
+            ],
+            options=[
+                ("grpc.max_receive_message_length", self._settings.max_receive_message_bytes),
+                # grpc sets SO_REUSEPORT by default, which lets a second server bind a port that is
+                # in use and silently share its traffic; fail loudly instead.
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        self._register(server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
+        port = self._bind(server)
+        if self._telemetry.metrics_listen:
+            host, _, metrics_port = self._telemetry.metrics_listen.rpartition(":")
+            self._metrics_http = start_http_server(int(metrics_port), host.strip("[]"), self._registry)
+        await server.start()
+        self._server, self._port = server, port
+        for name in (health.OVERALL_HEALTH, *self._service_names):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        _log.info(
+            "server.started",
+            listen=self._settings.listen,
+            port=port,
+            tls=self._settings.tls,
+            mtls=self._settings.tls_client_ca_file is not None,
+            metrics_port=self.metrics_port,
+        )
+        return port
+
+    def _bind(self, server: grpc.aio.Server) -> int:
+        settings = self._settings
+        if settings.tls_cert_file is None or settings.tls_key_file is None:
+            return server.add_insecure_port(settings.listen)
+        client_ca = None if settings.tls_client_ca_file is None else settings.tls_client_ca_file.read_bytes()
+        credentials = grpc.ssl_server_credentials(
+            [(settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())],
+            root_certificates=client_ca,
+            require_client_auth=client_ca is not None,
+        )
+        return server.add_secure_port(settings.listen, credentials)
+
+    async def stop(self) -> None:
+        """Report NOT_SERVING, refuse new RPCs and give in-flight ones grace_seconds to finish
+        (then cancel them), then flush the spans. Does nothing when not started."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        _log.info("server.stopping", grace_seconds=self._settings.grace_seconds)
+        await self._health.enter_graceful_shutdown()
+        await server.stop(self._settings.grace_seconds)
+        if self._metrics_http is not None:
+            httpd, thread = self._metrics_http
+            self._metrics_http = None
+            await asyncio.to_thread(httpd.shutdown)  # waits for its poll loop (up to 0.5 s)
+            httpd.server_close()
+            thread.join()
+        if self._owns_provider:
+            await asyncio.to_thread(shutdown_tracing, self._provider)
+        else:
+            await asyncio.to_thread(self._provider.force_flush)
+        _log.info("server.stopped")
+
+    async def serve_until_signal(self) -> None:
+        """Start, serve until SIGTERM or SIGINT, then stop gracefully. The handlers are removed
+        once the first signal arrives, so a second one ends the process at once."""
+        await self.start()
+        loop = asyncio.get_running_loop()
+        received: asyncio.Future[signal.Signals] = loop.create_future()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if not received.done():
+                received.set_result(sig)
+
+        signals = (signal.SIGTERM, signal.SIGINT)
+        for sig in signals:
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            _log.info("server.signal", signal=(await received).name)
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+            await self.stop()

@@ -1,0 +1,63 @@
+"""Settings every gRPC service shares. Each service nests them in its own pydantic-settings
+object, so they come from that service's environment (e.g. KVSHUTTLE_REGISTRY_TELEMETRY__LOG_FORMAT).
+
+Per-service defaults set on the nested model (e.g. `telemetry: TelemetrySettings =
+TelemetrySettings(metrics_listen=...)`) survive a partial environment override only with
+`nested_model_default_partial_update=True` in the service's SettingsConfigDict.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+
+class TelemetrySettings(BaseModel):
+    """Logs, traces and metrics of one service process."""
+
+    log_level: LogLevel = "info"
+    # auto: a console renderer when stdout is a terminal, JSON lines otherwise.
+    log_format: Literal["auto", "json", "console"] = "auto"
+    # OTLP/gRPC collector, e.g. "http://otel-collector:4317"; None: spans are made (their ids
+    # still reach the logs and the next hop) but not exported.
+    otlp_endpoint: str | None = None
+    # OTel service.name. None: the name the service passes in; set it to tell deployments apart.
+    service_name: str | None = None
+    # host:port of the Prometheus /metrics HTTP endpoint; "" turns it off.
+    metrics_listen: str = ""
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_level(cls, value: object) -> object:
+        """Accept LOG_LEVEL=INFO as well as info."""
+        return value.lower() if isinstance(value, str) else value
+
+
+class ServerSettings(BaseModel):
+    """Where and how a gRPC server listens."""
+
+    listen: str = "127.0.0.1:50051"
+    # How long in-flight RPCs get to finish on stop before they are cancelled.
+    grace_seconds: float = Field(default=5.0, ge=0)
+    max_receive_message_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    # cert + key: serve TLS. client_ca as well: require and verify client certificates (mTLS).
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _tls_complete(self) -> Self:
+        """Refuse a half-configured TLS setup rather than silently serving plaintext."""
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
