@@ -18,7 +18,6 @@ import platform
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import time
 import tracemalloc
@@ -49,23 +48,42 @@ NODE = "nodes/decode-0"
 
 def params(block_ids: list[int]) -> KvTransferParams:
     return KvTransferParams(
-        do_remote_decode=True, remote_block_ids=[BlockIdList(block_ids=block_ids)],
-        remote_engine_id="decode-0-4f7c2a", remote_request_id="cmpl-5d1e8b2f9a6c4e3b-0",
-        remote_host="10.0.0.7", remote_port=5601, tp_size=1, dcp_size=1, pp_size=1,
-        remote_num_tokens=TOKENS, remote_blocks_expiry_time=12345.678, transfer_mode="pull")
+        do_remote_decode=True,
+        remote_block_ids=[BlockIdList(block_ids=block_ids)],
+        remote_engine_id="decode-0-4f7c2a",
+        remote_request_id="cmpl-5d1e8b2f9a6c4e3b-0",
+        remote_host="10.0.0.7",
+        remote_port=5601,
+        tp_size=1,
+        dcp_size=1,
+        pp_size=1,
+        remote_num_tokens=TOKENS,
+        remote_blocks_expiry_time=12345.678,
+        transfer_mode="pull",
+    )
 
 
 def node_spec() -> NodeSpec:
-    return NodeSpec(name=NODE, role=NodeRole.DECODE, engine_id="decode-0-4f7c2a",
-                    http_endpoint="http://10.0.0.7:8000", side_channel_host="10.0.0.7",
-                    side_channel_port=5601, agent_endpoint="", model="m", block_size=BLOCK_SIZE,
-                    kv_bytes_per_token=131072)
+    return NodeSpec(
+        name=NODE,
+        role=NodeRole.DECODE,
+        engine_id="decode-0-4f7c2a",
+        http_endpoint="http://10.0.0.7:8000",
+        side_channel_host="10.0.0.7",
+        side_channel_port=5601,
+        agent_endpoint="",
+        model="m",
+        block_size=BLOCK_SIZE,
+        kv_bytes_per_token=131072,
+    )
 
 
 def summarize(name: str, samples_ns: list[int], wall_s: float) -> dict[str, Any]:
     ordered = sorted(samples_ns)
     return {
-        "op": name, "count": len(ordered), "ops_per_s": round(len(ordered) / wall_s),
+        "op": name,
+        "count": len(ordered),
+        "ops_per_s": round(len(ordered) / wall_s),
         "p50_us": round(ordered[len(ordered) // 2] / 1e3, 1),
         "p99_us": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] / 1e3, 1),
         "mean_us": round(statistics.fmean(ordered) / 1e3, 1),
@@ -94,19 +112,37 @@ async def bench_domain(n: int) -> list[dict[str, Any]]:
     blob = params(list(range(TOKENS // BLOCK_SIZE))).SerializeToString()
 
     def retention(i: int) -> Retention:
-        return Retention(name="", node=NODE, generation=1, model="m", block_size=BLOCK_SIZE,
-                         num_tokens=TOKENS, block_hashes=hashes, kv_transfer_params=blob,
-                         kv_bytes=TOKENS * 131072, pin_expire_at=None)
+        return Retention(
+            name="",
+            node=NODE,
+            generation=1,
+            model="m",
+            block_size=BLOCK_SIZE,
+            num_tokens=TOKENS,
+            block_hashes=hashes,
+            kv_transfer_params=blob,
+            kv_bytes=TOKENS * 131072,
+            pin_expire_at=None,
+        )
 
     rows = []
-    put_s, put_w = await timed(n, lambda i: registry.put_retention(
-        request_id="", parent=f"tenants/t/conversations/c{i}", retention=retention(i), ttl=300))
+    put_s, put_w = await timed(
+        n,
+        lambda i: registry.put_retention(
+            request_id="", parent=f"tenants/t/conversations/c{i}", retention=retention(i), ttl=300
+        ),
+    )
     rows.append(summarize("put", put_s, put_w))
-    renew_s, renew_w = await timed(n, lambda i: registry.renew_retention(
-        f"tenants/t/conversations/c{i}/retentions/1", 300))
+    renew_s, renew_w = await timed(
+        n, lambda i: registry.renew_retention(f"tenants/t/conversations/c{i}/retentions/1", 300)
+    )
     rows.append(summarize("renew", renew_s, renew_w))
-    claim_s, claim_w = await timed(n, lambda i: registry.claim_retention(
-        request_id="", name=f"tenants/t/conversations/c{i}/retentions/1", holder="bench", claim_ttl=30))
+    claim_s, claim_w = await timed(
+        n,
+        lambda i: registry.claim_retention(
+            request_id="", name=f"tenants/t/conversations/c{i}/retentions/1", holder="bench", claim_ttl=30
+        ),
+    )
     rows.append(summarize("claim", claim_s, claim_w))
     for row in rows:
         row["layer"] = "domain"
@@ -121,8 +157,10 @@ async def memory_per_retention(n: int) -> dict[str, Any]:
     await registry.register_node(node_spec(), ttl=300)
     rng = random.Random(1)
     blocks = TOKENS // BLOCK_SIZE
-    inputs = [([rng.randrange(0, 100_000) for _ in range(blocks)],
-               [rng.getrandbits(64) for _ in range(blocks)]) for _ in range(n)]
+    inputs = [
+        ([rng.randrange(0, 100_000) for _ in range(blocks)], [rng.getrandbits(64) for _ in range(blocks)])
+        for _ in range(n)
+    ]
     empty = len(params([]).SerializeToString())
     block_id_bytes = 0
     hash_bytes = n * (blocks * 8)
@@ -136,11 +174,22 @@ async def memory_per_retention(n: int) -> dict[str, Any]:
         blob = params(ids).SerializeToString()
         block_id_bytes += len(blob) - empty
         await registry.put_retention(
-            request_id="", parent=f"tenants/t/conversations/conv-{i:08d}",
-            retention=Retention(name="", node=NODE, generation=1, model="m", block_size=BLOCK_SIZE,
-                                num_tokens=TOKENS, block_hashes=hashes, kv_transfer_params=blob,
-                                kv_bytes=TOKENS * 131072, pin_expire_at=None),
-            ttl=300)
+            request_id="",
+            parent=f"tenants/t/conversations/conv-{i:08d}",
+            retention=Retention(
+                name="",
+                node=NODE,
+                generation=1,
+                model="m",
+                block_size=BLOCK_SIZE,
+                num_tokens=TOKENS,
+                block_hashes=hashes,
+                kv_transfer_params=blob,
+                kv_bytes=TOKENS * 131072,
+                pin_expire_at=None,
+            ),
+            ttl=300,
+        )
     del inputs  # the registry keeps what it needs; the inputs' own copies are not its cost
     gc.collect()
     grown = tracemalloc.get_traced_memory()[0] - before
@@ -148,9 +197,14 @@ async def memory_per_retention(n: int) -> dict[str, Any]:
     per = grown / n
     ids_per = block_id_bytes / n
     hashes_per = hash_bytes / n
-    return {"retentions": n, "blocks_per_retention": blocks, "bytes_per_retention": round(per),
-            "block_id_bytes_per_retention": round(ids_per), "hash_bytes_per_retention": round(hashes_per),
-            "bytes_per_retention_excluding_block_ids_and_hashes": round(per - ids_per - hashes_per)}
+    return {
+        "retentions": n,
+        "blocks_per_retention": blocks,
+        "bytes_per_retention": round(per),
+        "block_id_bytes_per_retention": round(ids_per),
+        "hash_bytes_per_retention": round(hashes_per),
+        "bytes_per_retention_excluding_block_ids_and_hashes": round(per - ids_per - hashes_per),
+    }
 
 
 def free_port() -> int:
@@ -161,14 +215,15 @@ def free_port() -> int:
 
 async def bench_grpc(addr: str, n: int, clients: int, tag: str) -> list[dict[str, Any]]:
     channels = [grpc.aio.insecure_channel(addr) for _ in range(min(clients, 4))]
-    stubs = [pb_grpc.RegistryServiceStub(ch) for ch in channels]
+    stubs: list[pb_grpc.RegistryServiceAsyncStub] = [pb_grpc.RegistryServiceStub(ch) for ch in channels]
     hashes = chain_hashes(list(range(TOKENS)), BLOCK_SIZE)
     kvp = params(list(range(TOKENS // BLOCK_SIZE)))
     ttl = Duration(seconds=300)
     claim_ttl = Duration(seconds=30)
 
-    async def run(op: str, make: Callable[[pb_grpc.RegistryServiceStub, int], Awaitable[object]]
-                  ) -> dict[str, Any]:
+    async def run(
+        op: str, make: Callable[[pb_grpc.RegistryServiceAsyncStub, int], Awaitable[object]]
+    ) -> dict[str, Any]:
         per_client = n // clients
         samples: list[int] = []
 
@@ -189,14 +244,35 @@ async def bench_grpc(addr: str, n: int, clients: int, tag: str) -> list[dict[str
         return f"tenants/t/conversations/{tag}-{i}"
 
     rows = [
-        await run("put", lambda s, i: s.PutRetention(pb.PutRetentionRequest(
-            parent=conv(i), ttl=ttl, retention=pb.Retention(
-                node=NODE, generation=1, model="m", block_size=BLOCK_SIZE, num_tokens=TOKENS,
-                block_hashes=hashes, kv_transfer_params=kvp, kv_bytes=TOKENS * 131072)))),
-        await run("renew", lambda s, i: s.RenewRetention(pb.RenewRetentionRequest(
-            name=f"{conv(i)}/retentions/1", ttl=ttl))),
-        await run("claim", lambda s, i: s.ClaimRetention(pb.ClaimRetentionRequest(
-            name=f"{conv(i)}/retentions/1", holder="bench", claim_ttl=claim_ttl))),
+        await run(
+            "put",
+            lambda s, i: s.PutRetention(
+                pb.PutRetentionRequest(
+                    parent=conv(i),
+                    ttl=ttl,
+                    retention=pb.Retention(
+                        node=NODE,
+                        generation=1,
+                        model="m",
+                        block_size=BLOCK_SIZE,
+                        num_tokens=TOKENS,
+                        block_hashes=hashes,
+                        kv_transfer_params=kvp,
+                        kv_bytes=TOKENS * 131072,
+                    ),
+                )
+            ),
+        ),
+        await run(
+            "renew",
+            lambda s, i: s.RenewRetention(pb.RenewRetentionRequest(name=f"{conv(i)}/retentions/1", ttl=ttl)),
+        ),
+        await run(
+            "claim",
+            lambda s, i: s.ClaimRetention(
+                pb.ClaimRetentionRequest(name=f"{conv(i)}/retentions/1", holder="bench", claim_ttl=claim_ttl)
+            ),
+        ),
     ]
     for ch in channels:
         await ch.close()
@@ -205,28 +281,43 @@ async def bench_grpc(addr: str, n: int, clients: int, tag: str) -> list[dict[str
 
 async def grpc_suite(n: int, client_counts: list[int]) -> list[dict[str, Any]]:
     port = free_port()
-    env = dict(os.environ, KVSHUTTLE_REGISTRY_SERVER__LISTEN=f"127.0.0.1:{port}",
-               KVSHUTTLE_REGISTRY_TELEMETRY__LOG_LEVEL="warning",
-               KVSHUTTLE_REGISTRY_STORE_LIMITS__MAX_RETENTIONS=str(n * len(client_counts) + 10),
-               KVSHUTTLE_REGISTRY_STORE_LIMITS__MAX_RETENTIONS_PER_TENANT=str(n * len(client_counts) + 10))
-    server = subprocess.Popen([sys.executable, "-m", "kvshuttle.registry.main"], env=env,
-                              stdout=subprocess.DEVNULL)
+    env = dict(
+        os.environ,
+        KVSHUTTLE_REGISTRY_SERVER__LISTEN=f"127.0.0.1:{port}",
+        KVSHUTTLE_REGISTRY_TELEMETRY__LOG_LEVEL="warning",
+        KVSHUTTLE_REGISTRY_STORE_LIMITS__MAX_RETENTIONS=str(n * len(client_counts) + 10),
+        KVSHUTTLE_REGISTRY_STORE_LIMITS__MAX_RETENTIONS_PER_TENANT=str(n * len(client_counts) + 10),
+    )
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvshuttle.registry.main", env=env, stdout=asyncio.subprocess.DEVNULL
+    )
     addr = f"127.0.0.1:{port}"
     try:
         async with grpc.aio.insecure_channel(addr) as ch:
             await asyncio.wait_for(ch.channel_ready(), 30)
-            await pb_grpc.RegistryServiceStub(ch).RegisterNode(pb.RegisterNodeRequest(
-                ttl=Duration(seconds=300), node=pb.Node(
-                    name=NODE, role=pb.NODE_ROLE_DECODE, engine_id="decode-0-4f7c2a",
-                    http_endpoint="http://10.0.0.7:8000", side_channel_host="10.0.0.7",
-                    side_channel_port=5601, model="m", block_size=BLOCK_SIZE, kv_bytes_per_token=131072)))
+            await pb_grpc.RegistryServiceStub(ch).RegisterNode(
+                pb.RegisterNodeRequest(
+                    ttl=Duration(seconds=300),
+                    node=pb.Node(
+                        name=NODE,
+                        role=pb.NODE_ROLE_DECODE,
+                        engine_id="decode-0-4f7c2a",
+                        http_endpoint="http://10.0.0.7:8000",
+                        side_channel_host="10.0.0.7",
+                        side_channel_port=5601,
+                        model="m",
+                        block_size=BLOCK_SIZE,
+                        kv_bytes_per_token=131072,
+                    ),
+                )
+            )
         rows: list[dict[str, Any]] = []
         for clients in client_counts:
             rows += await bench_grpc(addr, n, clients, f"n{clients}")
         return rows
     finally:
         server.terminate()
-        server.wait(30)
+        await asyncio.wait_for(server.wait(), 30)
 
 
 def main() -> None:
@@ -243,22 +334,37 @@ def main() -> None:
 
     print(f"{'layer':<7} {'clients':>7} {'op':<6} {'ops/s':>9} {'p50 us':>9} {'p99 us':>9}")
     for r in rows:
-        print(f"{r['layer']:<7} {r['clients']:>7} {r['op']:<6} {r['ops_per_s']:>9} "
-              f"{r['p50_us']:>9} {r['p99_us']:>9}")
-    print(f"memory: {memory['bytes_per_retention']} B per retention at {memory['retentions']} retentions "
-          f"({memory['blocks_per_retention']} blocks each); without its block ids "
-          f"({memory['block_id_bytes_per_retention']} B) and hash chain "
-          f"({memory['hash_bytes_per_retention']} B): "
-          f"{memory['bytes_per_retention_excluding_block_ids_and_hashes']} B")
+        print(
+            f"{r['layer']:<7} {r['clients']:>7} {r['op']:<6} {r['ops_per_s']:>9} "
+            f"{r['p50_us']:>9} {r['p99_us']:>9}"
+        )
+    print(
+        f"memory: {memory['bytes_per_retention']} B per retention at {memory['retentions']} retentions "
+        f"({memory['blocks_per_retention']} blocks each); without its block ids "
+        f"({memory['block_id_bytes_per_retention']} B) and hash chain "
+        f"({memory['hash_bytes_per_retention']} B): "
+        f"{memory['bytes_per_retention_excluding_block_ids_and_hashes']} B"
+    )
 
     RESULTS.mkdir(exist_ok=True)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = RESULTS / f"registry_bench-{stamp}.json"
-    out.write_text(json.dumps({
-        "bench": "registry", "time": stamp, "python": platform.python_version(),
-        "cpus": os.cpu_count(), "args": vars(args), "rows": rows, "memory": memory,
-        "targets": {"domain_ops_per_s": 20_000, "bytes_per_retention_excluding_block_ids": 1024},
-    }, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "bench": "registry",
+                "time": stamp,
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "args": vars(args),
+                "rows": rows,
+                "memory": memory,
+                "targets": {"domain_ops_per_s": 20_000, "bytes_per_retention_excluding_block_ids": 1024},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"saved {out}")
 
 

@@ -22,10 +22,19 @@ RUN_DIR = Path(os.environ.get("KVSHUTTLE_DEMO_DIR", ".run/demo"))
 TENANT = "demo"
 # What a decode engine answers with bidirectional_kv_xfer on (vLLM 0.32 CPU build shape).
 DECODE_PARAMS = {
-    "do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[5, 6, 7, 8, 9, 10, 11, 12]],
-    "remote_engine_id": "decode-0", "remote_request_id": "cmpl-8c2f-0", "remote_host": "127.0.0.1",
-    "remote_port": 5601, "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 250,
-    "remote_blocks_expiry_time": 81234.5, "transfer_mode": "pull",
+    "do_remote_prefill": False,
+    "do_remote_decode": True,
+    "remote_block_ids": [[5, 6, 7, 8, 9, 10, 11, 12]],
+    "remote_engine_id": "decode-0",
+    "remote_request_id": "cmpl-8c2f-0",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5601,
+    "tp_size": 1,
+    "dcp_size": 1,
+    "pp_size": 1,
+    "remote_num_tokens": 250,
+    "remote_blocks_expiry_time": 81234.5,
+    "transfer_mode": "pull",
 }
 
 
@@ -60,12 +69,16 @@ class Demo:
 
     def start_registry(self) -> None:
         say(f"starting kvshuttle-registry on {self.addr}")
-        env = dict(os.environ, KVSHUTTLE_REGISTRY_SERVER__LISTEN=self.addr,
-                   KVSHUTTLE_REGISTRY_TELEMETRY__LOG_FORMAT="json",
-                   KVSHUTTLE_REGISTRY_SERVER__GRACE_SECONDS="2")
+        env = dict(
+            os.environ,
+            KVSHUTTLE_REGISTRY_SERVER__LISTEN=self.addr,
+            KVSHUTTLE_REGISTRY_TELEMETRY__LOG_FORMAT="json",
+            KVSHUTTLE_REGISTRY_SERVER__GRACE_SECONDS="2",
+        )
         log = (RUN_DIR / "registry.log").open("wb")
-        self.registry = subprocess.Popen([str(BIN / "kvshuttle-registry")], env=env, stdout=log,
-                                         stderr=subprocess.STDOUT)
+        self.registry = subprocess.Popen(
+            [str(BIN / "kvshuttle-registry")], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
         self.procs.append(self.registry)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -82,7 +95,9 @@ class Demo:
         self.watch_log = RUN_DIR / "watch.log"
         self.watch = subprocess.Popen(
             [str(BIN / "kvshuttle"), "--registry", self.addr, "registry", "watch", "--tenant", TENANT],
-            stdout=self.watch_log.open("wb"), stderr=subprocess.STDOUT)
+            stdout=self.watch_log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
         self.procs.append(self.watch)
         time.sleep(0.5)
 
@@ -91,34 +106,116 @@ class Demo:
         self.start_watch()
 
         say("register the decode worker (its agent would do this and heartbeat every few seconds)")
-        out = self.cli("register-node", "nodes/decode-0", "--role", "decode", "--engine-id", "decode-0",
-                       "--http", "http://127.0.0.1:8001", "--side-channel", "127.0.0.1:5601",
-                       "--model", "demo-llama", "--block-size", "32", "--kv-bytes-per-token", "4096",
-                       "--ttl", "60", "--json")
+        out = self.cli(
+            "register-node",
+            "nodes/decode-0",
+            "--role",
+            "decode",
+            "--engine-id",
+            "decode-0",
+            "--http",
+            "http://127.0.0.1:8001",
+            "--side-channel",
+            "127.0.0.1:5601",
+            "--model",
+            "demo-llama",
+            "--block-size",
+            "32",
+            "--kv-bytes-per-token",
+            "4096",
+            "--ttl",
+            "60",
+            "--json",
+        )
         incarnation = str(json.loads(out)["incarnation"])
         self.cli("nodes")
 
         say("turn 1 of two conversations finished: decode keeps their KV (retentions)")
         params = json.dumps(DECODE_PARAMS)
-        self.cli("put-retention", "--tenant", TENANT, "--conversation", "chat-1", "--node", "nodes/decode-0",
-                 "--generation", "1", "--model", "demo-llama", "--block-size", "32",
-                 "--random-tokens", "250", "--seed", "1", "--kv-transfer-params", params, "--ttl", "60")
-        self.cli("put-retention", "--tenant", TENANT, "--conversation", "chat-2", "--node", "nodes/decode-0",
-                 "--generation", "1", "--model", "demo-llama", "--block-size", "32",
-                 "--random-tokens", "100", "--seed", "2", "--kv-transfer-params", params, "--ttl", "4")
+        self.cli(
+            "put-retention",
+            "--tenant",
+            TENANT,
+            "--conversation",
+            "chat-1",
+            "--node",
+            "nodes/decode-0",
+            "--generation",
+            "1",
+            "--model",
+            "demo-llama",
+            "--block-size",
+            "32",
+            "--random-tokens",
+            "250",
+            "--seed",
+            "1",
+            "--kv-transfer-params",
+            params,
+            "--ttl",
+            "60",
+        )
+        self.cli(
+            "put-retention",
+            "--tenant",
+            TENANT,
+            "--conversation",
+            "chat-2",
+            "--node",
+            "nodes/decode-0",
+            "--generation",
+            "1",
+            "--model",
+            "demo-llama",
+            "--block-size",
+            "32",
+            "--random-tokens",
+            "100",
+            "--seed",
+            "2",
+            "--kv-transfer-params",
+            params,
+            "--ttl",
+            "4",
+        )
         self.cli("retentions", "--tenant", TENANT)
         self.cli("get", f"tenants/{TENANT}/conversations/chat-1/retentions/1")
 
         say("turn 2 of chat-1: the router claims the retention (single use)")
         self.cli("claim", f"tenants/{TENANT}/conversations/chat-1/retentions/1", "--holder", "turns/t-2")
         say("a second reader is refused")
-        self.cli("claim", f"tenants/{TENANT}/conversations/chat-1/retentions/1", "--holder", "turns/t-2b",
-                 expect_ok=False)
+        self.cli(
+            "claim",
+            f"tenants/{TENANT}/conversations/chat-1/retentions/1",
+            "--holder",
+            "turns/t-2b",
+            expect_ok=False,
+        )
         say("a late commit of an older turn is fenced")
-        self.cli("put-retention", "--tenant", TENANT, "--conversation", "chat-1", "--node", "nodes/decode-0",
-                 "--generation", "1", "--model", "demo-llama", "--block-size", "32",
-                 "--random-tokens", "250", "--seed", "1", "--kv-transfer-params", params, "--ttl", "60",
-                 expect_ok=False)
+        self.cli(
+            "put-retention",
+            "--tenant",
+            TENANT,
+            "--conversation",
+            "chat-1",
+            "--node",
+            "nodes/decode-0",
+            "--generation",
+            "1",
+            "--model",
+            "demo-llama",
+            "--block-size",
+            "32",
+            "--random-tokens",
+            "250",
+            "--seed",
+            "1",
+            "--kv-transfer-params",
+            params,
+            "--ttl",
+            "60",
+            expect_ok=False,
+        )
 
         say("chat-2's user is thinking; its retention lapses on the registry's timer")
         self.cli("heartbeat", "nodes/decode-0", "--incarnation", incarnation, "--ttl", "60")

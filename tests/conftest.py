@@ -27,23 +27,29 @@ class RegistryEnv:
     server: GrpcServer
     address: str
     channel: grpc.aio.Channel
-    stub: pb_grpc.RegistryServiceStub
+    stub: pb_grpc.RegistryServiceAsyncStub
     metrics: CollectorRegistry
 
 
-async def start_registry(store: InMemoryStore | None = None, *,
-                         limits: RegistryLimits | None = None) -> RegistryEnv:
+async def start_registry(
+    store: InMemoryStore | None = None, *, limits: RegistryLimits | None = None
+) -> RegistryEnv:
     clock = FakeClock()
-    registry = Registry(store or InMemoryStore(StoreLimits(max_retentions_per_tenant=50)), clock,
-                        BlockIndex(10_000), limits or RegistryLimits())
+    registry = Registry(
+        store or InMemoryStore(StoreLimits(max_retentions_per_tenant=50)),
+        clock,
+        BlockIndex(10_000),
+        limits or RegistryLimits(),
+    )
     settings = RegistrySettings(server=ServerSettings(listen="127.0.0.1:0", grace_seconds=5))
     metrics = CollectorRegistry()
     server = build_server(settings, registry, metrics)
     port = await server.start()
     address = f"127.0.0.1:{port}"
     channel = grpc.aio.insecure_channel(address)
-    return RegistryEnv(clock, registry, server, address, channel, pb_grpc.RegistryServiceStub(channel),
-                       metrics)
+    return RegistryEnv(
+        clock, registry, server, address, channel, pb_grpc.RegistryServiceStub(channel), metrics
+    )
 
 
 @pytest.fixture

@@ -27,17 +27,36 @@ BLOCK = 16
 
 
 def spec(name: str = "nodes/d0", engine_id: str = "engine-d0", role: NodeRole = NodeRole.DECODE) -> NodeSpec:
-    return NodeSpec(name=name, role=role, engine_id=engine_id, http_endpoint="http://127.0.0.1:8001",
-                    side_channel_host="127.0.0.1", side_channel_port=5601, agent_endpoint="",
-                    model="m", block_size=BLOCK, kv_bytes_per_token=1024)
+    return NodeSpec(
+        name=name,
+        role=role,
+        engine_id=engine_id,
+        http_endpoint="http://127.0.0.1:8001",
+        side_channel_host="127.0.0.1",
+        side_channel_port=5601,
+        agent_endpoint="",
+        model="m",
+        block_size=BLOCK,
+        kv_bytes_per_token=1024,
+    )
 
 
-def retention(generation: int = 1, node: str = "nodes/d0", tokens: int = 100,
-              pin: float | None = None) -> Retention:
+def retention(
+    generation: int = 1, node: str = "nodes/d0", tokens: int = 100, pin: float | None = None
+) -> Retention:
     ids = list(range(tokens))
-    return Retention(name="", node=node, generation=generation, model="m", block_size=BLOCK,
-                     num_tokens=tokens, block_hashes=array("Q", chain_hashes(ids, BLOCK)),
-                     kv_transfer_params=b"\x10\x01", kv_bytes=tokens * 1024, pin_expire_at=pin)
+    return Retention(
+        name="",
+        node=node,
+        generation=generation,
+        model="m",
+        block_size=BLOCK,
+        num_tokens=tokens,
+        block_hashes=array("Q", chain_hashes(ids, BLOCK)),
+        kv_transfer_params=b"\x10\x01",
+        kv_bytes=tokens * 1024,
+        pin_expire_at=pin,
+    )
 
 
 @pytest.fixture
@@ -47,15 +66,29 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def registry(clock: FakeClock) -> Registry:
-    return Registry(InMemoryStore(StoreLimits(max_retentions_per_tenant=3)), clock,
-                    BlockIndex(max_blocks_per_node=1000), RegistryLimits())
+    return Registry(
+        InMemoryStore(StoreLimits(max_retentions_per_tenant=3)),
+        clock,
+        BlockIndex(max_blocks_per_node=1000),
+        RegistryLimits(),
+    )
 
 
-async def put(registry: Registry, generation: int = 1, *, conv: str = CONV, ttl: float | None = 60,
-              request_id: str = "", **kw: object) -> Retention:
-    result = await registry.put_retention(request_id=request_id, parent=conv,
-                                          retention=retention(generation, **kw),  # type: ignore[arg-type]
-                                          ttl=ttl)
+async def put(
+    registry: Registry,
+    generation: int = 1,
+    *,
+    conv: str = CONV,
+    ttl: float | None = 60,
+    request_id: str = "",
+    **kw: object,
+) -> Retention:
+    result = await registry.put_retention(
+        request_id=request_id,
+        parent=conv,
+        retention=retention(generation, **kw),  # type: ignore[arg-type]
+        ttl=ttl,
+    )
     return result.retention
 
 
@@ -90,8 +123,11 @@ async def test_node_death_cascades_to_retentions_and_index(registry: Registry, c
     await put(registry, 1)
     await put(registry, 1, conv="tenants/acme/conversations/c2")
     tokens = tuple(range(BLOCK))
-    await registry.report_block_events("nodes/d0", node.incarnation, [EventBatch(0, 0.0, (
-        BlockStored((7,), None, tokens, BLOCK, None, "GPU"),))])
+    await registry.report_block_events(
+        "nodes/d0",
+        node.incarnation,
+        [EventBatch(0, 0.0, (BlockStored((7,), None, tokens, BLOCK, None, "GPU"),))],
+    )
     assert registry.indexed_blocks("nodes/d0") == 1
     watch = registry.watch(parent="tenants/acme", node="")
     clock.advance(5)
@@ -100,8 +136,9 @@ async def test_node_death_cascades_to_retentions_and_index(registry: Registry, c
     assert {c.kind for c in lost} == {ChangeKind.NODE_LOST}
     assert len(lost) == 2
     assert registry.indexed_blocks("nodes/d0") == 0
-    assert (await registry.list_retentions(parent="tenants/acme", node="", page_size=0,
-                                           page_token=""))[0] == []
+    assert (await registry.list_retentions(parent="tenants/acme", node="", page_size=0, page_token=""))[
+        0
+    ] == []
     registry.close()
     seen = [c.kind async for c in watch]
     assert seen == [ChangeKind.NODE_LOST, ChangeKind.NODE_LOST]
@@ -172,8 +209,12 @@ async def test_two_concurrent_claims_exactly_one_wins(registry: Registry) -> Non
     await registry.register_node(spec(), ttl=10)
     r = await put(registry, 1)
     results = await asyncio.gather(
-        *(registry.claim_retention(request_id="", name=r.name, holder=f"turn-{i}", claim_ttl=5)
-          for i in range(8)), return_exceptions=True)
+        *(
+            registry.claim_retention(request_id="", name=r.name, holder=f"turn-{i}", claim_ttl=5)
+            for i in range(8)
+        ),
+        return_exceptions=True,
+    )
     won = [x for x in results if isinstance(x, Retention)]
     lost = [x for x in results if isinstance(x, KvshuttleError)]
     assert len(won) == 1
@@ -194,7 +235,8 @@ async def test_claim_retried_with_same_request_id_returns_the_same_claim(registr
 
 
 async def test_claim_after_deadline_is_expired_even_before_the_timer_runs(
-        registry: Registry, clock: FakeClock) -> None:
+    registry: Registry, clock: FakeClock
+) -> None:
     await registry.register_node(spec(), ttl=100)
     r = await put(registry, 1, ttl=10)
     clock.advance(10)
@@ -256,8 +298,9 @@ async def test_list_pages_and_tokens_are_scoped(registry: Registry) -> None:
     with pytest.raises(InvalidArgument) as err:
         await registry.list_retentions(parent="tenants/other", node="", page_size=2, page_token=token)
     assert err.value.field == "page_token"
-    one, _ = await registry.list_retentions(parent="tenants/acme/conversations/b", node="", page_size=0,
-                                            page_token="")
+    one, _ = await registry.list_retentions(
+        parent="tenants/acme/conversations/b", node="", page_size=0, page_token=""
+    )
     assert [r.name for r in one] == ["tenants/acme/conversations/b/retentions/1"]
 
 
@@ -271,17 +314,21 @@ async def test_capacity_per_tenant(registry: Registry) -> None:
     await put(registry, 2, conv="tenants/acme/conversations/a")  # a replacement still fits
 
 
-@pytest.mark.parametrize(("mutate", "field"), [
-    (lambda r: setattr(r, "node", "node-without-collection"), "retention.node"),
-    (lambda r: setattr(r, "generation", 0), "retention.generation"),
-    (lambda r: setattr(r, "num_tokens", 0), "retention.num_tokens"),
-    (lambda r: setattr(r, "block_hashes", array("Q", [1, 2])), "retention.block_hashes"),
-    (lambda r: setattr(r, "kv_transfer_params", b""), "retention.kv_transfer_params"),
-    (lambda r: setattr(r, "kv_transfer_params", b"x" * 70_000), "retention.kv_transfer_params"),
-    (lambda r: setattr(r, "block_size", 0), "retention.block_size"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda r: setattr(r, "node", "node-without-collection"), "retention.node"),
+        (lambda r: setattr(r, "generation", 0), "retention.generation"),
+        (lambda r: setattr(r, "num_tokens", 0), "retention.num_tokens"),
+        (lambda r: setattr(r, "block_hashes", array("Q", [1, 2])), "retention.block_hashes"),
+        (lambda r: setattr(r, "kv_transfer_params", b""), "retention.kv_transfer_params"),
+        (lambda r: setattr(r, "kv_transfer_params", b"x" * 70_000), "retention.kv_transfer_params"),
+        (lambda r: setattr(r, "block_size", 0), "retention.block_size"),
+    ],
+)
 async def test_bad_retention_input_names_the_field_and_changes_nothing(
-        registry: Registry, mutate: object, field: str) -> None:
+    registry: Registry, mutate: object, field: str
+) -> None:
     await registry.register_node(spec(), ttl=100)
     r = retention(1)
     mutate(r)  # type: ignore[operator]
@@ -293,13 +340,16 @@ async def test_bad_retention_input_names_the_field_and_changes_nothing(
     await put(registry, 1)  # generation 1 was not consumed by the rejected request
 
 
-@pytest.mark.parametrize(("parent", "ttl", "field"), [
-    ("tenants/acme", 60, "parent"),
-    ("tenants/acme/conversations/" + "x" * 200, 60, "parent"),
-    ("tenants/ac me/conversations/c", 60, "parent"),
-    (CONV, 0.5, "ttl"),
-    (CONV, 10_000, "ttl"),
-])
+@pytest.mark.parametrize(
+    ("parent", "ttl", "field"),
+    [
+        ("tenants/acme", 60, "parent"),
+        ("tenants/acme/conversations/" + "x" * 200, 60, "parent"),
+        ("tenants/ac me/conversations/c", 60, "parent"),
+        (CONV, 0.5, "ttl"),
+        (CONV, 10_000, "ttl"),
+    ],
+)
 async def test_bad_put_arguments(registry: Registry, parent: str, ttl: float, field: str) -> None:
     await registry.register_node(spec(), ttl=100)
     with pytest.raises(InvalidArgument) as err:
@@ -346,10 +396,16 @@ async def test_lookup_ranks_nodes_by_prefix_held(registry: Registry) -> None:
     p = await registry.register_node(spec("nodes/p0", "engine-p0", NodeRole.PREFILL), ttl=10)
     d = await registry.register_node(spec(), ttl=10)
     tokens = tuple(range(3 * BLOCK))
-    await registry.report_block_events("nodes/p0", p.incarnation, [EventBatch(0, 0.0, (
-        BlockStored((1, 2, 3), None, tokens, BLOCK, None, "GPU"),))])
-    await registry.report_block_events("nodes/d0", d.incarnation, [EventBatch(0, 0.0, (
-        BlockStored((1,), None, tokens[:BLOCK], BLOCK, None, "GPU"),))])
+    await registry.report_block_events(
+        "nodes/p0",
+        p.incarnation,
+        [EventBatch(0, 0.0, (BlockStored((1, 2, 3), None, tokens, BLOCK, None, "GPU"),))],
+    )
+    await registry.report_block_events(
+        "nodes/d0",
+        d.incarnation,
+        [EventBatch(0, 0.0, (BlockStored((1,), None, tokens[:BLOCK], BLOCK, None, "GPU"),))],
+    )
     chain = chain_hashes(tokens, BLOCK)
     assert await registry.lookup_blocks(chain, model="m", role=None) == [("nodes/p0", 3), ("nodes/d0", 1)]
     assert await registry.lookup_blocks(chain, model="m", role=NodeRole.DECODE) == [("nodes/d0", 1)]

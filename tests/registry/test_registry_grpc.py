@@ -10,31 +10,48 @@ import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2, status_pb2
+from tests.conftest import RegistryEnv, start_registry
 
 from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.registry.memory_store import InMemoryStore
 from kvshuttle.registry.model import Retention
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import BlockIdList, KvTransferParams
-from tests.conftest import RegistryEnv, start_registry
 
 CONV = "tenants/acme/conversations/c1"
 BLOCK = 16
 
 
 def node(name: str = "nodes/d0", engine_id: str = "engine-d0", role: int = pb.NODE_ROLE_DECODE) -> pb.Node:
-    return pb.Node(name=name, role=role, engine_id=engine_id,  # type: ignore[arg-type]
-                   http_endpoint="http://127.0.0.1:8001", side_channel_host="127.0.0.1",
-                   side_channel_port=5601, model="m", block_size=BLOCK, kv_bytes_per_token=1024)
+    return pb.Node(
+        name=name,
+        role=role,
+        engine_id=engine_id,  # type: ignore[arg-type]
+        http_endpoint="http://127.0.0.1:8001",
+        side_channel_host="127.0.0.1",
+        side_channel_port=5601,
+        model="m",
+        block_size=BLOCK,
+        kv_bytes_per_token=1024,
+    )
 
 
 def retention(generation: int = 1, tokens: int = 100) -> pb.Retention:
     return pb.Retention(
-        node="nodes/d0", generation=generation, model="m", block_size=BLOCK, num_tokens=tokens,
-        block_hashes=chain_hashes(list(range(tokens)), BLOCK), kv_bytes=tokens * 1024,
-        kv_transfer_params=KvTransferParams(do_remote_decode=True, remote_engine_id="engine-d0",
-                                            remote_block_ids=[BlockIdList(block_ids=[1, 2, 3])],
-                                            remote_num_tokens=tokens))
+        node="nodes/d0",
+        generation=generation,
+        model="m",
+        block_size=BLOCK,
+        num_tokens=tokens,
+        block_hashes=chain_hashes(list(range(tokens)), BLOCK),
+        kv_bytes=tokens * 1024,
+        kv_transfer_params=KvTransferParams(
+            do_remote_decode=True,
+            remote_engine_id="engine-d0",
+            remote_block_ids=[BlockIdList(block_ids=[1, 2, 3])],
+            remote_num_tokens=tokens,
+        ),
+    )
 
 
 def seconds(s: float) -> Duration:
@@ -46,7 +63,7 @@ def seconds(s: float) -> Duration:
 def error_info(err: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
     for key, value in err.trailing_metadata() or ():
         if key == "grpc-status-details-bin":
-            status = status_pb2.Status.FromString(value)  # type: ignore[arg-type]
+            status = status_pb2.Status.FromString(value)
             for detail in status.details:
                 info = error_details_pb2.ErrorInfo()
                 if detail.Unpack(info):
@@ -64,10 +81,14 @@ async def register(env: RegistryEnv, n: pb.Node | None = None, ttl: float = 10) 
     return (await env.stub.RegisterNode(pb.RegisterNodeRequest(node=n or node(), ttl=seconds(ttl)))).node
 
 
-async def put(env: RegistryEnv, generation: int = 1, *, parent: str = CONV, ttl: float = 60,
-              request_id: str = "") -> pb.Retention:
-    response = await env.stub.PutRetention(pb.PutRetentionRequest(
-        parent=parent, retention=retention(generation), ttl=seconds(ttl), request_id=request_id))
+async def put(
+    env: RegistryEnv, generation: int = 1, *, parent: str = CONV, ttl: float = 60, request_id: str = ""
+) -> pb.Retention:
+    response = await env.stub.PutRetention(
+        pb.PutRetentionRequest(
+            parent=parent, retention=retention(generation), ttl=seconds(ttl), request_id=request_id
+        )
+    )
     return response.retention
 
 
@@ -99,8 +120,9 @@ async def test_concurrent_claims_over_grpc_exactly_one_wins(registry_env: Regist
 
     async def claim(i: int) -> pb.ClaimRetentionResponse | grpc.aio.AioRpcError:
         try:
-            return await registry_env.stub.ClaimRetention(pb.ClaimRetentionRequest(
-                name=r.name, holder=f"turns/{i}", claim_ttl=seconds(5)))
+            return await registry_env.stub.ClaimRetention(
+                pb.ClaimRetentionRequest(name=r.name, holder=f"turns/{i}", claim_ttl=seconds(5))
+            )
         except grpc.aio.AioRpcError as err:
             return err
 
@@ -122,7 +144,9 @@ async def test_older_fencing_generation_is_aborted(registry_env: RegistryEnv) ->
     info = error_info(err)
     assert info.reason == "FENCING_GENERATION_STALE"
     assert info.metadata["fence_generation"] == "5"
-    conversation = (await registry_env.stub.GetConversation(pb.GetConversationRequest(name=CONV))).conversation
+    conversation = (
+        await registry_env.stub.GetConversation(pb.GetConversationRequest(name=CONV))
+    ).conversation
     assert conversation.retention.generation == 5
 
 
@@ -131,8 +155,10 @@ async def test_node_death_cascades(registry_env: RegistryEnv) -> None:
     r = await put(registry_env)
     registry_env.clock.advance(3)
     await registry_env.registry.expire_due()
-    for call in (registry_env.stub.GetRetention(pb.GetRetentionRequest(name=r.name)),
-                 registry_env.stub.GetNode(pb.GetNodeRequest(name="nodes/d0"))):
+    for call in (
+        registry_env.stub.GetRetention(pb.GetRetentionRequest(name=r.name)),
+        registry_env.stub.GetNode(pb.GetNodeRequest(name="nodes/d0")),
+    ):
         assert (await rpc_error(call)).code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -141,21 +167,38 @@ async def test_block_index_through_an_engine_restart(registry_env: RegistryEnv) 
     tokens = list(range(2 * BLOCK))
 
     def stored(seq: int) -> pb.BlockEventBatch:
-        return pb.BlockEventBatch(seq=seq, events=[pb.BlockEvent(stored=pb.BlockStored(
-            block_hashes=[11, 12], token_ids=tokens, block_size=BLOCK, medium="GPU"))])
+        return pb.BlockEventBatch(
+            seq=seq,
+            events=[
+                pb.BlockEvent(
+                    stored=pb.BlockStored(
+                        block_hashes=[11, 12], token_ids=tokens, block_size=BLOCK, medium="GPU"
+                    )
+                )
+            ],
+        )
 
     chain = chain_hashes(tokens, BLOCK)
-    report = await registry_env.stub.ReportBlockEvents(pb.ReportBlockEventsRequest(
-        node="nodes/d0", incarnation=n.incarnation, batches=[stored(0), pb.BlockEventBatch(seq=1)]))
+    report = await registry_env.stub.ReportBlockEvents(
+        pb.ReportBlockEventsRequest(
+            node="nodes/d0", incarnation=n.incarnation, batches=[stored(0), pb.BlockEventBatch(seq=1)]
+        )
+    )
     assert (report.applied_batches, report.next_seq) == (2, 2)
     found = await registry_env.stub.LookupBlocks(pb.LookupBlocksRequest(block_hashes=chain))
     assert [(m.node, m.matched_blocks) for m in found.matches] == [("nodes/d0", 2)]
-    gap = await registry_env.stub.ReportBlockEvents(pb.ReportBlockEventsRequest(
-        node="nodes/d0", incarnation=n.incarnation, batches=[pb.BlockEventBatch(seq=5)]))
+    gap = await registry_env.stub.ReportBlockEvents(
+        pb.ReportBlockEventsRequest(
+            node="nodes/d0", incarnation=n.incarnation, batches=[pb.BlockEventBatch(seq=5)]
+        )
+    )
     assert gap.gap_detected
     # The engine restarted: its sequence starts again at 0 and its cache is empty.
-    restart = await registry_env.stub.ReportBlockEvents(pb.ReportBlockEventsRequest(
-        node="nodes/d0", incarnation=n.incarnation, batches=[pb.BlockEventBatch(seq=0)]))
+    restart = await registry_env.stub.ReportBlockEvents(
+        pb.ReportBlockEventsRequest(
+            node="nodes/d0", incarnation=n.incarnation, batches=[pb.BlockEventBatch(seq=0)]
+        )
+    )
     assert restart.engine_restarted
     found = await registry_env.stub.LookupBlocks(pb.LookupBlocksRequest(block_hashes=chain))
     assert list(found.matches) == []
@@ -168,8 +211,9 @@ async def test_watch_streams_changes(registry_env: RegistryEnv) -> None:
     stream = registry_env.stub.WatchRetentions(pb.WatchRetentionsRequest(parent="tenants/acme"))
     await asyncio.sleep(0.05)  # let the subscription open before the changes
     r = await put(registry_env, 1, ttl=5)
-    await registry_env.stub.ClaimRetention(pb.ClaimRetentionRequest(name=r.name, holder="t",
-                                                                    claim_ttl=seconds(1)))
+    await registry_env.stub.ClaimRetention(
+        pb.ClaimRetentionRequest(name=r.name, holder="t", claim_ttl=seconds(1))
+    )
     registry_env.clock.advance(2)
     await registry_env.registry.expire_due()
     changes = []
@@ -188,45 +232,113 @@ def _bad_requests() -> list[tuple[str, str, Any, str]]:
     no_params.ClearField("kv_transfer_params")
     return [
         ("PutRetention", "missing parent", pb.PutRetentionRequest(retention=retention(1)), "parent"),
-        ("PutRetention", "no tenant", pb.PutRetentionRequest(parent="conversations/c1", retention=retention(1)),
-         "parent"),
-        ("PutRetention", "negative ttl", pb.PutRetentionRequest(parent=CONV, retention=retention(1),
-                                                                ttl=seconds(-1)), "ttl"),
-        ("PutRetention", "ttl too long", pb.PutRetentionRequest(parent=CONV, retention=retention(1),
-                                                                ttl=seconds(86_400)), "ttl"),
-        ("PutRetention", "too many hashes", pb.PutRetentionRequest(parent=CONV, retention=too_many_hashes),
-         "retention.block_hashes"),
-        ("PutRetention", "no params", pb.PutRetentionRequest(parent=CONV, retention=no_params),
-         "retention.kv_transfer_params"),
-        ("PutRetention", "huge request id", pb.PutRetentionRequest(request_id="r" * 500, parent=CONV,
-                                                                   retention=retention(1)), "request_id"),
-        ("ClaimRetention", "bad name", pb.ClaimRetentionRequest(name="tenants/acme/retentions/1", holder="h"),
-         "name"),
-        ("ClaimRetention", "generation zero", pb.ClaimRetentionRequest(name=f"{CONV}/retentions/0", holder="h"),
-         "name"),
+        (
+            "PutRetention",
+            "no tenant",
+            pb.PutRetentionRequest(parent="conversations/c1", retention=retention(1)),
+            "parent",
+        ),
+        (
+            "PutRetention",
+            "negative ttl",
+            pb.PutRetentionRequest(parent=CONV, retention=retention(1), ttl=seconds(-1)),
+            "ttl",
+        ),
+        (
+            "PutRetention",
+            "ttl too long",
+            pb.PutRetentionRequest(parent=CONV, retention=retention(1), ttl=seconds(86_400)),
+            "ttl",
+        ),
+        (
+            "PutRetention",
+            "too many hashes",
+            pb.PutRetentionRequest(parent=CONV, retention=too_many_hashes),
+            "retention.block_hashes",
+        ),
+        (
+            "PutRetention",
+            "no params",
+            pb.PutRetentionRequest(parent=CONV, retention=no_params),
+            "retention.kv_transfer_params",
+        ),
+        (
+            "PutRetention",
+            "huge request id",
+            pb.PutRetentionRequest(request_id="r" * 500, parent=CONV, retention=retention(1)),
+            "request_id",
+        ),
+        (
+            "ClaimRetention",
+            "bad name",
+            pb.ClaimRetentionRequest(name="tenants/acme/retentions/1", holder="h"),
+            "name",
+        ),
+        (
+            "ClaimRetention",
+            "generation zero",
+            pb.ClaimRetentionRequest(name=f"{CONV}/retentions/0", holder="h"),
+            "name",
+        ),
         ("ClaimRetention", "no holder", pb.ClaimRetentionRequest(name=f"{CONV}/retentions/1"), "holder"),
-        ("ListRetentions", "negative page", pb.ListRetentionsRequest(parent="tenants/acme", page_size=-1),
-         "page_size"),
-        ("ListRetentions", "forged token", pb.ListRetentionsRequest(parent="tenants/acme", page_token="!!"),
-         "page_token"),
+        (
+            "ListRetentions",
+            "negative page",
+            pb.ListRetentionsRequest(parent="tenants/acme", page_size=-1),
+            "page_size",
+        ),
+        (
+            "ListRetentions",
+            "forged token",
+            pb.ListRetentionsRequest(parent="tenants/acme", page_token="!!"),
+            "page_token",
+        ),
         ("RegisterNode", "no role", pb.RegisterNodeRequest(node=pb.Node(name="nodes/x")), "node.role"),
-        ("RegisterNode", "bad port", pb.RegisterNodeRequest(node=pb.Node(
-            name="nodes/x", role=pb.NODE_ROLE_DECODE, engine_id="e", http_endpoint="http://h:1",
-            side_channel_host="h", side_channel_port=70000, model="m", block_size=16,
-            kv_bytes_per_token=1)), "node.side_channel_port"),
+        (
+            "RegisterNode",
+            "bad port",
+            pb.RegisterNodeRequest(
+                node=pb.Node(
+                    name="nodes/x",
+                    role=pb.NODE_ROLE_DECODE,
+                    engine_id="e",
+                    http_endpoint="http://h:1",
+                    side_channel_host="h",
+                    side_channel_port=70000,
+                    model="m",
+                    block_size=16,
+                    kv_bytes_per_token=1,
+                )
+            ),
+            "node.side_channel_port",
+        ),
         ("HeartbeatNode", "no incarnation", pb.HeartbeatNodeRequest(name="nodes/d0"), "incarnation"),
-        ("ReportBlockEvents", "empty event", pb.ReportBlockEventsRequest(
-            node="nodes/d0", incarnation=1, batches=[pb.BlockEventBatch(events=[pb.BlockEvent()])]),
-         "batches[0].events[0]"),
-        ("LookupBlocks", "too many hashes", pb.LookupBlocksRequest(block_hashes=[1] * 70_000), "block_hashes"),
+        (
+            "ReportBlockEvents",
+            "empty event",
+            pb.ReportBlockEventsRequest(
+                node="nodes/d0", incarnation=1, batches=[pb.BlockEventBatch(events=[pb.BlockEvent()])]
+            ),
+            "batches[0].events[0]",
+        ),
+        (
+            "LookupBlocks",
+            "too many hashes",
+            pb.LookupBlocksRequest(block_hashes=[1] * 70_000),
+            "block_hashes",
+        ),
         ("WatchRetentions", "no scope", pb.WatchRetentionsRequest(), "parent"),
     ]
 
 
-@pytest.mark.parametrize(("method", "case", "request_msg", "field"), _bad_requests(),
-                         ids=[f"{m}-{c}" for m, c, _, _ in _bad_requests()])
+@pytest.mark.parametrize(
+    ("method", "case", "request_msg", "field"),
+    _bad_requests(),
+    ids=[f"{m}-{c}" for m, c, _, _ in _bad_requests()],
+)
 async def test_bad_input_is_invalid_argument_and_changes_nothing(
-        registry_env: RegistryEnv, method: str, case: str, request_msg: Any, field: str) -> None:
+    registry_env: RegistryEnv, method: str, case: str, request_msg: Any, field: str
+) -> None:
     await register(registry_env)
     await put(registry_env, 1, parent="tenants/acme/conversations/existing")
     before = registry_env.registry.counts_by_kind()
@@ -249,20 +361,28 @@ async def test_bad_input_is_invalid_argument_and_changes_nothing(
 
 async def test_unknown_and_expired_and_claimed_codes(registry_env: RegistryEnv) -> None:
     await register(registry_env, ttl=100)
-    missing = await rpc_error(registry_env.stub.ClaimRetention(pb.ClaimRetentionRequest(
-        name=f"{CONV}/retentions/9", holder="h")))
+    missing = await rpc_error(
+        registry_env.stub.ClaimRetention(pb.ClaimRetentionRequest(name=f"{CONV}/retentions/9", holder="h"))
+    )
     assert (missing.code(), error_info(missing).reason) == (grpc.StatusCode.NOT_FOUND, "RETENTION_NOT_FOUND")
     r = await put(registry_env, 1, ttl=5)
     registry_env.clock.advance(5)  # past its deadline; the timer has not run yet
-    expired = await rpc_error(registry_env.stub.ClaimRetention(pb.ClaimRetentionRequest(
-        name=r.name, holder="h")))
+    expired = await rpc_error(
+        registry_env.stub.ClaimRetention(pb.ClaimRetentionRequest(name=r.name, holder="h"))
+    )
     assert (expired.code(), error_info(expired).reason) == (
-        grpc.StatusCode.FAILED_PRECONDITION, "RETENTION_EXPIRED")
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "RETENTION_EXPIRED",
+    )
     r2 = await put(registry_env, 2, ttl=60)
     await registry_env.stub.ClaimRetention(pb.ClaimRetentionRequest(name=r2.name, holder="h"))
-    renew = await rpc_error(registry_env.stub.RenewRetention(pb.RenewRetentionRequest(
-        name=r2.name, ttl=seconds(30))))
-    assert (renew.code(), error_info(renew).reason) == (grpc.StatusCode.FAILED_PRECONDITION, "RETENTION_CLAIMED")
+    renew = await rpc_error(
+        registry_env.stub.RenewRetention(pb.RenewRetentionRequest(name=r2.name, ttl=seconds(30)))
+    )
+    assert (renew.code(), error_info(renew).reason) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "RETENTION_CLAIMED",
+    )
 
 
 class _GatedStore(InMemoryStore):
@@ -273,8 +393,7 @@ class _GatedStore(InMemoryStore):
         self.entered = asyncio.Event()
         self.gate = asyncio.Event()
 
-    async def put_retention(self, retention: Retention, ttl: float, now: float, *,
-                            request_id: str) -> Any:
+    async def put_retention(self, retention: Retention, ttl: float, now: float, *, request_id: str) -> Any:
         self.entered.set()
         await self.gate.wait()
         return await super().put_retention(retention, ttl, now, request_id=request_id)
@@ -308,5 +427,7 @@ async def test_claim_metrics_by_outcome(registry_env: RegistryEnv) -> None:
     await rpc_error(registry_env.stub.ClaimRetention(pb.ClaimRetentionRequest(name=r.name, holder="b")))
     m = registry_env.metrics
     assert m.get_sample_value("kvshuttle_registry_claims_total", {"outcome": "GRANTED"}) == 1
-    assert m.get_sample_value("kvshuttle_registry_claims_total", {"outcome": "RETENTION_ALREADY_CLAIMED"}) == 1
+    assert (
+        m.get_sample_value("kvshuttle_registry_claims_total", {"outcome": "RETENTION_ALREADY_CLAIMED"}) == 1
+    )
     assert m.get_sample_value("kvshuttle_registry_live_leases", {"kind": "claim"}) == 1

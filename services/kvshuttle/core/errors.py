@@ -30,8 +30,9 @@ class KvshuttleError(Exception):
     code: ErrorCode = ErrorCode.FAILED_PRECONDITION
     default_reason: str = "FAILED_PRECONDITION"
 
-    def __init__(self, message: str, *, reason: str | None = None,
-                 metadata: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, message: str, *, reason: str | None = None, metadata: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.reason = reason or self.default_reason

@@ -49,7 +49,7 @@ def chain_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT_HASH
     prev = parent
     for start in range(0, (len(tokens) // block_size) * step, step):
         h = hashlib.blake2b(prev.to_bytes(8, "little"), digest_size=8)
-        h.update(raw[start:start + step])
+        h.update(raw[start : start + step])
         prev = int.from_bytes(h.digest(), "little")
         out.append(prev)
     return out

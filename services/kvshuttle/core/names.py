@@ -80,31 +80,37 @@ def parse_tenant(name: str, field: str = "parent", *, max_length: int = DEFAULT_
     return check_id(parts[1], field, max_length=max_length)
 
 
-def parse_conversation(name: str, field: str = "name", *,
-                       max_length: int = DEFAULT_MAX_ID_LENGTH) -> ConversationName:
+def parse_conversation(
+    name: str, field: str = "name", *, max_length: int = DEFAULT_MAX_ID_LENGTH
+) -> ConversationName:
     parts = _split(name, field, max_length)
     if len(parts) != 4 or parts[0] != "tenants" or parts[2] != "conversations":
         raise InvalidArgument(field, "must be tenants/{tenant}/conversations/{conversation}")
-    return ConversationName(check_id(parts[1], field, max_length=max_length),
-                            check_id(parts[3], field, max_length=max_length))
+    return ConversationName(
+        check_id(parts[1], field, max_length=max_length), check_id(parts[3], field, max_length=max_length)
+    )
 
 
-def parse_retention(name: str, field: str = "name", *,
-                    max_length: int = DEFAULT_MAX_ID_LENGTH) -> RetentionName:
+def parse_retention(
+    name: str, field: str = "name", *, max_length: int = DEFAULT_MAX_ID_LENGTH
+) -> RetentionName:
     parts = _split(name, field, max_length)
     if len(parts) != 6 or parts[0] != "tenants" or parts[2] != "conversations" or parts[4] != "retentions":
         raise InvalidArgument(
-            field, "must be tenants/{tenant}/conversations/{conversation}/retentions/{generation}")
+            field, "must be tenants/{tenant}/conversations/{conversation}/retentions/{generation}"
+        )
     generation = parts[5]
     if not generation.isdigit() or len(generation) > 20 or int(generation) == 0:
         raise InvalidArgument(field, "generation must be a positive integer")
-    conversation = ConversationName(check_id(parts[1], field, max_length=max_length),
-                                    check_id(parts[3], field, max_length=max_length))
+    conversation = ConversationName(
+        check_id(parts[1], field, max_length=max_length), check_id(parts[3], field, max_length=max_length)
+    )
     return RetentionName(conversation, int(generation))
 
 
-def parse_tenant_or_conversation(name: str, field: str = "parent", *,
-                                 max_length: int = DEFAULT_MAX_ID_LENGTH) -> tuple[str, str | None]:
+def parse_tenant_or_conversation(
+    name: str, field: str = "parent", *, max_length: int = DEFAULT_MAX_ID_LENGTH
+) -> tuple[str, str | None]:
     """`tenants/{t}` or `tenants/{t}/conversations/{c}` -> (tenant, conversation or None)."""
     parts = _split(name, field, max_length)
     if len(parts) == 2:

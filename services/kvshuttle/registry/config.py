@@ -16,8 +16,9 @@ from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
 
 
 class RegistrySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="KVSHUTTLE_REGISTRY_", env_nested_delimiter="__",
-                                      extra="forbid")
+    model_config = SettingsConfigDict(
+        env_prefix="KVSHUTTLE_REGISTRY_", env_nested_delimiter="__", extra="forbid"
+    )
 
     server: ServerSettings = Field(default_factory=lambda: ServerSettings(listen="127.0.0.1:50051"))
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)

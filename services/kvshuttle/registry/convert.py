@@ -23,8 +23,11 @@ from kvshuttle.registry.model import (
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
-ROLE_TO_PB = {NodeRole.PREFILL: pb.NODE_ROLE_PREFILL, NodeRole.DECODE: pb.NODE_ROLE_DECODE,
-              NodeRole.BOTH: pb.NODE_ROLE_BOTH}
+ROLE_TO_PB = {
+    NodeRole.PREFILL: pb.NODE_ROLE_PREFILL,
+    NodeRole.DECODE: pb.NODE_ROLE_DECODE,
+    NodeRole.BOTH: pb.NODE_ROLE_BOTH,
+}
 ROLE_FROM_PB = {v: k for k, v in ROLE_TO_PB.items()}
 CHANGE_TO_PB = {
     ChangeKind.PUT: pb.RETENTION_CHANGE_PUT,
@@ -60,7 +63,7 @@ def duration_seconds(d: Duration, field: str) -> float | None:
 def role_from_pb(role: int, field: str, *, required: bool) -> NodeRole | None:
     if role == pb.NODE_ROLE_UNSPECIFIED and not required:
         return None
-    found = ROLE_FROM_PB.get(role)  # type: ignore[call-overload]
+    found: NodeRole | None = ROLE_FROM_PB.get(role)  # type: ignore[call-overload]
     if found is None:
         raise InvalidArgument(field, "must be NODE_ROLE_PREFILL, NODE_ROLE_DECODE or NODE_ROLE_BOTH")
     return found
@@ -70,66 +73,111 @@ def node_spec_from_pb(node: pb.Node) -> NodeSpec:
     role = role_from_pb(node.role, "node.role", required=True)
     assert role is not None
     return NodeSpec(
-        name=node.name, role=role, engine_id=node.engine_id, http_endpoint=node.http_endpoint,
-        side_channel_host=node.side_channel_host, side_channel_port=node.side_channel_port,
-        agent_endpoint=node.agent_endpoint, model=node.model, block_size=node.block_size,
-        kv_bytes_per_token=node.kv_bytes_per_token, labels=dict(node.labels))
+        name=node.name,
+        role=role,
+        engine_id=node.engine_id,
+        http_endpoint=node.http_endpoint,
+        side_channel_host=node.side_channel_host,
+        side_channel_port=node.side_channel_port,
+        agent_endpoint=node.agent_endpoint,
+        model=node.model,
+        block_size=node.block_size,
+        kv_bytes_per_token=node.kv_bytes_per_token,
+        labels=dict(node.labels),
+    )
 
 
 def load_from_pb(load: pb.NodeLoad) -> NodeLoad:
-    return NodeLoad(running_requests=load.running_requests, waiting_requests=load.waiting_requests,
-                    kv_cache_usage=load.kv_cache_usage, engine_healthy=load.engine_healthy)
+    return NodeLoad(
+        running_requests=load.running_requests,
+        waiting_requests=load.waiting_requests,
+        kv_cache_usage=load.kv_cache_usage,
+        engine_healthy=load.engine_healthy,
+    )
 
 
 def node_to_pb(node: Node, indexed_blocks: int = 0) -> pb.Node:
     spec = node.spec
     return pb.Node(
-        name=spec.name, role=ROLE_TO_PB[spec.role], engine_id=spec.engine_id,
-        http_endpoint=spec.http_endpoint, side_channel_host=spec.side_channel_host,
-        side_channel_port=spec.side_channel_port, agent_endpoint=spec.agent_endpoint,
-        model=spec.model, block_size=spec.block_size, kv_bytes_per_token=spec.kv_bytes_per_token,
+        name=spec.name,
+        role=ROLE_TO_PB[spec.role],
+        engine_id=spec.engine_id,
+        http_endpoint=spec.http_endpoint,
+        side_channel_host=spec.side_channel_host,
+        side_channel_port=spec.side_channel_port,
+        agent_endpoint=spec.agent_endpoint,
+        model=spec.model,
+        block_size=spec.block_size,
+        kv_bytes_per_token=spec.kv_bytes_per_token,
         labels=spec.labels,
-        load=pb.NodeLoad(running_requests=node.load.running_requests,
-                         waiting_requests=node.load.waiting_requests,
-                         kv_cache_usage=node.load.kv_cache_usage,
-                         engine_healthy=node.load.engine_healthy),
-        incarnation=node.incarnation, register_time=timestamp(node.register_time),
-        expire_time=timestamp(node.expire_at), retained_bytes=node.retained_bytes,
-        retention_count=node.retention_count, indexed_blocks=indexed_blocks)
+        load=pb.NodeLoad(
+            running_requests=node.load.running_requests,
+            waiting_requests=node.load.waiting_requests,
+            kv_cache_usage=node.load.kv_cache_usage,
+            engine_healthy=node.load.engine_healthy,
+        ),
+        incarnation=node.incarnation,
+        register_time=timestamp(node.register_time),
+        expire_time=timestamp(node.expire_at),
+        retained_bytes=node.retained_bytes,
+        retention_count=node.retention_count,
+        indexed_blocks=indexed_blocks,
+    )
 
 
 def retention_from_pb(r: pb.Retention) -> Retention:
     """The input fields of a retention; the name is set by the domain from the parent."""
     return Retention(
-        name="", node=r.node, generation=r.generation, model=r.model, block_size=r.block_size,
-        num_tokens=r.num_tokens, block_hashes=array("Q", r.block_hashes),
+        name="",
+        node=r.node,
+        generation=r.generation,
+        model=r.model,
+        block_size=r.block_size,
+        num_tokens=r.num_tokens,
+        block_hashes=array("Q", r.block_hashes),
         kv_transfer_params=r.kv_transfer_params.SerializeToString(deterministic=True)
-        if r.HasField("kv_transfer_params") else b"",
+        if r.HasField("kv_transfer_params")
+        else b"",
         kv_bytes=r.kv_bytes,
-        pin_expire_at=seconds(r.pin_expire_time) if r.HasField("pin_expire_time") else None)
+        pin_expire_at=seconds(r.pin_expire_time) if r.HasField("pin_expire_time") else None,
+    )
 
 
 def retention_to_pb(r: Retention) -> pb.Retention:
     out = pb.Retention(
-        name=r.name, node=r.node, generation=r.generation, model=r.model, block_size=r.block_size,
-        num_tokens=r.num_tokens, block_hashes=r.block_hashes,
+        name=r.name,
+        node=r.node,
+        generation=r.generation,
+        model=r.model,
+        block_size=r.block_size,
+        num_tokens=r.num_tokens,
+        block_hashes=r.block_hashes,
         kv_transfer_params=KvTransferParams.FromString(r.kv_transfer_params),
         kv_bytes=r.kv_bytes,
         state=pb.RETENTION_STATE_CLAIMED if r.claim is not None else pb.RETENTION_STATE_ACTIVE,
-        create_time=timestamp(r.create_time), expire_time=timestamp(r.expire_at))
+        create_time=timestamp(r.create_time),
+        expire_time=timestamp(r.expire_at),
+    )
     if r.pin_expire_at is not None:
         out.pin_expire_time.CopyFrom(timestamp(r.pin_expire_at))
     if r.claim is not None:
-        out.claim.CopyFrom(pb.Claim(claim_id=r.claim.claim_id, holder=r.claim.holder,
-                                    claim_time=timestamp(r.claim.claim_time),
-                                    expire_time=timestamp(r.claim.expire_at)))
+        out.claim.CopyFrom(
+            pb.Claim(
+                claim_id=r.claim.claim_id,
+                holder=r.claim.holder,
+                claim_time=timestamp(r.claim.claim_time),
+                expire_time=timestamp(r.claim.expire_at),
+            )
+        )
     return out
 
 
 def change_to_pb(change: RetentionChange) -> pb.WatchRetentionsResponse:
-    return pb.WatchRetentionsResponse(change=CHANGE_TO_PB[change.kind],
-                                      retention=retention_to_pb(change.retention),
-                                      change_time=timestamp(change.at))
+    return pb.WatchRetentionsResponse(
+        change=CHANGE_TO_PB[change.kind],
+        retention=retention_to_pb(change.retention),
+        change_time=timestamp(change.at),
+    )
 
 
 def event_batches_from_pb(batches: Sequence[pb.BlockEventBatch]) -> list[bi.EventBatch]:
@@ -140,14 +188,22 @@ def event_batches_from_pb(batches: Sequence[pb.BlockEventBatch]) -> list[bi.Even
             kind = event.WhichOneof("event")
             if kind == "stored":
                 s = event.stored
-                events.append(bi.BlockStored(
-                    block_hashes=tuple(s.block_hashes),
-                    parent_block_hash=s.parent_block_hash if s.HasField("parent_block_hash") else None,
-                    token_ids=tuple(s.token_ids), block_size=s.block_size,
-                    lora_id=s.lora_id if s.HasField("lora_id") else None, medium=s.medium))
+                events.append(
+                    bi.BlockStored(
+                        block_hashes=tuple(s.block_hashes),
+                        parent_block_hash=s.parent_block_hash if s.HasField("parent_block_hash") else None,
+                        token_ids=tuple(s.token_ids),
+                        block_size=s.block_size,
+                        lora_id=s.lora_id if s.HasField("lora_id") else None,
+                        medium=s.medium,
+                    )
+                )
             elif kind == "removed":
-                events.append(bi.BlockRemoved(block_hashes=tuple(event.removed.block_hashes),
-                                              medium=event.removed.medium))
+                events.append(
+                    bi.BlockRemoved(
+                        block_hashes=tuple(event.removed.block_hashes), medium=event.removed.medium
+                    )
+                )
             elif kind == "cleared":
                 events.append(bi.AllBlocksCleared())
             else:

@@ -31,15 +31,22 @@ def build_registry(settings: RegistrySettings, clock: Clock) -> Registry:
     return Registry(store, clock, BlockIndex(settings.max_indexed_blocks_per_node), settings.limits)
 
 
-def build_server(settings: RegistrySettings, registry: Registry,
-                 prometheus: CollectorRegistry = REGISTRY) -> GrpcServer:
+def build_server(
+    settings: RegistrySettings, registry: Registry, prometheus: CollectorRegistry = REGISTRY
+) -> GrpcServer:
     def register(server: grpc.aio.Server) -> None:
         registry_service_pb2_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(registry), server)
 
     register_metrics(registry, prometheus)
-    return GrpcServer(settings.server, settings.telemetry, service_name="kvshuttle-registry",
-                      domain=ERROR_DOMAIN, register=register, service_names=[SERVICE],
-                      registry=prometheus)
+    return GrpcServer(
+        settings.server,
+        settings.telemetry,
+        service_name="kvshuttle-registry",
+        domain=ERROR_DOMAIN,
+        register=register,
+        service_names=[SERVICE],
+        registry=prometheus,
+    )
 
 
 async def serve(settings: RegistrySettings) -> None:

@@ -103,26 +103,36 @@ class InMemoryStore:
         # Sorted retention names per tenant, for stable paging.
         self._tenant_names: dict[str, list[str]] = {}
         self._heap: list[tuple[float, int, str]] = []
-        self._idempotency = _IdempotencyCache(self._limits.idempotency_ttl,
-                                              self._limits.idempotency_max_entries)
+        self._idempotency = _IdempotencyCache(
+            self._limits.idempotency_ttl, self._limits.idempotency_max_entries
+        )
         # Incarnations grow across registry restarts too (callers seed the base from the clock).
         self._next_incarnation = incarnation_base + 1
         self._claimed = 0
 
     # ---- nodes ---------------------------------------------------------------------------
 
-    async def register_node(self, spec: NodeSpec, ttl: float, now: float
-                            ) -> tuple[Node, list[RetentionChange], bool]:
+    async def register_node(
+        self, spec: NodeSpec, ttl: float, now: float
+    ) -> tuple[Node, list[RetentionChange], bool]:
         existing = self._nodes.get(spec.name)
         if existing is None and len(self._nodes) >= self._limits.max_nodes:
-            raise ResourceExhausted(f"at most {self._limits.max_nodes} nodes",
-                                    reason="CAPACITY_EXCEEDED", metadata={"limit": "max_nodes"})
+            raise ResourceExhausted(
+                f"at most {self._limits.max_nodes} nodes",
+                reason="CAPACITY_EXCEEDED",
+                metadata={"limit": "max_nodes"},
+            )
         changes: list[RetentionChange] = []
         engine_changed = existing is not None and existing.spec.engine_id != spec.engine_id
         if engine_changed:
             changes = self._drop_node_retentions(spec.name, ChangeKind.NODE_LOST, now)
-        node = Node(spec=copy.deepcopy(spec), incarnation=self._next_incarnation,
-                    register_time=now, expire_at=now + ttl, load=NodeLoad())
+        node = Node(
+            spec=copy.deepcopy(spec),
+            incarnation=self._next_incarnation,
+            register_time=now,
+            expire_at=now + ttl,
+            load=NodeLoad(),
+        )
         self._next_incarnation += 1
         if existing is not None and not engine_changed:
             node.retained_bytes = existing.retained_bytes
@@ -135,33 +145,38 @@ class InMemoryStore:
     def _live_node(self, name: str, incarnation: int | None) -> Node:
         node = self._nodes.get(name)
         if node is None:
-            raise NotFound(f"node {name} is not registered (or its lease lapsed)",
-                           reason="NODE_NOT_FOUND", metadata={"node": name})
+            raise NotFound(
+                f"node {name} is not registered (or its lease lapsed)",
+                reason="NODE_NOT_FOUND",
+                metadata={"node": name},
+            )
         if incarnation is not None and node.incarnation != incarnation:
             raise FailedPrecondition(
                 f"node {name} is at incarnation {node.incarnation}, not {incarnation}",
                 reason="NODE_INCARNATION_MISMATCH",
-                metadata={"node": name, "incarnation": str(node.incarnation)})
+                metadata={"node": name, "incarnation": str(node.incarnation)},
+            )
         return node
 
-    async def heartbeat_node(self, name: str, incarnation: int, ttl: float, load: NodeLoad,
-                             now: float) -> Node:
+    async def heartbeat_node(
+        self, name: str, incarnation: int, ttl: float, load: NodeLoad, now: float
+    ) -> Node:
         node = self._live_node(name, incarnation)
         node.expire_at = now + ttl
         node.load = copy.copy(load)
         self._push(node.expire_at, _NODE, name)
         return _snapshot_node(node)
 
-    async def deregister_node(self, name: str, incarnation: int | None, now: float
-                              ) -> list[RetentionChange]:
+    async def deregister_node(self, name: str, incarnation: int | None, now: float) -> list[RetentionChange]:
         self._live_node(name, incarnation)
         return self._remove_node(name, now)
 
     async def get_node(self, name: str) -> Node:
         return _snapshot_node(self._live_node(name, None))
 
-    async def list_nodes(self, *, role: NodeRole | None, model: str | None, after: str,
-                         limit: int) -> list[Node]:
+    async def list_nodes(
+        self, *, role: NodeRole | None, model: str | None, after: str, limit: int
+    ) -> list[Node]:
         names = sorted(n for n in self._nodes if n > after)
         out: list[Node] = []
         for name in names:
@@ -179,13 +194,13 @@ class InMemoryStore:
         return changes
 
     def _drop_node_retentions(self, name: str, kind: ChangeKind, now: float) -> list[RetentionChange]:
-        return [self._remove_retention(r, kind, now)
-                for r in sorted(self._node_retentions.get(name, ()))]
+        return [self._remove_retention(r, kind, now) for r in sorted(self._node_retentions.get(name, ()))]
 
     # ---- retentions ----------------------------------------------------------------------
 
-    async def put_retention(self, retention: Retention, ttl: float, now: float, *,
-                            request_id: str) -> tuple[PutResult, list[RetentionChange]]:
+    async def put_retention(
+        self, retention: Retention, ttl: float, now: float, *, request_id: str
+    ) -> tuple[PutResult, list[RetentionChange]]:
         key = ("put", request_id)
         if request_id:
             cached: PutResult | None = self._idempotency.get(key, now)
@@ -193,38 +208,48 @@ class InMemoryStore:
                 return cached, []
         node = self._nodes.get(retention.node)
         if node is None:
-            raise FailedPrecondition(f"node {retention.node} is not registered",
-                                     reason="NODE_NOT_FOUND", metadata={"node": retention.node})
+            raise FailedPrecondition(
+                f"node {retention.node} is not registered",
+                reason="NODE_NOT_FOUND",
+                metadata={"node": retention.node},
+            )
         if node.spec.model != retention.model or node.spec.block_size != retention.block_size:
             raise FailedPrecondition(
                 f"node {retention.node} serves model {node.spec.model!r} with block size "
                 f"{node.spec.block_size}, not {retention.model!r} / {retention.block_size}",
-                reason="NODE_MISMATCH", metadata={"node": retention.node})
+                reason="NODE_MISMATCH",
+                metadata={"node": retention.node},
+            )
         conversation = retention.conversation
         fence = self._fences.get(conversation)
         if fence is not None and retention.generation <= fence.generation:
             raise Aborted(
-                f"generation {retention.generation} is not newer than {fence.generation} "
-                f"for {conversation}",
+                f"generation {retention.generation} is not newer than {fence.generation} for {conversation}",
                 reason="FENCING_GENERATION_STALE",
-                metadata={"fence_generation": str(fence.generation)})
+                metadata={"fence_generation": str(fence.generation)},
+            )
         expire_at = now + ttl
         if retention.pin_expire_at is not None:
             if retention.pin_expire_at <= now:
-                raise FailedPrecondition("pin_expire_time has already passed: the blocks are gone",
-                                         reason="PIN_EXPIRED")
+                raise FailedPrecondition(
+                    "pin_expire_time has already passed: the blocks are gone", reason="PIN_EXPIRED"
+                )
             expire_at = min(expire_at, retention.pin_expire_at)
         old_name = self._by_conversation.get(conversation)
         tenant = retention.tenant
         if old_name is None:
             if len(self._retentions) >= self._limits.max_retentions:
-                raise ResourceExhausted(f"at most {self._limits.max_retentions} retentions",
-                                        reason="CAPACITY_EXCEEDED",
-                                        metadata={"limit": "max_retentions"})
+                raise ResourceExhausted(
+                    f"at most {self._limits.max_retentions} retentions",
+                    reason="CAPACITY_EXCEEDED",
+                    metadata={"limit": "max_retentions"},
+                )
             if len(self._tenant_names.get(tenant, ())) >= self._limits.max_retentions_per_tenant:
                 raise ResourceExhausted(
                     f"tenant {tenant} holds {self._limits.max_retentions_per_tenant} retentions",
-                    reason="CAPACITY_EXCEEDED", metadata={"limit": "max_retentions_per_tenant"})
+                    reason="CAPACITY_EXCEEDED",
+                    metadata={"limit": "max_retentions_per_tenant"},
+                )
         # Everything is checked: from here on nothing raises.
         changes: list[RetentionChange] = []
         replaced: Retention | None = None
@@ -254,8 +279,9 @@ class InMemoryStore:
     def _retention(self, name: str) -> Retention:
         record = self._retentions.get(name)
         if record is None:
-            raise NotFound(f"retention {name} not found", reason="RETENTION_NOT_FOUND",
-                           metadata={"retention": name})
+            raise NotFound(
+                f"retention {name} not found", reason="RETENTION_NOT_FOUND", metadata={"retention": name}
+            )
         return record
 
     async def get_retention(self, name: str) -> Retention:
@@ -264,26 +290,38 @@ class InMemoryStore:
     async def get_conversation(self, name: str) -> Conversation:
         fence = self._fences.get(name)
         if fence is None:
-            raise NotFound(f"conversation {name} has no retention and no fencing generation",
-                           reason="CONVERSATION_NOT_FOUND", metadata={"conversation": name})
+            raise NotFound(
+                f"conversation {name} has no retention and no fencing generation",
+                reason="CONVERSATION_NOT_FOUND",
+                metadata={"conversation": name},
+            )
         current = self._by_conversation.get(name)
-        return Conversation(name, fence.generation,
-                            _snapshot(self._retentions[current]) if current else None)
+        return Conversation(name, fence.generation, _snapshot(self._retentions[current]) if current else None)
 
     def _check_claimable(self, record: Retention, now: float) -> None:
         if record.claim is not None:
-            raise Aborted(f"retention {record.name} is already claimed",
-                          reason="RETENTION_ALREADY_CLAIMED", metadata={"retention": record.name})
+            raise Aborted(
+                f"retention {record.name} is already claimed",
+                reason="RETENTION_ALREADY_CLAIMED",
+                metadata={"retention": record.name},
+            )
         if record.expire_at <= now:
-            raise FailedPrecondition(f"retention {record.name} expired",
-                                     reason="RETENTION_EXPIRED", metadata={"retention": record.name})
+            raise FailedPrecondition(
+                f"retention {record.name} expired",
+                reason="RETENTION_EXPIRED",
+                metadata={"retention": record.name},
+            )
 
-    async def renew_retention(self, name: str, ttl: float, max_ttl: float, now: float
-                              ) -> tuple[Retention, list[RetentionChange]]:
+    async def renew_retention(
+        self, name: str, ttl: float, max_ttl: float, now: float
+    ) -> tuple[Retention, list[RetentionChange]]:
         record = self._retention(name)
         if record.claim is not None:
-            raise FailedPrecondition(f"retention {name} is claimed; a claim is never renewed",
-                                     reason="RETENTION_CLAIMED", metadata={"retention": name})
+            raise FailedPrecondition(
+                f"retention {name} is claimed; a claim is never renewed",
+                reason="RETENTION_CLAIMED",
+                metadata={"retention": name},
+            )
         self._check_claimable(record, now)
         expire_at = now + min(ttl, max_ttl)
         if record.pin_expire_at is not None:
@@ -294,8 +332,9 @@ class InMemoryStore:
         snapshot = _snapshot(record)
         return snapshot, [RetentionChange(ChangeKind.RENEWED, snapshot, now)]
 
-    async def claim_retention(self, name: str, holder: str, claim_ttl: float, now: float, *,
-                              request_id: str) -> tuple[Retention, list[RetentionChange]]:
+    async def claim_retention(
+        self, name: str, holder: str, claim_ttl: float, now: float, *, request_id: str
+    ) -> tuple[Retention, list[RetentionChange]]:
         key = ("claim", request_id)
         if request_id:
             cached: Retention | None = self._idempotency.get(key, now)
@@ -312,16 +351,21 @@ class InMemoryStore:
             self._idempotency.put(key, snapshot, now)
         return snapshot, [RetentionChange(ChangeKind.CLAIMED, snapshot, now)]
 
-    async def release_retention(self, name: str, claim_id: str, force: bool, now: float
-                                ) -> list[RetentionChange]:
+    async def release_retention(
+        self, name: str, claim_id: str, force: bool, now: float
+    ) -> list[RetentionChange]:
         record = self._retention(name)
         if record.claim is not None and not force and claim_id != record.claim.claim_id:
-            raise FailedPrecondition(f"retention {name} is claimed by {record.claim.holder}",
-                                     reason="CLAIM_MISMATCH", metadata={"retention": name})
+            raise FailedPrecondition(
+                f"retention {name} is claimed by {record.claim.holder}",
+                reason="CLAIM_MISMATCH",
+                metadata={"retention": name},
+            )
         return [self._remove_retention(name, ChangeKind.RELEASED, now)]
 
-    async def list_retentions(self, *, tenant: str, conversation: str | None, node: str | None,
-                              after: str, limit: int) -> list[Retention]:
+    async def list_retentions(
+        self, *, tenant: str, conversation: str | None, node: str | None, after: str, limit: int
+    ) -> list[Retention]:
         names = self._tenant_names.get(tenant, [])
         prefix = f"{conversation}/" if conversation else ""
         start = bisect.bisect_right(names, max(after, prefix))
@@ -401,5 +445,9 @@ class InMemoryStore:
         return self._heap[0][0] if self._heap else None
 
     def counts(self) -> StoreCounts:
-        return StoreCounts(nodes=len(self._nodes), retentions=len(self._retentions),
-                           claimed=self._claimed, fenced_conversations=len(self._fences))
+        return StoreCounts(
+            nodes=len(self._nodes),
+            retentions=len(self._retentions),
+            claimed=self._claimed,
+            fenced_conversations=len(self._fences),
+        )

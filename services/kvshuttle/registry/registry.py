@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import json
 import math
 from collections import Counter
@@ -132,15 +133,15 @@ class Subscription:
             change = await self._queue.get()
             if change is None:
                 if self.overflowed:
-                    raise ResourceExhausted("watcher fell behind; watch again",
-                                            reason="WATCH_OVERFLOW")
+                    raise ResourceExhausted("watcher fell behind; watch again", reason="WATCH_OVERFLOW")
                 return
             yield change
 
 
 class Registry:
-    def __init__(self, store: RegistryStore, clock: Clock, index: BlockIndex,
-                 limits: RegistryLimits | None = None) -> None:
+    def __init__(
+        self, store: RegistryStore, clock: Clock, index: BlockIndex, limits: RegistryLimits | None = None
+    ) -> None:
         self._store = store
         self._clock = clock
         self._index = index
@@ -206,9 +207,16 @@ class Registry:
         if len(spec.labels) > self.limits.max_labels:
             raise InvalidArgument("node.labels", f"at most {self.limits.max_labels} labels")
         for key, value in spec.labels.items():
-            if not key or len(key) > self.limits.max_label_length or len(value) > self.limits.max_label_length:
-                raise InvalidArgument("node.labels", f"keys must be 1..{self.limits.max_label_length} "
-                                      f"characters, values at most {self.limits.max_label_length}")
+            if (
+                not key
+                or len(key) > self.limits.max_label_length
+                or len(value) > self.limits.max_label_length
+            ):
+                raise InvalidArgument(
+                    "node.labels",
+                    f"keys must be 1..{self.limits.max_label_length} "
+                    f"characters, values at most {self.limits.max_label_length}",
+                )
 
     async def register_node(self, spec: NodeSpec, ttl: float | None) -> Node:
         self._check_spec(spec)
@@ -218,8 +226,9 @@ class Registry:
             self._index.drop_node(spec.name)
         self._publish(changes)
         self._wake.set()
-        log.info("node.registered", node=spec.name, incarnation=node.incarnation,
-                 engine_changed=engine_changed)
+        log.info(
+            "node.registered", node=spec.name, incarnation=node.incarnation, engine_changed=engine_changed
+        )
         return node
 
     async def heartbeat_node(self, name: str, incarnation: int, ttl: float | None, load: NodeLoad) -> Node:
@@ -242,8 +251,9 @@ class Registry:
     async def get_node(self, name: str) -> Node:
         return await self._store.get_node(self._node_name(name, "name"))
 
-    async def list_nodes(self, *, role: NodeRole | None, model: str, page_size: int,
-                         page_token: str) -> tuple[list[Node], str]:
+    async def list_nodes(
+        self, *, role: NodeRole | None, model: str, page_size: int, page_token: str
+    ) -> tuple[list[Node], str]:
         self._bounded(model, "model", required=False)
         size, after = self._page(page_size, page_token, "nodes")
         nodes = await self._store.list_nodes(role=role, model=model or None, after=after, limit=size)
@@ -266,13 +276,14 @@ class Registry:
         if len(retention.block_hashes) > self.limits.max_block_hashes:
             raise InvalidArgument("retention.block_hashes", f"at most {self.limits.max_block_hashes}")
         if len(retention.block_hashes) != retention.num_tokens // retention.block_size:
-            raise InvalidArgument("retention.block_hashes",
-                                  "must hold one hash per full block of num_tokens")
+            raise InvalidArgument("retention.block_hashes", "must hold one hash per full block of num_tokens")
         if not retention.kv_transfer_params:
             raise InvalidArgument("retention.kv_transfer_params", "required")
         if len(retention.kv_transfer_params) > self.limits.max_kv_transfer_params_bytes:
-            raise InvalidArgument("retention.kv_transfer_params",
-                                  f"larger than {self.limits.max_kv_transfer_params_bytes} bytes")
+            raise InvalidArgument(
+                "retention.kv_transfer_params",
+                f"larger than {self.limits.max_kv_transfer_params_bytes} bytes",
+            )
         if retention.kv_bytes < 0:
             raise InvalidArgument("retention.kv_bytes", "must not be negative")
 
@@ -281,8 +292,9 @@ class Registry:
             self._id(request_id, "request_id")
         return request_id
 
-    async def put_retention(self, *, request_id: str, parent: str, retention: Retention,
-                            ttl: float | None) -> PutResult:
+    async def put_retention(
+        self, *, request_id: str, parent: str, retention: Retention, ttl: float | None
+    ) -> PutResult:
         self._request_id(request_id)
         conversation = parse_conversation(parent, "parent", max_length=self.limits.max_id_length)
         self._check_retention(retention)
@@ -290,8 +302,9 @@ class Registry:
         if retention.pin_expire_at is not None and not math.isfinite(retention.pin_expire_at):
             raise InvalidArgument("retention.pin_expire_time", "must be a finite time")
         retention.name = conversation.retention(retention.generation)
-        result, changes = await self._store.put_retention(retention, lease, self._clock.now(),
-                                                          request_id=request_id)
+        result, changes = await self._store.put_retention(
+            retention, lease, self._clock.now(), request_id=request_id
+        )
         if changes:
             self.stats.puts += 1
             self.stats.replaced += result.replaced is not None
@@ -314,19 +327,22 @@ class Registry:
         self._retention_name(name)
         lease = self.limits.retention_ttl.pick(ttl, "ttl")
         retention, changes = await self._store.renew_retention(
-            name, lease, self.limits.retention_ttl.maximum, self._clock.now())
+            name, lease, self.limits.retention_ttl.maximum, self._clock.now()
+        )
         self._publish(changes)
         return retention
 
-    async def claim_retention(self, *, request_id: str, name: str, holder: str,
-                              claim_ttl: float | None) -> Retention:
+    async def claim_retention(
+        self, *, request_id: str, name: str, holder: str, claim_ttl: float | None
+    ) -> Retention:
         self._request_id(request_id)
         self._retention_name(name)
         self._bounded(holder, "holder")
         lease = self.limits.claim_ttl.pick(claim_ttl, "claim_ttl")
         try:
             retention, changes = await self._store.claim_retention(
-                name, holder, lease, self._clock.now(), request_id=request_id)
+                name, holder, lease, self._clock.now(), request_id=request_id
+            )
         except Exception as exc:
             self.stats.claims[getattr(exc, "reason", "ERROR")] += 1
             raise
@@ -340,17 +356,20 @@ class Registry:
         self._bounded(claim_id, "claim_id", required=False)
         self._publish(await self._store.release_retention(name, claim_id, force, self._clock.now()))
 
-    async def list_retentions(self, *, parent: str, node: str, page_size: int,
-                              page_token: str) -> tuple[list[Retention], str]:
+    async def list_retentions(
+        self, *, parent: str, node: str, page_size: int, page_token: str
+    ) -> tuple[list[Retention], str]:
         tenant, conversation = parse_tenant_or_conversation(
-            parent, "parent", max_length=self.limits.max_id_length)
+            parent, "parent", max_length=self.limits.max_id_length
+        )
         if node:
             self._node_name(node, "node")
         scope = f"{parent}|{node}"
         size, after = self._page(page_size, page_token, scope)
         conv_name = f"tenants/{tenant}/conversations/{conversation}" if conversation else None
         retentions = await self._store.list_retentions(
-            tenant=tenant, conversation=conv_name, node=node or None, after=after, limit=size)
+            tenant=tenant, conversation=conv_name, node=node or None, after=after, limit=size
+        )
         return retentions, self._next_token(scope, [r.name for r in retentions], size)
 
     # ---- watch -----------------------------------------------------------------------------
@@ -365,8 +384,11 @@ class Registry:
         if self._closed:
             raise Unavailable("registry is shutting down", reason="SHUTTING_DOWN")
         if len(self._subscriptions) >= self.limits.max_watchers:
-            raise ResourceExhausted(f"at most {self.limits.max_watchers} watchers",
-                                    reason="CAPACITY_EXCEEDED", metadata={"limit": "max_watchers"})
+            raise ResourceExhausted(
+                f"at most {self.limits.max_watchers} watchers",
+                reason="CAPACITY_EXCEEDED",
+                metadata={"limit": "max_watchers"},
+            )
         sub = Subscription(tenant, node or None, self.limits.watch_queue_size)
         self._subscriptions.add(sub)
         return sub
@@ -387,8 +409,9 @@ class Registry:
 
     # ---- block index -----------------------------------------------------------------------
 
-    async def report_block_events(self, node: str, incarnation: int,
-                                  batches: Sequence[EventBatch]) -> ApplyResult:
+    async def report_block_events(
+        self, node: str, incarnation: int, batches: Sequence[EventBatch]
+    ) -> ApplyResult:
         self._node_name(node, "node")
         if incarnation <= 0:
             raise InvalidArgument("incarnation", "required")
@@ -396,31 +419,38 @@ class Registry:
             raise InvalidArgument("batches", f"at most {self.limits.max_event_batches} batches")
         for i, batch in enumerate(batches):
             if len(batch.events) > self.limits.max_events_per_batch:
-                raise InvalidArgument(f"batches[{i}].events",
-                                      f"at most {self.limits.max_events_per_batch} events")
+                raise InvalidArgument(
+                    f"batches[{i}].events", f"at most {self.limits.max_events_per_batch} events"
+                )
             for j, event in enumerate(batch.events):
                 blocks = getattr(event, "block_hashes", ())
                 if len(blocks) > self.limits.max_event_blocks:
-                    raise InvalidArgument(f"batches[{i}].events[{j}].block_hashes",
-                                          f"at most {self.limits.max_event_blocks} blocks")
+                    raise InvalidArgument(
+                        f"batches[{i}].events[{j}].block_hashes",
+                        f"at most {self.limits.max_event_blocks} blocks",
+                    )
                 if isinstance(event, BlockStored) and (
-                        len(event.token_ids) > self.limits.max_event_blocks * self.limits.max_block_size):
+                    len(event.token_ids) > self.limits.max_event_blocks * self.limits.max_block_size
+                ):
                     raise InvalidArgument(f"batches[{i}].events[{j}].token_ids", "too many tokens")
         # The node must be alive and this incarnation current: events of a dead or replaced
         # agent would resurrect blocks the registry already dropped.
         known = await self._store.get_node(node)
         if known.incarnation != incarnation:
-            raise FailedPrecondition(f"node {node} is at incarnation {known.incarnation}",
-                                     reason="NODE_INCARNATION_MISMATCH",
-                                     metadata={"node": node, "incarnation": str(known.incarnation)})
+            raise FailedPrecondition(
+                f"node {node} is at incarnation {known.incarnation}",
+                reason="NODE_INCARNATION_MISMATCH",
+                metadata={"node": node, "incarnation": str(known.incarnation)},
+            )
         result = self._index.apply(node, batches)
         self.stats.event_batches += result.applied_batches
         self.stats.event_gaps += result.gap_detected
         self.stats.engine_restarts += result.engine_restarted
         return result
 
-    async def lookup_blocks(self, block_hashes: Sequence[int], *, model: str,
-                            role: NodeRole | None) -> list[tuple[str, int]]:
+    async def lookup_blocks(
+        self, block_hashes: Sequence[int], *, model: str, role: NodeRole | None
+    ) -> list[tuple[str, int]]:
         if len(block_hashes) > self.limits.max_lookup_hashes:
             raise InvalidArgument("block_hashes", f"at most {self.limits.max_lookup_hashes}")
         self._bounded(model, "model", required=False)
@@ -429,8 +459,9 @@ class Registry:
         nodes: list[str] = []
         after = ""
         while True:
-            page = await self._store.list_nodes(role=role, model=model or None, after=after,
-                                                limit=self.limits.max_page_size)
+            page = await self._store.list_nodes(
+                role=role, model=model or None, after=after, limit=self.limits.max_page_size
+            )
             nodes.extend(n.name for n in page)
             if len(page) < self.limits.max_page_size:
                 break
@@ -459,10 +490,8 @@ class Registry:
             delay = max_sleep if deadline is None else min(max(deadline - self._clock.now(), 0.0), max_sleep)
             self._wake.clear()
             if delay > 0:
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=delay)
-                except TimeoutError:
-                    pass
             await self.expire_due()
 
     def close(self) -> None:
@@ -475,8 +504,11 @@ class Registry:
 
     def counts_by_kind(self) -> dict[str, int]:
         counts = self._store.counts()
-        return {"node": counts.nodes, "retention": counts.retentions - counts.claimed,
-                "claim": counts.claimed}
+        return {
+            "node": counts.nodes,
+            "retention": counts.retentions - counts.claimed,
+            "claim": counts.claimed,
+        }
 
     @property
     def index(self) -> BlockIndex:

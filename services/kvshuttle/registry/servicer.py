@@ -20,115 +20,156 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
 
-    async def RegisterNode(self, request: pb.RegisterNodeRequest,
-                           context: grpc.aio.ServicerContext[pb.RegisterNodeRequest, pb.RegisterNodeResponse]
-                           ) -> pb.RegisterNodeResponse:
+    async def RegisterNode(
+        self,
+        request: pb.RegisterNodeRequest,
+        context: grpc.aio.ServicerContext[pb.RegisterNodeRequest, pb.RegisterNodeResponse],
+    ) -> pb.RegisterNodeResponse:
         bind_contextvars(node=request.node.name)
-        node = await self._registry.register_node(convert.node_spec_from_pb(request.node),
-                                                  convert.duration_seconds(request.ttl, "ttl"))
-        return pb.RegisterNodeResponse(node=convert.node_to_pb(node, self._registry.indexed_blocks(node.name)))
+        node = await self._registry.register_node(
+            convert.node_spec_from_pb(request.node), convert.duration_seconds(request.ttl, "ttl")
+        )
+        return pb.RegisterNodeResponse(
+            node=convert.node_to_pb(node, self._registry.indexed_blocks(node.name))
+        )
 
-    async def HeartbeatNode(self, request: pb.HeartbeatNodeRequest,
-                            context: grpc.aio.ServicerContext[pb.HeartbeatNodeRequest, pb.HeartbeatNodeResponse]
-                            ) -> pb.HeartbeatNodeResponse:
+    async def HeartbeatNode(
+        self,
+        request: pb.HeartbeatNodeRequest,
+        context: grpc.aio.ServicerContext[pb.HeartbeatNodeRequest, pb.HeartbeatNodeResponse],
+    ) -> pb.HeartbeatNodeResponse:
         bind_contextvars(node=request.name)
-        node = await self._registry.heartbeat_node(request.name, request.incarnation,
-                                                   convert.duration_seconds(request.ttl, "ttl"),
-                                                   convert.load_from_pb(request.load))
+        node = await self._registry.heartbeat_node(
+            request.name,
+            request.incarnation,
+            convert.duration_seconds(request.ttl, "ttl"),
+            convert.load_from_pb(request.load),
+        )
         return pb.HeartbeatNodeResponse(expire_time=convert.timestamp(node.expire_at))
 
-    async def DeregisterNode(self, request: pb.DeregisterNodeRequest,
-                             context: grpc.aio.ServicerContext[pb.DeregisterNodeRequest,
-                                                               pb.DeregisterNodeResponse]
-                             ) -> pb.DeregisterNodeResponse:
+    async def DeregisterNode(
+        self,
+        request: pb.DeregisterNodeRequest,
+        context: grpc.aio.ServicerContext[pb.DeregisterNodeRequest, pb.DeregisterNodeResponse],
+    ) -> pb.DeregisterNodeResponse:
         bind_contextvars(node=request.name)
         removed = await self._registry.deregister_node(request.name, request.incarnation)
         return pb.DeregisterNodeResponse(removed_retentions=removed)
 
-    async def GetNode(self, request: pb.GetNodeRequest,
-                      context: grpc.aio.ServicerContext[pb.GetNodeRequest, pb.GetNodeResponse]
-                      ) -> pb.GetNodeResponse:
+    async def GetNode(
+        self,
+        request: pb.GetNodeRequest,
+        context: grpc.aio.ServicerContext[pb.GetNodeRequest, pb.GetNodeResponse],
+    ) -> pb.GetNodeResponse:
         node = await self._registry.get_node(request.name)
         return pb.GetNodeResponse(node=convert.node_to_pb(node, self._registry.indexed_blocks(node.name)))
 
-    async def ListNodes(self, request: pb.ListNodesRequest,
-                        context: grpc.aio.ServicerContext[pb.ListNodesRequest, pb.ListNodesResponse]
-                        ) -> pb.ListNodesResponse:
+    async def ListNodes(
+        self,
+        request: pb.ListNodesRequest,
+        context: grpc.aio.ServicerContext[pb.ListNodesRequest, pb.ListNodesResponse],
+    ) -> pb.ListNodesResponse:
         nodes, token = await self._registry.list_nodes(
-            role=convert.role_from_pb(request.role, "role", required=False), model=request.model,
-            page_size=request.page_size, page_token=request.page_token)
+            role=convert.role_from_pb(request.role, "role", required=False),
+            model=request.model,
+            page_size=request.page_size,
+            page_token=request.page_token,
+        )
         return pb.ListNodesResponse(
             nodes=[convert.node_to_pb(n, self._registry.indexed_blocks(n.name)) for n in nodes],
-            next_page_token=token)
+            next_page_token=token,
+        )
 
-    async def PutRetention(self, request: pb.PutRetentionRequest,
-                           context: grpc.aio.ServicerContext[pb.PutRetentionRequest, pb.PutRetentionResponse]
-                           ) -> pb.PutRetentionResponse:
+    async def PutRetention(
+        self,
+        request: pb.PutRetentionRequest,
+        context: grpc.aio.ServicerContext[pb.PutRetentionRequest, pb.PutRetentionResponse],
+    ) -> pb.PutRetentionResponse:
         result = await self._registry.put_retention(
-            request_id=request.request_id, parent=request.parent,
+            request_id=request.request_id,
+            parent=request.parent,
             retention=convert.retention_from_pb(request.retention),
-            ttl=convert.duration_seconds(request.ttl, "ttl"))
+            ttl=convert.duration_seconds(request.ttl, "ttl"),
+        )
         bind_contextvars(retention=result.retention.name)
-        return pb.PutRetentionResponse(retention=convert.retention_to_pb(result.retention),
-                                       replaced=result.replaced.name if result.replaced else "")
+        return pb.PutRetentionResponse(
+            retention=convert.retention_to_pb(result.retention),
+            replaced=result.replaced.name if result.replaced else "",
+        )
 
-    async def GetRetention(self, request: pb.GetRetentionRequest,
-                           context: grpc.aio.ServicerContext[pb.GetRetentionRequest, pb.GetRetentionResponse]
-                           ) -> pb.GetRetentionResponse:
+    async def GetRetention(
+        self,
+        request: pb.GetRetentionRequest,
+        context: grpc.aio.ServicerContext[pb.GetRetentionRequest, pb.GetRetentionResponse],
+    ) -> pb.GetRetentionResponse:
         retention = await self._registry.get_retention(request.name)
         return pb.GetRetentionResponse(retention=convert.retention_to_pb(retention))
 
-    async def GetConversation(self, request: pb.GetConversationRequest,
-                              context: grpc.aio.ServicerContext[pb.GetConversationRequest,
-                                                                pb.GetConversationResponse]
-                              ) -> pb.GetConversationResponse:
+    async def GetConversation(
+        self,
+        request: pb.GetConversationRequest,
+        context: grpc.aio.ServicerContext[pb.GetConversationRequest, pb.GetConversationResponse],
+    ) -> pb.GetConversationResponse:
         conversation = await self._registry.get_conversation(request.name)
         out = pb.Conversation(name=conversation.name, fence_generation=conversation.fence_generation)
         if conversation.retention is not None:
             out.retention.CopyFrom(convert.retention_to_pb(conversation.retention))
         return pb.GetConversationResponse(conversation=out)
 
-    async def RenewRetention(self, request: pb.RenewRetentionRequest,
-                             context: grpc.aio.ServicerContext[pb.RenewRetentionRequest,
-                                                               pb.RenewRetentionResponse]
-                             ) -> pb.RenewRetentionResponse:
+    async def RenewRetention(
+        self,
+        request: pb.RenewRetentionRequest,
+        context: grpc.aio.ServicerContext[pb.RenewRetentionRequest, pb.RenewRetentionResponse],
+    ) -> pb.RenewRetentionResponse:
         bind_contextvars(retention=request.name)
-        retention = await self._registry.renew_retention(request.name,
-                                                         convert.duration_seconds(request.ttl, "ttl"))
+        retention = await self._registry.renew_retention(
+            request.name, convert.duration_seconds(request.ttl, "ttl")
+        )
         return pb.RenewRetentionResponse(retention=convert.retention_to_pb(retention))
 
-    async def ClaimRetention(self, request: pb.ClaimRetentionRequest,
-                             context: grpc.aio.ServicerContext[pb.ClaimRetentionRequest,
-                                                               pb.ClaimRetentionResponse]
-                             ) -> pb.ClaimRetentionResponse:
+    async def ClaimRetention(
+        self,
+        request: pb.ClaimRetentionRequest,
+        context: grpc.aio.ServicerContext[pb.ClaimRetentionRequest, pb.ClaimRetentionResponse],
+    ) -> pb.ClaimRetentionResponse:
         bind_contextvars(retention=request.name, holder=request.holder)
         retention = await self._registry.claim_retention(
-            request_id=request.request_id, name=request.name, holder=request.holder,
-            claim_ttl=convert.duration_seconds(request.claim_ttl, "claim_ttl"))
+            request_id=request.request_id,
+            name=request.name,
+            holder=request.holder,
+            claim_ttl=convert.duration_seconds(request.claim_ttl, "claim_ttl"),
+        )
         return pb.ClaimRetentionResponse(retention=convert.retention_to_pb(retention))
 
-    async def ReleaseRetention(self, request: pb.ReleaseRetentionRequest,
-                               context: grpc.aio.ServicerContext[pb.ReleaseRetentionRequest,
-                                                                 pb.ReleaseRetentionResponse]
-                               ) -> pb.ReleaseRetentionResponse:
+    async def ReleaseRetention(
+        self,
+        request: pb.ReleaseRetentionRequest,
+        context: grpc.aio.ServicerContext[pb.ReleaseRetentionRequest, pb.ReleaseRetentionResponse],
+    ) -> pb.ReleaseRetentionResponse:
         bind_contextvars(retention=request.name)
         await self._registry.release_retention(request.name, claim_id=request.claim_id, force=request.force)
         return pb.ReleaseRetentionResponse()
 
-    async def ListRetentions(self, request: pb.ListRetentionsRequest,
-                             context: grpc.aio.ServicerContext[pb.ListRetentionsRequest,
-                                                               pb.ListRetentionsResponse]
-                             ) -> pb.ListRetentionsResponse:
+    async def ListRetentions(
+        self,
+        request: pb.ListRetentionsRequest,
+        context: grpc.aio.ServicerContext[pb.ListRetentionsRequest, pb.ListRetentionsResponse],
+    ) -> pb.ListRetentionsResponse:
         retentions, token = await self._registry.list_retentions(
-            parent=request.parent, node=request.node, page_size=request.page_size,
-            page_token=request.page_token)
-        return pb.ListRetentionsResponse(retentions=[convert.retention_to_pb(r) for r in retentions],
-                                         next_page_token=token)
+            parent=request.parent,
+            node=request.node,
+            page_size=request.page_size,
+            page_token=request.page_token,
+        )
+        return pb.ListRetentionsResponse(
+            retentions=[convert.retention_to_pb(r) for r in retentions], next_page_token=token
+        )
 
-    async def WatchRetentions(self, request: pb.WatchRetentionsRequest,
-                              context: grpc.aio.ServicerContext[pb.WatchRetentionsRequest,
-                                                                pb.WatchRetentionsResponse]
-                              ) -> AsyncIterator[pb.WatchRetentionsResponse]:
+    async def WatchRetentions(
+        self,
+        request: pb.WatchRetentionsRequest,
+        context: grpc.aio.ServicerContext[pb.WatchRetentionsRequest, pb.WatchRetentionsResponse],
+    ) -> AsyncIterator[pb.WatchRetentionsResponse]:
         subscription = self._registry.watch(parent=request.parent, node=request.node)
         try:
             async for change in subscription:
@@ -136,22 +177,32 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         finally:
             self._registry.unwatch(subscription)
 
-    async def ReportBlockEvents(self, request: pb.ReportBlockEventsRequest,
-                                context: grpc.aio.ServicerContext[pb.ReportBlockEventsRequest,
-                                                                  pb.ReportBlockEventsResponse]
-                                ) -> pb.ReportBlockEventsResponse:
+    async def ReportBlockEvents(
+        self,
+        request: pb.ReportBlockEventsRequest,
+        context: grpc.aio.ServicerContext[pb.ReportBlockEventsRequest, pb.ReportBlockEventsResponse],
+    ) -> pb.ReportBlockEventsResponse:
         bind_contextvars(node=request.node, batches=len(request.batches))
         result = await self._registry.report_block_events(
-            request.node, request.incarnation, convert.event_batches_from_pb(request.batches))
+            request.node, request.incarnation, convert.event_batches_from_pb(request.batches)
+        )
         return pb.ReportBlockEventsResponse(
-            applied_batches=result.applied_batches, next_seq=result.next_seq,
-            gap_detected=result.gap_detected, engine_restarted=result.engine_restarted)
+            applied_batches=result.applied_batches,
+            next_seq=result.next_seq,
+            gap_detected=result.gap_detected,
+            engine_restarted=result.engine_restarted,
+        )
 
-    async def LookupBlocks(self, request: pb.LookupBlocksRequest,
-                           context: grpc.aio.ServicerContext[pb.LookupBlocksRequest, pb.LookupBlocksResponse]
-                           ) -> pb.LookupBlocksResponse:
+    async def LookupBlocks(
+        self,
+        request: pb.LookupBlocksRequest,
+        context: grpc.aio.ServicerContext[pb.LookupBlocksRequest, pb.LookupBlocksResponse],
+    ) -> pb.LookupBlocksResponse:
         matches = await self._registry.lookup_blocks(
-            request.block_hashes, model=request.model,
-            role=convert.role_from_pb(request.role, "role", required=False))
+            request.block_hashes,
+            model=request.model,
+            role=convert.role_from_pb(request.role, "role", required=False),
+        )
         return pb.LookupBlocksResponse(
-            matches=[pb.NodePrefixMatch(node=n, matched_blocks=m) for n, m in matches])
+            matches=[pb.NodePrefixMatch(node=n, matched_blocks=m) for n, m in matches]
+        )

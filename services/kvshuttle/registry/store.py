@@ -27,53 +27,54 @@ from kvshuttle.registry.model import (
 
 
 class RegistryStore(Protocol):
-    async def register_node(self, spec: NodeSpec, ttl: float, now: float
-                            ) -> tuple[Node, list[RetentionChange], bool]:
+    async def register_node(
+        self, spec: NodeSpec, ttl: float, now: float
+    ) -> tuple[Node, list[RetentionChange], bool]:
         """Start a new incarnation of a node's lease. Returns the node, the retentions dropped
         because the engine changed (NODE_LOST), and whether the engine changed."""
         ...
 
-    async def heartbeat_node(self, name: str, incarnation: int, ttl: float, load: NodeLoad,
-                             now: float) -> Node:
-        ...
+    async def heartbeat_node(
+        self, name: str, incarnation: int, ttl: float, load: NodeLoad, now: float
+    ) -> Node: ...
 
-    async def deregister_node(self, name: str, incarnation: int | None, now: float
-                              ) -> list[RetentionChange]:
-        ...
+    async def deregister_node(
+        self, name: str, incarnation: int | None, now: float
+    ) -> list[RetentionChange]: ...
 
-    async def get_node(self, name: str) -> Node:
-        ...
+    async def get_node(self, name: str) -> Node: ...
 
-    async def list_nodes(self, *, role: NodeRole | None, model: str | None, after: str,
-                         limit: int) -> list[Node]:
+    async def list_nodes(
+        self, *, role: NodeRole | None, model: str | None, after: str, limit: int
+    ) -> list[Node]:
         """Live nodes with name > after, in name order."""
         ...
 
-    async def put_retention(self, retention: Retention, ttl: float, now: float, *,
-                            request_id: str) -> tuple[PutResult, list[RetentionChange]]:
+    async def put_retention(
+        self, retention: Retention, ttl: float, now: float, *, request_id: str
+    ) -> tuple[PutResult, list[RetentionChange]]:
         """`retention.name` carries the conversation and generation; times are set here."""
         ...
 
-    async def get_retention(self, name: str) -> Retention:
-        ...
+    async def get_retention(self, name: str) -> Retention: ...
 
-    async def get_conversation(self, name: str) -> Conversation:
-        ...
+    async def get_conversation(self, name: str) -> Conversation: ...
 
-    async def renew_retention(self, name: str, ttl: float, max_ttl: float, now: float
-                              ) -> tuple[Retention, list[RetentionChange]]:
-        ...
+    async def renew_retention(
+        self, name: str, ttl: float, max_ttl: float, now: float
+    ) -> tuple[Retention, list[RetentionChange]]: ...
 
-    async def claim_retention(self, name: str, holder: str, claim_ttl: float, now: float, *,
-                              request_id: str) -> tuple[Retention, list[RetentionChange]]:
-        ...
+    async def claim_retention(
+        self, name: str, holder: str, claim_ttl: float, now: float, *, request_id: str
+    ) -> tuple[Retention, list[RetentionChange]]: ...
 
-    async def release_retention(self, name: str, claim_id: str, force: bool, now: float
-                                ) -> list[RetentionChange]:
-        ...
+    async def release_retention(
+        self, name: str, claim_id: str, force: bool, now: float
+    ) -> list[RetentionChange]: ...
 
-    async def list_retentions(self, *, tenant: str, conversation: str | None, node: str | None,
-                              after: str, limit: int) -> list[Retention]:
+    async def list_retentions(
+        self, *, tenant: str, conversation: str | None, node: str | None, after: str, limit: int
+    ) -> list[Retention]:
         """A tenant's (or one conversation's) live retentions with name > after, in name order."""
         ...
 
@@ -85,5 +86,4 @@ class RegistryStore(Protocol):
         """The earliest time expire_due may have work, or None when nothing can expire."""
         ...
 
-    def counts(self) -> StoreCounts:
-        ...
+    def counts(self) -> StoreCounts: ...

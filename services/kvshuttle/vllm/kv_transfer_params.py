@@ -16,8 +16,15 @@ from kvshuttle.vllm.v1.kv_transfer_params_pb2 import BlockIdList, KvTransferPara
 
 _BOOL = ("do_remote_prefill", "do_remote_decode")
 _STR = ("remote_engine_id", "remote_request_id", "remote_host", "transfer_mode")
-_UINT = ("remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
-         "remote_registration_generation", "remote_prefill_cached_tokens")
+_UINT = (
+    "remote_port",
+    "tp_size",
+    "dcp_size",
+    "pp_size",
+    "remote_num_tokens",
+    "remote_registration_generation",
+    "remote_prefill_cached_tokens",
+)
 _FLOAT = ("remote_blocks_expiry_time",)
 _KNOWN = frozenset((*_BOOL, *_STR, *_UINT, *_FLOAT, "remote_block_ids"))
 _UINT32_MAX = 2**32 - 1
@@ -30,7 +37,8 @@ def _block_groups(value: Any, field: str) -> list[list[int]]:
     groups = value if value and all(isinstance(g, list) for g in value) else [value]
     for group in groups:
         if not isinstance(group, list) or not all(
-                isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= _UINT32_MAX for b in group):
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= _UINT32_MAX for b in group
+        ):
             raise InvalidArgument(field, "block ids must be non-negative integers")
     return groups
 
@@ -81,7 +89,7 @@ def to_vllm(msg: KvTransferParams) -> dict[str, Any]:
     """The dict vLLM expects. Unset optional fields become null, as vLLM writes them."""
     out: dict[str, Any] = {key: getattr(msg, key) for key in _BOOL}
     for key in (*_STR, *_UINT, *_FLOAT):
-        out[key] = getattr(msg, key) if msg.HasField(key) else None
+        out[key] = getattr(msg, key) if msg.HasField(key) else None  # type: ignore[arg-type]
     out["remote_block_ids"] = [list(g.block_ids) for g in msg.remote_block_ids] or None
     if msg.HasField("extra"):
         extra = json_format.MessageToDict(msg.extra)
