@@ -431,3 +431,17 @@ async def test_claim_metrics_by_outcome(registry_env: RegistryEnv) -> None:
         m.get_sample_value("kvshuttle_registry_claims_total", {"outcome": "RETENTION_ALREADY_CLAIMED"}) == 1
     )
     assert m.get_sample_value("kvshuttle_registry_live_leases", {"kind": "claim"}) == 1
+
+
+async def test_shutdown_ends_watch_streams_instead_of_waiting_out_the_grace() -> None:
+    env = await start_registry()
+    try:
+        stream = env.stub.WatchRetentions(pb.WatchRetentionsRequest(parent="tenants/acme"))
+        await asyncio.sleep(0.05)
+        await env.server.stop()
+        # Cancelled after the grace period, the stream would raise CANCELLED instead.
+        assert [c async for c in stream] == []
+        assert await stream.code() == grpc.StatusCode.OK
+    finally:
+        await env.channel.close()
+        env.registry.close()

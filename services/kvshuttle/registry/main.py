@@ -46,6 +46,7 @@ def build_server(
         register=register,
         service_names=[SERVICE],
         registry=prometheus,
+        on_stopping=registry.close,
     )
 
 
@@ -56,7 +57,6 @@ async def serve(settings: RegistrySettings) -> None:
     try:
         await server.serve_until_signal()
     finally:
-        registry.close()
         expiry.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await expiry

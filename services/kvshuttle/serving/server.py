@@ -34,6 +34,7 @@ class GrpcServer:
     Without `tracer_provider` the server configures tracing from `telemetry` itself and shuts
     that provider down on stop; a provider passed in is only flushed. Without `registry` the
     metrics go to prometheus_client's default registry (so one GrpcServer per process then).
+    `on_stopping` runs once health reports NOT_SERVING, before in-flight RPCs are drained.
     """
 
     def __init__(
@@ -47,11 +48,13 @@ class GrpcServer:
         service_names: Sequence[str],
         registry: CollectorRegistry | None = None,
         tracer_provider: TracerProvider | None = None,
+        on_stopping: Callable[[], None] | None = None,
     ) -> None:
         self._settings = settings
         self._telemetry = telemetry
         self._domain = domain
         self._register = register
+        self._on_stopping = on_stopping
         self._service_names = tuple(service_names)
         self._registry = REGISTRY if registry is None else registry
         self._metrics = RpcMetrics(self._registry)
@@ -133,6 +136,9 @@ class GrpcServer:
             return
         _log.info("server.stopping", grace_seconds=self._settings.grace_seconds)
         await self._health.enter_graceful_shutdown()
+        if self._on_stopping is not None:
+            # Ends what would otherwise hold the grace period open (e.g. watch streams).
+            self._on_stopping()
         await server.stop(self._settings.grace_seconds)
         if self._metrics_http is not None:
             httpd, thread = self._metrics_http
