@@ -26,28 +26,24 @@ $(BIN)/.installed: $(BIN)/python pyproject.toml
 	touch $@
 
 # Python messages, grpc stubs and .pyi stubs, all from grpcio-tools + mypy-protobuf (pinned in
-# pyproject.toml). `gen_proto DIR` writes the whole generated tree under DIR.
-define gen_proto
-	$(BIN)/python -m grpc_tools.protoc -I proto \
-	  --python_out=$(1) --grpc_python_out=$(1) --mypy_out=$(1) --mypy_grpc_out=$(1) $(PROTOS)
+# pyproject.toml). Writes the whole generated tree under the directory in the shell variable $out.
+GEN = $(BIN)/python -m grpc_tools.protoc -I proto --python_out=$$out --grpc_python_out=$$out \
+	--mypy_out=$$out --mypy_grpc_out=$$out $(PROTOS) >/dev/null && \
 	for d in $$(cd proto && find kvshuttle -name '*.proto' -exec dirname {} \; | sort -u); do \
-	  touch $(1)/$$d/__init__.py; done
-endef
+	  touch $$out/$$d/__init__.py; done
 
 proto: venv
-	$(call gen_proto,$(GEN_OUT))
+	out=$(GEN_OUT); $(GEN)
 
 # Fails when the checked-in generated code differs from what `make proto` would write.
 proto-check: venv
-	@tmp=$$(mktemp -d); \
-	$(call gen_proto,$$tmp) && \
-	for f in $$(cd $$tmp && find kvshuttle -type f | sort); do \
-	  cmp -s "$$tmp/$$f" "$(GEN_OUT)/$$f" || { echo "stale generated code: $(GEN_OUT)/$$f (run make proto)"; rm -rf $$tmp; exit 1; }; \
-	done; \
+	@out=$$(mktemp -d); $(GEN) && \
+	for f in $$(cd $$out && find kvshuttle -type f | sort); do \
+	  cmp -s "$$out/$$f" "$(GEN_OUT)/$$f" || { echo "stale generated code: $(GEN_OUT)/$$f (run make proto)"; exit 1; }; \
+	done && \
 	for f in $$(cd $(GEN_OUT) && find kvshuttle -path '*/v1/*' -type f \( -name '*_pb2*' -o -name '__init__.py' \) | sort); do \
-	  [ -f "$$tmp/$$f" ] || { echo "generated file without a proto: $(GEN_OUT)/$$f"; rm -rf $$tmp; exit 1; }; \
-	done; \
-	rm -rf $$tmp; echo "generated code is fresh"
+	  [ -f "$$out/$$f" ] || { echo "generated file without a proto: $(GEN_OUT)/$$f"; exit 1; }; \
+	done && rm -rf $$out && echo "generated code is fresh"
 
 lint: venv
 	$(BUF) lint

@@ -22,11 +22,13 @@ CONV = "tenants/acme/conversations/c1"
 BLOCK = 16
 
 
-def node(name: str = "nodes/d0", engine_id: str = "engine-d0", role: int = pb.NODE_ROLE_DECODE) -> pb.Node:
+def node(
+    name: str = "nodes/d0", engine_id: str = "engine-d0", role: pb.NodeRole.ValueType = pb.NODE_ROLE_DECODE
+) -> pb.Node:
     return pb.Node(
         name=name,
         role=role,
-        engine_id=engine_id,  # type: ignore[arg-type]
+        engine_id=engine_id,
         http_endpoint="http://127.0.0.1:8001",
         side_channel_host="127.0.0.1",
         side_channel_port=5601,

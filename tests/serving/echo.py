@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import grpc.aio
 import structlog
-from google.rpc import error_details_pb2  # type: ignore[import-untyped, unused-ignore]
+from google.rpc import error_details_pb2
 
 from kvshuttle.core.errors import InvalidArgument, NotFound
 from kvshuttle.serving.logging import configure_logging

@@ -10,7 +10,7 @@ from typing import Any, cast
 import grpc
 import grpc.aio
 import pytest
-from google.rpc import error_details_pb2  # type: ignore[import-untyped, unused-ignore]
+from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode as SpanStatusCode

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +19,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 from prometheus_client import CollectorRegistry
 from tests.serving.echo import DOMAIN, SERVICE, EchoServicer, JsonLog, Request, register, unary
+from tests.tls import make_certs, needs_openssl
 
 from kvshuttle.serving.server import GrpcServer
 from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
@@ -193,31 +192,13 @@ async def test_metrics_endpoint_serves_the_rpc_counter_and_stops() -> None:
     log.close()
 
 
-def make_certs(directory: Path) -> None:
-    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA."""
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
-
-    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
-    openssl("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca")
-    (directory / "server.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    (directory / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
-    for name in ("server", "client"):
-        openssl("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        openssl(
-            "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext",
-        )  # fmt: skip
-
-
 async def secure_health(target: str, credentials: grpc.ChannelCredentials) -> int:
     async with grpc.aio.secure_channel(target, credentials) as channel:
         response = await health_check(channel)(HealthCheckRequest(), timeout=5)
         return response.status
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make certificates")
+@needs_openssl
 async def test_mtls_admits_only_clients_with_a_certificate(tmp_path: Path) -> None:
     await asyncio.to_thread(make_certs, tmp_path)
     settings = ServerSettings(

@@ -32,7 +32,7 @@ import grpc
 import grpc.aio
 import structlog
 from google.protobuf import any_pb2
-from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped, unused-ignore]
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from opentelemetry import trace
 from structlog.typing import FilteringBoundLogger

@@ -1,8 +1,9 @@
 """vLLM's `kv_transfer_params` JSON object <-> kvshuttle.vllm.v1.KvTransferParams.
 
 Known fields map one to one; every other key goes into `extra` and comes back out unchanged,
-so a newer vLLM's fields pass through kvshuttle untouched. JSON null and an absent key are
-the same to vLLM; both become an unset optional field.
+so a newer vLLM's fields pass through kvshuttle untouched. vLLM reads every field with
+`.get()`, so JSON null and an absent key are the same to it: null becomes an unset field,
+and an unset field is left out of the dict.
 """
 
 from __future__ import annotations
@@ -86,14 +87,16 @@ def from_vllm(params: dict[str, Any], field: str = "kv_transfer_params") -> KvTr
 
 
 def to_vllm(msg: KvTransferParams) -> dict[str, Any]:
-    """The dict vLLM expects. Unset optional fields become null, as vLLM writes them."""
+    """The dict vLLM takes: the two flags always, other fields only when set, `extra` merged."""
     out: dict[str, Any] = {key: getattr(msg, key) for key in _BOOL}
+    if msg.remote_block_ids:
+        out["remote_block_ids"] = [list(g.block_ids) for g in msg.remote_block_ids]
     for key in (*_STR, *_UINT, *_FLOAT):
-        out[key] = getattr(msg, key) if msg.HasField(key) else None  # type: ignore[arg-type]
-    out["remote_block_ids"] = [list(g.block_ids) for g in msg.remote_block_ids] or None
+        if msg.HasField(key):  # type: ignore[arg-type]
+            out[key] = getattr(msg, key)
     if msg.HasField("extra"):
-        extra = json_format.MessageToDict(msg.extra)
-        out.update(_restore_ints(extra))
+        for key, value in json_format.MessageToDict(msg.extra).items():
+            out.setdefault(key, _restore_ints(value))
     return out
 
 

@@ -1,0 +1,196 @@
+"""`kvshuttle`: the command line of the kvshuttle control plane.
+
+    kvshuttle [--registry ADDR] [--timeout S] [--json] [--tls --ca F --cert F --key F] registry COMMAND ...
+
+Global options may also follow the command (`kvshuttle registry nodes --json`). Exit status:
+0 on success, 1 when an RPC fails (one line `error: ...` on stderr, no traceback), 2 for usage
+errors, 130 on Ctrl-C. The CLI parses arguments and formats results; every RPC goes through
+kvshuttle.client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
+from typing import Any, NoReturn, TextIO
+
+import grpc
+
+from kvshuttle.cli import registry_commands
+from kvshuttle.cli.common import Command, UsageError, positive_float
+from kvshuttle.cli.output import Printer
+from kvshuttle.client import ChannelOptions, KvshuttleRpcError, RegistryClient
+
+__all__ = ["DEFAULT_REGISTRY", "REGISTRY_ENV", "main", "run"]
+
+REGISTRY_ENV = "KVSHUTTLE_REGISTRY_ADDR"
+DEFAULT_REGISTRY = "127.0.0.1:50051"
+DEFAULT_TIMEOUT = 5.0
+
+_STREAMS: ContextVar[tuple[TextIO, TextIO]] = ContextVar("kvshuttle_cli_streams")
+
+
+class _ParserExitError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(status, message)
+        self.status = status
+        self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse writing to the streams `run` was given, and raising instead of exiting."""
+
+    def print_usage(self, file: Any = None) -> None:
+        (file or _STREAMS.get()[0]).write(self.format_usage())
+
+    def print_help(self, file: Any = None) -> None:
+        (file or _STREAMS.get()[0]).write(self.format_help())
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        raise _ParserExitError(status, message or "")
+
+    def error(self, message: str) -> NoReturn:
+        raise _ParserExitError(2, f"{self.format_usage()}{self.prog}: error: {message}\n")
+
+
+def _add_global_options(parser: argparse.ArgumentParser, registry: str | None) -> None:
+    """The options every command takes. With `registry` None every default is SUPPRESS: the copy
+    that each command's parser gets, so an option given after the command overrides the
+    top-level one without the command's defaults clobbering it."""
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if registry is None else value
+
+    group = parser.add_argument_group("global options")
+    group.add_argument(
+        "--registry",
+        metavar="ADDR",
+        default=default(registry),
+        help=f"registry host:port (default: ${REGISTRY_ENV} or {DEFAULT_REGISTRY})",
+    )
+    group.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=positive_float,
+        default=default(DEFAULT_TIMEOUT),
+        help=f"deadline of each call, retries included (default: {DEFAULT_TIMEOUT})",
+    )
+    group.add_argument("--json", action="store_true", default=default(False), help="JSON output")
+    group.add_argument("--tls", action="store_true", default=default(False), help="connect with TLS")
+    group.add_argument("--ca", metavar="FILE", default=default(None), help="PEM CA bundle (implies --tls)")
+    group.add_argument("--cert", metavar="FILE", default=default(None), help="PEM client certificate (mTLS)")
+    group.add_argument("--key", metavar="FILE", default=default(None), help="PEM client key (mTLS)")
+    group.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        default=default(None),
+        help="name to verify the server as",
+    )
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvshuttle", description="Inspect and drive a kvshuttle control plane.")
+    _add_global_options(parser, environ.get(REGISTRY_ENV) or DEFAULT_REGISTRY)
+    leaf_options = _Parser(add_help=False)
+    _add_global_options(leaf_options, None)
+    groups = parser.add_subparsers(dest="group", metavar="GROUP", required=True)
+    registry_commands.add_commands(groups, parents=[leaf_options])
+    return parser
+
+
+def _channel_options(args: argparse.Namespace) -> ChannelOptions:
+    try:
+        return ChannelOptions(
+            target=args.registry,
+            default_timeout=args.timeout,
+            tls=args.tls,
+            root_certificates=args.ca,
+            cert_chain=args.cert,
+            private_key=args.key,
+            tls_server_name=args.tls_server_name,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+async def _dispatch(command: Command, args: argparse.Namespace, printer: Printer) -> int:
+    options = _channel_options(args)
+    async with RegistryClient.connect(options) as client:
+        return await command(client, args, printer)
+
+
+def _describe_failure(error: KvshuttleRpcError, args: argparse.Namespace) -> str:
+    """The line for a failed RPC; transport failures (no ErrorInfo) name the address."""
+    if error.reason is None and error.code == grpc.StatusCode.UNAVAILABLE:
+        return f"cannot reach the registry at {args.registry} ({error.code_name})"
+    if error.reason is None and error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"the registry at {args.registry} did not answer within {args.timeout}s ({error.code_name})"
+    return str(error)
+
+
+def run(
+    argv: Sequence[str] | None = None,
+    *,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """Run the CLI and return its exit status; writes only to `stdout` and `stderr`.
+
+    The defaults are the process's argv, streams and environment. Safe to call from any thread
+    that runs no event loop (it runs its own).
+    """
+    out = stdout or sys.stdout
+    err = stderr or sys.stderr
+    token = _STREAMS.set((out, err))
+    try:
+        parser = build_parser(os.environ if environ is None else environ)
+        try:
+            args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+        except _ParserExitError as exc:
+            (out if exc.status == 0 else err).write(exc.message)
+            return exc.status
+        printer = Printer(out=out, err=err, json=args.json)
+        try:
+            return asyncio.run(_dispatch(args.command, args, printer))
+        except UsageError as exc:
+            sub: argparse.ArgumentParser = args.parser
+            err.write(f"{sub.format_usage()}{sub.prog}: error: {exc}\n")
+            return 2
+        except KvshuttleRpcError as exc:
+            printer.error(f"error: {_describe_failure(exc, args)}")
+            return 1
+        except BrokenPipeError:  # the reader of stdout went away; main() quiets the rest
+            return 1
+        except OSError as exc:  # certificate files
+            printer.error(
+                f"error: {exc.strerror or exc}: {exc.filename}" if exc.filename else f"error: {exc}"
+            )
+            return 1
+        except KeyboardInterrupt:
+            return 130
+    finally:
+        _STREAMS.reset(token)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        status = run()
+    except KeyboardInterrupt:  # Ctrl-C outside the event loop (while parsing, say)
+        status = 130
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # `kvshuttle ... | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        status = status or 1
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""What the three service clients share: the channel's lifetime, unary calls with the retry
+policy, server-streaming calls, and errors as KvshuttleRpcError."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncGenerator
+from types import TracebackType
+from typing import Any, ClassVar, Self, TypeVar
+
+import grpc
+import grpc.aio
+from google.protobuf.message import Message
+
+from kvshuttle.client.channel import ChannelOptions, create_channel
+from kvshuttle.client.errors import KvshuttleRpcError
+from kvshuttle.client.retry import call_unary, retry_policy
+
+RespT = TypeVar("RespT", bound=Message)
+
+
+def new_request_id(request_id: str | None) -> str:
+    """`request_id`, or a fresh uuid4 when None. Pass "" to send none (and so forgo retries)."""
+    return str(uuid.uuid4()) if request_id is None else request_id
+
+
+class ServiceClient:
+    """Base of the typed clients: one gRPC service over one grpc.aio channel.
+
+    Build one with `connect()` (it owns its channel and closes it), or over a channel you
+    already have with `Client(channel, options)` (it leaves the channel open). Either way
+    it is an async context manager, and `close()` closes what it owns.
+
+    Every RPC method takes `timeout`: seconds for the call, retries included; None means
+    `options.default_timeout`.
+    """
+
+    SERVICE: ClassVar[str]
+    """The gRPC service's full name, e.g. "kvshuttle.registry.v1.RegistryService"."""
+
+    def __init__(
+        self, channel: grpc.aio.Channel, options: ChannelOptions | None = None, *, owns_channel: bool = False
+    ) -> None:
+        self._channel = channel
+        self._options = options or ChannelOptions("(caller's channel)")
+        self._owns_channel = owns_channel
+        self._callables: dict[str, Any] = {}
+
+    @classmethod
+    def connect(cls, target: str | ChannelOptions, **overrides: Any) -> Self:
+        """A client on a new channel to `target` ("host:port" or ChannelOptions).
+
+        `overrides` replace ChannelOptions fields (e.g. `default_timeout=1.0`). The channel
+        connects lazily: an unreachable server shows up as UNAVAILABLE on the first call.
+        Use as `async with Client.connect("127.0.0.1:50051") as client: ...`, or keep it and
+        `await client.close()`.
+        """
+        options = ChannelOptions.of(target, **overrides)
+        return cls(create_channel(options), options, owns_channel=True)
+
+    @property
+    def options(self) -> ChannelOptions:
+        return self._options
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        return self._channel
+
+    async def close(self, grace: float | None = None) -> None:
+        """Close the channel if this client opened it (in-flight calls are cancelled after `grace`)."""
+        if self._owns_channel:
+            await self._channel.close(grace)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def _path(self, method: str) -> str:
+        return f"/{self.SERVICE}/{method}"
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self._options.default_timeout if timeout is None else timeout
+
+    async def _unary(
+        self, method: str, request: Message, response_type: type[RespT], timeout: float | None
+    ) -> RespT:
+        """Call unary `method` with the retry policy of the table in kvshuttle.client.retry."""
+        path = self._path(method)
+        multicallable = self._callables.get(path)
+        if multicallable is None:
+            multicallable = self._channel.unary_unary(
+                path,
+                request_serializer=type(request).SerializeToString,
+                response_deserializer=response_type.FromString,
+            )
+            self._callables[path] = multicallable
+        response: RespT = await call_unary(
+            multicallable,
+            request,
+            method=path,
+            policy=retry_policy(self.SERVICE, method),
+            options=self._options,
+            timeout=self._timeout(timeout),
+        )
+        return response
+
+    async def _server_stream(
+        self, method: str, request: Message, response_type: type[RespT], timeout: float | None
+    ) -> AsyncGenerator[RespT, None]:
+        """Yield the responses of server-streaming `method`; never retried.
+
+        `timeout` bounds the whole stream (None: no deadline). Closing the generator cancels
+        the call.
+        """
+        path = self._path(method)
+        retry_policy(self.SERVICE, method)  # every RPC is classified, streams included
+        multicallable = self._channel.unary_stream(
+            path,
+            request_serializer=type(request).SerializeToString,
+            response_deserializer=response_type.FromString,
+        )
+        call = multicallable(request, timeout=timeout)
+        try:
+            async for response in call:
+                yield response
+        except grpc.aio.AioRpcError as exc:
+            raise KvshuttleRpcError.from_rpc_error(exc, method=path) from exc
+        finally:
+            call.cancel()

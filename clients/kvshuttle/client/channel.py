@@ -1,0 +1,104 @@
+"""How a client reaches a service: one options object, one function that builds the channel."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+
+__all__ = ["ChannelOptions", "create_channel"]
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelOptions:
+    """Where a service is and how to call it.
+
+    Attributes:
+        target: "host:port" (or any gRPC target, e.g. "dns:///registry:50051").
+        default_timeout: deadline in seconds for one call, retries included, when the call
+            does not pass its own; None means no deadline.
+        tls: use a secure channel. Implied when any of the three file paths is set.
+        root_certificates: PEM file of the CAs that sign the server's certificate (the system
+            roots when None).
+        cert_chain, private_key: PEM files of the client certificate and its key (mTLS); both
+            or neither.
+        tls_server_name: the name to verify the server's certificate against, when it differs
+            from the target's host (grpc.ssl_target_name_override).
+        max_attempts: sends per call, first included; 1 disables retries.
+        initial_backoff, max_backoff: seconds; the wait before retry n is uniform in
+            [0, min(max_backoff, initial_backoff * backoff_multiplier ** (n - 1))].
+        backoff_multiplier: growth of the backoff cap per retry.
+        interceptors: extra grpc.aio client interceptors, outermost first (e.g.
+            OpenTelemetry's `aio_client_interceptors()`).
+        grpc_options: extra channel arguments, e.g. ("grpc.max_receive_message_length", n).
+    """
+
+    target: str
+    default_timeout: float | None = 5.0
+    tls: bool = False
+    root_certificates: str | Path | None = None
+    cert_chain: str | Path | None = None
+    private_key: str | Path | None = None
+    tls_server_name: str | None = None
+    max_attempts: int = 3
+    initial_backoff: float = 0.05
+    max_backoff: float = 1.0
+    backoff_multiplier: float = 2.0
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = field(default=())
+    grpc_options: Sequence[tuple[str, Any]] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            raise ValueError("target must not be empty")
+        if self.default_timeout is not None and self.default_timeout <= 0:
+            raise ValueError("default_timeout must be positive (or None for no deadline)")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        if self.initial_backoff < 0 or self.max_backoff < self.initial_backoff:
+            raise ValueError("backoff must satisfy 0 <= initial_backoff <= max_backoff")
+        if self.backoff_multiplier < 1:
+            raise ValueError("backoff_multiplier must be at least 1")
+        if (self.cert_chain is None) != (self.private_key is None):
+            raise ValueError("cert_chain and private_key go together (mTLS)")
+
+    @property
+    def secure(self) -> bool:
+        """Whether the channel uses TLS."""
+        return self.tls or any(
+            p is not None for p in (self.root_certificates, self.cert_chain, self.private_key)
+        )
+
+    @classmethod
+    def of(cls, target: str | ChannelOptions, **overrides: Any) -> ChannelOptions:
+        """`target` as options: a string becomes ChannelOptions(target); overrides replace fields."""
+        options = cls(target) if isinstance(target, str) else target
+        return replace(options, **overrides) if overrides else options
+
+
+def _read(path: str | Path | None) -> bytes | None:
+    return None if path is None else Path(path).read_bytes()
+
+
+def create_channel(options: ChannelOptions) -> grpc.aio.Channel:
+    """A grpc.aio channel to `options.target`: secure when `options.secure`, with its interceptors.
+
+    Certificate files are read here; a missing file raises OSError.
+    """
+    channel_args: list[tuple[str, Any]] = list(options.grpc_options)
+    if options.tls_server_name:
+        channel_args.append(("grpc.ssl_target_name_override", options.tls_server_name))
+    interceptors = list(options.interceptors) or None
+    if not options.secure:
+        return grpc.aio.insecure_channel(options.target, options=channel_args, interceptors=interceptors)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read(options.root_certificates),
+        private_key=_read(options.private_key),
+        certificate_chain=_read(options.cert_chain),
+    )
+    return grpc.aio.secure_channel(
+        options.target, credentials, options=channel_args, interceptors=interceptors
+    )

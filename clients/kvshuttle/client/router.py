@@ -1,0 +1,76 @@
+"""Typed async client of kvshuttle.router.v1.RouterService."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvshuttle.client._base import ServiceClient, new_request_id
+from kvshuttle.client.retry import ROUTER_SERVICE
+from kvshuttle.router.v1 import router_service_pb2 as pb
+from kvshuttle.vllm.v1 import kv_transfer_params_pb2 as vllm_pb
+
+__all__ = ["RouterClient"]
+
+
+class RouterClient(ServiceClient):
+    """Plans and commits the turns of conversations.
+
+    Same conventions as RegistryClient: each method returns the RPC's response message, a
+    `request_id` of None becomes a uuid4 (so PlanTurn and CommitTurn are retried safely on
+    UNAVAILABLE), failures raise KvshuttleRpcError.
+
+        async with RouterClient.connect("127.0.0.1:50052") as router:
+            plan = await router.plan_turn(model, token_ids, conversation="tenants/a/conversations/c")
+    """
+
+    SERVICE = ROUTER_SERVICE
+
+    async def plan_turn(
+        self,
+        model: str,
+        prompt_token_ids: Iterable[int],
+        *,
+        conversation: str = "",
+        hints: pb.PlanHints | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> pb.PlanTurnResponse:
+        """Plan one turn: reuse or recompute, P and D placement, the params to send to P.
+
+        `conversation` is "tenants/{t}/conversations/{c}", or empty for a plain P->D request.
+        """
+        request = pb.PlanTurnRequest(
+            request_id=new_request_id(request_id),
+            conversation=conversation,
+            model=model,
+            prompt_token_ids=prompt_token_ids,
+            hints=hints,
+        )
+        return await self._unary("PlanTurn", request, pb.PlanTurnResponse, timeout)
+
+    async def commit_turn(
+        self,
+        turn: str,
+        *,
+        token_ids: Iterable[int] = (),
+        decode_kv_transfer_params: vllm_pb.KvTransferParams | None = None,
+        timings: pb.TurnTimings | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> pb.CommitTurnResponse:
+        """Finish `turn` ("turns/{turn}"): store decode's retained KV (prompt + output `token_ids`)."""
+        request = pb.CommitTurnRequest(
+            request_id=new_request_id(request_id),
+            turn=turn,
+            decode_kv_transfer_params=decode_kv_transfer_params,
+            token_ids=token_ids,
+            timings=timings,
+        )
+        return await self._unary("CommitTurn", request, pb.CommitTurnResponse, timeout)
+
+    async def abort_turn(
+        self, turn: str, *, reason: str = "", timeout: float | None = None
+    ) -> pb.AbortTurnResponse:
+        """Release what a planned `turn` holds. Never retried (it carries no request_id)."""
+        request = pb.AbortTurnRequest(turn=turn, reason=reason)
+        return await self._unary("AbortTurn", request, pb.AbortTurnResponse, timeout)
