@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -57,7 +58,7 @@ class Demo:
 
     def cli(self, *args: str, expect_ok: bool = True) -> str:
         cmd = [str(BIN / "kvshuttle"), "--registry", self.addr, "registry", *args]
-        print("$ kvshuttle registry " + " ".join(args), flush=True)
+        print("$ " + shlex.join(["kvshuttle", "registry", *args]), flush=True)
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
         sys.stdout.write(out.stdout)
         sys.stdout.write(out.stderr)
@@ -66,6 +67,23 @@ class Demo:
         if not expect_ok and out.returncode == 0:
             raise SystemExit("demo: command should have been refused")
         return out.stdout
+
+    def put(
+        self,
+        conversation: str,
+        *,
+        tokens: int,
+        seed: int,
+        ttl: int,
+        params: dict[str, object],
+        expect_ok: bool = True,
+    ) -> None:
+        """Store what decode keeps after turn 1 (generation 1) of a conversation."""
+        self.cli("put-retention", "--tenant", TENANT, "--conversation", conversation,
+                 "--node", "nodes/decode-0", "--generation", "1", "--model", "demo-llama",
+                 "--block-size", "32", "--random-tokens", str(tokens), "--seed", str(seed),
+                 "--kv-transfer-params", json.dumps(params), "--ttl", str(ttl),
+                 expect_ok=expect_ok)  # fmt: skip
 
     def start_registry(self) -> None:
         say(f"starting kvshuttle-registry on {self.addr}")
@@ -131,91 +149,23 @@ class Demo:
         self.cli("nodes")
 
         say("turn 1 of two conversations finished: decode keeps their KV (retentions)")
-        params = json.dumps(DECODE_PARAMS)
-        self.cli(
-            "put-retention",
-            "--tenant",
-            TENANT,
-            "--conversation",
-            "chat-1",
-            "--node",
-            "nodes/decode-0",
-            "--generation",
-            "1",
-            "--model",
-            "demo-llama",
-            "--block-size",
-            "32",
-            "--random-tokens",
-            "250",
-            "--seed",
-            "1",
-            "--kv-transfer-params",
-            params,
-            "--ttl",
-            "60",
-        )
-        self.cli(
-            "put-retention",
-            "--tenant",
-            TENANT,
-            "--conversation",
-            "chat-2",
-            "--node",
-            "nodes/decode-0",
-            "--generation",
-            "1",
-            "--model",
-            "demo-llama",
-            "--block-size",
-            "32",
-            "--random-tokens",
-            "100",
-            "--seed",
-            "2",
-            "--kv-transfer-params",
-            params,
-            "--ttl",
-            "4",
-        )
+        self.put("chat-1", tokens=250, seed=1, ttl=60, params=DECODE_PARAMS)
+        short = DECODE_PARAMS | {
+            "remote_block_ids": [[13, 14, 15, 16]],
+            "remote_num_tokens": 100,
+            "remote_request_id": "cmpl-91d0-0",
+        }
+        self.put("chat-2", tokens=100, seed=2, ttl=4, params=short)
         self.cli("retentions", "--tenant", TENANT)
         self.cli("get", f"tenants/{TENANT}/conversations/chat-1/retentions/1")
 
         say("turn 2 of chat-1: the router claims the retention (single use)")
-        self.cli("claim", f"tenants/{TENANT}/conversations/chat-1/retentions/1", "--holder", "turns/t-2")
+        chat1 = f"tenants/{TENANT}/conversations/chat-1/retentions/1"
+        self.cli("claim", chat1, "--holder", "turns/t-2")
         say("a second reader is refused")
-        self.cli(
-            "claim",
-            f"tenants/{TENANT}/conversations/chat-1/retentions/1",
-            "--holder",
-            "turns/t-2b",
-            expect_ok=False,
-        )
+        self.cli("claim", chat1, "--holder", "turns/t-2b", expect_ok=False)
         say("a late commit of an older turn is fenced")
-        self.cli(
-            "put-retention",
-            "--tenant",
-            TENANT,
-            "--conversation",
-            "chat-1",
-            "--node",
-            "nodes/decode-0",
-            "--generation",
-            "1",
-            "--model",
-            "demo-llama",
-            "--block-size",
-            "32",
-            "--random-tokens",
-            "250",
-            "--seed",
-            "1",
-            "--kv-transfer-params",
-            params,
-            "--ttl",
-            "60",
-            expect_ok=False,
-        )
+        self.put("chat-1", tokens=250, seed=1, ttl=60, params=DECODE_PARAMS, expect_ok=False)
 
         say("chat-2's user is thinking; its retention lapses on the registry's timer")
         self.cli("heartbeat", "nodes/decode-0", "--incarnation", incarnation, "--ttl", "60")
