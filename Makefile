@@ -28,6 +28,7 @@ $(BIN)/.installed: $(BIN)/python pyproject.toml
 # Python messages, grpc stubs and .pyi stubs, all from grpcio-tools + mypy-protobuf (pinned in
 # pyproject.toml). Writes the whole generated tree under the directory in the shell variable $out.
 GEN = $(BIN)/python -m grpc_tools.protoc -I proto --python_out=$$out --grpc_python_out=$$out \
+	--plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy --plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
 	--mypy_out=$$out --mypy_grpc_out=$$out $(PROTOS) >/dev/null && \
 	for d in $$(cd proto && find kvshuttle -name '*.proto' -exec dirname {} \; | sort -u); do \
 	  touch $$out/$$d/__init__.py; done
