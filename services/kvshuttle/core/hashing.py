@@ -13,14 +13,40 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 ROOT_HASH = 0
+_MAX_TOKEN = 2**32 - 1
+TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
+def token_array(tokens: TokenIds) -> npt.NDArray[np.uint32]:
+    """Token ids as a little-endian uint32 array. Raises ValueError outside uint32.
+
+    A protobuf repeated uint32 field converts without a Python loop (upb exposes a buffer).
+    """
+    try:
+        arr = np.asarray(tokens)
+    except OverflowError as exc:
+        raise ValueError("token ids must be within uint32") from exc
+    if arr.size == 0:
+        return np.zeros(0, dtype="<u4")
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError("token ids must be a flat list of integers")
+    if arr.dtype != np.uint32 and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN):
+        raise ValueError("token ids must be within uint32")
+    return arr.astype("<u4", copy=False)
+
+
+def _token_bytes(tokens: TokenIds) -> bytes:
+    if isinstance(tokens, np.ndarray):
+        return token_array(tokens).tobytes()
     try:
         data = array("I", tokens)  # 4 bytes on every platform CPython supports here
-    except OverflowError as exc:
+    except (OverflowError, TypeError) as exc:
         raise ValueError("token ids must be within uint32") from exc
     if data.itemsize != 4:  # pragma: no cover
         raise RuntimeError("array('I') is not 4 bytes wide on this platform")
@@ -29,14 +55,14 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
     return data.tobytes()
 
 
-def block_hash(parent: int, block_tokens: Sequence[int]) -> int:
+def block_hash(parent: int, block_tokens: TokenIds) -> int:
     """Hash of one block given its parent's hash."""
     h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
     h.update(_token_bytes(block_tokens))
     return int.from_bytes(h.digest(), "little")
 
 
-def chain_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
+def chain_hashes(tokens: TokenIds, block_size: int, parent: int = ROOT_HASH) -> list[int]:
     """Hashes of every full block of `tokens`, chained from `parent`.
 
     Raises ValueError for a non-positive block size or a token outside uint32.
