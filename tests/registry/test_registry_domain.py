@@ -428,3 +428,20 @@ async def test_watch_needs_exactly_one_scope(registry: Registry) -> None:
         registry.watch(parent="", node="")
     with pytest.raises(InvalidArgument):
         registry.watch(parent="tenants/a", node="nodes/x")
+
+
+async def test_fences_are_forgotten_fence_ttl_after_the_last_retention(clock: FakeClock) -> None:
+    registry = Registry(InMemoryStore(StoreLimits(fence_ttl=100)), clock, BlockIndex(100), RegistryLimits())
+    await registry.register_node(spec(), ttl=300)
+    await put(registry, 1, ttl=10)
+    clock.advance(50)  # the retention lapsed at 10 and was swept at 50: the fence starts counting
+    await registry.expire_due()
+    assert (await registry.get_conversation(CONV)).fence_generation == 1
+    clock.advance(99)
+    await registry.expire_due()
+    await registry.get_conversation(CONV)
+    clock.advance(1)
+    await registry.expire_due()
+    with pytest.raises(NotFound):
+        await registry.get_conversation(CONV)
+    await put(registry, 1)  # forgotten: generation 1 is accepted again

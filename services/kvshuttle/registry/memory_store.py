@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import copy
 import heapq
+import math
 import uuid
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -267,9 +268,9 @@ class InMemoryStore:
         node.retained_bytes += record.kv_bytes
         node.retention_count += 1
         bisect.insort(self._tenant_names.setdefault(tenant, []), record.name)
-        self._fences[conversation] = _Fence(record.generation, now + self._limits.fence_ttl)
+        # The fence lives as long as a retention does; its own timer starts when the last goes.
+        self._fences[conversation] = _Fence(record.generation, math.inf)
         self._push(expire_at, _RETENTION, record.name)
-        self._push(now + self._limits.fence_ttl, _FENCE, conversation)
         result = PutResult(_snapshot(record), replaced)
         changes.append(RetentionChange(ChangeKind.PUT, result.retention, now))
         if request_id:
@@ -391,6 +392,10 @@ class InMemoryStore:
         if node is not None:
             node.retained_bytes -= record.kv_bytes
             node.retention_count -= 1
+        fence = self._fences.get(conversation)
+        if fence is not None:
+            fence.forget_at = now + self._limits.fence_ttl
+            self._push(fence.forget_at, _FENCE, conversation)
         names = self._tenant_names[record.tenant]
         del names[bisect.bisect_left(names, name)]
         if not names:
@@ -410,7 +415,7 @@ class InMemoryStore:
     def _rebuild_heap(self) -> None:
         heap = [(n.expire_at, _NODE, name) for name, n in self._nodes.items()]
         heap += [(r.expire_at, _RETENTION, name) for name, r in self._retentions.items()]
-        heap += [(f.forget_at, _FENCE, name) for name, f in self._fences.items()]
+        heap += [(f.forget_at, _FENCE, name) for name, f in self._fences.items() if f.forget_at != math.inf]
         heapq.heapify(heap)
         self._heap = heap
 
@@ -430,14 +435,7 @@ class InMemoryStore:
                     retentions.append(self._remove_retention(name, ChangeKind.EXPIRED, now))
             else:
                 fence = self._fences.get(name)
-                if fence is None or fence.forget_at > now:
-                    continue
-                live = self._by_conversation.get(name)
-                if live is not None:
-                    # Keep fencing while a retention lives, and fence_ttl after it.
-                    fence.forget_at = self._retentions[live].expire_at + self._limits.fence_ttl
-                    self._push(fence.forget_at, _FENCE, name)
-                else:
+                if fence is not None and fence.forget_at <= now:
                     del self._fences[name]
         return ExpiryResult(tuple(nodes), tuple(retentions))
 
