@@ -1,0 +1,168 @@
+"""The reuse-vs-recompute cost model, per served model, calibrated online.
+
+Prefill time of a request that computes `c` tokens on top of `k` tokens whose KV is already
+there (read from a remote holder or hit in the local prefix cache):
+
+    prefill_ms = fixed_ms + per_token_ms * c + per_cached_token_ms * k
+                 + per_pair_ns * 1e-6 * (c * k + c * (c + 1) / 2)
+
+the linear terms for the MLP and for reading the cached KV, the last one for attention (each
+computed token attends to every earlier position). Moving `n` bytes of KV costs
+`link.fixed_ms + n / link.bandwidth`. Reuse wins when transfer + suffix prefill is expected to
+be faster than prefilling what the prefill node does not already hold, and the tokens read
+remotely clear the floor (vLLM's `kv_recompute_threshold`: below it vLLM recomputes anyway).
+
+Measured turns (CommitTurn timings) scale the prefill estimate and replace the link bandwidth
+with the median of recent observations, each clipped, so one outlier moves nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tomllib
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvshuttle.router.model import Estimate
+
+_WINDOW = 64
+_MIN_SAMPLES = 4
+_MAX_SCALE = 8.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillModel:
+    fixed_ms: float
+    per_token_ms: float
+    per_cached_token_ms: float = 0.0
+    per_pair_ns: float = 0.0
+
+    def ms(self, computed: int, cached: int) -> float:
+        pairs = computed * cached + computed * (computed + 1) / 2
+        return (
+            self.fixed_ms
+            + self.per_token_ms * computed
+            + self.per_cached_token_ms * cached
+            + self.per_pair_ns * 1e-6 * pairs
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LinkModel:
+    bandwidth_gb_s: float
+    fixed_ms: float
+
+    def ms(self, nbytes: int, bandwidth_gb_s: float | None = None) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return self.fixed_ms + nbytes / ((bandwidth_gb_s or self.bandwidth_gb_s) * 1e6)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelProfile:
+    """Cost facts of one served model on one kind of hardware."""
+
+    model: str
+    kv_bytes_per_token: int
+    prefill: PrefillModel
+    link: LinkModel
+    # Fewest tokens worth reading remotely (vLLM's kv_recompute_threshold, default 64).
+    min_reuse_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token <= 0 or self.link.bandwidth_gb_s <= 0 or self.min_reuse_tokens < 0:
+            raise ValueError(f"profile {self.model}: kv_bytes_per_token and bandwidth must be positive")
+        values = (
+            self.prefill.fixed_ms,
+            self.prefill.per_token_ms,
+            self.prefill.per_cached_token_ms,
+            self.prefill.per_pair_ns,
+            self.link.fixed_ms,
+        )
+        if min(values) < 0:
+            raise ValueError(f"profile {self.model}: times must not be negative")
+
+
+def profile_from_dict(data: dict[str, Any]) -> ModelProfile:
+    try:
+        return ModelProfile(
+            model=str(data["model"]),
+            kv_bytes_per_token=int(data["kv_bytes_per_token"]),
+            prefill=PrefillModel(**data["prefill"]),
+            link=LinkModel(**data["link"]),
+            min_reuse_tokens=int(data.get("min_reuse_tokens", 64)),
+        )
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"malformed profile {data.get('model', '?')}: {exc}") from exc
+
+
+def load_profiles(path: Path) -> list[ModelProfile]:
+    """Profiles from a TOML file with one `[[profile]]` table per model."""
+    with path.open("rb") as f:
+        data = tomllib.load(f)
+    return [profile_from_dict(p) for p in data.get("profile", [])]
+
+
+class _Median:
+    """Median of the last observations, each clipped to [low, high]."""
+
+    def __init__(self, low: float, high: float) -> None:
+        self._low, self._high = low, high
+        self._values: deque[float] = deque(maxlen=_WINDOW)
+
+    def add(self, value: float) -> None:
+        self._values.append(min(max(value, self._low), self._high))
+
+    def value(self) -> float | None:
+        return statistics.median(self._values) if len(self._values) >= _MIN_SAMPLES else None
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+class CostModel:
+    def __init__(self, profile: ModelProfile) -> None:
+        self.profile = profile
+        self._prefill_scale = _Median(1 / _MAX_SCALE, _MAX_SCALE)
+        bw = profile.link.bandwidth_gb_s
+        self._bandwidth = _Median(bw / _MAX_SCALE**2, bw * _MAX_SCALE**2)
+
+    @property
+    def prefill_scale(self) -> float:
+        return self._prefill_scale.value() or 1.0
+
+    @property
+    def bandwidth_gb_s(self) -> float:
+        return self._bandwidth.value() or self.profile.link.bandwidth_gb_s
+
+    def prefill_ms(self, computed: int, cached: int) -> float:
+        return self.profile.prefill.ms(computed, cached) * self.prefill_scale
+
+    def transfer_ms(self, tokens: int) -> float:
+        return self.profile.link.ms(tokens * self.profile.kv_bytes_per_token, self.bandwidth_gb_s)
+
+    def recompute(self, prompt_tokens: int, local_hits: int) -> Estimate:
+        cached = min(local_hits, prompt_tokens)
+        return Estimate(0.0, self.prefill_ms(prompt_tokens - cached, cached))
+
+    def reuse(self, prompt_tokens: int, reusable: int, local_hits: int) -> Estimate:
+        """Read what the prefill node lacks of the reusable prefix, compute the rest."""
+        cached = min(max(reusable, local_hits), prompt_tokens)
+        read = max(reusable - local_hits, 0)
+        return Estimate(self.transfer_ms(read), self.prefill_ms(prompt_tokens - cached, cached))
+
+    def observe_prefill(self, *, computed: int, cached: int, measured_ms: float) -> None:
+        """A measured prefill (without its KV read) of `computed` tokens on top of `cached` ones."""
+        predicted = self.profile.prefill.ms(computed, cached)
+        if predicted > 0 and measured_ms > 0:
+            self._prefill_scale.add(measured_ms / predicted)
+
+    def observe_transfer(self, *, nbytes: int, measured_ms: float) -> None:
+        wire_ms = measured_ms - self.profile.link.fixed_ms
+        if nbytes > 0 and wire_ms > 0:
+            self._bandwidth.add(nbytes / (wire_ms * 1e6))
+
+    def observations(self) -> tuple[int, int]:
+        return len(self._prefill_scale), len(self._bandwidth)

@@ -1,0 +1,49 @@
+"""What the router needs from the registry, as domain calls. The gRPC adapter implements it
+over RegistryClient; tests implement it over the registry's domain object, no sockets.
+
+Failures are domain errors (kvshuttle.core.errors) carrying the registry's reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvshuttle.router.model import ClaimInfo, NodeInfo, RetentionInfo, Role
+
+
+class RegistryPort(Protocol):
+    async def get_conversation(self, name: str) -> tuple[int, RetentionInfo | None]:
+        """(fence generation, live retention); (0, None) for a conversation never seen."""
+        ...
+
+    async def list_nodes(self, model: str) -> list[NodeInfo]: ...
+
+    async def lookup_blocks(self, chain: Sequence[int], model: str, role: Role) -> dict[str, int]:
+        """Node name -> leading blocks of `chain` it holds."""
+        ...
+
+    async def claim(self, name: str, *, holder: str, claim_ttl: float, request_id: str) -> ClaimInfo: ...
+
+    async def put_retention(
+        self,
+        *,
+        request_id: str,
+        conversation: str,
+        node: str,
+        generation: int,
+        model: str,
+        block_size: int,
+        num_tokens: int,
+        block_hashes: Sequence[int],
+        kv_transfer_params: dict[str, object],
+        kv_bytes: int,
+        ttl: float,
+        pin_expire_at: float,
+    ) -> tuple[str, float]:
+        """Store decode's retained KV; returns (name, expire_at)."""
+        ...
+
+    async def release(self, name: str, *, claim_id: str) -> None:
+        """Remove a retention; a retention already gone is not an error."""
+        ...

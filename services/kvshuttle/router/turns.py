@@ -1,0 +1,84 @@
+"""Turn handles: everything CommitTurn and AbortTurn need, carried by the caller, signed.
+
+The router keeps no turn state that another replica would need: a handle names the
+conversation, generation, nodes, the claim it holds and a digest of the planned prompt, and
+is signed with a key the replicas share (HMAC-SHA256), so any replica can commit or abort it
+and nobody can forge one to write another conversation's retention. A handle that does not
+verify is NOT_FOUND: the router never issued it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+from dataclasses import asdict, dataclass
+
+from kvshuttle.core.errors import InvalidArgument, NotFound
+
+PREFIX = "turns/"
+MAX_HANDLE_LENGTH = 4096
+_SIG_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class TurnState:
+    turn_id: str
+    conversation: str  # "" for a request without a conversation
+    generation: int
+    model: str
+    block_size: int
+    prefill_node: str
+    decode_node: str
+    decode_engine_id: str
+    prompt_tokens: int
+    # Chain hash of the prompt's last full block (0 when it has none): CommitTurn's tokens
+    # must extend exactly this prompt.
+    prompt_tail_hash: int
+    prompt_full_blocks: int
+    reusable_tokens: int
+    local_hit_tokens: int
+    decision: str
+    reason: str
+    claimed: str
+    claim_id: str
+    issued_at: float
+    expire_at: float
+    trace_id: str
+    span_id: str
+
+
+class TurnCodec:
+    def __init__(self, key: bytes) -> None:
+        if len(key) < 16:
+            raise ValueError("the turn signing key needs at least 16 bytes")
+        self._key = key
+
+    def _sign(self, payload: bytes) -> bytes:
+        return hmac.new(self._key, payload, hashlib.sha256).digest()[:_SIG_BYTES]
+
+    def encode(self, state: TurnState) -> str:
+        payload = json.dumps(asdict(state), separators=(",", ":"), sort_keys=True).encode()
+        body = base64.urlsafe_b64encode(payload).rstrip(b"=")
+        sig = base64.urlsafe_b64encode(self._sign(payload)).rstrip(b"=")
+        return f"{PREFIX}{body.decode()}.{sig.decode()}"
+
+    def decode(self, handle: str, field: str = "turn") -> TurnState:
+        if not handle:
+            raise InvalidArgument(field, "required")
+        if len(handle) > MAX_HANDLE_LENGTH or not handle.startswith(PREFIX) or "." not in handle:
+            raise InvalidArgument(field, "must be a turn handle returned by PlanTurn")
+        body, _, sig = handle[len(PREFIX) :].partition(".")
+        try:
+            payload = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+            signature = base64.urlsafe_b64decode(sig + "=" * (-len(sig) % 4))
+        except (binascii.Error, ValueError) as exc:
+            raise InvalidArgument(field, "must be a turn handle returned by PlanTurn") from exc
+        if not hmac.compare_digest(signature, self._sign(payload)):
+            raise NotFound("unknown turn (not issued by this router deployment)", reason="TURN_NOT_FOUND")
+        try:
+            return TurnState(**json.loads(payload))
+        except (TypeError, ValueError) as exc:  # a signed handle of another router version
+            raise NotFound("unknown turn format", reason="TURN_NOT_FOUND") from exc

@@ -1,0 +1,68 @@
+"""Verified reuse: how much of a new prompt a retention's KV really covers, and the
+kv_transfer_params that make a prefill engine read exactly that much.
+
+vLLM's prefill takes `min(remote_num_tokens, prompt tokens)` minus its local prefix hits from
+the remote holder and trims the remote block list from the end: it assumes the prompt extends
+the retained tokens and never checks. An edited history (stripped reasoning, compaction, a
+re-rendered chat-template tail) would silently read KV of other tokens. So the router compares
+hash chains, keeps only full blocks of the longest identical run, and hands prefill params
+truncated to exactly those blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvshuttle.core.hashing import common_prefix_blocks
+from kvshuttle.router.model import RetentionInfo
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedPrefix:
+    blocks: int
+    block_size: int
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_size
+
+
+def block_groups(params: dict[str, Any]) -> list[list[int]]:
+    groups = params.get("remote_block_ids") or []
+    return [list(g) for g in groups] if groups and isinstance(groups[0], list) else [list(groups)]
+
+
+def verify(prompt_chain: Sequence[int], prompt_tokens: int, retention: RetentionInfo) -> VerifiedPrefix:
+    """Full blocks of the prompt that the retention holds, token for token.
+
+    Capped by the retention's token count and by the block ids its params carry, and kept
+    below the prompt's length: prefill must compute at least one token to produce logits.
+    """
+    bs = retention.block_size
+    blocks = common_prefix_blocks(prompt_chain, retention.block_hashes)
+    blocks = min(blocks, retention.num_tokens // bs, (prompt_tokens - 1) // bs if prompt_tokens else 0)
+    groups = block_groups(retention.kv_transfer_params)
+    blocks = min(blocks, len(groups[0]) if groups else 0)
+    if len(groups) > 1 and any(len(g) != len(groups[0]) for g in groups):
+        # Groups of other shapes (sliding window, mamba) cannot be cut to a prefix by position:
+        # reuse them only whole, and only when the whole retention verified.
+        whole = min(len(g) for g in groups)
+        blocks = blocks if blocks == whole == retention.num_tokens // bs else 0
+    return VerifiedPrefix(max(blocks, 0), bs)
+
+
+def prefill_params(retention: RetentionInfo, prefix: VerifiedPrefix) -> dict[str, Any]:
+    """Decode's params, truncated to the verified prefix, as prefill must receive them."""
+    params = dict(retention.kv_transfer_params)
+    params["remote_block_ids"] = [g[: prefix.blocks] for g in block_groups(params)]
+    params["remote_num_tokens"] = prefix.tokens
+    params["do_remote_decode"] = True
+    params["do_remote_prefill"] = False
+    return params
+
+
+def first_turn_params() -> dict[str, Any]:
+    """What prefill gets when nothing is reused: compute, then keep the KV for decode to read."""
+    return {"do_remote_decode": True, "do_remote_prefill": False}

@@ -1,0 +1,124 @@
+"""RegistryPort over the registry's domain object, in process: router domain tests need no sockets."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+from kvshuttle.core.errors import NotFound
+from kvshuttle.registry import model as reg
+from kvshuttle.registry.registry import Registry
+from kvshuttle.router.model import ClaimInfo, NodeInfo, RetentionInfo, Role
+from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
+from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
+
+
+def node_info(node: reg.Node) -> NodeInfo:
+    spec = node.spec
+    return NodeInfo(
+        name=spec.name,
+        role=Role(spec.role.value),
+        engine_id=spec.engine_id,
+        http_endpoint=spec.http_endpoint,
+        model=spec.model,
+        block_size=spec.block_size,
+        kv_bytes_per_token=spec.kv_bytes_per_token,
+        healthy=node.load.engine_healthy,
+        running_requests=node.load.running_requests,
+        waiting_requests=node.load.waiting_requests,
+        kv_cache_usage=node.load.kv_cache_usage,
+        retained_bytes=node.retained_bytes,
+    )
+
+
+def retention_info(r: reg.Retention) -> RetentionInfo:
+    return RetentionInfo(
+        name=r.name,
+        node=r.node,
+        generation=r.generation,
+        model=r.model,
+        block_size=r.block_size,
+        num_tokens=r.num_tokens,
+        block_hashes=tuple(r.block_hashes),
+        kv_transfer_params=to_vllm(KvTransferParams.FromString(r.kv_transfer_params)),
+        expire_at=r.expire_at,
+        claimed=r.claim is not None,
+    )
+
+
+class InProcessPort:
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.calls: dict[str, int] = {}
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    async def get_conversation(self, name: str) -> tuple[int, RetentionInfo | None]:
+        self._count("get_conversation")
+        try:
+            conv = await self.registry.get_conversation(name)
+        except NotFound:
+            return 0, None
+        return conv.fence_generation, retention_info(conv.retention) if conv.retention else None
+
+    async def list_nodes(self, model: str) -> list[NodeInfo]:
+        self._count("list_nodes")
+        nodes, _ = await self.registry.list_nodes(role=None, model=model, page_size=1000, page_token="")
+        return [node_info(n) for n in nodes]
+
+    async def lookup_blocks(self, chain: Sequence[int], model: str, role: Role) -> dict[str, int]:
+        self._count("lookup_blocks")
+        found = await self.registry.lookup_blocks(chain, model=model, role=reg.NodeRole(role.value))
+        return dict(found)
+
+    async def claim(self, name: str, *, holder: str, claim_ttl: float, request_id: str) -> ClaimInfo:
+        self._count("claim")
+        r = await self.registry.claim_retention(
+            request_id=request_id, name=name, holder=holder, claim_ttl=claim_ttl
+        )
+        assert r.claim is not None
+        return ClaimInfo(retention_info(r), r.claim.claim_id, r.claim.expire_at)
+
+    async def put_retention(
+        self,
+        *,
+        request_id: str,
+        conversation: str,
+        node: str,
+        generation: int,
+        model: str,
+        block_size: int,
+        num_tokens: int,
+        block_hashes: Sequence[int],
+        kv_transfer_params: dict[str, object],
+        kv_bytes: int,
+        ttl: float,
+        pin_expire_at: float,
+    ) -> tuple[str, float]:
+        self._count("put_retention")
+        result = await self.registry.put_retention(
+            request_id=request_id,
+            parent=conversation,
+            ttl=ttl,
+            retention=reg.Retention(
+                name="",
+                node=node,
+                generation=generation,
+                model=model,
+                block_size=block_size,
+                num_tokens=num_tokens,
+                block_hashes=array("Q", block_hashes),
+                kv_transfer_params=from_vllm(dict(kv_transfer_params)).SerializeToString(),
+                kv_bytes=kv_bytes,
+                pin_expire_at=pin_expire_at,
+            ),
+        )
+        return result.retention.name, result.retention.expire_at
+
+    async def release(self, name: str, *, claim_id: str) -> None:
+        self._count("release")
+        try:
+            await self.registry.release_retention(name, claim_id=claim_id, force=False)
+        except NotFound:
+            return

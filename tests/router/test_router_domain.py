@@ -1,0 +1,561 @@
+"""The router's decisions, over the registry's domain in process, on a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+from tests.router.inproc import InProcessPort
+
+from kvshuttle.core.clock import FakeClock
+from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvshuttle.core.hashing import chain_hashes
+from kvshuttle.registry.block_index import BlockIndex, BlockStored, EventBatch
+from kvshuttle.registry.memory_store import InMemoryStore
+from kvshuttle.registry.model import NodeLoad, NodeRole, NodeSpec
+from kvshuttle.registry.registry import Registry, RegistryLimits
+from kvshuttle.router.cost import LinkModel, ModelProfile, PrefillModel, load_profiles
+from kvshuttle.router.metrics import RouterMetrics
+from kvshuttle.router.model import Decision, Plan, Reason, TurnTimings
+from kvshuttle.router.router import CommitRequest, PlanRequest, Router, RouterPolicy
+from kvshuttle.router.turns import TurnCodec
+
+QWEN = load_profiles(Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "qwen3-32b-h200.toml")[0]
+# A CPU-class model: prefill is dear, moving KV cheap, so reuse wins wherever it is safe.
+CPU = ModelProfile(
+    model="m",
+    kv_bytes_per_token=16_384,
+    prefill=PrefillModel(fixed_ms=5, per_token_ms=0.5),
+    link=LinkModel(bandwidth_gb_s=5, fixed_ms=5),
+)
+MODEL = CPU.model
+BS = 16
+CONV = "tenants/acme/conversations/c1"
+KEY = b"k" * 32
+
+
+class Cluster:
+    """A registry with one prefill and one decode node, and routers over it."""
+
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.registry = Registry(InMemoryStore(), self.clock, BlockIndex(100_000), RegistryLimits())
+        self.rng = random.Random(7)
+        self.block_ids = iter(range(1, 10**9))
+
+    async def add_node(self, name: str, role: NodeRole, model: str = MODEL, healthy: bool = True) -> None:
+        node = await self.registry.register_node(
+            NodeSpec(
+                name=name,
+                role=role,
+                engine_id=f"engine-{name.split('/')[1]}",
+                http_endpoint=f"http://{name[6:]}:8000",
+                side_channel_host="127.0.0.1",
+                side_channel_port=5600,
+                agent_endpoint="",
+                model=model,
+                block_size=BS,
+                kv_bytes_per_token=CPU.kv_bytes_per_token,
+            ),
+            ttl=300,
+        )
+        await self.registry.heartbeat_node(name, node.incarnation, 300, NodeLoad(engine_healthy=healthy))
+
+    def router(self, profiles: list[ModelProfile] | None = None, **policy: Any) -> Router:
+        return Router(
+            InProcessPort(self.registry),
+            self.clock,
+            profiles or [CPU, QWEN],
+            TurnCodec(KEY),
+            RouterPolicy(**policy),
+            RouterMetrics(CollectorRegistry()),
+        )
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(10, 150_000) for _ in range(n)]
+
+    def decode_params(self, plan: Plan, total_tokens: int) -> dict[str, Any]:
+        """What decode answers when it keeps the whole sequence (bidirectional on)."""
+        blocks = -(-total_tokens // BS)
+        return {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_block_ids": [[next(self.block_ids) for _ in range(blocks)]],
+            "remote_engine_id": plan.decode.engine_id,
+            "remote_request_id": f"cmpl-{plan.generation}",
+            "remote_host": "127.0.0.1",
+            "remote_port": 5601,
+            "tp_size": 1,
+            "remote_num_tokens": total_tokens,
+            "remote_blocks_expiry_time": 1234.5,
+        }
+
+
+@pytest.fixture
+async def cluster() -> Cluster:
+    c = Cluster()
+    await c.add_node("nodes/p0", NodeRole.PREFILL)
+    await c.add_node("nodes/d0", NodeRole.DECODE)
+    return c
+
+
+async def run_turn(
+    router: Router,
+    cluster: Cluster,
+    prompt: list[int],
+    *,
+    output: int = 64,
+    conversation: str = CONV,
+    **plan_kw: Any,
+) -> tuple[Plan, list[int]]:
+    """Plan, then commit as a gateway would after decode answered `output` tokens."""
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=conversation, **plan_kw)
+    )
+    sequence = prompt + cluster.tokens(output)
+    await router.commit_turn(
+        CommitRequest(
+            turn=plan.turn,
+            token_ids=sequence,
+            decode_kv_transfer_params=cluster.decode_params(plan, len(sequence)),
+            timings=TurnTimings(ttft_ms=100.0, prefill_ms=90.0),
+        )
+    )
+    return plan, sequence
+
+
+async def test_first_turn_recomputes_then_the_next_reuses_the_verified_prefix(cluster: Cluster) -> None:
+    router = cluster.router()
+    first, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    assert (first.decision, first.reason) == (Decision.RECOMPUTE, Reason.NO_RETENTION)
+    assert first.prefill_kv_transfer_params == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert (first.prefill.name, first.decode.name, first.generation) == ("nodes/p0", "nodes/d0", 1)
+    stored = await cluster.registry.get_retention(f"{CONV}/retentions/1")
+    assert stored.num_tokens == len(seq)
+    assert list(stored.block_hashes) == chain_hashes(seq, BS)
+    assert stored.pin_expire_at == cluster.clock.now() + 480 - 30
+
+    prompt = seq + cluster.tokens(200)
+    second = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV))
+    assert (second.decision, second.reason) == (Decision.REUSE, Reason.REUSE_CHEAPER)
+    full_blocks = len(seq) // BS
+    assert second.reusable_tokens == full_blocks * BS
+    assert second.tokens_to_compute == len(prompt) - full_blocks * BS
+    params = second.prefill_kv_transfer_params
+    assert params["remote_num_tokens"] == full_blocks * BS
+    assert len(params["remote_block_ids"][0]) == full_blocks  # type: ignore[index]
+    assert params["remote_engine_id"] == "engine-d0"
+    assert (params["do_remote_decode"], params["do_remote_prefill"]) == (True, False)
+    assert (await cluster.registry.get_retention(f"{CONV}/retentions/1")).claim is not None
+    assert second.reuse_cost is not None
+    assert second.reuse_cost.total_ms < second.recompute_cost.total_ms
+
+
+def len_seq() -> int:
+    return 1064  # a 1000-token prompt and 64 output tokens (run_turn)
+
+
+def edited(seq: list[int], at: int, *, remove: int = 0, insert: list[int] | None = None) -> list[int]:
+    return seq[:at] + (insert or []) + seq[at + remove :]
+
+
+@pytest.mark.parametrize(
+    ("case", "edit", "expected_blocks"),
+    [
+        ("edit at the start", lambda s, c: edited(s, 0, remove=1, insert=[7]), None),
+        ("edit in the middle", lambda s, c: edited(s, 500, remove=1, insert=[7]), 500 // BS),
+        (
+            "edit at the end",
+            lambda s, c: edited(s, len(s) - 3, remove=3, insert=[7, 7, 7]),
+            (len_seq() - 3) // BS,
+        ),
+        (
+            "chat-template tail re-rendered",
+            lambda s, c: [*s[:-5], 3, 9, 4, *c.tokens(40)],
+            (len_seq() - 5) // BS,
+        ),
+        ("reasoning stripped", lambda s, c: edited(s, 1010, remove=40) + c.tokens(30), 1010 // BS),
+        ("history compacted", lambda s, c: c.tokens(300) + s[800:], None),
+    ],
+)
+async def test_edited_history_reuses_only_the_verified_prefix(
+    cluster: Cluster, case: str, edit: Any, expected_blocks: int | None
+) -> None:
+    router = cluster.router()
+    _, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    assert len(seq) == len_seq()
+    prompt = edit(seq, cluster) + cluster.tokens(100)
+    plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV))
+    if expected_blocks is None:
+        assert (plan.decision, plan.reason) == (Decision.RECOMPUTE, Reason.PREFIX_MISMATCH), case
+        return
+    assert plan.decision is Decision.REUSE, case
+    assert plan.reusable_tokens == expected_blocks * BS, case
+    # What prefill is told to read is exactly what verified: never a token past the edit.
+    assert plan.prefill_kv_transfer_params["remote_num_tokens"] == expected_blocks * BS
+    assert len(plan.prefill_kv_transfer_params["remote_block_ids"][0]) == expected_blocks  # type: ignore[index]
+    assert prompt[: expected_blocks * BS] == seq[: expected_blocks * BS]
+
+
+async def test_a_short_verified_prefix_is_below_the_floor(cluster: Cluster) -> None:
+    router = cluster.router()
+    _, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=edited(seq, 40, remove=1, insert=[5]), conversation=CONV)
+    )
+    assert (plan.decision, plan.reason) == (Decision.RECOMPUTE, Reason.BELOW_THRESHOLD)
+
+
+async def test_a_slow_link_makes_recompute_cheaper(cluster: Cluster) -> None:
+    slow = replace(CPU, link=LinkModel(bandwidth_gb_s=0.01, fixed_ms=50))
+    router = cluster.router([slow])
+    _, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=seq + [1] * 50, conversation=CONV)
+    )
+    assert (plan.decision, plan.reason) == (Decision.RECOMPUTE, Reason.COST)
+    assert plan.reuse_cost is not None
+    assert plan.reuse_cost.total_ms > plan.recompute_cost.total_ms
+
+
+async def test_a_retention_about_to_expire_is_not_read(cluster: Cluster) -> None:
+    router = cluster.router()
+    _, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    cluster.clock.advance(450 - 5)  # 5 s left: inside the 6 s headroom
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=seq + [1] * 50, conversation=CONV)
+    )
+    assert (plan.decision, plan.reason) == (Decision.RECOMPUTE, Reason.EXPIRED)
+
+
+async def test_expiry_between_lookup_and_claim_falls_back(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    router = cluster.router(claim_headroom_s=0.0)
+    _, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    port = router._port
+    real_get = port.get_conversation
+
+    async def get_then_expire(name: str) -> Any:
+        found = await real_get(name)
+        cluster.clock.advance(450)  # the lease lapses while the plan is being made
+        return found
+
+    monkeypatch.setattr(port, "get_conversation", get_then_expire)
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=seq + [1] * 50, conversation=CONV)
+    )
+    assert (plan.decision, plan.reason) == (Decision.RECOMPUTE, Reason.EXPIRED)
+
+
+async def test_two_router_replicas_race_for_one_retention(cluster: Cluster) -> None:
+    a, b = cluster.router(), cluster.router()
+    _, seq = await run_turn(a, cluster, cluster.tokens(1000))
+    prompt = seq + cluster.tokens(80)
+    plans = await asyncio.gather(
+        *(
+            r.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV))
+            for r in (a, b, a, b)
+        )
+    )
+    assert sorted(p.reason for p in plans) == sorted([Reason.REUSE_CHEAPER] + [Reason.CLAIM_LOST] * 3)
+
+
+async def test_dead_or_unhealthy_holder_means_recompute(cluster: Cluster) -> None:
+    router = cluster.router(node_refresh_s=0.0)
+    _, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    await cluster.add_node("nodes/d1", NodeRole.DECODE)
+    await cluster.add_node("nodes/d0", NodeRole.DECODE, healthy=False)  # same engine: retention kept
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=seq + [1] * 50, conversation=CONV)
+    )
+    assert (plan.decision, plan.reason) == (Decision.RECOMPUTE, Reason.NODE_DOWN)
+    assert plan.decode.name == "nodes/d1"
+
+
+async def test_reuse_can_be_disabled_per_request(cluster: Cluster) -> None:
+    router = cluster.router()
+    _, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=seq + [1] * 50, conversation=CONV, disable_reuse=True)
+    )
+    assert (plan.decision, plan.reason) == (Decision.RECOMPUTE, Reason.DISABLED)
+
+
+async def test_another_model_does_not_read_this_models_kv(cluster: Cluster) -> None:
+    other = replace(CPU, model="other-model")
+    await cluster.add_node("nodes/p1", NodeRole.PREFILL, model="other-model")
+    await cluster.add_node("nodes/d1", NodeRole.DECODE, model="other-model")
+    router = cluster.router([CPU, other])
+    _, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    plan = await router.plan_turn(
+        PlanRequest(model="other-model", prompt_token_ids=seq + [1] * 50, conversation=CONV)
+    )
+    assert (plan.decision, plan.reason) == (Decision.RECOMPUTE, Reason.MODEL_MISMATCH)
+    assert plan.prefill.name == "nodes/p1"
+
+
+@pytest.mark.parametrize(
+    ("context", "published_recompute", "published_reuse"), [(2048, 158, 122), (24576, 778, 460)]
+)
+async def test_decisions_at_the_published_benchmark_points(
+    cluster: Cluster, context: int, published_recompute: float, published_reuse: float
+) -> None:
+    """Qwen3-32B on H200 (vLLM's bidirectional benchmark): reuse wins at 2k and 24k, and the
+    profile's estimates stay within 15 % of the published TTFTs."""
+    await cluster.add_node("nodes/pq", NodeRole.PREFILL, model=QWEN.model)
+    await cluster.add_node("nodes/dq", NodeRole.DECODE, model=QWEN.model)
+    router = cluster.router()
+    new = 256
+    first = cluster.tokens(context - new - 64)
+    plan = await router.plan_turn(PlanRequest(model=QWEN.model, prompt_token_ids=first, conversation=CONV))
+    seq = first + cluster.tokens(64)
+    await router.commit_turn(
+        CommitRequest(
+            turn=plan.turn, token_ids=seq, decode_kv_transfer_params=cluster.decode_params(plan, len(seq))
+        )
+    )
+    prompt = seq + cluster.tokens(new)
+    plan = await router.plan_turn(PlanRequest(model=QWEN.model, prompt_token_ids=prompt, conversation=CONV))
+    assert plan.reuse_cost is not None
+    assert plan.recompute_cost.total_ms == pytest.approx(published_recompute, rel=0.15)
+    assert plan.reuse_cost.total_ms == pytest.approx(published_reuse, rel=0.15)
+    assert (plan.decision, plan.reason) == (Decision.REUSE, Reason.REUSE_CHEAPER)
+
+
+async def test_local_prefix_hits_on_prefill_count(cluster: Cluster) -> None:
+    """With the prompt already in prefill's cache, reading it remotely buys nothing."""
+    router = cluster.router()
+    _, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    p0 = await cluster.registry.get_node("nodes/p0")
+    blocks = len(seq) // BS
+    await cluster.registry.report_block_events(
+        "nodes/p0",
+        p0.incarnation,
+        [
+            EventBatch(
+                0,
+                0.0,
+                (BlockStored(tuple(range(1, blocks + 1)), None, tuple(seq[: blocks * BS]), BS, None, "GPU"),),
+            )
+        ],
+    )
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=seq + [1] * 50, conversation=CONV)
+    )
+    assert (plan.decision, plan.reason) == (Decision.RECOMPUTE, Reason.BELOW_THRESHOLD)
+    assert plan.tokens_to_compute == len(seq) + 50 - blocks * BS
+
+
+async def test_a_fork_may_read_its_parents_kv_once(cluster: Cluster) -> None:
+    router = cluster.router()
+    _, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    prompt = seq + cluster.tokens(60)
+    fork = await router.plan_turn(
+        PlanRequest(
+            model=MODEL, prompt_token_ids=prompt, conversation=f"{CONV}-fork", parent_conversation=CONV
+        )
+    )
+    assert (fork.decision, fork.reason) == (Decision.REUSE, Reason.REUSE_CHEAPER)
+    second = await router.plan_turn(
+        PlanRequest(
+            model=MODEL, prompt_token_ids=prompt, conversation=f"{CONV}-fork2", parent_conversation=CONV
+        )
+    )
+    assert (second.decision, second.reason) == (Decision.RECOMPUTE, Reason.FORK_UNSAFE)
+    with pytest.raises(InvalidArgument) as err:
+        await router.plan_turn(
+            PlanRequest(
+                model=MODEL,
+                prompt_token_ids=prompt,
+                conversation=f"{CONV}-x",
+                parent_conversation="tenants/other/conversations/c1",
+            )
+        )
+    assert err.value.field == "hints.parent_conversation"
+
+
+async def test_commit_and_abort_finish_a_turn_once(cluster: Cluster) -> None:
+    router = cluster.router()
+    _, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=seq + [1] * 50, conversation=CONV)
+    )
+    claimed = f"{CONV}/retentions/1"
+    await router.abort_turn(plan.turn, "client went away")
+    with pytest.raises(NotFound):
+        await cluster.registry.get_retention(claimed)  # the claim was released (consumed)
+    with pytest.raises(FailedPrecondition) as err:
+        await router.abort_turn(plan.turn, "again")
+    assert err.value.reason == "TURN_FINISHED"
+    with pytest.raises(FailedPrecondition):
+        await router.commit_turn(
+            CommitRequest(turn=plan.turn, token_ids=seq + [1] * 50, decode_kv_transfer_params=None)
+        )
+
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=seq + [1] * 50, conversation=CONV)
+    )
+    final = seq + [1] * 50 + [2] * 10
+    commit = CommitRequest(
+        turn=plan.turn, token_ids=final, decode_kv_transfer_params=cluster.decode_params(plan, 560)
+    )
+    await router.commit_turn(commit)
+    with pytest.raises(FailedPrecondition) as err:
+        await router.commit_turn(commit)
+    assert err.value.reason == "TURN_FINISHED"
+    other_replica = cluster.router()
+    with pytest.raises(FailedPrecondition):  # the registry's fence knows, whichever replica asks
+        await other_replica.abort_turn(plan.turn, "late")
+
+
+async def test_bad_commits_change_nothing(cluster: Cluster) -> None:
+    router = cluster.router()
+    prompt = cluster.tokens(500)
+    plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV))
+    good = cluster.decode_params(plan, 560)
+    cases: list[tuple[str, CommitRequest]] = [
+        (
+            "token_ids",
+            CommitRequest(turn=plan.turn, token_ids=cluster.tokens(560), decode_kv_transfer_params=good),
+        ),
+        ("token_ids", CommitRequest(turn=plan.turn, token_ids=prompt[:100], decode_kv_transfer_params=good)),
+        (
+            "decode_kv_transfer_params.remote_engine_id",
+            CommitRequest(
+                turn=plan.turn,
+                token_ids=prompt + [1] * 60,
+                decode_kv_transfer_params=good | {"remote_engine_id": "x"},
+            ),
+        ),
+        (
+            "timings.ttft",
+            CommitRequest(
+                turn=plan.turn,
+                token_ids=prompt + [1] * 60,
+                decode_kv_transfer_params=good,
+                timings=TurnTimings(ttft_ms=-1.0),
+            ),
+        ),
+    ]
+    for field, req in cases:
+        with pytest.raises(InvalidArgument) as err:
+            await router.commit_turn(req)
+        assert err.value.field == field
+    with pytest.raises(NotFound):
+        await cluster.registry.get_conversation(CONV)
+    with pytest.raises(NotFound):
+        await router.commit_turn(replace(cases[0][1], turn=plan.turn[:-4] + "AAAA"))  # forged signature
+    cluster.clock.advance(601)
+    with pytest.raises(FailedPrecondition) as expired:
+        await router.commit_turn(
+            CommitRequest(turn=plan.turn, token_ids=prompt + [1] * 60, decode_kv_transfer_params=good)
+        )
+    assert expired.value.reason == "TURN_EXPIRED"
+
+
+@pytest.mark.parametrize(
+    ("request_kw", "field"),
+    [
+        ({"model": ""}, "model"),
+        ({"model": "nobody-serves-this"}, "model"),
+        ({"prompt_token_ids": []}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1] * 300_000}, "prompt_token_ids"),
+        ({"prompt_token_ids": [-1]}, "prompt_token_ids"),
+        ({"conversation": "conversations/c1"}, "conversation"),
+        ({"request_id": "x" * 500}, "request_id"),
+        ({"expected_think_time_s": -1.0}, "hints.expected_think_time"),
+    ],
+)
+async def test_bad_plans_name_the_field_and_claim_nothing(
+    cluster: Cluster, request_kw: dict[str, Any], field: str
+) -> None:
+    router = cluster.router()
+    _, seq = await run_turn(router, cluster, cluster.tokens(300))
+    req = PlanRequest(
+        **({"model": MODEL, "prompt_token_ids": seq + [1] * 80, "conversation": CONV} | request_kw)
+    )
+    with pytest.raises(InvalidArgument) as err:
+        await router.plan_turn(req)
+    assert err.value.field == field
+    assert (await cluster.registry.get_retention(f"{CONV}/retentions/1")).claim is None
+
+
+async def test_measured_turns_calibrate_the_model_robustly(cluster: Cluster) -> None:
+    router = cluster.router()
+    cost = router.cost_model(MODEL)
+    assert cost.profile is CPU
+    prompts = [cluster.tokens(2000) for _ in range(9)]
+    for i, prompt in enumerate(prompts):
+        plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt))
+        predicted = plan.recompute_cost.prefill_ms / cost.prefill_scale
+        measured = predicted * (100.0 if i == 0 else 2.0)  # one wild outlier, then a steady 2x
+        await router.commit_turn(
+            CommitRequest(
+                turn=plan.turn,
+                token_ids=prompt,
+                decode_kv_transfer_params=None,
+                timings=TurnTimings(prefill_ms=measured),
+            )
+        )
+    assert cost.prefill_scale == pytest.approx(2.0)
+    for _ in range(4):
+        cost.observe_transfer(nbytes=10**9, measured_ms=CPU.link.fixed_ms + 100)  # 10 GB/s measured
+    assert cost.bandwidth_gb_s == pytest.approx(10.0)
+
+
+async def test_prompt_chains_are_hashed_incrementally(cluster: Cluster) -> None:
+    router = cluster.router()
+    _, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    hits = router.chains.hits
+    prompt = seq + cluster.tokens(100)
+    await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV))
+    assert router.chains.hits == hits + 1
+    fresh = cluster.router()  # another replica: a miss, the same chain
+    assert fresh.chains.chain("k", np.array(prompt, dtype=np.uint32), BS) == router.chains.chain(
+        CONV, np.array(prompt, dtype=np.uint32), BS
+    )
+
+
+async def test_requests_without_a_conversation_are_plain_pd(cluster: Cluster) -> None:
+    router = cluster.router()
+    plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=cluster.tokens(100)))
+    assert (plan.decision, plan.reason) == (Decision.RECOMPUTE, Reason.NO_CONVERSATION)
+    result = await router.commit_turn(
+        CommitRequest(
+            turn=plan.turn,
+            token_ids=cluster.tokens(100),
+            decode_kv_transfer_params=cluster.decode_params(plan, 100),
+        )
+    )
+    assert result.retention == ""
+
+
+async def test_plan_is_idempotent_by_request_id(cluster: Cluster) -> None:
+    router = cluster.router()
+    prompt = cluster.tokens(200)
+    a = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV, request_id="r1")
+    )
+    b = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV, request_id="r1")
+    )
+    assert a.turn == b.turn
+
+
+async def test_placement_prefers_the_idle_prefill_node(cluster: Cluster) -> None:
+    await cluster.add_node("nodes/p1", NodeRole.PREFILL)
+    p0 = await cluster.registry.get_node("nodes/p0")
+    await cluster.registry.heartbeat_node(
+        "nodes/p0", p0.incarnation, 300, NodeLoad(running_requests=4, waiting_requests=3, engine_healthy=True)
+    )
+    router = cluster.router()
+    plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=cluster.tokens(300)))
+    assert plan.prefill.name == "nodes/p1"
+    assert PrefillModel(1, 1).ms(2, 0) == 1 + 2  # the linear part alone
