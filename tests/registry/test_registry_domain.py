@@ -445,3 +445,17 @@ async def test_fences_are_forgotten_fence_ttl_after_the_last_retention(clock: Fa
     with pytest.raises(NotFound):
         await registry.get_conversation(CONV)
     await put(registry, 1)  # forgotten: generation 1 is accepted again
+
+
+async def test_request_ids_are_scoped_by_their_target(registry: Registry) -> None:
+    """Two callers that happen to pick one request id never get each other's answer."""
+    await registry.register_node(spec(), ttl=100)
+    a = await put(registry, 1, conv="tenants/a/conversations/c", request_id="same")
+    b = await put(registry, 1, conv="tenants/b/conversations/c", request_id="same")
+    assert (a.name, b.name) == (
+        "tenants/a/conversations/c/retentions/1",
+        "tenants/b/conversations/c/retentions/1",
+    )
+    ca = await registry.claim_retention(request_id="same", name=a.name, holder="x", claim_ttl=5)
+    cb = await registry.claim_retention(request_id="same", name=b.name, holder="y", claim_ttl=5)
+    assert (ca.name, cb.name) == (a.name, b.name)

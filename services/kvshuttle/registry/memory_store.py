@@ -202,7 +202,8 @@ class InMemoryStore:
     async def put_retention(
         self, retention: Retention, ttl: float, now: float, *, request_id: str
     ) -> tuple[PutResult, list[RetentionChange]]:
-        key = ("put", request_id)
+        # Scoped by the target: another conversation (or tenant) reusing an id gets its own answer.
+        key = ("put", retention.name, request_id)
         if request_id:
             cached: PutResult | None = self._idempotency.get(key, now)
             if cached is not None:
@@ -336,7 +337,7 @@ class InMemoryStore:
     async def claim_retention(
         self, name: str, holder: str, claim_ttl: float, now: float, *, request_id: str
     ) -> tuple[Retention, list[RetentionChange]]:
-        key = ("claim", request_id)
+        key = ("claim", name, request_id)
         if request_id:
             cached: Retention | None = self._idempotency.get(key, now)
             if cached is not None:

@@ -51,7 +51,6 @@ from kvshuttle.router.turns import TurnCodec, TurnState
 from kvshuttle.router.verify import VerifiedPrefix, block_groups, first_turn_params, prefill_params, verify
 
 log = structlog.get_logger("kvshuttle.router")
-tracer = trace.get_tracer("kvshuttle.router")
 T = TypeVar("T")
 
 
@@ -133,7 +132,11 @@ class Router:
         codec: TurnCodec,
         policy: RouterPolicy | None = None,
         metrics: RouterMetrics | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
     ) -> None:
+        # The process's global provider unless one is passed in (tests pass their own: OTel
+        # lets the global be set only once per process).
+        self._tracer = trace.get_tracer("kvshuttle.router", tracer_provider=tracer_provider)
         self._port = port
         self._clock = clock
         self._costs = {p.model: CostModel(p) for p in profiles}
@@ -143,6 +146,7 @@ class Router:
         self.chains = ChainCache(self.policy.chain_cache_bytes)
         self._nodes_cache: dict[str, tuple[float, list[NodeInfo]]] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()
+        self._commits: OrderedDict[str, CommitResult] = OrderedDict()
         self._plans: OrderedDict[str, Plan] = OrderedDict()
         self._sticky: OrderedDict[str, tuple[str, str]] = OrderedDict()
 
@@ -189,9 +193,11 @@ class Router:
 
     async def plan_turn(self, req: PlanRequest) -> Plan:
         timer = _Timer()
+        # Scoped by conversation: a request id is the caller's, unique only within its own turns.
+        plan_key = f"{req.conversation}|{req.model}|{req.request_id}"
         if req.request_id:
             check_id(req.request_id, "request_id", max_length=self.policy.max_id_length)
-            earlier = self._plans.get(req.request_id)
+            earlier = self._plans.get(plan_key)
             if earlier is not None:
                 return earlier
         cost = self._profile(req.model)
@@ -215,10 +221,10 @@ class Router:
         if think is not None and (not math.isfinite(think) or think < 0):
             raise InvalidArgument("hints.expected_think_time", "must not be negative")
 
-        with tracer.start_as_current_span("plan") as span:
+        with self._tracer.start_as_current_span("plan") as span:
             plan = await self._plan(req, cost, tokens, conversation, parent, timer, span)
         if req.request_id:
-            self._remember(self._plans, req.request_id, plan)
+            self._remember(self._plans, plan_key, plan)
         own = timer.own_s()
         self._metrics.plan_seconds.observe(time.perf_counter() - timer.start)
         self._metrics.own_seconds.labels("PlanTurn").observe(own)
@@ -423,8 +429,11 @@ class Router:
     async def _claim(
         self, retention: RetentionInfo, req: PlanRequest, fork: bool, timer: _Timer
     ) -> tuple[ClaimInfo | None, Reason]:
-        request_id = f"{req.request_id}-claim" if req.request_id else ""
-        with tracer.start_as_current_span("claim") as span:
+        # The registry scopes claim ids by retention; a digest keeps the id within its bounds.
+        request_id = (
+            hashlib.sha256(f"claim|{req.request_id}".encode()).hexdigest()[:32] if req.request_id else ""
+        )
+        with self._tracer.start_as_current_span("claim") as span:
             span.set_attribute("kvshuttle.retention.generation", retention.generation)
             try:
                 claim = await timer.registry(
@@ -473,6 +482,10 @@ class Router:
         timer = _Timer()
         if req.request_id:
             check_id(req.request_id, "request_id", max_length=self.policy.max_id_length)
+            state = self._codec.decode(req.turn)
+            earlier = self._commits.get(f"{state.turn_id}|{req.request_id}")
+            if earlier is not None:  # a retry whose first answer was lost
+                return earlier
         state = self._turn(req.turn)
         tokens = self._tokens(req.token_ids, "token_ids")
         self._check_timings(req.timings)
@@ -485,7 +498,7 @@ class Router:
                 "decode_kv_transfer_params.remote_engine_id",
                 "names another engine than the planned decode node",
             )
-        with tracer.start_as_current_span("commit", context=self._trace_parent(state)) as span:
+        with self._tracer.start_as_current_span("commit", context=self._trace_parent(state)) as span:
             chain: tuple[int, ...] = ()
             if state.conversation and state.prompt_full_blocks:
                 chain = self.chains.chain(state.conversation, tokens, state.block_size)
@@ -494,11 +507,16 @@ class Router:
                     or chain[state.prompt_full_blocks - 1] != state.prompt_tail_hash
                 ):
                     raise InvalidArgument("token_ids", "does not start with the planned prompt")
-            result = await self._store(state, tokens, chain, params if retains else None, req, timer)
-            if state.claimed:
-                await timer.registry(self._port.release(state.claimed, claim_id=state.claim_id))
+            try:
+                result = await self._store(state, tokens, chain, params if retains else None, timer)
+            finally:
+                # Read or not, a claimed retention is consumed: prefill notified its holder.
+                if state.claimed:
+                    await timer.registry(self._port.release(state.claimed, claim_id=state.claim_id))
             self._observe(state, req.timings)
             self._remember(self._finished, state.turn_id, "committed")
+            if req.request_id:
+                self._remember(self._commits, f"{state.turn_id}|{req.request_id}", result)
             self._metrics.commits.labels("stored" if result.retention else "nothing_retained").inc()
             t = req.timings
             span.set_attributes(
@@ -548,7 +566,6 @@ class Router:
         tokens: np.ndarray[Any, Any],
         chain: tuple[int, ...],
         params: dict[str, Any] | None,
-        req: CommitRequest,
         timer: _Timer,
     ) -> CommitResult:
         if not state.conversation or params is None:

@@ -311,7 +311,10 @@ Global___PlanTurnResponse: _TypeAlias = PlanTurnResponse  # noqa: Y015
 
 @_typing.final
 class TurnTimings(_message.Message):
-    """TurnTimings are what the caller measured while running the turn."""
+    """TurnTimings are what the caller measured while running the turn. Leave unset what was not
+    measured: an unset field and a zero are different facts (zero remote_cached_tokens on a reuse
+    turn says prefill read nothing and recomputed the prompt).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -322,6 +325,7 @@ class TurnTimings(_message.Message):
     DECODE_FIELD_NUMBER: _builtins.int
     REMOTE_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     transfer_bytes: _builtins.int
+    """KV bytes read, when the engine reports it."""
     remote_cached_tokens: _builtins.int
     """Tokens prefill read remotely instead of computing (P's remote_prefill_cached_tokens)."""
     @_builtins.property
@@ -346,15 +350,22 @@ class TurnTimings(_message.Message):
         ttft: _duration_pb2.Duration | None = ...,
         prefill: _duration_pb2.Duration | None = ...,
         transfer: _duration_pb2.Duration | None = ...,
-        transfer_bytes: _builtins.int = ...,
+        transfer_bytes: _builtins.int | None = ...,
         decode: _duration_pb2.Duration | None = ...,
-        remote_cached_tokens: _builtins.int = ...,
+        remote_cached_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "prefill", b"prefill", "transfer", b"transfer", "ttft", b"ttft"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_remote_cached_tokens", b"_remote_cached_tokens", "_transfer_bytes", b"_transfer_bytes", "decode", b"decode", "prefill", b"prefill", "remote_cached_tokens", b"remote_cached_tokens", "transfer", b"transfer", "transfer_bytes", b"transfer_bytes", "ttft", b"ttft"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "prefill", b"prefill", "remote_cached_tokens", b"remote_cached_tokens", "transfer", b"transfer", "transfer_bytes", b"transfer_bytes", "ttft", b"ttft"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_remote_cached_tokens", b"_remote_cached_tokens", "_transfer_bytes", b"_transfer_bytes", "decode", b"decode", "prefill", b"prefill", "remote_cached_tokens", b"remote_cached_tokens", "transfer", b"transfer", "transfer_bytes", b"transfer_bytes", "ttft", b"ttft"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__remote_cached_tokens: _TypeAlias = _typing.Literal["remote_cached_tokens"]  # noqa: Y015
+    _WhichOneofArgType__remote_cached_tokens: _TypeAlias = _typing.Literal["_remote_cached_tokens", b"_remote_cached_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__transfer_bytes: _TypeAlias = _typing.Literal["transfer_bytes"]  # noqa: Y015
+    _WhichOneofArgType__transfer_bytes: _TypeAlias = _typing.Literal["_transfer_bytes", b"_transfer_bytes"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__remote_cached_tokens) -> _WhichOneofReturnType__remote_cached_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__transfer_bytes) -> _WhichOneofReturnType__transfer_bytes | None: ...
 
 Global___TurnTimings: _TypeAlias = TurnTimings  # noqa: Y015
 

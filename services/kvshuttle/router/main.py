@@ -1,0 +1,141 @@
+"""`kvshuttle-router`: the router service process.
+
+Builds its settings, logs them (the signing key redacted), loads the model profiles, connects
+to the registry (client spans join each turn's trace), and serves RouterService until SIGTERM
+or SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Sequence
+
+import grpc
+import structlog
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from kvshuttle.client.registry import RegistryClient
+from kvshuttle.core.clock import Clock, SystemClock
+from kvshuttle.router.config import RouterSettings
+from kvshuttle.router.cost import ModelProfile, load_profiles
+from kvshuttle.router.metrics import RouterMetrics
+from kvshuttle.router.ports import RegistryPort
+from kvshuttle.router.registry_port import GrpcRegistryPort
+from kvshuttle.router.router import Router
+from kvshuttle.router.servicer import RouterServicer
+from kvshuttle.router.turns import TurnCodec
+from kvshuttle.router.v1 import router_service_pb2, router_service_pb2_grpc
+from kvshuttle.serving.logging import configure_logging
+from kvshuttle.serving.server import GrpcServer
+from kvshuttle.serving.tracing import client_tracing_interceptors, configure_tracing, shutdown_tracing
+
+SERVICE = router_service_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
+ERROR_DOMAIN = "router.kvshuttle"
+SERVICE_NAME = "kvshuttle-router"
+
+log = structlog.get_logger("kvshuttle.router")
+
+
+def profiles(settings: RouterSettings) -> list[ModelProfile]:
+    """The file's profiles, then the inline ones; ValueError when a model is named twice."""
+    found = [*(load_profiles(settings.profiles_file) if settings.profiles_file else ()), *settings.profiles]
+    seen: set[str] = set()
+    for profile in found:
+        if profile.model in seen:
+            raise ValueError(f"model profile {profile.model!r} is configured twice")
+        seen.add(profile.model)
+    return found
+
+
+def signing_key(settings: RouterSettings) -> bytes:
+    if settings.turn_signing_key is not None:
+        return settings.turn_signing_key.get_secret_value().encode()
+    log.warning(
+        "router.ephemeral_turn_signing_key",
+        detail="no turn_signing_key set: turn handles are signed with a random per-process key; "
+        "several replicas need one shared key (KVSHUTTLE_ROUTER_TURN_SIGNING_KEY), or a turn "
+        "committed on another replica than its plan's is NOT_FOUND",
+    )
+    return secrets.token_bytes(32)
+
+
+def connect_registry(settings: RouterSettings, tracer_provider: TracerProvider) -> RegistryClient:
+    """A registry client whose calls carry the current span (a turn's registry calls join it)."""
+    options = settings.registry.channel_options()
+    return RegistryClient.connect(options, interceptors=client_tracing_interceptors(tracer_provider))
+
+
+def build_router(
+    settings: RouterSettings,
+    port: RegistryPort,
+    clock: Clock,
+    metrics_registry: CollectorRegistry = REGISTRY,
+    *,
+    tracer_provider: TracerProvider | None = None,
+    model_profiles: Sequence[ModelProfile] | None = None,
+) -> Router:
+    """The router domain object. `model_profiles` replaces the settings' profiles (tests)."""
+    return Router(
+        port,
+        clock,
+        profiles(settings) if model_profiles is None else model_profiles,
+        TurnCodec(signing_key(settings)),
+        settings.policy,
+        RouterMetrics(metrics_registry),
+        tracer_provider=tracer_provider,
+    )
+
+
+def build_server(
+    settings: RouterSettings,
+    router: Router,
+    prometheus: CollectorRegistry = REGISTRY,
+    *,
+    tracer_provider: TracerProvider | None = None,
+) -> GrpcServer:
+    def register(server: grpc.aio.Server) -> None:
+        router_service_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(router), server)
+
+    return GrpcServer(
+        settings.server,
+        settings.telemetry,
+        service_name=SERVICE_NAME,
+        domain=ERROR_DOMAIN,
+        register=register,
+        service_names=[SERVICE],
+        registry=prometheus,
+        tracer_provider=tracer_provider,
+    )
+
+
+async def serve(settings: RouterSettings) -> None:
+    model_profiles = profiles(settings)  # a bad file fails here, before anything is bound
+    log.info("router.profiles", models=[p.model for p in model_profiles])
+    # One provider for the server's spans, the domain's and the registry calls'.
+    provider = configure_tracing(settings.telemetry, SERVICE_NAME)
+    client = connect_registry(settings, provider)
+    try:
+        router = build_router(
+            settings,
+            GrpcRegistryPort(client),
+            SystemClock(),
+            tracer_provider=provider,
+            model_profiles=model_profiles,
+        )
+        await build_server(settings, router, tracer_provider=provider).serve_until_signal()
+    finally:
+        await client.close()
+        await asyncio.to_thread(shutdown_tracing, provider)
+
+
+def main() -> None:
+    settings = RouterSettings()
+    configure_logging(settings.telemetry)
+    log.info("router.config", **settings.model_dump(mode="json"))  # SecretStr dumps as "**********"
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

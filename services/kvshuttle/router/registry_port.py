@@ -1,0 +1,232 @@
+"""RegistryPort over the registry's gRPC API: protobuf to the router's domain types, and the
+registry's errors to domain errors carrying the registry's reason.
+
+Error mapping (KvshuttleRpcError code -> what the router sees):
+
+* NOT_FOUND, FAILED_PRECONDITION, ABORTED, RESOURCE_EXHAUSTED -> NotFound, FailedPrecondition,
+  Aborted, ResourceExhausted with the same reason (RETENTION_NOT_FOUND, RETENTION_EXPIRED,
+  RETENTION_ALREADY_CLAIMED, FENCING_GENERATION_STALE, CAPACITY_EXCEEDED, ...). The domain
+  decides what they mean for a turn (a lost claim plans a recompute, and so on).
+* UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED -> Unavailable(reason="REGISTRY_UNAVAILABLE"): the
+  registry could not answer in time; the caller may retry the turn.
+* anything else, INVALID_ARGUMENT included -> RegistryCallError, which is not a domain error:
+  the router built the request, so a registry refusing it is a router bug (or a
+  misconfiguration such as a TLS or auth failure), and the router's client sees INTERNAL while
+  the log keeps the details. The router bounds client input itself before calling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+
+from kvshuttle.client.convert import to_timestamp
+from kvshuttle.client.errors import KvshuttleRpcError
+from kvshuttle.client.registry import RegistryClient
+from kvshuttle.core.errors import (
+    Aborted,
+    FailedPrecondition,
+    KvshuttleError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvshuttle.registry.v1 import registry_service_pb2 as pb
+from kvshuttle.router.model import ClaimInfo, NodeInfo, RetentionInfo, Role
+from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
+
+__all__ = ["GrpcRegistryPort", "RegistryCallError"]
+
+log = structlog.get_logger("kvshuttle.router")
+T = TypeVar("T")
+
+ROLE_FROM_PB: dict[int, Role] = {
+    pb.NODE_ROLE_PREFILL: Role.PREFILL,
+    pb.NODE_ROLE_DECODE: Role.DECODE,
+    pb.NODE_ROLE_BOTH: Role.BOTH,
+}
+ROLE_TO_PB: dict[Role, pb.NodeRole.ValueType] = {
+    Role.PREFILL: pb.NODE_ROLE_PREFILL,
+    Role.DECODE: pb.NODE_ROLE_DECODE,
+    Role.BOTH: pb.NODE_ROLE_BOTH,
+}
+
+_DOMAIN_ERRORS: dict[grpc.StatusCode, type[KvshuttleError]] = {
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.ABORTED: Aborted,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+}
+_UNREACHABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+# Pages of ListNodes; a deployment has tens of nodes, so one page almost always.
+_PAGE_SIZE = 500
+
+
+class RegistryCallError(RuntimeError):
+    """The registry refused a request the router built: a router bug or a misconfiguration.
+    Not a domain error, so the router's client gets INTERNAL and the log gets the details."""
+
+    def __init__(self, error: KvshuttleRpcError) -> None:
+        super().__init__(f"registry {error.method.rsplit('/', 1)[-1]} failed: {error!r}")
+        self.error = error
+
+
+def domain_error(error: KvshuttleRpcError) -> Exception:
+    """The exception the router raises for a failed registry call (see the module docstring)."""
+    kind = _DOMAIN_ERRORS.get(error.code)
+    if kind is not None:
+        return kind(error.message, reason=error.reason or error.code_name, metadata=error.metadata)
+    if error.code in _UNREACHABLE:
+        return Unavailable(
+            f"registry unavailable ({error.code_name}): {error.message}", reason="REGISTRY_UNAVAILABLE"
+        )
+    return RegistryCallError(error)
+
+
+def _seconds(ts: Any) -> float:
+    return float(ts.ToNanoseconds()) / 1e9
+
+
+def node_info(node: pb.Node) -> NodeInfo | None:
+    """The router's view of a node; None for a role it cannot place on (a newer registry's)."""
+    role = ROLE_FROM_PB.get(node.role)
+    if role is None:
+        return None
+    return NodeInfo(
+        name=node.name,
+        role=role,
+        engine_id=node.engine_id,
+        http_endpoint=node.http_endpoint,
+        model=node.model,
+        block_size=node.block_size,
+        kv_bytes_per_token=node.kv_bytes_per_token,
+        healthy=node.load.engine_healthy,
+        running_requests=node.load.running_requests,
+        waiting_requests=node.load.waiting_requests,
+        kv_cache_usage=node.load.kv_cache_usage,
+        retained_bytes=node.retained_bytes,
+    )
+
+
+def retention_info(r: pb.Retention) -> RetentionInfo:
+    return RetentionInfo(
+        name=r.name,
+        node=r.node,
+        generation=r.generation,
+        model=r.model,
+        block_size=r.block_size,
+        num_tokens=r.num_tokens,
+        block_hashes=tuple(r.block_hashes),
+        kv_transfer_params=to_vllm(r.kv_transfer_params),
+        expire_at=_seconds(r.expire_time),
+        claimed=r.state == pb.RETENTION_STATE_CLAIMED,
+    )
+
+
+class GrpcRegistryPort:
+    """The router's RegistryPort over a RegistryClient (which retries what is safe to retry)."""
+
+    def __init__(self, client: RegistryClient) -> None:
+        self._client = client
+
+    @staticmethod
+    async def _call(call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except KvshuttleRpcError as err:
+            raise domain_error(err) from err
+
+    async def get_conversation(self, name: str) -> tuple[int, RetentionInfo | None]:
+        try:
+            response = await self._client.get_conversation(name)
+        except KvshuttleRpcError as err:
+            if err.code == grpc.StatusCode.NOT_FOUND and err.reason == "CONVERSATION_NOT_FOUND":
+                return 0, None
+            raise domain_error(err) from err
+        conversation = response.conversation
+        retention = retention_info(conversation.retention) if conversation.HasField("retention") else None
+        return conversation.fence_generation, retention
+
+    async def list_nodes(self, model: str) -> list[NodeInfo]:
+        nodes: list[NodeInfo] = []
+        token = ""
+        while True:
+            page = await self._call(
+                self._client.list_nodes(model=model, page_size=_PAGE_SIZE, page_token=token)
+            )
+            for node in page.nodes:
+                info = node_info(node)
+                if info is None:
+                    log.warning("registry.unknown_node_role", node=node.name, role=int(node.role))
+                else:
+                    nodes.append(info)
+            token = page.next_page_token
+            if not token:
+                return nodes
+
+    async def lookup_blocks(self, chain: Sequence[int], model: str, role: Role) -> dict[str, int]:
+        if not chain:
+            return {}
+        response = await self._call(self._client.lookup_blocks(chain, model=model, role=ROLE_TO_PB[role]))
+        return {m.node: m.matched_blocks for m in response.matches}
+
+    async def claim(self, name: str, *, holder: str, claim_ttl: float, request_id: str) -> ClaimInfo:
+        response = await self._call(
+            self._client.claim_retention(name, holder, claim_ttl, request_id=request_id)
+        )
+        r = response.retention
+        if r.name != name:  # cannot happen with scoped ids; never hand out another's KV if it does
+            raise Aborted(f"the registry answered a claim of {name} with {r.name}", reason="CLAIM_MISMATCH")
+        return ClaimInfo(
+            retention=retention_info(r), claim_id=r.claim.claim_id, expire_at=_seconds(r.claim.expire_time)
+        )
+
+    async def put_retention(
+        self,
+        *,
+        request_id: str,
+        conversation: str,
+        node: str,
+        generation: int,
+        model: str,
+        block_size: int,
+        num_tokens: int,
+        block_hashes: Sequence[int],
+        kv_transfer_params: dict[str, object],
+        kv_bytes: int,
+        ttl: float,
+        pin_expire_at: float,
+    ) -> tuple[str, float]:
+        retention = pb.Retention(
+            node=node,
+            generation=generation,
+            model=model,
+            block_size=block_size,
+            num_tokens=num_tokens,
+            block_hashes=block_hashes,
+            kv_transfer_params=from_vllm(kv_transfer_params, "decode_kv_transfer_params"),
+            kv_bytes=kv_bytes,
+            pin_expire_time=to_timestamp(pin_expire_at),
+        )
+        response = await self._call(
+            self._client.put_retention(
+                conversation,
+                retention,
+                ttl=max(ttl, 0.0),
+                request_id=request_id,
+            )
+        )
+        return response.retention.name, _seconds(response.retention.expire_time)
+
+    async def release(self, name: str, *, claim_id: str) -> None:
+        try:
+            await self._client.release_retention(name, claim_id=claim_id)
+        except KvshuttleRpcError as err:
+            if err.code == grpc.StatusCode.NOT_FOUND:
+                return  # already consumed, replaced or lapsed: what releasing wanted
+            raise domain_error(err) from err

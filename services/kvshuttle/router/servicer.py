@@ -1,0 +1,61 @@
+"""RouterService over gRPC: translates protobuf to the router's domain and back, nothing more.
+
+Domain errors propagate to the serving interceptor, which maps them to status codes with an
+ErrorInfo (domain "router.kvshuttle"). What is bound here lands in the RPC's one `rpc.done`
+line: the conversation (as the registry logs names) and `turn`, a short digest of the turn
+handle: the handle itself is a bearer credential for CommitTurn and AbortTurn and stays out of
+the logs, while the digest still ties a turn's plan, commit and abort lines together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import grpc
+from structlog.contextvars import bind_contextvars
+
+from kvshuttle.router import convert
+from kvshuttle.router.router import Router
+from kvshuttle.router.v1 import router_service_pb2 as pb
+from kvshuttle.router.v1 import router_service_pb2_grpc as pb_grpc
+
+
+def turn_digest(handle: str) -> str:
+    """16 hex digits naming a turn handle in logs."""
+    return hashlib.sha256(handle.encode()).hexdigest()[:16]
+
+
+class RouterServicer(pb_grpc.RouterServiceServicer):
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    async def PlanTurn(
+        self,
+        request: pb.PlanTurnRequest,
+        context: grpc.aio.ServicerContext[pb.PlanTurnRequest, pb.PlanTurnResponse],
+    ) -> pb.PlanTurnResponse:
+        bind_contextvars(conversation=request.conversation[:300], model=request.model[:200])
+        plan = await self._router.plan_turn(convert.plan_request_from_pb(request))
+        bind_contextvars(turn=turn_digest(plan.turn), generation=plan.generation)
+        return convert.plan_to_pb(plan)
+
+    async def CommitTurn(
+        self,
+        request: pb.CommitTurnRequest,
+        context: grpc.aio.ServicerContext[pb.CommitTurnRequest, pb.CommitTurnResponse],
+    ) -> pb.CommitTurnResponse:
+        bind_contextvars(turn=turn_digest(request.turn))
+        result = await self._router.commit_turn(convert.commit_request_from_pb(request))
+        response = pb.CommitTurnResponse(retention=result.retention)
+        if result.expire_at is not None:
+            response.expire_time.CopyFrom(convert.to_pb_timestamp(result.expire_at))
+        return response
+
+    async def AbortTurn(
+        self,
+        request: pb.AbortTurnRequest,
+        context: grpc.aio.ServicerContext[pb.AbortTurnRequest, pb.AbortTurnResponse],
+    ) -> pb.AbortTurnResponse:
+        bind_contextvars(turn=turn_digest(request.turn))
+        await self._router.abort_turn(request.turn, request.reason)
+        return pb.AbortTurnResponse()
