@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+
+import numpy as np
 
 from kvshuttle.core.errors import NotFound
 from kvshuttle.registry import model as reg
 from kvshuttle.registry.registry import Registry
-from kvshuttle.router.model import ClaimInfo, NodeInfo, RetentionInfo, Role
+from kvshuttle.router.model import ClaimInfo, Hashes, NodeInfo, RetentionInfo, Role
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
@@ -39,7 +40,7 @@ def retention_info(r: reg.Retention) -> RetentionInfo:
         model=r.model,
         block_size=r.block_size,
         num_tokens=r.num_tokens,
-        block_hashes=tuple(r.block_hashes),
+        block_hashes=np.frombuffer(r.block_hashes.tobytes(), dtype=np.uint64),
         kv_transfer_params=to_vllm(KvTransferParams.FromString(r.kv_transfer_params)),
         expire_at=r.expire_at,
         claimed=r.claim is not None,
@@ -67,9 +68,11 @@ class InProcessPort:
         nodes, _ = await self.registry.list_nodes(role=None, model=model, page_size=1000, page_token="")
         return [node_info(n) for n in nodes]
 
-    async def lookup_blocks(self, chain: Sequence[int], model: str, role: Role) -> dict[str, int]:
+    async def lookup_blocks(self, chain: Hashes, model: str, role: Role) -> dict[str, int]:
         self._count("lookup_blocks")
-        found = await self.registry.lookup_blocks(chain, model=model, role=reg.NodeRole(role.value))
+        found = await self.registry.lookup_blocks(
+            np.asarray(chain, dtype=np.uint64).tolist(), model=model, role=reg.NodeRole(role.value)
+        )
         return dict(found)
 
     async def claim(self, name: str, *, holder: str, claim_ttl: float, request_id: str) -> ClaimInfo:
@@ -90,7 +93,7 @@ class InProcessPort:
         model: str,
         block_size: int,
         num_tokens: int,
-        block_hashes: Sequence[int],
+        block_hashes: Hashes,
         kv_transfer_params: dict[str, object],
         kv_bytes: int,
         ttl: float,
@@ -108,7 +111,7 @@ class InProcessPort:
                 model=model,
                 block_size=block_size,
                 num_tokens=num_tokens,
-                block_hashes=array("Q", block_hashes),
+                block_hashes=array("Q", np.asarray(block_hashes, dtype=np.uint64).tobytes()),
                 kv_transfer_params=from_vllm(dict(kv_transfer_params)).SerializeToString(),
                 kv_bytes=kv_bytes,
                 pin_expire_at=pin_expire_at,

@@ -21,6 +21,7 @@ import numpy.typing as npt
 ROOT_HASH = 0
 _MAX_TOKEN = 2**32 - 1
 TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
+Chain = Sequence[int] | npt.NDArray[np.uint64]
 
 
 def token_array(tokens: TokenIds) -> npt.NDArray[np.uint32]:
@@ -81,10 +82,14 @@ def chain_hashes(tokens: TokenIds, block_size: int, parent: int = ROOT_HASH) -> 
     return out
 
 
-def common_prefix_blocks(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_blocks(
+    a: Sequence[int] | npt.NDArray[np.uint64], b: Sequence[int] | npt.NDArray[np.uint64]
+) -> int:
     """Number of leading equal hashes of two chains (the verified common prefix, in blocks)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.uint64)
+    y = np.asarray(b[:n], dtype=np.uint64)
+    differ = np.flatnonzero(x != y)
+    return int(differ[0]) if differ.size else n

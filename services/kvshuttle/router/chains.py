@@ -18,17 +18,18 @@ import numpy.typing as npt
 from kvshuttle.core.hashing import chain_hashes
 
 Tokens = npt.NDArray[np.uint32]
+Chain = npt.NDArray[np.uint64]
 
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
     tokens: Tokens
-    chain: tuple[int, ...]
+    chain: Chain
     block_size: int
 
     @property
     def nbytes(self) -> int:
-        return int(self.tokens.nbytes) + 8 * len(self.chain) + 200
+        return int(self.tokens.nbytes) + int(self.chain.nbytes) + 200
 
 
 class ChainCache:
@@ -39,8 +40,11 @@ class ChainCache:
         self.hits = 0
         self.misses = 0
 
-    def chain(self, key: str, tokens: Tokens, block_size: int, *, remember: bool = True) -> tuple[int, ...]:
-        """The chain of `tokens` (uint32 array); remembered under `key` unless key is empty."""
+    def chain(self, key: str, tokens: Tokens, block_size: int, *, remember: bool = True) -> Chain:
+        """The chain of `tokens` (uint32 array) as uint64s; remembered under `key` unless key is empty.
+
+        The returned array is shared with the cache: treat it as read-only.
+        """
         entry = self._entries.get(key) if key else None
         reused = 0
         if entry is not None and entry.block_size == block_size:
@@ -50,11 +54,13 @@ class ChainCache:
             reused = min(same // block_size, len(entry.chain))
         if entry is not None and reused:
             self.hits += 1
-            tail = chain_hashes(tokens[reused * block_size :], block_size, parent=entry.chain[reused - 1])
-            chain = (*entry.chain[:reused], *tail)
+            tail = chain_hashes(
+                tokens[reused * block_size :], block_size, parent=int(entry.chain[reused - 1])
+            )
+            chain = np.concatenate([entry.chain[:reused], np.array(tail, dtype=np.uint64)])
         else:
             self.misses += 1
-            chain = tuple(chain_hashes(tokens, block_size))
+            chain = np.array(chain_hashes(tokens, block_size), dtype=np.uint64)
         if key and remember:
             self._put(key, _Entry(tokens.copy(), chain, block_size))
         return chain

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+import numpy as np
+import numpy.typing as npt
+
+# A prefix-hash chain: uint64s, as a sequence or an array.
+Hashes = Sequence[int] | npt.NDArray[np.uint64]
 
 
 class Decision(StrEnum):
@@ -59,7 +66,8 @@ class RetentionInfo:
     model: str
     block_size: int
     num_tokens: int
-    block_hashes: tuple[int, ...]
+    # kvshuttle's chain over the retained tokens (uint64s; a tuple or an array).
+    block_hashes: Hashes
     # vLLM's kv_transfer_params dict as decode returned it.
     kv_transfer_params: dict[str, object]
     expire_at: float

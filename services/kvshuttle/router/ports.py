@@ -6,10 +6,9 @@ Failures are domain errors (kvshuttle.core.errors) carrying the registry's reaso
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
-from kvshuttle.router.model import ClaimInfo, NodeInfo, RetentionInfo, Role
+from kvshuttle.router.model import ClaimInfo, Hashes, NodeInfo, RetentionInfo, Role
 
 
 class RegistryPort(Protocol):
@@ -19,7 +18,7 @@ class RegistryPort(Protocol):
 
     async def list_nodes(self, model: str) -> list[NodeInfo]: ...
 
-    async def lookup_blocks(self, chain: Sequence[int], model: str, role: Role) -> dict[str, int]:
+    async def lookup_blocks(self, chain: Hashes, model: str, role: Role) -> dict[str, int]:
         """Node name -> leading blocks of `chain` it holds."""
         ...
 
@@ -35,7 +34,7 @@ class RegistryPort(Protocol):
         model: str,
         block_size: int,
         num_tokens: int,
-        block_hashes: Sequence[int],
+        block_hashes: Hashes,
         kv_transfer_params: dict[str, object],
         kv_bytes: int,
         ttl: float,

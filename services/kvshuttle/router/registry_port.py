@@ -17,10 +17,11 @@ Error mapping (KvshuttleRpcError code -> what the router sees):
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 import structlog
 
 from kvshuttle.client.convert import to_timestamp
@@ -35,7 +36,7 @@ from kvshuttle.core.errors import (
     Unavailable,
 )
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
-from kvshuttle.router.model import ClaimInfo, NodeInfo, RetentionInfo, Role
+from kvshuttle.router.model import ClaimInfo, Hashes, NodeInfo, RetentionInfo, Role
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 
 __all__ = ["GrpcRegistryPort", "RegistryCallError"]
@@ -121,7 +122,7 @@ def retention_info(r: pb.Retention) -> RetentionInfo:
         model=r.model,
         block_size=r.block_size,
         num_tokens=r.num_tokens,
-        block_hashes=tuple(r.block_hashes),
+        block_hashes=np.asarray(r.block_hashes, dtype=np.uint64),
         kv_transfer_params=to_vllm(r.kv_transfer_params),
         expire_at=_seconds(r.expire_time),
         claimed=r.state == pb.RETENTION_STATE_CLAIMED,
@@ -169,10 +170,11 @@ class GrpcRegistryPort:
             if not token:
                 return nodes
 
-    async def lookup_blocks(self, chain: Sequence[int], model: str, role: Role) -> dict[str, int]:
-        if not chain:
+    async def lookup_blocks(self, chain: Hashes, model: str, role: Role) -> dict[str, int]:
+        if not len(chain):
             return {}
-        response = await self._call(self._client.lookup_blocks(chain, model=model, role=ROLE_TO_PB[role]))
+        hashes = np.asarray(chain, dtype=np.uint64).tolist()
+        response = await self._call(self._client.lookup_blocks(hashes, model=model, role=ROLE_TO_PB[role]))
         return {m.node: m.matched_blocks for m in response.matches}
 
     async def claim(self, name: str, *, holder: str, claim_ttl: float, request_id: str) -> ClaimInfo:
@@ -196,7 +198,7 @@ class GrpcRegistryPort:
         model: str,
         block_size: int,
         num_tokens: int,
-        block_hashes: Sequence[int],
+        block_hashes: Hashes,
         kv_transfer_params: dict[str, object],
         kv_bytes: int,
         ttl: float,
@@ -208,7 +210,7 @@ class GrpcRegistryPort:
             model=model,
             block_size=block_size,
             num_tokens=num_tokens,
-            block_hashes=block_hashes,
+            block_hashes=np.asarray(block_hashes, dtype=np.uint64).tolist(),
             kv_transfer_params=from_vllm(kv_transfer_params, "decode_kv_transfer_params"),
             kv_bytes=kv_bytes,
             pin_expire_time=to_timestamp(pin_expire_at),

@@ -31,7 +31,7 @@ from kvshuttle.core.errors import (
 )
 from kvshuttle.core.hashing import TokenIds, token_array
 from kvshuttle.core.names import check_id, parse_conversation
-from kvshuttle.router.chains import ChainCache
+from kvshuttle.router.chains import Chain, ChainCache
 from kvshuttle.router.cost import CostModel, ModelProfile
 from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import (
@@ -51,6 +51,7 @@ from kvshuttle.router.turns import TurnCodec, TurnState
 from kvshuttle.router.verify import VerifiedPrefix, block_groups, first_turn_params, prefill_params, verify
 
 log = structlog.get_logger("kvshuttle.router")
+_NO_CHAIN: Chain = np.zeros(0, dtype=np.uint64)
 T = TypeVar("T")
 
 
@@ -266,7 +267,11 @@ class Router:
             else (prefill_pool[0].block_size if prefill_pool else 16)
         )
         chain = self.chains.chain(conversation, tokens, block_size)
-        hits = await timer.registry(self._port.lookup_blocks(chain, req.model, Role.PREFILL)) if chain else {}
+        hits = (
+            await timer.registry(self._port.lookup_blocks(chain, req.model, Role.PREFILL))
+            if len(chain)
+            else {}
+        )
         hits = {
             name: blocks
             for name, blocks in hits.items()
@@ -324,7 +329,7 @@ class Router:
             decode_node=decode.name,
             decode_engine_id=decode.engine_id,
             prompt_tokens=n,
-            prompt_tail_hash=chain[-1] if chain and decode.block_size == block_size else 0,
+            prompt_tail_hash=int(chain[-1]) if len(chain) and decode.block_size == block_size else 0,
             prompt_full_blocks=full_blocks if decode.block_size == block_size else 0,
             reusable_tokens=reusable,
             local_hit_tokens=local_hits,
@@ -383,7 +388,7 @@ class Router:
         conversation: str,
         retention: RetentionInfo | None,
         fork: bool,
-        chain: Sequence[int],
+        chain: Chain,
         n: int,
         block_size: int,
         nodes: Sequence[NodeInfo],
@@ -499,7 +504,7 @@ class Router:
                 "names another engine than the planned decode node",
             )
         with self._tracer.start_as_current_span("commit", context=self._trace_parent(state)) as span:
-            chain: tuple[int, ...] = ()
+            chain: Chain = _NO_CHAIN
             if state.conversation and state.prompt_full_blocks:
                 chain = self.chains.chain(state.conversation, tokens, state.block_size)
                 if (
@@ -564,14 +569,14 @@ class Router:
         self,
         state: TurnState,
         tokens: np.ndarray[Any, Any],
-        chain: tuple[int, ...],
+        chain: Chain,
         params: dict[str, Any] | None,
         timer: _Timer,
     ) -> CommitResult:
         if not state.conversation or params is None:
             return CommitResult("", None)
         bs = state.block_size
-        if not chain:
+        if not len(chain):
             chain = self.chains.chain(state.conversation, tokens, bs)
         num_tokens = int(tokens.size)
         if isinstance(params.get("remote_num_tokens"), int):

@@ -14,7 +14,7 @@ import binascii
 import hashlib
 import hmac
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 from kvshuttle.core.errors import InvalidArgument, NotFound
 
@@ -50,6 +50,9 @@ class TurnState:
     span_id: str
 
 
+_FIELDS = tuple(f.name for f in fields(TurnState))
+
+
 class TurnCodec:
     def __init__(self, key: bytes) -> None:
         if len(key) < 16:
@@ -60,7 +63,7 @@ class TurnCodec:
         return hmac.new(self._key, payload, hashlib.sha256).digest()[:_SIG_BYTES]
 
     def encode(self, state: TurnState) -> str:
-        payload = json.dumps(asdict(state), separators=(",", ":"), sort_keys=True).encode()
+        payload = json.dumps({f: getattr(state, f) for f in _FIELDS}, separators=(",", ":")).encode()
         body = base64.urlsafe_b64encode(payload).rstrip(b"=")
         sig = base64.urlsafe_b64encode(self._sign(payload)).rstrip(b"=")
         return f"{PREFIX}{body.decode()}.{sig.decode()}"

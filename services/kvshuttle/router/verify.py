@@ -11,12 +11,11 @@ truncated to exactly those blocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvshuttle.core.hashing import common_prefix_blocks
-from kvshuttle.router.model import RetentionInfo
+from kvshuttle.router.model import Hashes, RetentionInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +33,7 @@ def block_groups(params: dict[str, Any]) -> list[list[int]]:
     return [list(g) for g in groups] if groups and isinstance(groups[0], list) else [list(groups)]
 
 
-def verify(prompt_chain: Sequence[int], prompt_tokens: int, retention: RetentionInfo) -> VerifiedPrefix:
+def verify(prompt_chain: Hashes, prompt_tokens: int, retention: RetentionInfo) -> VerifiedPrefix:
     """Full blocks of the prompt that the retention holds, token for token.
 
     Capped by the retention's token count and by the block ids its params carry, and kept
