@@ -31,7 +31,7 @@ class RouterMetrics:
         )
         self.own_seconds = Histogram(
             "kvshuttle_router_own_seconds",
-            "Router time per call without waiting for the registry.",
+            "Router CPU time per call (this thread), registry waits excluded.",
             ["rpc"],
             buckets=_BUCKETS,
             registry=registry,

@@ -29,8 +29,9 @@ class VerifiedPrefix:
 
 
 def block_groups(params: dict[str, Any]) -> list[list[int]]:
+    """Block ids per KV-cache group (older vLLM sent one flat list). Not copied: read only."""
     groups = params.get("remote_block_ids") or []
-    return [list(g) for g in groups] if groups and isinstance(groups[0], list) else [list(groups)]
+    return list(groups) if groups and isinstance(groups[0], list) else [groups]
 
 
 def verify(prompt_chain: Hashes, prompt_tokens: int, retention: RetentionInfo) -> VerifiedPrefix:
