@@ -65,6 +65,7 @@ demo: venv
 
 bench: venv
 	$(BIN)/python bench/registry_bench.py
+	$(BIN)/python bench/router_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
