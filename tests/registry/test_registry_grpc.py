@@ -447,3 +447,27 @@ async def test_shutdown_ends_watch_streams_instead_of_waiting_out_the_grace() ->
     finally:
         await env.channel.close()
         env.registry.close()
+
+
+async def test_rejections_are_counted_by_reason(registry_env: RegistryEnv) -> None:
+    await register(registry_env)
+    await put(registry_env, 2)
+    await rpc_error(put(registry_env, 1))
+    await rpc_error(registry_env.stub.GetRetention(pb.GetRetentionRequest(name="bad")))
+    m = registry_env.metrics
+    labels = {"service": "kvshuttle.registry.v1.RegistryService", "method": "PutRetention"}
+    assert (
+        m.get_sample_value("kvshuttle_rpc_rejections_total", labels | {"reason": "FENCING_GENERATION_STALE"})
+        == 1
+    )
+    assert (
+        m.get_sample_value(
+            "kvshuttle_rpc_rejections_total",
+            {
+                "service": "kvshuttle.registry.v1.RegistryService",
+                "method": "GetRetention",
+                "reason": "INVALID_ARGUMENT",
+            },
+        )
+        == 1
+    )

@@ -176,7 +176,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
     def _done(self, call: _Call, code: grpc.StatusCode, **fields: Any) -> None:
         """The canonical line and the metrics of one finished call."""
         seconds = time.perf_counter() - call.started
-        self._metrics.observe(call.service, call.method, code.name, seconds)
+        self._metrics.observe(call.service, call.method, code.name, seconds, str(fields.get("reason") or ""))
         log = self._logger.error if code in _SERVER_FAULTS else self._logger.info
         present = {key: value for key, value in fields.items() if value}
         log("rpc.done", method=call.method, code=code.name, ms=round(seconds * 1000, 2), **present)

@@ -10,7 +10,8 @@ _DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
 
 
 class RpcMetrics:
-    """kvshuttle_rpc_total{service,method,code} and kvshuttle_rpc_duration_seconds{service,method}.
+    """kvshuttle_rpc_total{service,method,code}, kvshuttle_rpc_duration_seconds{service,method} and
+    kvshuttle_rpc_rejections_total{service,method,reason}.
 
     Registers its collectors on `registry`: the process default in production, a fresh
     CollectorRegistry in tests (a registry refuses the same metric name twice).
@@ -31,7 +32,17 @@ class RpcMetrics:
             registry=registry,
         )
 
-    def observe(self, service: str, method: str, code: str, seconds: float) -> None:
-        """Record one finished RPC; `code` is a grpc.StatusCode name such as "NOT_FOUND"."""
+        self._rejections = Counter(
+            "kvshuttle_rpc_rejections",
+            "RPCs refused with a domain error, by its ErrorInfo reason (e.g. RETENTION_EXPIRED).",
+            ["service", "method", "reason"],
+            registry=registry,
+        )
+
+    def observe(self, service: str, method: str, code: str, seconds: float, reason: str = "") -> None:
+        """Record one finished RPC; `code` is a grpc.StatusCode name such as "NOT_FOUND", `reason`
+        the domain error's reason when the service refused it."""
         self._total.labels(service=service, method=method, code=code).inc()
         self._duration.labels(service=service, method=method).observe(seconds)
+        if reason:
+            self._rejections.labels(service=service, method=method, reason=reason).inc()
