@@ -155,6 +155,10 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
             remaining = context.time_remaining()  # None without a deadline, despite the stubs
             late = remaining is not None and remaining <= 0
             self._done(call, grpc.StatusCode.DEADLINE_EXCEEDED if late else grpc.StatusCode.CANCELLED)
+        elif isinstance(exc, NotImplementedError):
+            # What generated servicer base classes raise for an RPC the service does not offer.
+            self._done(call, grpc.StatusCode.UNIMPLEMENTED)
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{call.method} is not implemented")
         elif isinstance(exc, Exception):
             self._done(call, grpc.StatusCode.INTERNAL, exc_info=exc)
             trace.get_current_span().record_exception(exc)

@@ -1,0 +1,188 @@
+"""One agent: the node lease, the engine poller, the KV-event receiver and forwarder, as tasks
+on one event loop, and the status GetStatus reports. No grpc here: the registry is a port.
+
+Every loop is supervised: an unexpected exception is logged and the loop restarts after a
+pause, so a bug in one part never takes the sidecar (and the node's lease) down with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import structlog
+import zmq.asyncio
+
+from kvshuttle.agent.config import AgentSettings
+from kvshuttle.agent.engine import EnginePoller
+from kvshuttle.agent.events import EventReceiver, ZmqReplayer
+from kvshuttle.agent.forwarder import EventForwarder
+from kvshuttle.agent.lease import NodeLease
+from kvshuttle.agent.model import AgentStatus, Backoff, EventStreamStats, LiveBatch
+from kvshuttle.agent.ports import RegistryPort, ReplayPort
+from kvshuttle.registry.model import NodeRole, NodeSpec
+from kvshuttle.vllm.kv_events import KvEventDecoder
+
+__all__ = ["Agent", "node_spec"]
+
+log = structlog.get_logger("kvshuttle.agent")
+
+# Pause before a crashed loop starts again.
+_RESTART_PAUSE = 1.0
+
+
+def node_spec(settings: AgentSettings, agent_endpoint: str = "") -> NodeSpec:
+    node = settings.node
+    return NodeSpec(
+        name=node.name,
+        role=NodeRole(node.role),
+        engine_id=node.engine_id,
+        http_endpoint=node.http_endpoint,
+        side_channel_host=node.side_channel_host,
+        side_channel_port=node.side_channel_port,
+        agent_endpoint=agent_endpoint,
+        model=node.model,
+        block_size=node.block_size,
+        kv_bytes_per_token=node.kv_bytes_per_token,
+        labels=dict(node.labels),
+    )
+
+
+class Agent:
+    """The sidecar of one vLLM worker. `start()` once, `shutdown()` once."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        registry: RegistryPort,
+        *,
+        replay: ReplayPort | None = None,
+        zmq_context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        """`replay` replaces the ZMQ replay client (tests); `zmq_context` is shared when given
+        (and then not closed here)."""
+        self.settings = settings
+        lease_cfg, events_cfg = settings.lease, settings.events
+        self.poller = EnginePoller(
+            settings.node.http_endpoint,
+            interval=settings.engine.poll_interval,
+            timeout=settings.engine.poll_timeout,
+        )
+        self.lease = NodeLease(
+            registry,
+            node_spec(settings),
+            ttl=lease_cfg.ttl,
+            heartbeat_interval=lease_cfg.heartbeat_interval,
+            load=self.poller.load,
+            backoff=Backoff(lease_cfg.retry_initial, lease_cfg.retry_max),
+        )
+        self.events = EventStreamStats(endpoint=events_cfg.endpoint or "")
+        self.decoder = KvEventDecoder(group=events_cfg.kv_cache_group)
+        self.queue: asyncio.Queue[LiveBatch | None] = asyncio.Queue(maxsize=events_cfg.queue_size)
+        self._owns_context = zmq_context is None and events_cfg.endpoint is not None
+        self._context = zmq_context or (zmq.asyncio.Context() if events_cfg.endpoint is not None else None)
+        self.receiver: EventReceiver | None = None
+        self.forwarder: EventForwarder | None = None
+        if events_cfg.endpoint is not None and self._context is not None:
+            if replay is None and events_cfg.replay_endpoint is not None:
+                replay = ZmqReplayer(
+                    self._context,
+                    events_cfg.replay_endpoint,
+                    self.decoder,
+                    timeout=events_cfg.replay_timeout,
+                    max_batches=events_cfg.replay_max_batches,
+                )
+            self.receiver = EventReceiver(
+                self._context,
+                events_cfg.endpoint,
+                events_cfg.topic,
+                self.queue,
+                self.events,
+                self.decoder,
+                receive_hwm=events_cfg.receive_hwm,
+            )
+            self.forwarder = EventForwarder(
+                registry,
+                self.lease,
+                self.queue,
+                self.events,
+                replay=replay,
+                max_batches=events_cfg.max_batches_per_report,
+                linger=events_cfg.linger,
+                max_request_bytes=events_cfg.max_report_bytes,
+                backoff=Backoff(lease_cfg.retry_initial, lease_cfg.retry_max),
+            )
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def start(self, *, agent_endpoint: str = "") -> None:
+        """Start the loops; the node registers with `agent_endpoint` as its agent's address."""
+        if self._tasks:
+            raise RuntimeError("the agent is already started")
+        self.lease.spec.agent_endpoint = agent_endpoint
+        self._spawn("lease", self.lease.run)
+        self._spawn("engine", self.poller.run)
+        if self.receiver is not None and self.forwarder is not None:
+            self._spawn("events.receive", self.receiver.run)
+            self._spawn("events.forward", self.forwarder.run)
+        log.info(
+            "agent.started",
+            node=self.lease.spec.name,
+            engine=self.settings.node.http_endpoint,
+            events=self.settings.events.endpoint,
+            replay=self.settings.events.replay_endpoint,
+            agent_endpoint=agent_endpoint,
+        )
+
+    def _spawn(self, name: str, loop: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self._tasks[name] = asyncio.create_task(self._supervise(name, loop), name=f"agent.{name}")
+
+    @staticmethod
+    async def _supervise(name: str, loop: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        while True:
+            try:
+                await loop()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("agent.loop_crashed", loop=name, restart_in=_RESTART_PAUSE)
+                await asyncio.sleep(_RESTART_PAUSE)
+
+    async def _cancel(self, *names: str) -> None:
+        tasks = [t for n in names if (t := self._tasks.pop(n, None)) is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def shutdown(self) -> None:
+        """Stop receiving and polling, forward what is queued (within
+        shutdown_flush_timeout), stop heartbeating, deregister. Never raises."""
+        await self._cancel("events.receive", "engine")
+        forward = self._tasks.pop("events.forward", None)
+        if forward is not None and self.forwarder is not None:
+            self.forwarder.stop()
+            try:
+                await asyncio.wait_for(asyncio.shield(forward), self.settings.shutdown_flush_timeout)
+            except TimeoutError:
+                log.warning("agent.flush_timeout", queued=self.queue.qsize())
+            forward.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await forward
+        await self._cancel("lease")
+        await self.lease.deregister(deadline_s=self.settings.lease.deregister_timeout)
+        if self._owns_context and self._context is not None:
+            self._context.destroy(linger=0)
+        log.info("agent.stopped", node=self.lease.spec.name)
+
+    def status(self) -> AgentStatus:
+        return AgentStatus(
+            lease=self.lease.state,
+            http_endpoint=self.settings.node.http_endpoint,
+            engine_id=self.settings.node.engine_id,
+            engine=self.poller.state,
+            events=self.events,
+        )

@@ -1,0 +1,178 @@
+"""The agent's configuration: one object, from KVSHUTTLE_AGENT_* environment variables (nested
+with "__"), e.g. for the decode worker of a P/D pair:
+
+    KVSHUTTLE_AGENT_SERVER__LISTEN=0.0.0.0:50071
+    KVSHUTTLE_AGENT_REGISTRY__ADDRESS=registry:50051
+    KVSHUTTLE_AGENT_NODE__NAME=decode-0                  (or nodes/decode-0)
+    KVSHUTTLE_AGENT_NODE__ROLE=decode                    (prefill | decode | both)
+    KVSHUTTLE_AGENT_NODE__ENGINE_ID=...                  (vLLM kv_transfer_config.engine_id)
+    KVSHUTTLE_AGENT_NODE__HTTP_ENDPOINT=http://10.0.0.7:8000
+    KVSHUTTLE_AGENT_NODE__SIDE_CHANNEL_HOST=10.0.0.7     (VLLM_NIXL_SIDE_CHANNEL_HOST)
+    KVSHUTTLE_AGENT_NODE__SIDE_CHANNEL_PORT=5600
+    KVSHUTTLE_AGENT_NODE__MODEL=Qwen/Qwen3-32B           (the served model name)
+    KVSHUTTLE_AGENT_NODE__BLOCK_SIZE=16
+    KVSHUTTLE_AGENT_NODE__KV_BYTES_PER_TOKEN=262144
+    KVSHUTTLE_AGENT_NODE__LABELS='{"zone": "a"}'
+    KVSHUTTLE_AGENT_NODE__AGENT_ENDPOINT=10.0.0.7:50071  (what others dial; default: the listen
+                                                          address when its host is not a wildcard)
+    KVSHUTTLE_AGENT_EVENTS__ENDPOINT=tcp://127.0.0.1:5557         (vLLM kv_events_config.endpoint)
+    KVSHUTTLE_AGENT_EVENTS__REPLAY_ENDPOINT=tcp://127.0.0.1:5558  (its replay_endpoint)
+    KVSHUTTLE_AGENT_EVENTS__TOPIC=kv-events
+    KVSHUTTLE_AGENT_LEASE__TTL=10
+    KVSHUTTLE_AGENT_ENGINE__POLL_INTERVAL=1
+
+vLLM binds its PUB and replay sockets when their endpoints hold `*` (`tcp://*:5557`); the agent
+connects to the same ports on the engine's host.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Self
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvshuttle.core.errors import InvalidArgument
+from kvshuttle.core.names import check_id
+from kvshuttle.router.config import RegistryConnection
+from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
+
+__all__ = [
+    "AgentSettings",
+    "EngineSettings",
+    "EventsSettings",
+    "LeaseSettings",
+    "NodeSettings",
+    "RegistryConnection",
+]
+
+# What the registry accepts in one ReportBlockEvents (RegistryLimits.max_event_batches).
+MAX_REPORT_BATCHES = 512
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
+
+
+class NodeSettings(BaseModel):
+    """The vLLM worker this agent registers (what RegisterNode's Node carries)."""
+
+    # "decode-0" or "nodes/decode-0".
+    name: str
+    role: Literal["prefill", "decode", "both"]
+    # vLLM's NixlConnector engine id (kv_transfer_config.engine_id): readers name it as
+    # remote_engine_id. Give a restarted engine a fresh one.
+    engine_id: str
+    # Base URL of the worker's OpenAI-compatible server; /health and /metrics are polled there.
+    http_endpoint: str
+    # The engine's NIXL side channel (VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT).
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = Field(default=5600, gt=0, lt=65536)
+    # Served model name.
+    model: str
+    block_size: int = Field(gt=0, le=4096)
+    kv_bytes_per_token: int = Field(gt=0)
+    labels: dict[str, str] = Field(default_factory=dict)
+    # host:port other services dial for this agent; None: the listen address, unless its host
+    # is a wildcard (then none is advertised: set it).
+    agent_endpoint: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _node_name(cls, value: str) -> str:
+        node = value.removeprefix("nodes/")
+        try:
+            check_id(node, "node.name")
+        except InvalidArgument as exc:
+            raise ValueError(exc.message) from exc
+        return f"nodes/{node}"
+
+    @field_validator("http_endpoint")
+    @classmethod
+    def _http(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return value.rstrip("/")
+
+
+class LeaseSettings(BaseModel):
+    """The node's liveness lease."""
+
+    # Lease duration (seconds); the registry accepts 1..300 by default.
+    ttl: float = Field(default=10.0, gt=0)
+    # Seconds between heartbeats; must be under ttl / 3 (two may fail before the lease lapses).
+    heartbeat_interval: float = Field(default=2.0, gt=0)
+    # Backoff of registration and report retries while the registry cannot be reached.
+    retry_initial: float = Field(default=0.1, gt=0)
+    retry_max: float = Field(default=2.0, gt=0)
+    # Deadline of the DeregisterNode sent on shutdown.
+    deregister_timeout: float = Field(default=1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.heartbeat_interval >= self.ttl / 3:
+            raise ValueError("heartbeat_interval must be below ttl / 3")
+        if self.retry_max < self.retry_initial:
+            raise ValueError("retry_max must be at least retry_initial")
+        return self
+
+
+class EventsSettings(BaseModel):
+    """The engine's KV-event stream (vLLM --kv-events-config) and its forwarding."""
+
+    # The engine's ZMQ publisher, e.g. "tcp://127.0.0.1:5557"; None: no event stream.
+    endpoint: str | None = None
+    # The engine's replay ROUTER, e.g. "tcp://127.0.0.1:5558"; None: gaps are not filled.
+    replay_endpoint: str | None = None
+    # vLLM's kv_events_config.topic ("" by default: every message).
+    topic: str = ""
+    # Batches waiting to be forwarded; past this the newest are dropped (and counted).
+    queue_size: int = Field(default=4096, gt=0)
+    # One ReportBlockEvents carries at most this many batches and about this many bytes.
+    max_batches_per_report: int = Field(default=64, gt=0, le=MAX_REPORT_BATCHES)
+    max_report_bytes: int = Field(default=2 * 1024 * 1024, gt=0)
+    # Seconds a report waits after its first batch for more to join it.
+    linger: float = Field(default=0.05, ge=0)
+    # A replay fetch: its deadline (seconds) and the most batches it asks for.
+    replay_timeout: float = Field(default=2.0, gt=0)
+    replay_max_batches: int = Field(default=10_000, gt=0)
+    # The KV-cache group whose events are forwarded (hybrid models publish one per group);
+    # None: all of them.
+    kv_cache_group: int | None = 0
+    # ZMQ receive high-water mark of the SUB socket (messages).
+    receive_hwm: int = Field(default=10_000, gt=0)
+
+
+class EngineSettings(BaseModel):
+    """Polling of the engine's /health and /metrics."""
+
+    poll_interval: float = Field(default=1.0, gt=0)
+    # Deadline of one HTTP request.
+    poll_timeout: float = Field(default=1.0, gt=0)
+
+
+class AgentSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVSHUTTLE_AGENT_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        # A partial override (SERVER__GRACE_SECONDS) keeps the agent's own listen default.
+        nested_model_default_partial_update=True,
+    )
+
+    server: ServerSettings = ServerSettings(listen="127.0.0.1:50071")
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    registry: RegistryConnection = Field(default_factory=RegistryConnection)
+    node: NodeSettings
+    lease: LeaseSettings = Field(default_factory=LeaseSettings)
+    events: EventsSettings = Field(default_factory=EventsSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    # On shutdown: seconds to forward the batches still queued before deregistering.
+    shutdown_flush_timeout: float = Field(default=1.0, ge=0)
+
+    def advertised_endpoint(self, port: int | None = None) -> str:
+        """The agent endpoint to register: node.agent_endpoint, or the listen address (with the
+        bound `port` when given) unless its host is a wildcard."""
+        if self.node.agent_endpoint is not None:
+            return self.node.agent_endpoint
+        host, _, listen_port = self.server.listen.rpartition(":")
+        if host in _WILDCARD_HOSTS:
+            return ""
+        return f"{host}:{port if port is not None else listen_port}"

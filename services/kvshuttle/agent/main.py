@@ -1,0 +1,108 @@
+"""`kvshuttle-agent`: the sidecar of one vLLM worker.
+
+Builds its settings, logs them, connects to the registry, serves AgentService, then starts the
+agent's loops (register + heartbeat, engine polling, KV events). On SIGTERM or SIGINT: stop
+receiving, forward what is queued (shutdown_flush_timeout), deregister the node, stop the
+server (health NOT_SERVING, in-flight RPCs drained).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+import structlog
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from kvshuttle.agent.agent import Agent
+from kvshuttle.agent.config import AgentSettings
+from kvshuttle.agent.metrics import AgentCollector
+from kvshuttle.agent.registry_port import GrpcRegistryPort
+from kvshuttle.agent.servicer import AgentServicer, add_to_server
+from kvshuttle.agent.v1 import agent_service_pb2
+from kvshuttle.client.registry import RegistryClient
+from kvshuttle.serving.logging import configure_logging
+from kvshuttle.serving.server import GrpcServer
+
+SERVICE = agent_service_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
+ERROR_DOMAIN = "agent.kvshuttle"
+SERVICE_NAME = "kvshuttle-agent"
+
+log = structlog.get_logger("kvshuttle.agent")
+
+
+# gRPC waits up to 120 s between reconnection attempts by default, and calls made meanwhile fail
+# at once without trying: an agent would take minutes to see its registry back. Cap the wait.
+REGISTRY_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 2000))
+
+
+def connect_registry(settings: AgentSettings) -> RegistryClient:
+    options = settings.registry.channel_options()
+    return RegistryClient.connect(options, grpc_options=(*options.grpc_options, *REGISTRY_RECONNECT))
+
+
+def build_server(
+    settings: AgentSettings, agent: Agent, prometheus: CollectorRegistry = REGISTRY
+) -> GrpcServer:
+    def register(server: grpc.aio.Server) -> None:
+        # The generated stubs declare every RPC abstract; the ones not implemented yet are
+        # left out of the server (grpc answers UNIMPLEMENTED), see kvshuttle.agent.servicer.
+        add_to_server(AgentServicer(agent.status), server)  # type: ignore[abstract]
+
+    prometheus.register(AgentCollector(agent))
+    return GrpcServer(
+        settings.server,
+        settings.telemetry,
+        service_name=SERVICE_NAME,
+        domain=ERROR_DOMAIN,
+        register=register,
+        service_names=[SERVICE],
+        registry=prometheus,
+    )
+
+
+async def _wait_for_signal() -> None:
+    """Until SIGTERM or SIGINT; the handlers go with the first, so a second one kills."""
+    loop = asyncio.get_running_loop()
+    received: asyncio.Future[signal.Signals] = loop.create_future()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not received.done():
+            received.set_result(sig)
+
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        log.info("agent.signal", signal=(await received).name)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+async def serve(settings: AgentSettings) -> None:
+    client = connect_registry(settings)
+    try:
+        agent = Agent(settings, GrpcRegistryPort(client))
+        server = build_server(settings, agent)
+        port = await server.start()
+        try:
+            await agent.start(agent_endpoint=settings.advertised_endpoint(port))
+            await _wait_for_signal()
+        finally:
+            await agent.shutdown()
+            await server.stop()
+    finally:
+        await client.close()
+
+
+def main() -> None:
+    settings = AgentSettings()  # type: ignore[call-arg]  # node comes from the environment
+    configure_logging(settings.telemetry)
+    log.info("agent.config", **settings.model_dump(mode="json"))
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Prometheus metrics of the agent, read from its state at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvshuttle.agent.agent import Agent
+
+
+class AgentCollector(Collector):
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        agent = self._agent
+        lease, engine, events, decode = (
+            agent.lease.state,
+            agent.poller.state,
+            agent.events,
+            agent.decoder.stats,
+        )
+        yield GaugeMetricFamily(
+            "kvshuttle_agent_registered", "1 while the node holds a lease.", value=int(lease.registered)
+        )
+        yield CounterMetricFamily(
+            "kvshuttle_agent_registrations", "Successful registrations (lease epochs).", value=lease.epoch
+        )
+        failures = CounterMetricFamily(
+            "kvshuttle_agent_registry_failures", "Failed lease calls by kind.", labels=["call"]
+        )
+        failures.add_metric(["register"], lease.failed_registrations)
+        failures.add_metric(["heartbeat"], lease.failed_heartbeats)
+        yield failures
+        yield GaugeMetricFamily(
+            "kvshuttle_agent_engine_healthy",
+            "1 when the engine's /health answered 200.",
+            value=int(engine.healthy),
+        )
+        yield CounterMetricFamily(
+            "kvshuttle_agent_engine_failed_polls", "Engine polls that failed.", value=engine.failed_polls
+        )
+        batches = CounterMetricFamily(
+            "kvshuttle_agent_event_batches", "KV-event batches by outcome.", labels=["outcome"]
+        )
+        for outcome, value in (
+            ("received", events.batches_received),
+            ("forwarded", events.batches_forwarded),
+            ("dropped", events.batches_dropped),
+            ("rejected", events.batches_rejected),
+            ("replayed", events.replayed_batches),
+        ):
+            batches.add_metric([outcome], value)
+        yield batches
+        gaps = CounterMetricFamily(
+            "kvshuttle_agent_event_gaps", "Sequence gaps by outcome.", labels=["outcome"]
+        )
+        gaps.add_metric(["detected"], events.gaps_detected)
+        gaps.add_metric(["filled"], events.gaps_filled)
+        gaps.add_metric(["registry_reported"], events.registry_gaps)
+        yield gaps
+        yield CounterMetricFamily(
+            "kvshuttle_agent_engine_restarts",
+            "Engine restarts seen in the event sequence.",
+            value=events.engine_restarts,
+        )
+        skipped = CounterMetricFamily(
+            "kvshuttle_agent_events_skipped",
+            "KV events or messages the decoder skipped, by cause.",
+            labels=["cause"],
+        )
+        for cause, value in (
+            ("malformed_message", decode.malformed_messages),
+            ("malformed_payload", decode.malformed_payloads),
+            ("malformed_event", decode.malformed_events),
+            ("other_group", decode.other_group_events),
+            ("unknown_type", decode.unknown_events),
+        ):
+            skipped.add_metric([cause], value)
+        yield skipped
+        yield CounterMetricFamily(
+            "kvshuttle_agent_event_unknown_keys",
+            "Event keys vLLM sent that the decoder does not know.",
+            value=decode.unknown_keys,
+        )
+        yield GaugeMetricFamily(
+            "kvshuttle_agent_event_queue", "Batches waiting to be forwarded.", value=agent.queue.qsize()
+        )

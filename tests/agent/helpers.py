@@ -1,0 +1,356 @@
+"""Stand-ins for what surrounds an agent, all real sockets on 127.0.0.1: a registry on a given
+port, an engine's HTTP server (/health, /metrics) and its KV-event publisher and replay
+endpoint (ZMQ), and the agent itself in-process with short intervals."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import zmq
+import zmq.asyncio
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from tests.conftest import RegistryEnv
+from tests.fixtures_vllm import FIXTURE_TOPIC, live_batches
+
+from kvshuttle.agent.agent import Agent
+from kvshuttle.agent.config import (
+    AgentSettings,
+    EngineSettings,
+    EventsSettings,
+    LeaseSettings,
+    NodeSettings,
+    RegistryConnection,
+)
+from kvshuttle.agent.main import build_server, connect_registry
+from kvshuttle.agent.registry_port import GrpcRegistryPort
+from kvshuttle.client import AgentClient, RegistryClient
+from kvshuttle.core.clock import FakeClock
+from kvshuttle.core.hashing import chain_hashes
+from kvshuttle.registry.block_index import BlockIndex, BlockStored, EventBatch
+from kvshuttle.registry.config import RegistrySettings
+from kvshuttle.registry.main import build_server as build_registry_server
+from kvshuttle.registry.memory_store import InMemoryStore, StoreLimits
+from kvshuttle.registry.registry import Registry, RegistryLimits
+from kvshuttle.registry.v1 import registry_service_pb2_grpc as rpb_grpc
+from kvshuttle.serving.server import GrpcServer
+from kvshuttle.serving.settings import ServerSettings
+from kvshuttle.vllm.kv_events import END_OF_REPLAY, decode_seq, encode_message
+
+NODE = "nodes/agent-0"
+BLOCK_SIZE = 32  # the fixture's engine ran with --block-size 32
+MODEL = "tiny-llama"
+
+# What vLLM 0.32 (V1 engine) serves on /metrics, trimmed: the three load gauges among the
+# counters, histograms and info gauges around them, as prometheus_client writes them.
+VLLM_METRICS = """\
+# HELP python_gc_objects_collected_total Objects collected during gc
+# TYPE python_gc_objects_collected_total counter
+python_gc_objects_collected_total{generation="0"} 21466.0
+python_gc_objects_collected_total{generation="1"} 3392.0
+# HELP process_resident_memory_bytes Resident memory size in bytes.
+# TYPE process_resident_memory_bytes gauge
+process_resident_memory_bytes 1.439035392e+09
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny-llama"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny-llama"} 5.0
+# HELP vllm:num_requests_waiting_by_reason Number of requests waiting, by reason.
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny-llama",reason="capacity"} 4.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny-llama",reason="deferred"} 1.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny-llama"} 0.4583333333333333
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny-llama"} 1690.0
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny-llama"} 96.0
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="tiny-llama"} 0.0
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="tiny-llama"} 1690.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="tiny-llama"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.005",model_name="tiny-llama"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.01",model_name="tiny-llama"} 2.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.02",model_name="tiny-llama"} 9.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.04",model_name="tiny-llama"} 14.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="tiny-llama"} 15.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny-llama"} 15.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny-llama"} 0.27019715309143066
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="32",cache_dtype="auto",engine="0",num_gpu_blocks="24"} 1.0
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def eventually(
+    check: Callable[[], Any | Awaitable[Any]], *, within: float = 10.0, what: str = "condition"
+) -> None:
+    """Poll `check` (sync or async) until it returns true; fail after `within` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+# -- registry -------------------------------------------------------------------------------------
+
+
+async def start_registry_on(listen: str) -> RegistryEnv:
+    """tests.conftest.start_registry on a given address (to restart a registry in place).
+    Incarnations restart at 1, as a restarted registry without a clock base would."""
+    clock = FakeClock()
+    registry = Registry(
+        InMemoryStore(StoreLimits(max_retentions_per_tenant=50)), clock, BlockIndex(10_000), RegistryLimits()
+    )
+    settings = RegistrySettings(server=ServerSettings(listen=listen, grace_seconds=1))
+    metrics = CollectorRegistry()
+    server = build_registry_server(settings, registry, metrics)
+    port = await server.start()
+    address = f"127.0.0.1:{port}"
+    channel = grpc.aio.insecure_channel(address)
+    return RegistryEnv(
+        clock, registry, server, address, channel, rpb_grpc.RegistryServiceStub(channel), metrics
+    )
+
+
+async def stop_registry(env: RegistryEnv) -> None:
+    await env.channel.close()
+    env.registry.close()
+    await env.server.stop()
+
+
+# -- the engine -----------------------------------------------------------------------------------
+
+
+class FakeEngineHttp:
+    """vLLM's /health and /metrics on a real HTTP server."""
+
+    def __init__(self) -> None:
+        self.health_status = 200
+        self.metrics = VLLM_METRICS
+        self.hits: dict[str, int] = {"/health": 0, "/metrics": 0}
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def _health(self, request: web.Request) -> web.Response:
+        self.hits["/health"] += 1
+        return web.Response(status=self.health_status)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.hits["/metrics"] += 1
+        return web.Response(text=self.metrics, content_type="text/plain", charset="utf-8")
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+class FakePublisher:
+    """An engine's KV-event sockets: an XPUB where vLLM has a PUB (same wire protocol; XPUB
+    also tells when the agent's subscription arrived, so no message is lost to ZMQ's slow
+    joiner), and a ROUTER replay endpoint answering from `buffer` as vLLM's does."""
+
+    def __init__(self, context: zmq.asyncio.Context, topic: bytes = FIXTURE_TOPIC) -> None:
+        self.topic = topic
+        self.pub = context.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.router = context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind("tcp://127.0.0.1:*")
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.buffer: list[list[bytes]] = []  # what the engine published: [topic, seq, payload]
+        self.replay_requests: list[int] = []
+        self._replay_task = asyncio.create_task(self._serve_replay())
+
+    async def wait_subscribed(self) -> None:
+        message = await asyncio.wait_for(self.pub.recv(), 5.0)
+        assert message == b"\x01" + self.topic
+
+    async def publish(self, frames: Sequence[bytes], *, deliver: bool = True) -> None:
+        """Publish a message (into the replay buffer always; to subscribers when `deliver`)."""
+        self.buffer.append(list(frames))
+        if deliver:
+            await self.pub.send_multipart(list(frames))
+
+    async def publish_batch(self, batch: EventBatch, *, deliver: bool = True) -> None:
+        await self.publish(encode_message(self.topic, batch), deliver=deliver)
+
+    async def _serve_replay(self) -> None:
+        while True:
+            identity, _empty, start_frame = await self.router.recv_multipart()
+            start = decode_seq(start_frame)
+            assert start is not None
+            self.replay_requests.append(start)
+            for frames in list(self.buffer):
+                seq = decode_seq(frames[1])
+                assert seq is not None
+                if seq >= start:
+                    await self.router.send_multipart([identity, b"", *frames])
+            await self.router.send_multipart([identity, *END_OF_REPLAY])
+
+    async def close(self) -> None:
+        self._replay_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._replay_task
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+# -- the agent ------------------------------------------------------------------------------------
+
+
+def agent_settings(
+    registry_address: str,
+    engine_url: str,
+    publisher: FakePublisher | None = None,
+    *,
+    replay: bool = True,
+    queue_size: int = 4096,
+    max_batches: int = 64,
+    linger: float = 0.005,
+) -> AgentSettings:
+    return AgentSettings(
+        server=ServerSettings(listen="127.0.0.1:0", grace_seconds=1),
+        registry=RegistryConnection(address=registry_address, timeout=0.5),
+        node=NodeSettings(
+            name=NODE,
+            role="decode",
+            engine_id="engine-a",
+            http_endpoint=engine_url,
+            side_channel_host="127.0.0.1",
+            side_channel_port=5600,
+            model=MODEL,
+            block_size=BLOCK_SIZE,
+            kv_bytes_per_token=4096,
+            labels={"zone": "test"},
+        ),
+        lease=LeaseSettings(ttl=10.0, heartbeat_interval=0.05, retry_initial=0.02, retry_max=0.1),
+        events=EventsSettings(
+            endpoint=None if publisher is None else publisher.endpoint,
+            replay_endpoint=None if publisher is None or not replay else publisher.replay_endpoint,
+            topic=FIXTURE_TOPIC.decode(),
+            queue_size=queue_size,
+            max_batches_per_report=max_batches,
+            linger=linger,
+            replay_timeout=1.0,
+        ),
+        engine=EngineSettings(poll_interval=0.05, poll_timeout=0.5),
+        shutdown_flush_timeout=1.0,
+    )
+
+
+@dataclass
+class AgentEnv:
+    settings: AgentSettings
+    agent: Agent
+    server: GrpcServer
+    address: str
+    client: AgentClient
+    registry_client: RegistryClient
+    metrics: CollectorRegistry
+    stopped: bool = False
+
+    async def stop(self) -> None:
+        """What main() does on SIGTERM: the agent's shutdown, then the server's."""
+        if self.stopped:
+            return
+        self.stopped = True
+        await self.agent.shutdown()
+        await self.server.stop()
+        await self.client.close()
+        await self.registry_client.close()
+
+
+async def start_agent(settings: AgentSettings, *, subscribed: FakePublisher | None = None) -> AgentEnv:
+    """The agent and its gRPC server, as main() wires them; waits for the subscription of
+    `subscribed` when given."""
+    registry_client = connect_registry(settings)
+    agent = Agent(settings, GrpcRegistryPort(registry_client))
+    metrics = CollectorRegistry()
+    server = build_server(settings, agent, metrics)
+    port = await server.start()
+    await agent.start(agent_endpoint=settings.advertised_endpoint(port))
+    if subscribed is not None:
+        await subscribed.wait_subscribed()
+    address = f"127.0.0.1:{port}"
+    return AgentEnv(settings, agent, server, address, AgentClient.connect(address), registry_client, metrics)
+
+
+# -- what the index should hold -------------------------------------------------------------------
+
+
+def fixture_chains() -> list[list[int]]:
+    """kvshuttle chains of every prefix the fixture's engine ever cached."""
+    prefixes: dict[int, tuple[int, ...]] = {}
+    chains: list[list[int]] = []
+    for batch in live_batches():
+        for event in batch.events:
+            if not isinstance(event, BlockStored):
+                continue
+            base = () if event.parent_block_hash is None else prefixes.get(event.parent_block_hash)
+            if base is None:
+                continue
+            tokens = base + event.token_ids
+            for i, block in enumerate(event.block_hashes):
+                prefixes[block] = tokens[: len(base) + (i + 1) * BLOCK_SIZE]
+            chains.append(chain_hashes(tokens, BLOCK_SIZE))
+    return chains
+
+
+def index_view(index: BlockIndex, node: str = NODE) -> tuple[int, list[list[tuple[str, int]]]]:
+    """What placement can learn of `node` from an index: its block count and every lookup."""
+    return index.node_block_count(node), [
+        [m for m in index.lookup(chain) if m[0] == node] for chain in fixture_chains()
+    ]
+
+
+def expected_view(batches: Sequence[EventBatch]) -> tuple[int, list[list[tuple[str, int]]]]:
+    """The view of an index that had `batches` applied directly."""
+    index = BlockIndex(10_000)
+    index.apply(NODE, batches)
+    return index_view(index)
