@@ -7,11 +7,12 @@ BUF := npx --yes @bufbuild/buf
 PROTOS := $(shell find proto -name '*.proto' | sort)
 GEN_OUT := services
 
-.PHONY: help venv proto proto-check lint typecheck test unit demo bench clean
+.PHONY: help venv vllm proto proto-check lint typecheck test unit demo bench clean
 
 help:
 	@echo "make demo   - start a registry, drive it with the CLI, watch a retention expire"
-	@echo "make test   - buf lint/format, generated-code freshness, ruff, mypy, pytest"
+	@echo "make test   - buf lint/format, generated-code freshness, ruff, mypy, pytest (real vLLM included)"
+	@echo "make vllm   - install the CPU build of vLLM into .venv-vllm (done by make test and demo)"
 	@echo "make proto  - regenerate Python code from proto/"
 	@echo "make bench  - run the benchmarks under bench/ (results in bench/results/)"
 
@@ -20,6 +21,10 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 venv: $(BIN)/.installed
+
+# Real vLLM (CPU build) in its own venv, with kvshuttle's vLLM plugin: idempotent, seconds when done.
+vllm:
+	bash deploy/vllm/install.sh
 
 $(BIN)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
@@ -58,7 +63,7 @@ typecheck: venv
 unit: venv
 	$(BIN)/pytest -q
 
-test: lint proto-check typecheck unit
+test: lint proto-check typecheck vllm unit
 
 demo: venv
 	$(BIN)/python deploy/demo.py

@@ -1,0 +1,234 @@
+"""kvshuttle's services beside a running vLLM pair, on one machine: a registry, a router, one
+agent per engine and the gateway, each its own process (as in production), logs in one folder.
+
+    with VllmPair(model_dir) as pair, KvshuttleStack(pair, work_dir=...) as stack:
+        stack.gateway_url  # OpenAI-compatible, conversation-aware
+
+Used by `make demo`, the end-to-end tests and bench/e2e_vllm.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+
+from deploy.local.launch import VllmEngine, VllmPair, free_ports
+from deploy.local.models import kv_bytes_per_token
+from kvshuttle.registry.v1 import registry_service_pb2 as rpb
+from kvshuttle.registry.v1 import registry_service_pb2_grpc as rpb_grpc
+
+HOST = "127.0.0.1"
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+class Service:
+    """One kvshuttle process: started with its environment, stopped with SIGTERM."""
+
+    def __init__(self, name: str, module: str, env: Mapping[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.module = module
+        self.env = dict(env)
+        self.log_path = log_dir / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("KVSHUTTLE_")}
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module], env=base | self.env,
+                                     stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+    def check(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log tail:\n{tail}")
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(5)
+
+
+class KvshuttleStack:
+    def __init__(
+        self,
+        pair: VllmPair,
+        *,
+        work_dir: Path,
+        profile: Mapping[str, Any],
+        served_model_name: str = "m",
+        block_size: int = 32,
+        decoder_kv_blocks_ttl: float = 480.0,
+        progress: Progress = _quiet,
+        extra_env: Mapping[str, Mapping[str, str]] | None = None,
+    ) -> None:
+        self.pair = pair
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.progress = progress
+        self.model = served_model_name
+        self.block_size = block_size
+        self.kv_bytes_per_token = kv_bytes_per_token(pair.model_dir)
+        ports = free_ports(7)
+        self.registry_addr = f"{HOST}:{ports[0]}"
+        self.router_addr = f"{HOST}:{ports[1]}"
+        self.gateway_url = f"http://{HOST}:{ports[2]}"
+        self._agent_ports = (ports[3], ports[4])
+        self.metrics_ports = {"registry": ports[5], "router": ports[6]}
+        extra = extra_env or {}
+        log = {"TELEMETRY__LOG_FORMAT": "json"}
+        self.registry = Service(
+            "registry",
+            "kvshuttle.registry.main",
+            _prefixed(
+                "KVSHUTTLE_REGISTRY_",
+                {
+                    **log,
+                    "SERVER__LISTEN": self.registry_addr,
+                    "TELEMETRY__METRICS_LISTEN": f"{HOST}:{ports[5]}",
+                    **extra.get("registry", {}),
+                },
+            ),
+            self.work_dir,
+        )
+        self.router = Service(
+            "router",
+            "kvshuttle.router.main",
+            _prefixed(
+                "KVSHUTTLE_ROUTER_",
+                {
+                    **log,
+                    "SERVER__LISTEN": self.router_addr,
+                    "REGISTRY__ADDRESS": self.registry_addr,
+                    "PROFILES": json.dumps([dict(profile)]),
+                    "TURN_SIGNING_KEY": os.urandom(24).hex(),
+                    "POLICY__DECODER_KV_BLOCKS_TTL_S": str(decoder_kv_blocks_ttl),
+                    "TELEMETRY__METRICS_LISTEN": f"{HOST}:{ports[6]}",
+                    **extra.get("router", {}),
+                },
+            ),
+            self.work_dir,
+        )
+        self.gateway = Service("gateway", "kvshuttle.gateway.main", _prefixed("KVSHUTTLE_GATEWAY_", {
+            **log, "LISTEN": f"{HOST}:{ports[2]}", "ROUTER__ADDRESS": self.router_addr,
+            "MODELS": json.dumps({served_model_name: str(pair.model_dir)}), **extra.get("gateway", {})}),
+            self.work_dir)  # fmt: skip
+        self.agents = self._agents(extra.get("agent", {}))
+
+    def _agents(self, extra: Mapping[str, str]) -> tuple[Service, Service]:
+        def agent(engine: VllmEngine, port: int) -> Service:
+            host, side_port = engine.side_channel
+            return Service(f"agent-{engine.name}", "kvshuttle.agent.main", _prefixed("KVSHUTTLE_AGENT_", {
+                "TELEMETRY__LOG_FORMAT": "json", "SERVER__LISTEN": f"{HOST}:{port}",
+                "REGISTRY__ADDRESS": self.registry_addr, "NODE__NAME": f"nodes/{engine.name}",
+                "NODE__ROLE": engine.spec.role, "NODE__ENGINE_ID": engine.engine_id,
+                "NODE__HTTP_ENDPOINT": engine.url, "NODE__MODEL": self.model,
+                "NODE__BLOCK_SIZE": str(self.block_size),
+                "NODE__KV_BYTES_PER_TOKEN": str(self.kv_bytes_per_token),
+                "NODE__SIDE_CHANNEL_HOST": host, "NODE__SIDE_CHANNEL_PORT": str(side_port),
+                "EVENTS__ENDPOINT": engine.events_endpoint, "EVENTS__REPLAY_ENDPOINT": engine.replay_endpoint,
+                "EVENTS__TOPIC": "kv-events", "LEASE__TTL": "10", "LEASE__HEARTBEAT_INTERVAL": "1",
+                "ENGINE__POLL_INTERVAL": "0.5", **extra}), self.work_dir)  # fmt: skip
+
+        return agent(self.pair.prefill, self._agent_ports[0]), agent(self.pair.decode, self._agent_ports[1])
+
+    @property
+    def services(self) -> list[Service]:
+        return [self.registry, self.router, *self.agents, self.gateway]
+
+    def start(self, timeout: float = 120.0) -> None:
+        try:
+            for service in self.services:
+                self.progress(f"starting {service.name}")
+                service.start()
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Until every service answers and both nodes are registered and healthy."""
+        deadline = time.monotonic() + timeout
+        pending = {"registry": self.registry_addr, "router": self.router_addr}
+        while time.monotonic() < deadline:
+            for service in self.services:
+                service.check()
+            pending = {name: addr for name, addr in pending.items() if not _grpc_ready(addr)}
+            if not pending and _http_ready(f"{self.gateway_url}/health") and self._nodes_ready():
+                self.progress("kvshuttle is up: registry, router, two agents, gateway")
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"kvshuttle services not ready in {timeout:.0f} s; logs in {self.work_dir}")
+
+    def _nodes_ready(self) -> bool:
+        try:
+            with grpc.insecure_channel(self.registry_addr) as channel:
+                nodes = (
+                    rpb_grpc.RegistryServiceStub(channel).ListNodes(rpb.ListNodesRequest(), timeout=2).nodes
+                )
+        except grpc.RpcError:
+            return False
+        engines = {self.pair.prefill.engine_id, self.pair.decode.engine_id}
+        return {n.engine_id for n in nodes if n.load.engine_healthy} >= engines
+
+    def restart_agents(self, timeout: float = 60.0) -> None:
+        """After `pair.restart()` (new engine ids and ports), agents that follow the new engines."""
+        for agent in self.agents:
+            agent.stop()
+        self.agents = self._agents({})
+        for agent in self.agents:
+            agent.start()
+        self.wait_ready(timeout)
+
+    def stop(self) -> dict[str, int | None]:
+        """Stops everything, gateway first; returns each service's exit code."""
+        return {s.name: s.stop() for s in reversed(self.services)}
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _prefixed(prefix: str, env: Mapping[str, str]) -> dict[str, str]:
+    return {f"{prefix}{key}": value for key, value in env.items()}
+
+
+def _grpc_ready(addr: str) -> bool:
+    with grpc.insecure_channel(addr) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=0.5)
+        except grpc.FutureTimeoutError:
+            return False
+    return True
+
+
+def _http_ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
