@@ -77,17 +77,37 @@ async def register_nodes(registry: str) -> None:
     async with grpc.aio.insecure_channel(registry) as ch:
         stub = rpb_grpc.RegistryServiceStub(ch)
         for name, role in (("nodes/p0", rpb.NODE_ROLE_PREFILL), ("nodes/d0", rpb.NODE_ROLE_DECODE)):
-            node = (await stub.RegisterNode(rpb.RegisterNodeRequest(ttl=Duration(seconds=300), node=rpb.Node(
-                name=name, role=role, engine_id=f"engine-{name[6:]}", http_endpoint=f"http://{name[6:]}:8000",
-                side_channel_host="127.0.0.1", side_channel_port=5600, model=MODEL, block_size=BLOCK,
-                kv_bytes_per_token=65536)))).node  # fmt: skip
-            await stub.HeartbeatNode(rpb.HeartbeatNodeRequest(
-                name=name, incarnation=node.incarnation, ttl=Duration(seconds=300),
-                load=rpb.NodeLoad(engine_healthy=True)))  # fmt: skip
+            node = (
+                await stub.RegisterNode(
+                    rpb.RegisterNodeRequest(
+                        ttl=Duration(seconds=300),
+                        node=rpb.Node(
+                            name=name,
+                            role=role,
+                            engine_id=f"engine-{name[6:]}",
+                            http_endpoint=f"http://{name[6:]}:8000",
+                            side_channel_host="127.0.0.1",
+                            side_channel_port=5600,
+                            model=MODEL,
+                            block_size=BLOCK,
+                            kv_bytes_per_token=65536,
+                        ),
+                    )
+                )
+            ).node
+            await stub.HeartbeatNode(
+                rpb.HeartbeatNodeRequest(
+                    name=name,
+                    incarnation=node.incarnation,
+                    ttl=Duration(seconds=300),
+                    load=rpb.NodeLoad(engine_healthy=True),
+                )
+            )
 
 
-async def conversation(stub: pb_grpc.RouterServiceAsyncStub, index: int, turns: int, max_tokens: int,
-                       out: list[dict[str, Any]]) -> None:  # fmt: skip
+async def conversation(
+    stub: pb_grpc.RouterServiceAsyncStub, index: int, turns: int, max_tokens: int, out: list[dict[str, Any]]
+) -> None:
     rng = random.Random(index)
     per_turn = max_tokens // turns
     output = max(per_turn // 8, 16)
@@ -105,18 +125,32 @@ async def conversation(stub: pb_grpc.RouterServiceAsyncStub, index: int, turns: 
         sequence = prompt + [rng.randrange(10, 150_000) for _ in range(output)]
         blocks = -(-len(sequence) // BLOCK)
         params = KvTransferParams(
-            do_remote_decode=True, remote_engine_id=plan.decode.engine_id, remote_request_id=f"cmpl-{turn}",
-            remote_host="127.0.0.1", remote_port=5601, remote_num_tokens=len(sequence) - 1,
-            remote_block_ids=[BlockIdList(block_ids=range(block_id, block_id + blocks))])  # fmt: skip
+            do_remote_decode=True,
+            remote_engine_id=plan.decode.engine_id,
+            remote_request_id=f"cmpl-{turn}",
+            remote_host="127.0.0.1",
+            remote_port=5601,
+            remote_num_tokens=len(sequence) - 1,
+            remote_block_ids=[BlockIdList(block_ids=range(block_id, block_id + blocks))],
+        )
         block_id += blocks
         t2 = time.perf_counter()
-        await stub.CommitTurn(pb.CommitTurnRequest(turn=plan.turn, token_ids=sequence,
-                                                   decode_kv_transfer_params=params))  # fmt: skip
+        await stub.CommitTurn(
+            pb.CommitTurnRequest(turn=plan.turn, token_ids=sequence, decode_kv_transfer_params=params)
+        )
         t3 = time.perf_counter()
-        out.append({"conversation": index, "turn": turn, "prompt_tokens": len(prompt),
-                    "decision": pb.Decision.Name(plan.decision), "reason": pb.DecisionReason.Name(plan.reason),
-                    "reusable_tokens": plan.reusable_tokens, "plan_ms": (t1 - t0) * 1e3,
-                    "commit_ms": (t3 - t2) * 1e3})  # fmt: skip
+        out.append(
+            {
+                "conversation": index,
+                "turn": turn,
+                "prompt_tokens": len(prompt),
+                "decision": pb.Decision.Name(plan.decision),
+                "reason": pb.DecisionReason.Name(plan.reason),
+                "reusable_tokens": plan.reusable_tokens,
+                "plan_ms": (t1 - t0) * 1e3,
+                "commit_ms": (t3 - t2) * 1e3,
+            }
+        )
 
 
 def own_times(log: Path, key: str) -> dict[str, list[float]]:
@@ -135,14 +169,29 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     registry, router = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVSHUTTLE_")}
     procs = [
-        await start("kvshuttle.registry.main", base | {
-            "KVSHUTTLE_REGISTRY_SERVER__LISTEN": registry, "KVSHUTTLE_REGISTRY_TELEMETRY__LOG_FORMAT": "json",
-            "KVSHUTTLE_REGISTRY_TELEMETRY__LOG_LEVEL": "warning"}, workdir / "registry.log"),
-        await start("kvshuttle.router.main", base | {
-            "KVSHUTTLE_ROUTER_SERVER__LISTEN": router, "KVSHUTTLE_ROUTER_REGISTRY__ADDRESS": registry,
-            "KVSHUTTLE_ROUTER_PROFILES": json.dumps([PROFILE]), "KVSHUTTLE_ROUTER_TURN_SIGNING_KEY": "b" * 32,
-            "KVSHUTTLE_ROUTER_TELEMETRY__LOG_FORMAT": "json"}, workdir / "router.log"),
-    ]  # fmt: skip
+        await start(
+            "kvshuttle.registry.main",
+            base
+            | {
+                "KVSHUTTLE_REGISTRY_SERVER__LISTEN": registry,
+                "KVSHUTTLE_REGISTRY_TELEMETRY__LOG_FORMAT": "json",
+                "KVSHUTTLE_REGISTRY_TELEMETRY__LOG_LEVEL": "warning",
+            },
+            workdir / "registry.log",
+        ),
+        await start(
+            "kvshuttle.router.main",
+            base
+            | {
+                "KVSHUTTLE_ROUTER_SERVER__LISTEN": router,
+                "KVSHUTTLE_ROUTER_REGISTRY__ADDRESS": registry,
+                "KVSHUTTLE_ROUTER_PROFILES": json.dumps([PROFILE]),
+                "KVSHUTTLE_ROUTER_TURN_SIGNING_KEY": "b" * 32,
+                "KVSHUTTLE_ROUTER_TELEMETRY__LOG_FORMAT": "json",
+            },
+            workdir / "router.log",
+        ),
+    ]
     try:
         await wait_ready(registry)
         await wait_ready(router)
@@ -155,8 +204,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         async with grpc.aio.insecure_channel(router, options=options) as ch:
             stub: pb_grpc.RouterServiceAsyncStub = pb_grpc.RouterServiceStub(ch)
             start_t = time.perf_counter()
-            await asyncio.gather(*(conversation(stub, i, args.turns, args.max_tokens, rows)
-                                   for i in range(args.conversations)))  # fmt: skip
+            await asyncio.gather(
+                *(conversation(stub, i, args.turns, args.max_tokens, rows) for i in range(args.conversations))
+            )
             wall = time.perf_counter() - start_t
     finally:
         for proc in procs:
@@ -173,19 +223,36 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     for r in rows:
         reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
     return {
-        "turns": len(rows), "turns_per_s": round(len(rows) / wall, 1), "wall_s": round(wall, 2),
+        "turns": len(rows),
+        "turns_per_s": round(len(rows) / wall, 1),
+        "wall_s": round(wall, 2),
         "max_prompt_tokens": max(r["prompt_tokens"] for r in rows),
-        "router_ms_per_turn": {"p50": round(pct(per_turn_own, 0.5), 3), "p99": round(pct(per_turn_own, 0.99), 3),
-                               "mean": round(statistics.fmean(per_turn_own), 3)},
-        "router_wall_ms_per_turn": {"p50": round(pct(per_turn_own_wall, 0.5), 3),
-                                    "p99": round(pct(per_turn_own_wall, 0.99), 3)},
-        "router_ms_plan": {"p50": round(pct(own["PlanTurn"], 0.5), 3), "p99": round(pct(own["PlanTurn"], 0.99), 3)},
-        "router_ms_commit": {"p50": round(pct(own["CommitTurn"], 0.5), 3),
-                             "p99": round(pct(own["CommitTurn"], 0.99), 3)},
-        "wall_ms_per_turn": {"p50": round(pct(per_turn_wall, 0.5), 2), "p99": round(pct(per_turn_wall, 0.99), 2)},
-        "wall_ms_per_turn_at_longest": {"p50": round(pct([r["plan_ms"] + r["commit_ms"] for r in longest], 0.5), 2)},
+        "router_ms_per_turn": {
+            "p50": round(pct(per_turn_own, 0.5), 3),
+            "p99": round(pct(per_turn_own, 0.99), 3),
+            "mean": round(statistics.fmean(per_turn_own), 3),
+        },
+        "router_wall_ms_per_turn": {
+            "p50": round(pct(per_turn_own_wall, 0.5), 3),
+            "p99": round(pct(per_turn_own_wall, 0.99), 3),
+        },
+        "router_ms_plan": {
+            "p50": round(pct(own["PlanTurn"], 0.5), 3),
+            "p99": round(pct(own["PlanTurn"], 0.99), 3),
+        },
+        "router_ms_commit": {
+            "p50": round(pct(own["CommitTurn"], 0.5), 3),
+            "p99": round(pct(own["CommitTurn"], 0.99), 3),
+        },
+        "wall_ms_per_turn": {
+            "p50": round(pct(per_turn_wall, 0.5), 2),
+            "p99": round(pct(per_turn_wall, 0.99), 2),
+        },
+        "wall_ms_per_turn_at_longest": {
+            "p50": round(pct([r["plan_ms"] + r["commit_ms"] for r in longest], 0.5), 2)
+        },
         "reasons": reasons,
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -197,24 +264,42 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         result = asyncio.run(run(args, Path(tmp)))
     r = result
-    print(f"{r['turns']} turns ({args.conversations} conversations x {args.turns}), prompts up to "
-          f"{r['max_prompt_tokens']} tokens: {r['turns_per_s']} turns/s")  # fmt: skip
-    print(f"router CPU time per turn (own, hashing included): p50 {r['router_ms_per_turn']['p50']} ms, "
-          f"p99 {r['router_ms_per_turn']['p99']} ms  [plan p50 {r['router_ms_plan']['p50']} / "
-          f"commit p50 {r['router_ms_commit']['p50']}]")  # fmt: skip
+    print(
+        f"{r['turns']} turns ({args.conversations} conversations x {args.turns}), prompts up to "
+        f"{r['max_prompt_tokens']} tokens: {r['turns_per_s']} turns/s"
+    )
+    print(
+        f"router CPU time per turn (own, hashing included): p50 {r['router_ms_per_turn']['p50']} ms, "
+        f"p99 {r['router_ms_per_turn']['p99']} ms  [plan p50 {r['router_ms_plan']['p50']} / "
+        f"commit p50 {r['router_ms_commit']['p50']}]"
+    )
     print(
         f"router wall time per turn (own, preemption on 2 shared cores included): "
         f"p50 {r['router_wall_ms_per_turn']['p50']} ms, p99 {r['router_wall_ms_per_turn']['p99']} ms"
     )
-    print(f"client wall time per turn (router + registry + gRPC, 2 shared cores): "
-          f"p50 {r['wall_ms_per_turn']['p50']} ms, p99 {r['wall_ms_per_turn']['p99']} ms")  # fmt: skip
+    print(
+        f"client wall time per turn (router + registry + gRPC, 2 shared cores): "
+        f"p50 {r['wall_ms_per_turn']['p50']} ms, p99 {r['wall_ms_per_turn']['p99']} ms"
+    )
     print(f"decisions: {r['reasons']}")
     RESULTS.mkdir(exist_ok=True)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = RESULTS / f"router_bench-{stamp}.json"
-    out.write_text(json.dumps({"bench": "router", "time": stamp, "python": platform.python_version(),
-                               "cpus": os.cpu_count(), "args": vars(args), "result": result,
-                               "targets": {"router_ms_p50": 0.5, "router_ms_p99": 2.0}}, indent=2) + "\n")  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {
+                "bench": "router",
+                "time": stamp,
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "args": vars(args),
+                "result": result,
+                "targets": {"router_ms_p50": 0.5, "router_ms_p99": 2.0},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"saved {out}")
 
 

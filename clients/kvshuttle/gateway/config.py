@@ -1,0 +1,193 @@
+"""The gateway's configuration: one object, from KVSHUTTLE_GATEWAY_* environment variables
+(nested with "__"), e.g.
+
+    KVSHUTTLE_GATEWAY_LISTEN=0.0.0.0:8080
+    KVSHUTTLE_GATEWAY_ROUTER__ADDRESS=router:50061
+    KVSHUTTLE_GATEWAY_MODELS='{"Qwen/Qwen3-32B": "/models/qwen3-32b"}'
+    KVSHUTTLE_GATEWAY_MODELS='{"qwen": {"tokenizer": "/models/qwen3-32b", "served_name": "Qwen/Qwen3-32B"}}'
+    KVSHUTTLE_GATEWAY_API_KEYS='{"sk-...": "acme", "sk-...": "globex"}'    (key -> tenant; secret)
+    KVSHUTTLE_GATEWAY_API_KEYS_FILE=/etc/kvshuttle/api-keys.json          (the same map, from a file)
+    KVSHUTTLE_GATEWAY_ENGINES__PREFILL_TIMEOUT_S=120
+    KVSHUTTLE_GATEWAY_DEFAULT_MAX_TOKENS=1024
+
+A model maps the name clients send to the directory holding its tokenizer.json (and
+tokenizer_config.json / chat_template.jinja): the gateway tokenizes itself, exactly as the
+engine would, so the token ids the router verifies are the ids vLLM computes.
+
+Without API keys every request belongs to tenant "default"; with them, a request must carry
+`Authorization: Bearer KEY` of a known key and belongs to that key's tenant.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvshuttle.client.channel import ChannelOptions
+from kvshuttle.core.errors import InvalidArgument
+from kvshuttle.core.names import check_id
+from kvshuttle.serving.settings import TelemetrySettings
+
+DEFAULT_TENANT = "default"
+
+
+class RouterConnection(BaseModel):
+    """How the gateway reaches the router (mirrors kvshuttle.client.ChannelOptions)."""
+
+    address: str = "127.0.0.1:50061"
+    # Deadline of one router call, retries included (seconds).
+    timeout: float = Field(default=2.0, gt=0)
+    # Sends per call (first included) on UNAVAILABLE; PlanTurn and CommitTurn carry request ids.
+    max_attempts: int = Field(default=3, ge=1)
+    tls: bool = False
+    # PEM files: the CA of the router's certificate; the gateway's certificate and key (mTLS).
+    root_certificates: Path | None = None
+    cert_chain: Path | None = None
+    private_key: Path | None = None
+    tls_server_name: str | None = None
+
+    @model_validator(mode="after")
+    def _mtls_complete(self) -> Self:
+        if (self.cert_chain is None) != (self.private_key is None):
+            raise ValueError("cert_chain and private_key go together (mTLS)")
+        return self
+
+    def channel_options(self) -> ChannelOptions:
+        return ChannelOptions(
+            self.address,
+            default_timeout=self.timeout,
+            tls=self.tls,
+            root_certificates=self.root_certificates,
+            cert_chain=self.cert_chain,
+            private_key=self.private_key,
+            tls_server_name=self.tls_server_name,
+            max_attempts=self.max_attempts,
+        )
+
+
+class ModelSettings(BaseModel):
+    """One served model. A bare path in the environment stands for `{"tokenizer": path}`."""
+
+    # Directory with tokenizer.json (tokenizer_config.json and chat_template.jinja optional).
+    tokenizer: Path
+    # The model name the engines serve and the router's profile is keyed by; None: the name
+    # clients use.
+    served_name: str | None = None
+    # A chat template file that replaces the tokenizer's (as vLLM's --chat-template does; set
+    # both to the same file).
+    chat_template: Path | None = None
+    # How message content reaches the template, as vLLM's --chat-template-content-format:
+    # "string" (text parts joined with newlines; vLLM's choice for templates that print
+    # message content) or "openai" (a list of {"type": "text", "text": ...} parts).
+    content_format: Literal["string", "openai"] = "string"
+    # Template variables every request gets (vLLM's --default-chat-template-kwargs); a
+    # request's chat_template_kwargs override them.
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class EngineSettings(BaseModel):
+    """HTTP calls to the vLLM engines the router places a turn on."""
+
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    # The whole prefill request (it computes the prompt, or reads it from a retention).
+    prefill_timeout_s: float = Field(default=600.0, gt=0)
+    # A non-streaming decode request, start to end.
+    decode_timeout_s: float = Field(default=3600.0, gt=0)
+    # Longest silence of a streaming decode between two chunks.
+    decode_idle_timeout_s: float = Field(default=600.0, gt=0)
+    # Open connections to all engines together (keep-alive pool).
+    max_connections: int = Field(default=1024, ge=1)
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVSHUTTLE_GATEWAY_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        nested_model_default_partial_update=True,
+        # A validation error must not print the API keys it was given.
+        hide_input_in_errors=True,
+    )
+
+    # host:port of the OpenAI-compatible HTTP server.
+    listen: str = "127.0.0.1:8080"
+    router: RouterConnection = Field(default_factory=RouterConnection)
+    engines: EngineSettings = Field(default_factory=EngineSettings)
+    # Client-facing model name -> its tokenizer (at least one).
+    models: dict[str, ModelSettings] = Field(default_factory=dict)
+    # JSON object API key -> tenant id. Secret: logged as "**********".
+    api_keys: SecretStr | None = None
+    # A file holding the same JSON object (a mounted secret); merged with api_keys.
+    api_keys_file: Path | None = None
+    # max_tokens of a request that sets none; None: the engine's default (up to the context).
+    default_max_tokens: int | None = Field(default=None, ge=1)
+    # Request bodies larger than this are refused (413).
+    max_request_bytes: int = Field(default=32 * 2**20, ge=1024)
+    # Prompts longer than this are refused (400) before any engine sees them.
+    max_prompt_tokens: int = Field(default=262_144, ge=1)
+    # On SIGTERM: /health answers 503 for drain_delay_s first (load balancers notice), then
+    # the listener closes and in-flight requests get grace_seconds before they are cancelled
+    # (their turns aborted).
+    drain_delay_s: float = Field(default=0.0, ge=0)
+    grace_seconds: float = Field(default=30.0, ge=0)
+    # Token ids of chat-template segments (the text between special tokens) are cached, so a
+    # conversation's earlier messages are not tokenized again every turn. Bytes of text and ids
+    # kept per model (approximately); 0 turns the cache off.
+    tokenizer_cache_bytes: int = Field(default=64 * 2**20, ge=0)
+    # Fraction of cached tokenizations re-checked against a full tokenization off the request
+    # path; a mismatch turns the cache off for that model and is logged as an error.
+    tokenizer_verify_fraction: float = Field(default=0.01, ge=0, le=1)
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _bare_paths(cls, value: object) -> object:
+        """{"name": "/path"} is {"name": {"tokenizer": "/path"}}."""
+        if isinstance(value, dict):
+            return {k: {"tokenizer": v} if isinstance(v, str | Path) else v for k, v in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if not self.models:
+            raise ValueError("set models: a gateway without a model serves nothing")
+        for name in self.models:
+            if not name or len(name) > 256:
+                raise ValueError(f"model name {name[:300]!r} must be 1..256 characters")
+        self.tenant_keys()  # a malformed key map fails at startup, not on the first request
+        return self
+
+    def tenant_keys(self) -> dict[str, str]:
+        """API key -> tenant, from api_keys and api_keys_file; empty when neither is set."""
+        keys: dict[str, str] = {}
+        sources: list[tuple[str, str]] = []
+        if self.api_keys is not None:
+            sources.append(("api_keys", self.api_keys.get_secret_value()))
+        if self.api_keys_file is not None:
+            sources.append(("api_keys_file", self.api_keys_file.read_text()))
+        for source, text in sources:
+            try:
+                parsed = json.loads(text)
+            except json.JSONDecodeError as exc:
+                # The message would quote the secret; say where, not what.
+                raise ValueError(f"{source}: not valid JSON (line {exc.lineno})") from None
+            if not isinstance(parsed, dict):
+                raise ValueError(f"{source}: must be a JSON object of API key -> tenant")
+            for key, tenant in parsed.items():
+                if not isinstance(key, str) or len(key) < 8:
+                    raise ValueError(f"{source}: API keys must be strings of at least 8 characters")
+                if not isinstance(tenant, str):
+                    raise ValueError(f"{source}: tenants must be strings")
+                try:
+                    check_id(tenant, "tenant")
+                except InvalidArgument as exc:
+                    raise ValueError(f"{source}: tenant {tenant[:200]!r}: {exc.message}") from None
+                keys[key] = tenant
+        return keys
+
+    def served_name(self, model: str) -> str:
+        return self.models[model].served_name or model

@@ -1,0 +1,156 @@
+"""`kvshuttle-gateway`: the reference OpenAI-compatible HTTP gateway process.
+
+Builds its settings, logs them (API keys redacted), loads every model's tokenizer (a bad
+directory fails here, before anything is bound), and serves until SIGTERM or SIGINT. Then
+/health answers 503 (drain_delay_s), the listener closes, in-flight requests get grace_seconds
+to finish and are then cancelled (their turns aborted), and buffered spans are exported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from collections.abc import Mapping
+from wsgiref.simple_server import WSGIServer
+
+import structlog
+from aiohttp import web
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+
+from kvshuttle.gateway.app import Gateway
+from kvshuttle.gateway.config import GatewaySettings
+from kvshuttle.gateway.metrics import GatewayMetrics
+from kvshuttle.gateway.tokenizer import ChatTokenizer
+from kvshuttle.serving.logging import configure_logging
+from kvshuttle.serving.tracing import configure_tracing, shutdown_tracing
+
+__all__ = ["GatewayServer", "main"]
+
+SERVICE_NAME = "kvshuttle-gateway"
+
+log = structlog.get_logger("kvshuttle.gateway")
+
+
+def _host_port(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"listen must be host:port, got {listen!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+class GatewayServer:
+    """The HTTP server around a Gateway. `start()` binds (listen port 0 picks one), `stop()`
+    drains; `serve_until_signal()` is both around SIGTERM/SIGINT.
+
+    Without `tracer_provider` it configures tracing from the settings and shuts it down on
+    stop; a provider passed in (tests) is only flushed. `tokenizers` replaces loading them."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        *,
+        tracer_provider: TracerProvider | None = None,
+        metrics_registry: CollectorRegistry | None = None,
+        tokenizers: Mapping[str, ChatTokenizer] | None = None,
+    ) -> None:
+        self.settings = settings
+        self._owns_provider = tracer_provider is None
+        self._provider = (
+            configure_tracing(settings.telemetry, SERVICE_NAME)
+            if tracer_provider is None
+            else tracer_provider
+        )
+        self._registry = REGISTRY if metrics_registry is None else metrics_registry
+        self.gateway = Gateway(
+            settings,
+            tracer_provider=self._provider,
+            metrics=GatewayMetrics(self._registry),
+            tokenizers=tokenizers,
+        )
+        self._runner: web.AppRunner | None = None
+        self._metrics_http: tuple[WSGIServer, threading.Thread] | None = None
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        host, port = _host_port(self.settings.listen)
+        runner = web.AppRunner(
+            self.gateway.app(),
+            # A client that disconnects cancels its handler at once: its engine requests are
+            # closed (vLLM aborts them) and its turn is aborted, instead of running to the end.
+            handler_cancellation=True,
+            shutdown_timeout=self.settings.grace_seconds,
+            access_log=None,  # request.done is the access log
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
+        if self.settings.telemetry.metrics_listen:
+            metrics_host, _, metrics_port = self.settings.telemetry.metrics_listen.rpartition(":")
+            self._metrics_http = start_http_server(
+                int(metrics_port), metrics_host.strip("[]"), self._registry
+            )
+        log.info(
+            "gateway.started",
+            listen=self.settings.listen,
+            port=self.port,
+            router=self.settings.router.address,
+            models=sorted(self.settings.models),
+            tenants=len(set(self.gateway._keys.values())),
+            tokenizer_cache={name: t.cached for name, t in self.gateway.tokenizers.items()},
+        )
+        return self.port
+
+    async def stop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is None:
+            return
+        self.gateway.draining = True
+        log.info("gateway.stopping", grace_seconds=self.settings.grace_seconds)
+        if self.settings.drain_delay_s:
+            await asyncio.sleep(self.settings.drain_delay_s)
+        await runner.cleanup()
+        if self._metrics_http is not None:
+            httpd, thread = self._metrics_http
+            self._metrics_http = None
+            await asyncio.to_thread(httpd.shutdown)
+            httpd.server_close()
+            thread.join()
+        if self._owns_provider:
+            await asyncio.to_thread(shutdown_tracing, self._provider)
+        else:
+            await asyncio.to_thread(self._provider.force_flush)
+        log.info("gateway.stopped")
+
+    async def serve_until_signal(self) -> None:
+        await self.start()
+        loop = asyncio.get_running_loop()
+        received: asyncio.Future[signal.Signals] = loop.create_future()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if not received.done():
+                received.set_result(sig)
+
+        signals = (signal.SIGTERM, signal.SIGINT)
+        for sig in signals:
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            log.info("gateway.signal", signal=(await received).name)
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+            await self.stop()
+
+
+def main() -> None:
+    settings = GatewaySettings()
+    configure_logging(settings.telemetry)
+    log.info("gateway.config", **settings.model_dump(mode="json"))  # SecretStr dumps as "**********"
+    asyncio.run(GatewayServer(settings).serve_until_signal())
+
+
+if __name__ == "__main__":
+    main()

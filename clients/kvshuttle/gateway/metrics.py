@@ -1,0 +1,46 @@
+"""Prometheus metrics of the gateway, one observation per finished request."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+
+# The gateway's own time is a millisecond or two; TTFT spans milliseconds to seconds.
+_ADDED_BUCKETS = (0.00025, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class GatewayMetrics:
+    """kvshuttle_gateway_requests_total{endpoint,status}, kvshuttle_gateway_added_seconds,
+    kvshuttle_gateway_ttft_seconds, kvshuttle_gateway_turns_total{decision,reason} and
+    kvshuttle_gateway_reused_tokens_total."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.requests = Counter(
+            "kvshuttle_gateway_requests",
+            "Finished requests by endpoint and outcome (HTTP status, or client_disconnected).",
+            ["endpoint", "status"],
+            registry=registry,
+        )
+        self.added = Histogram(
+            "kvshuttle_gateway_added_seconds",
+            "The gateway's own time per request: wall time less the prefill and decode requests.",
+            buckets=_ADDED_BUCKETS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "kvshuttle_gateway_ttft_seconds",
+            "Time from the request's arrival to its first output written to the client.",
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.turns = Counter(
+            "kvshuttle_gateway_turns",
+            "Planned turns by the router's decision and reason.",
+            ["decision", "reason"],
+            registry=registry,
+        )
+        self.reused_tokens = Counter(
+            "kvshuttle_gateway_reused_tokens",
+            "Prompt tokens planned to be read from retained KV instead of recomputed.",
+            registry=registry,
+        )

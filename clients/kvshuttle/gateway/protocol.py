@@ -1,0 +1,551 @@
+"""The OpenAI surface: what a client request may carry, what goes on to the engines, and
+D's completion output translated back into chat.completion(.chunk) objects.
+
+The engines only ever see `/v1/completions` with a token-id prompt, so parameters are copied
+by allow-list: a client can never smuggle `kv_transfer_params` (or anything else that steers
+the KV transfer) to an engine. What the gateway cannot honour faithfully through a
+token-id completion (tools, several choices, beam search, chat logprobs, prompt logprobs,
+truncation, echo) is refused with a 400 naming the parameter, not silently changed.
+
+Text `stop` strings are passed through, with a cost: vLLM finds stop strings in its front end
+and then *aborts* the request in the engine, and an aborted decode retains nothing, so the
+conversation's next turn recomputes its whole prompt. Use `stop_token_ids` (or EOS) to keep
+reuse; the log line says `stop_strings=true` for such turns.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvshuttle.core.errors import InvalidArgument
+from kvshuttle.core.names import check_id
+from kvshuttle.gateway.errors import GatewayError
+from kvshuttle.gateway.tokenizer import RESERVED_TEMPLATE_KWARGS
+
+Kind = Literal["chat", "completions"]
+
+CONVERSATION_HEADER = "X-Conversation-ID"
+MAX_CONVERSATION_ID = 128
+
+# Copied from the client's request to the decode engine as they are (vLLM validates them).
+DECODE_PARAMS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "allowed_token_ids",
+    "bad_words",
+    "logit_bias",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "structured_outputs",
+    "response_format",
+    "priority",
+    "user",
+    "vllm_xargs",
+    "length_penalty",
+)
+# What prefill gets of them: its one sampled token is thrown away, so only what is harmless.
+# Never `stop` (a matched stop string aborts prefill: it would keep no KV for decode) nor
+# `min_tokens` (more than max_tokens=1 is a validation error).
+PREFILL_PARAMS = ("temperature", "top_p", "top_k", "min_p", "seed", "priority", "user")
+
+# Accepted and not forwarded: either the gateway handles them, or they change nothing here.
+_HANDLED = frozenset(
+    {
+        "model",
+        "messages",
+        "prompt",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "n",
+        "return_token_ids",
+        "conversation_id",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "add_special_tokens",
+        "tool_choice",
+        "parallel_tool_calls",
+        "metadata",
+        "store",
+        "service_tier",
+        "request_id",
+        "reasoning_effort",
+        "include_reasoning",
+        "best_of",
+        "echo",
+        "suffix",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "documents",
+        "continue_final_message",
+        "use_beam_search",
+        "truncate_prompt_tokens",
+        "prompt_logprobs",
+        "chat_template",
+        "kv_transfer_params",
+    }
+)
+
+
+@dataclass(slots=True)
+class TurnRequest:
+    """One client request, validated, in the gateway's terms."""
+
+    kind: Kind
+    model: str
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    conversation_id: str | None
+    # To the decode engine (the client's sampling), and to prefill (PREFILL_PARAMS of them).
+    decode_params: dict[str, Any]
+    prefill_params: dict[str, Any]
+    # chat: normalized messages for the template; completions: a text or a token-id prompt.
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    add_generation_prompt: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_special_tokens: bool = False
+    prompt_text: str | None = None
+    prompt_ids: list[int] | None = None
+    stop_strings: bool = False
+    # Body fields the gateway neither uses nor forwards (logged, not refused: OpenAI clients
+    # send many that mean nothing to vLLM).
+    ignored: list[str] = field(default_factory=list)
+
+
+def _bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise GatewayError.invalid(f"'{key}' must be a boolean", key)
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def conversation_id(body: Mapping[str, Any], header: str | None) -> str | None:
+    """The conversation this request continues: the body's `conversation_id` (vLLM's multi-turn
+    benchmark sends it) or the X-Conversation-ID header; None for neither."""
+    value = body.get("conversation_id")
+    if value is not None and not isinstance(value, str):
+        if not _is_int(value):
+            raise GatewayError.invalid("'conversation_id' must be a string", "conversation_id")
+        value = str(value)
+    if header is not None and value is not None and header != value:
+        raise GatewayError.invalid(
+            f"'conversation_id' and the {CONVERSATION_HEADER} header disagree", "conversation_id"
+        )
+    found = value if value is not None else header
+    if found is None or found == "":
+        return None
+    try:
+        return check_id(found, "conversation_id", max_length=MAX_CONVERSATION_ID)
+    except InvalidArgument as exc:
+        raise GatewayError.invalid(
+            f"invalid conversation id: {exc.message.removeprefix('conversation_id: ')} "
+            f"(1..{MAX_CONVERSATION_ID} characters of A-Z a-z 0-9 . _ ~ : -)",
+            "conversation_id",
+            code="invalid_conversation_id",
+        ) from None
+
+
+def _refuse(body: Mapping[str, Any], key: str, ok: Any, why: str) -> None:
+    value = body.get(key)
+    if value is not None and value not in (ok, [], False):
+        raise GatewayError.invalid(f"'{key}' is not supported by the kvshuttle gateway: {why}", key)
+
+
+def _text_parts(content: list[Any], index: int) -> list[str]:
+    texts: list[str] = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if (
+            not isinstance(part, dict)
+            or part.get("type", "text") != "text"
+            or not isinstance(part.get("text"), str)
+        ):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise GatewayError.invalid(
+                f"messages[{index}].content: only text parts are supported (got {kind!r})",
+                f"messages[{index}].content",
+            )
+        texts.append(str(part["text"]))
+    return texts
+
+
+def normalize_messages(raw: Any, content_format: str) -> list[dict[str, Any]]:
+    """Messages as vLLM hands them to the template (its "string" or "openai" content format):
+    None content is "", text parts are joined with newlines (or kept as parts), assistant
+    tool-call arguments are JSON-decoded, and only the fields vLLM keeps are kept."""
+    if not isinstance(raw, list) or not raw:
+        raise GatewayError.invalid("'messages' must be a non-empty list", "messages")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(raw):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise GatewayError.invalid(
+                f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]"
+            )
+        content = message.get("content")
+        texts: list[str]
+        if content is None:
+            texts = []
+        elif isinstance(content, str):
+            texts = [content]
+        elif isinstance(content, list):
+            texts = _text_parts(content, i)
+        else:
+            raise GatewayError.invalid(
+                f"messages[{i}].content must be a string or a list of parts", f"messages[{i}].content"
+            )
+        role = message["role"]
+        parsed: dict[str, Any] = {"role": role}
+        if content_format == "openai":
+            parsed["content"] = [{"type": "text", "text": t} for t in texts]
+        else:
+            parsed["content"] = "\n".join(texts)
+        if role == "assistant":
+            calls = message.get("tool_calls")
+            if isinstance(calls, list) and calls:
+                parsed["tool_calls"] = [_tool_call(c, i) for c in calls]
+            reasoning = message.get("reasoning", message.get("reasoning_content"))
+            if isinstance(reasoning, str):
+                parsed["reasoning"] = parsed["reasoning_content"] = reasoning
+        elif role == "tool" and isinstance(message.get("tool_call_id"), str):
+            parsed["tool_call_id"] = message["tool_call_id"]
+        if isinstance(message.get("name"), str):
+            parsed["name"] = message["name"]
+        out.append(parsed)
+    return out
+
+
+def _tool_call(call: Any, index: int) -> dict[str, Any]:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise GatewayError.invalid(f"messages[{index}].tool_calls entries must be objects", "tool_calls")
+    call = json.loads(json.dumps(call))  # a copy the template cannot reach back through
+    function = call["function"]
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            decoded = json.loads(arguments)
+        except json.JSONDecodeError:
+            decoded = {}
+        function["arguments"] = decoded if isinstance(decoded, dict) else {}
+    elif not isinstance(arguments, dict):
+        function["arguments"] = {}
+    return dict(call)
+
+
+def _prompt(body: Mapping[str, Any]) -> tuple[str | None, list[int] | None]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise GatewayError.invalid("'prompt' must not be empty", "prompt")
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and 0 <= t < 2**32 for t in prompt):
+        return None, list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise GatewayError.invalid(
+            "a batch of prompts is not supported: send one prompt per request", "prompt"
+        )
+    raise GatewayError.invalid("'prompt' must be a string or a list of token ids", "prompt")
+
+
+def _check_supported(body: Mapping[str, Any]) -> None:
+    """Refuse what a token-id completion on two engines cannot honour faithfully."""
+    if "kv_transfer_params" in body:
+        raise GatewayError.invalid(
+            "'kv_transfer_params' is set by the gateway, not by clients", "kv_transfer_params"
+        )
+    _refuse(body, "n", 1, "one choice per request (a turn keeps one sequence's KV)")
+    _refuse(body, "best_of", 1, "one choice per request")
+    _refuse(body, "use_beam_search", False, "beam search keeps several sequences")
+    _refuse(
+        body, "truncate_prompt_tokens", None, "the prompt's token ids are fixed before the engines see them"
+    )
+    _refuse(body, "prompt_logprobs", None, "decode reads the prompt's KV instead of computing it")
+    _refuse(body, "echo", False, "the prompt is sent as token ids")
+    _refuse(body, "suffix", "", "not supported by vLLM either")
+    _refuse(body, "chat_template", None, "templates are configured per model")
+    _refuse(body, "documents", None, "documents are not rendered")
+    _refuse(body, "continue_final_message", False, "not implemented")
+    tools = body.get("tools")
+    if tools and body.get("tool_choice") != "none":
+        raise GatewayError.invalid(
+            "'tools' is not supported by the kvshuttle gateway: decode output is not parsed for tool calls",
+            "tools",
+        )
+
+
+def _chat_fields(request: TurnRequest, body: Mapping[str, Any], content_format: str) -> None:
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise GatewayError.invalid(
+            "'logprobs' is not supported for chat by the kvshuttle gateway", "logprobs"
+        )
+    request.messages = normalize_messages(body.get("messages"), content_format)
+    request.add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    request.add_special_tokens = _bool(body, "add_special_tokens", False)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise GatewayError.invalid("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if reserved:
+            raise GatewayError.invalid(
+                f"'chat_template_kwargs' may not set {', '.join(reserved)}", "chat_template_kwargs"
+            )
+        request.template_kwargs = dict(kwargs)
+
+
+def parse_request(
+    kind: Kind,
+    body: Any,
+    *,
+    models: Collection[str],
+    default_max_tokens: int | None,
+    content_format: Mapping[str, str],
+    conversation_header: str | None = None,
+) -> TurnRequest:
+    """Validate a /v1/chat/completions or /v1/completions body. Raises GatewayError (400, 404)."""
+    if not isinstance(body, dict):
+        raise GatewayError.invalid("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise GatewayError.invalid("'model' is required", "model")
+    if model not in models:
+        raise GatewayError(
+            404, f"The model '{model[:200]}' does not exist", param="model", code="model_not_found"
+        )
+    _check_supported(body)
+
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise GatewayError.invalid("'stream_options' must be an object", "stream_options")
+    include_usage = bool(stream and options and options.get("include_usage"))
+
+    max_tokens = body.get("max_completion_tokens") if kind == "chat" else None
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        raise GatewayError.invalid("'max_tokens' must be a positive integer", "max_tokens")
+
+    decode = {key: body[key] for key in DECODE_PARAMS if body.get(key) is not None}
+    if max_tokens is not None:
+        decode["max_tokens"] = max_tokens
+    stop = decode.get("stop")
+    stop_strings = bool(stop) and isinstance(stop, str | list)
+    prefill = {key: decode[key] for key in PREFILL_PARAMS if key in decode}
+
+    request = TurnRequest(
+        kind=kind,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        return_token_ids=_bool(body, "return_token_ids", False),
+        conversation_id=conversation_id(body, conversation_header),
+        decode_params=decode,
+        prefill_params=prefill,
+        stop_strings=stop_strings,
+        ignored=sorted(k for k in body if k not in _HANDLED and k not in DECODE_PARAMS)[:20],
+    )
+    if kind == "chat":
+        _chat_fields(request, body, content_format.get(model, "string"))
+    else:
+        logprobs = body.get("logprobs")
+        if logprobs is not None:
+            decode["logprobs"] = logprobs
+        request.add_special_tokens = _bool(body, "add_special_tokens", True)
+        request.prompt_text, request.prompt_ids = _prompt(body)
+    return request
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class DecodeOutput:
+    """What the gateway takes from decode's answer."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    # False when a chunk carried output without token_ids (an engine without return_token_ids).
+    ids_complete: bool = True
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    usage: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    chunks: int = 0
+
+    def take_choice(self, choice: Mapping[str, Any]) -> None:
+        text = choice.get("text")
+        if isinstance(text, str):
+            self.text += text
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            self.token_ids.extend(ids)
+        elif text:
+            self.ids_complete = False
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = str(choice["finish_reason"])
+            self.stop_reason = choice.get("stop_reason")
+
+
+def chat_completion(
+    *, response_id: str, created: int, model: str, out: DecodeOutput, prompt_ids: list[int], token_ids: bool
+) -> dict[str, Any]:
+    """A chat.completion from decode's (non-streaming) completion."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": out.text},
+        "logprobs": None,
+        "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,
+    }
+    response: dict[str, Any] = {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": out.usage,
+    }
+    if token_ids:
+        choice["token_ids"] = out.token_ids
+        response["prompt_token_ids"] = prompt_ids
+    return response
+
+
+def completion(body: dict[str, Any], *, response_id: str, model: str, token_ids: bool) -> dict[str, Any]:
+    """Decode's completion as the client's: the gateway's id and model name, no KV params."""
+    body.pop("kv_transfer_params", None)
+    body["id"] = response_id
+    body["model"] = model
+    if not token_ids:
+        body.pop("prompt_token_ids", None)
+        for choice in body.get("choices") or ():
+            if isinstance(choice, dict):
+                choice.pop("token_ids", None)
+                choice.pop("prompt_token_ids", None)
+    return body
+
+
+class ChatStream:
+    """Decode's completion chunks as chat.completion.chunk events."""
+
+    def __init__(
+        self, *, response_id: str, created: int, model: str, prompt_ids: list[int], request: TurnRequest
+    ) -> None:
+        self._id = response_id
+        self._created = created
+        self._model = model
+        self._prompt_ids = prompt_ids
+        self._token_ids = request.return_token_ids
+        self._usage = request.include_usage
+        self._role_sent = False
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self._id,
+            "object": "chat.completion.chunk",
+            "created": self._created,
+            "model": self._model,
+            "choices": choices,
+            **extra,
+        }
+
+    def events(self, chunk: Mapping[str, Any]) -> bytes:
+        """The SSE bytes for one decode chunk (b"" when it carries nothing for the client)."""
+        out = b""
+        choices = chunk.get("choices") or []
+        if choices and isinstance(choices[0], dict):
+            choice = choices[0]
+            if not self._role_sent:
+                self._role_sent = True
+                role = {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                extra = {"prompt_token_ids": self._prompt_ids} if self._token_ids else {}
+                out += sse(self._chunk([role], **extra))
+            text = choice.get("text") or ""
+            finish = choice.get("finish_reason")
+            ids = choice.get("token_ids")
+            if text or finish is not None or (self._token_ids and ids):
+                delta = {
+                    "index": 0,
+                    "delta": {"content": text} if text else {},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+                if finish is not None:
+                    delta["stop_reason"] = choice.get("stop_reason")
+                if self._token_ids:
+                    delta["token_ids"] = ids or []
+                out += sse(self._chunk([delta]))
+        elif self._usage and chunk.get("usage"):
+            out += sse(self._chunk([], usage=chunk["usage"]))
+        return out
+
+
+class CompletionStream:
+    """Decode's completion chunks, as the client's: the gateway's id and model name, no KV params."""
+
+    def __init__(self, *, response_id: str, model: str, request: TurnRequest) -> None:
+        self._id = response_id
+        self._model = model
+        self._token_ids = request.return_token_ids
+        self._usage = request.include_usage
+
+    def events(self, chunk: dict[str, Any]) -> bytes:
+        chunk.pop("kv_transfer_params", None)
+        choices = chunk.get("choices") or []
+        if not self._usage:
+            chunk.pop("usage", None)
+        if not choices and not chunk.get("usage"):
+            return b""  # e.g. a chunk that only carried kv_transfer_params
+        chunk["id"] = self._id
+        chunk["model"] = self._model
+        if not self._token_ids:
+            for choice in choices:
+                if isinstance(choice, dict):
+                    choice.pop("token_ids", None)
+                    choice.pop("prompt_token_ids", None)
+        return sse(chunk)

@@ -1,0 +1,192 @@
+"""What the gateway tests share: a tiny tokenizer made on the spot, and a cluster of a real
+registry and router (in process, over gRPC) with two fake engines and the gateway in front."""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+from tests.conftest import RegistryEnv, start_registry
+from tests.gateway.fake_engine import FakeEngine
+from tests.router.helpers import MODEL, RouterEnv, heartbeat, node, seconds, start_router
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from kvshuttle.gateway.config import GatewaySettings, ModelSettings, RouterConnection
+from kvshuttle.gateway.main import GatewayServer
+from kvshuttle.gateway.tokenizer import ChatTokenizer
+from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
+from kvshuttle.serving.settings import TelemetrySettings
+from kvshuttle.serving.tracing import configure_tracing, shutdown_tracing
+
+# ChatML, as the reference model's template (shared/reference/make_model.py), with the block
+# tags on lines of their own so trim_blocks / lstrip_blocks matter.
+CHAT_TEMPLATE = """{% for m in messages %}
+    {% if m['role'] == 'system' and not loop.first %}
+        {{ raise_exception('the system message must come first') }}
+    {% endif %}
+<|im_start|>{{ m['role'] }}
+{{ m['content'] }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<pad>"]
+WORDS = [
+    "the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "an",
+    "be", "are", "have", "it", "not", "this", "which", "or", "prefill", "decode", "cache", "block", "token",
+    "request", "model", "server", "router", "memory", "latency", "transfer", "remote", "local",
+]  # fmt: skip
+
+
+def make_tokenizer(directory: Path, *, vocab: int = 1024, bos_post_processor: bool = True) -> Path:
+    """A byte-level BPE trained on a small corpus, with the ChatML template, saved as a model
+    directory (tokenizer.json + tokenizer_config.json) the way transformers saves one."""
+    rnd = random.Random(0)
+    corpus = [" ".join(rnd.choice(WORDS) for _ in range(rnd.randint(5, 40))) for _ in range(2000)]
+    corpus += ["".join(rnd.choice(string.printable[:95]) for _ in range(200)) for _ in range(500)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    if bos_post_processor:  # a text prompt with add_special_tokens=True starts with <s>
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def conversation_text(rnd: random.Random, words: int) -> str:
+    return " ".join(rnd.choice(WORDS) for _ in range(words))
+
+
+@dataclass
+class Cluster:
+    registry: RegistryEnv
+    router: RouterEnv
+    prefill: FakeEngine
+    decode: FakeEngine
+    gateway: GatewayServer
+    url: str
+    http: aiohttp.ClientSession
+    exporter: InMemorySpanExporter
+    provider: TracerProvider
+    tokenizer: ChatTokenizer
+    metrics: CollectorRegistry
+
+    async def post(self, path: str, body: dict[str, Any], **headers: str) -> tuple[int, dict[str, Any]]:
+        async with self.http.post(self.url + path, json=body, headers=headers) as response:
+            return response.status, await response.json()
+
+    async def stream(self, path: str, body: dict[str, Any], **headers: str) -> tuple[int, list[Any]]:
+        """Every SSE event's data, JSON-decoded ("[DONE]" as the string)."""
+        async with self.http.post(
+            self.url + path, json={**body, "stream": True}, headers=headers
+        ) as response:
+            raw = (await response.read()).decode()
+            if response.status != 200:
+                return response.status, [json.loads(raw)]
+        assert raw.endswith("\n\n")
+        events: list[Any] = []
+        for event in raw.split("\n\n")[:-1]:
+            assert event.startswith("data: "), event
+            data = event[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+        return 200, events
+
+    async def retentions(self, tenant: str = "default") -> list[reg_pb.Retention]:
+        request = reg_pb.ListRetentionsRequest(parent=f"tenants/{tenant}", page_size=100)
+        return list((await self.registry.stub.ListRetentions(request)).retentions)
+
+
+async def register(registry: RegistryEnv, name: str, role: reg_pb.NodeRole.ValueType, url: str) -> None:
+    spec = node(name, role)
+    spec.http_endpoint = url
+    registered = await registry.stub.RegisterNode(reg_pb.RegisterNodeRequest(node=spec, ttl=seconds(300)))
+    await heartbeat(registry, name, registered.node.incarnation)
+
+
+async def start_cluster(
+    model_dir: Path,
+    tokenizer: ChatTokenizer,
+    *,
+    nodes: bool = True,
+    router_timeout: float = 5.0,
+    grace_seconds: float = 2.0,
+    **overrides: Any,
+) -> Cluster:
+    exporter = InMemorySpanExporter()
+    provider = configure_tracing(TelemetrySettings(), "kvshuttle-gateway-test", exporter=exporter)
+    registry = await start_registry()
+    router = await start_router(registry, tracer_provider=provider)
+    engine_tok = tokenizer.tokenizer
+    eos = engine_tok.token_to_id("</s>")
+    assert eos is not None
+    prefill = FakeEngine("prefill", "engine-p0", engine_tok, eos, side_channel_port=5600)
+    decode = FakeEngine("decode", "engine-d0", engine_tok, eos, side_channel_port=5601)
+    await prefill.start()
+    await decode.start()
+    if nodes:
+        await register(registry, "nodes/p0", reg_pb.NODE_ROLE_PREFILL, prefill.url)
+        await register(registry, "nodes/d0", reg_pb.NODE_ROLE_DECODE, decode.url)
+    settings = GatewaySettings(
+        listen="127.0.0.1:0",
+        router=RouterConnection(address=f"127.0.0.1:{router.server.port}", timeout=router_timeout),
+        models={MODEL: ModelSettings(tokenizer=model_dir)},
+        grace_seconds=grace_seconds,
+        **overrides,
+    )
+    metrics = CollectorRegistry()
+    gateway = GatewayServer(
+        settings, tracer_provider=provider, metrics_registry=metrics, tokenizers={MODEL: tokenizer}
+    )
+    port = await gateway.start()
+    http = aiohttp.ClientSession()
+    url = f"http://127.0.0.1:{port}"
+    return Cluster(
+        registry, router, prefill, decode, gateway, url, http, exporter, provider, tokenizer, metrics
+    )
+
+
+async def stop_cluster(c: Cluster) -> None:
+    await c.http.close()
+    await c.gateway.stop()
+    await c.prefill.stop()
+    await c.decode.stop()
+    await c.router.close()
+    await c.registry.channel.close()
+    c.registry.registry.close()
+    await c.registry.server.stop()
+    shutdown_tracing(c.provider)
+
+
+async def cluster_fixture(model_dir: Path, tokenizer: ChatTokenizer, **kw: Any) -> AsyncIterator[Cluster]:
+    c = await start_cluster(model_dir, tokenizer, **kw)
+    try:
+        yield c
+    finally:
+        await stop_cluster(c)
