@@ -27,11 +27,11 @@ from kvshuttle.agent.config import (
     EventsSettings,
     LeaseSettings,
     NodeSettings,
-    RegistryConnection,
 )
 from kvshuttle.agent.main import build_server, connect_registry
 from kvshuttle.agent.registry_port import GrpcRegistryPort
 from kvshuttle.client import AgentClient, RegistryClient
+from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.clock import FakeClock
 from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.registry.block_index import BlockIndex, BlockStored, EventBatch
@@ -256,7 +256,7 @@ def agent_settings(
 ) -> AgentSettings:
     return AgentSettings(
         server=ServerSettings(listen="127.0.0.1:0", grace_seconds=1),
-        registry=RegistryConnection(address=registry_address, timeout=0.5),
+        registry=ServiceConnection(address=registry_address, timeout=0.5),
         node=NodeSettings(
             name=NODE,
             role="decode",

@@ -20,7 +20,8 @@ from tests.gateway.fake_engine import FakeEngine
 from tests.router.helpers import MODEL, RouterEnv, heartbeat, node, seconds, start_router
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from kvshuttle.gateway.config import GatewaySettings, ModelSettings, RouterConnection
+from kvshuttle.client.settings import ServiceConnection
+from kvshuttle.gateway.config import GatewaySettings, ModelSettings
 from kvshuttle.gateway.main import GatewayServer
 from kvshuttle.gateway.tokenizer import ChatTokenizer
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
@@ -155,7 +156,7 @@ async def start_cluster(
         await register(registry, "nodes/d0", reg_pb.NODE_ROLE_DECODE, decode.url)
     settings = GatewaySettings(
         listen="127.0.0.1:0",
-        router=RouterConnection(address=f"127.0.0.1:{router.server.port}", timeout=router_timeout),
+        router=ServiceConnection(address=f"127.0.0.1:{router.server.port}", timeout=router_timeout),
         models={MODEL: ModelSettings(tokenizer=model_dir)},
         grace_seconds=grace_seconds,
         **overrides,

@@ -18,8 +18,9 @@ from tests.conftest import RegistryEnv
 
 from kvshuttle.client import RegistryClient, RouterClient
 from kvshuttle.client.channel import ChannelOptions
+from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
-from kvshuttle.router.config import RegistryConnection, RouterSettings
+from kvshuttle.router.config import RouterSettings
 from kvshuttle.router.cost import load_profiles
 from kvshuttle.router.main import build_router, build_server, connect_registry
 from kvshuttle.router.registry_port import GrpcRegistryPort
@@ -47,7 +48,7 @@ def seconds(s: float) -> Duration:
 def settings(registry_address: str, key: str = KEY, **policy: Any) -> RouterSettings:
     return RouterSettings(
         server=ServerSettings(listen="127.0.0.1:0", grace_seconds=1),
-        registry=RegistryConnection(address=registry_address),
+        registry=ServiceConnection(address=registry_address),
         profiles_file=PROFILES,
         turn_signing_key=SecretStr(key),
         # The node list is re-read on every plan: a lapsed node shows at once.

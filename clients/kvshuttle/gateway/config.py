@@ -27,46 +27,12 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvshuttle.client.channel import ChannelOptions
+from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.names import check_id
 from kvshuttle.serving.settings import TelemetrySettings
 
 DEFAULT_TENANT = "default"
-
-
-class RouterConnection(BaseModel):
-    """How the gateway reaches the router (mirrors kvshuttle.client.ChannelOptions)."""
-
-    address: str = "127.0.0.1:50061"
-    # Deadline of one router call, retries included (seconds).
-    timeout: float = Field(default=2.0, gt=0)
-    # Sends per call (first included) on UNAVAILABLE; PlanTurn and CommitTurn carry request ids.
-    max_attempts: int = Field(default=3, ge=1)
-    tls: bool = False
-    # PEM files: the CA of the router's certificate; the gateway's certificate and key (mTLS).
-    root_certificates: Path | None = None
-    cert_chain: Path | None = None
-    private_key: Path | None = None
-    tls_server_name: str | None = None
-
-    @model_validator(mode="after")
-    def _mtls_complete(self) -> Self:
-        if (self.cert_chain is None) != (self.private_key is None):
-            raise ValueError("cert_chain and private_key go together (mTLS)")
-        return self
-
-    def channel_options(self) -> ChannelOptions:
-        return ChannelOptions(
-            self.address,
-            default_timeout=self.timeout,
-            tls=self.tls,
-            root_certificates=self.root_certificates,
-            cert_chain=self.cert_chain,
-            private_key=self.private_key,
-            tls_server_name=self.tls_server_name,
-            max_attempts=self.max_attempts,
-        )
 
 
 class ModelSettings(BaseModel):
@@ -115,7 +81,7 @@ class GatewaySettings(BaseSettings):
 
     # host:port of the OpenAI-compatible HTTP server.
     listen: str = "127.0.0.1:8080"
-    router: RouterConnection = Field(default_factory=RouterConnection)
+    router: ServiceConnection = Field(default_factory=lambda: ServiceConnection(address="127.0.0.1:50061"))
     engines: EngineSettings = Field(default_factory=EngineSettings)
     # Client-facing model name -> its tokenizer (at least one).
     models: dict[str, ModelSettings] = Field(default_factory=dict)

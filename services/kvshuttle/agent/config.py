@@ -32,9 +32,9 @@ from typing import Literal, Self
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.names import check_id
-from kvshuttle.router.config import RegistryConnection
 from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
 
 __all__ = [
@@ -43,7 +43,6 @@ __all__ = [
     "EventsSettings",
     "LeaseSettings",
     "NodeSettings",
-    "RegistryConnection",
 ]
 
 # What the registry accepts in one ReportBlockEvents (RegistryLimits.max_event_batches).
@@ -159,7 +158,7 @@ class AgentSettings(BaseSettings):
 
     server: ServerSettings = ServerSettings(listen="127.0.0.1:50071")
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
-    registry: RegistryConnection = Field(default_factory=RegistryConnection)
+    registry: ServiceConnection = Field(default_factory=lambda: ServiceConnection(address="127.0.0.1:50051"))
     node: NodeSettings
     lease: LeaseSettings = Field(default_factory=LeaseSettings)
     events: EventsSettings = Field(default_factory=EventsSettings)

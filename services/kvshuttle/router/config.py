@@ -19,49 +19,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Self
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvshuttle.client.channel import ChannelOptions
+from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.router.cost import ModelProfile
 from kvshuttle.router.router import RouterPolicy
 from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
 
 MIN_SIGNING_KEY_BYTES = 16
-
-
-class RegistryConnection(BaseModel):
-    """How the router reaches the registry (mirrors kvshuttle.client.ChannelOptions)."""
-
-    address: str = "127.0.0.1:50051"
-    # Deadline of one registry call, retries included (seconds). PlanTurn makes up to four.
-    timeout: float = Field(default=2.0, gt=0)
-    # Sends per call (first included) on UNAVAILABLE, for calls safe to repeat.
-    max_attempts: int = Field(default=3, ge=1)
-    tls: bool = False
-    # PEM files: the CA of the registry's certificate; the router's certificate and key (mTLS).
-    root_certificates: Path | None = None
-    cert_chain: Path | None = None
-    private_key: Path | None = None
-    tls_server_name: str | None = None
-
-    @model_validator(mode="after")
-    def _mtls_complete(self) -> Self:
-        if (self.cert_chain is None) != (self.private_key is None):
-            raise ValueError("cert_chain and private_key go together (mTLS)")
-        return self
-
-    def channel_options(self) -> ChannelOptions:
-        return ChannelOptions(
-            self.address,
-            default_timeout=self.timeout,
-            tls=self.tls,
-            root_certificates=self.root_certificates,
-            cert_chain=self.cert_chain,
-            private_key=self.private_key,
-            tls_server_name=self.tls_server_name,
-            max_attempts=self.max_attempts,
-        )
 
 
 class RouterSettings(BaseSettings):
@@ -75,7 +41,7 @@ class RouterSettings(BaseSettings):
 
     server: ServerSettings = ServerSettings(listen="127.0.0.1:50061")
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
-    registry: RegistryConnection = Field(default_factory=RegistryConnection)
+    registry: ServiceConnection = Field(default_factory=lambda: ServiceConnection(address="127.0.0.1:50051"))
     # TOML file of model profiles; None: only the inline `profiles`.
     profiles_file: Path | None = None
     # Inline model profiles (JSON in the environment), added to the file's.

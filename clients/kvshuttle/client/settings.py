@@ -1,0 +1,46 @@
+"""Connection settings, for the pydantic-settings object of any process that calls a kvshuttle
+service (KVSHUTTLE_ROUTER_REGISTRY__ADDRESS, KVSHUTTLE_GATEWAY_ROUTER__ADDRESS, ...)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Self
+
+from pydantic import BaseModel, Field, model_validator
+
+from kvshuttle.client.channel import ChannelOptions
+
+
+class ServiceConnection(BaseModel):
+    """How a service or the gateway reaches another kvshuttle service, as configuration
+    (mirrors ChannelOptions, which it builds)."""
+
+    address: str
+    # Deadline of one call, retries included (seconds).
+    timeout: float = Field(default=2.0, gt=0)
+    # Sends per call (first included) on UNAVAILABLE, for calls safe to repeat.
+    max_attempts: int = Field(default=3, ge=1)
+    tls: bool = False
+    # PEM files: the CA of the registry's certificate; the router's certificate and key (mTLS).
+    root_certificates: Path | None = None
+    cert_chain: Path | None = None
+    private_key: Path | None = None
+    tls_server_name: str | None = None
+
+    @model_validator(mode="after")
+    def _mtls_complete(self) -> Self:
+        if (self.cert_chain is None) != (self.private_key is None):
+            raise ValueError("cert_chain and private_key go together (mTLS)")
+        return self
+
+    def channel_options(self) -> ChannelOptions:
+        return ChannelOptions(
+            self.address,
+            default_timeout=self.timeout,
+            tls=self.tls,
+            root_certificates=self.root_certificates,
+            cert_chain=self.cert_chain,
+            private_key=self.private_key,
+            tls_server_name=self.tls_server_name,
+            max_attempts=self.max_attempts,
+        )
