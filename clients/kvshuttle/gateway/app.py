@@ -624,9 +624,7 @@ class Gateway:
             payload = completion(
                 answer, response_id=response_id, model=treq.model, token_ids=treq.return_token_ids
             )
-        return web.Response(
-            body=dumps(payload), content_type="application/json", headers={"X-Request-Id": rec.request_id}
-        )
+        return web.Response(body=dumps(payload), content_type="application/json", headers=turn_headers(rec))
 
     @staticmethod
     def _response_id(treq: TurnRequest, rec: RequestLog) -> str:
@@ -644,11 +642,7 @@ class Gateway:
         start: float,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Request-Id": rec.request_id,
-            }
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **turn_headers(rec)}
         )
         response_id = self._response_id(treq, rec)
         created = int(time.time())
@@ -800,6 +794,25 @@ class Gateway:
         except KvshuttleRpcError as err:
             level = log.debug if err.code == grpc.StatusCode.FAILED_PRECONDITION else log.warning
             level("turn.abort_failed", code=err.code_name, reason=err.reason)
+
+
+def turn_headers(rec: RequestLog) -> dict[str, str]:
+    """What the router decided for this turn, for clients and dashboards (sent before the body,
+    so a streaming client sees them with the first byte)."""
+    headers = {
+        "X-Request-Id": rec.request_id,
+        "X-Kvshuttle-Decision": rec.decision,
+        "X-Kvshuttle-Reason": rec.reason,
+        "X-Kvshuttle-Generation": str(rec.generation),
+        "X-Kvshuttle-Prompt-Tokens": str(rec.prompt_tokens),
+        "X-Kvshuttle-Reused-Tokens": str(rec.reused_tokens),
+    }
+    if rec.remote_cached_tokens is not None:
+        # Prefill's own count: tokens it read remotely plus its local prefix-cache hits.
+        headers["X-Kvshuttle-Prefill-Cached-Tokens"] = str(rec.remote_cached_tokens)
+    if rec.prefill_ms is not None:
+        headers["X-Kvshuttle-Prefill-Ms"] = f"{rec.prefill_ms:.1f}"
+    return headers
 
 
 def _http_error(exc: web.HTTPException) -> GatewayError:
