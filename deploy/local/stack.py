@@ -87,7 +87,7 @@ class KvshuttleStack:
         self.progress = progress
         self.model = served_model_name
         self.block_size = block_size
-        self.kv_bytes_per_token = kv_bytes_per_token(pair.model_dir)
+        self.kv_bytes_per_token = kv_bytes_per_token(pair.model_dir, dtype="float32")
         ports = free_ports(7)
         self.registry_addr = f"{HOST}:{ports[0]}"
         self.router_addr = f"{HOST}:{ports[1]}"

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from deploy.local.launch import VllmNotInstalled, VllmPair, ensure_model, vllm_python
 
+E2E_BLOCKS = 1024
+
 
 def _progress(name: str, elapsed: float, line: str) -> None:
     print(f"[vllm pair {elapsed:4.0f} s] {name}: {line[-120:]}", file=sys.stderr, flush=True)
@@ -41,7 +43,18 @@ def vllm_pair(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     """A started prefill/decode pair, shared by the whole session; stopped at its end."""
     configured = os.environ.get("KVSHUTTLE_VLLM_LOG_DIR")
     log_dir = Path(configured) if configured else tmp_path_factory.mktemp("vllm-logs")
-    pair = VllmPair(vllm_model, log_dir=log_dir, block_size=32, progress=_progress)
+    # Prefix caching off on prefill, as in vLLM's published benchmark: otherwise prefill's own
+    # cache holds each turn's prompt and a reuse turn reads only decode's answer from decode.
+    # 1024 blocks of 32 tokens per engine: room for every test's turns (decode pins retained
+    # blocks for its TTL), small enough that a few long prompts make decode evict (BlockRemoved).
+    pair = VllmPair(
+        vllm_model,
+        log_dir=log_dir,
+        block_size=32,
+        progress=_progress,
+        prefill_prefix_caching=False,
+        extra_args=("--num-gpu-blocks-override", str(E2E_BLOCKS)),
+    )
     pair.start()  # stops both itself when the start fails
     try:
         yield pair

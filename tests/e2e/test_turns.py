@@ -1,0 +1,216 @@
+"""Whole turns on real vLLM (CPU build, tiny model): gateway -> router -> registry, prefill and
+decode with NixlConnector both ways, agents forwarding KV events. Every reuse turn's greedy output
+is compared with a single-server reference computed from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from deploy.local.launch import VllmPair, free_ports
+from deploy.local.stack import KvshuttleStack
+
+from kvshuttle.agent.v1 import agent_service_pb2 as apb
+from kvshuttle.agent.v1 import agent_service_pb2_grpc as apb_grpc
+from kvshuttle.core.hashing import chain_hashes
+from kvshuttle.registry.v1 import registry_service_pb2 as rpb
+from kvshuttle.registry.v1 import registry_service_pb2_grpc as rpb_grpc
+
+pytestmark = pytest.mark.vllm
+BS = 32
+LEASE_S = 20  # retentions lapse 20 s after commit here (decoder_kv_blocks_ttl 480 - margin 460)
+# Prefill dear, moving KV cheap: reuse wins whenever the prefix verifies (CPU-class engines).
+PROFILE = {
+    "model": "m",
+    "kv_bytes_per_token": 1024,
+    "min_reuse_tokens": 64,
+    "prefill": {"fixed_ms": 5.0, "per_token_ms": 0.2},
+    "link": {"bandwidth_gb_s": 2.0, "fixed_ms": 1.0},
+}
+
+
+@pytest.fixture(scope="module")
+def stack(vllm_pair: VllmPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvshuttleStack]:
+    s = KvshuttleStack(
+        vllm_pair,
+        work_dir=tmp_path_factory.mktemp("kvshuttle"),
+        profile=PROFILE,
+        extra_env={"router": {"POLICY__RETENTION_MARGIN_S": str(480 - LEASE_S)}},
+    )
+    s.start()
+    try:
+        yield s
+    finally:
+        codes = s.stop()
+        assert all(code == 0 for code in codes.values()), (codes, s.work_dir)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 2000) for _ in range(n)]
+
+
+def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[dict[str, Any], Any]:
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as response:
+            return json.loads(response.read()), response.headers
+    except urllib.error.HTTPError as err:
+        raise AssertionError(f"{url}: {err.code} {err.read()[:500]!r}") from None
+
+
+def turn(
+    stack: KvshuttleStack, conversation: str, prompt: list[int], max_tokens: int = 24
+) -> tuple[list[int], Any]:
+    """One completions turn through the gateway, greedy; returns the output ids and headers."""
+    body, headers = post(
+        f"{stack.gateway_url}/v1/completions",
+        {
+            "model": "m",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "conversation_id": conversation,
+        },
+    )
+    return list(body["choices"][0]["token_ids"]), headers
+
+
+def reference(pair: VllmPair, prompt: list[int], max_tokens: int = 24) -> list[int]:
+    """The same request on one server, computed from scratch (a fresh cache salt: no cache hit)."""
+    body, _ = post(
+        f"{pair.decode.url}/v1/completions",
+        {
+            "model": "m",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "cache_salt": uuid.uuid4().hex,
+        },
+    )
+    return list(body["choices"][0]["token_ids"])
+
+
+def test_turn_one_goes_prefill_to_decode_and_turn_two_reuses_decodes_kv(
+    stack: KvshuttleStack, vllm_pair: VllmPair
+) -> None:
+    conv = f"c-{uuid.uuid4().hex[:8]}"
+    first = tokens(600, 1)
+    out1, h1 = turn(stack, conv, first)
+    assert (h1["X-Kvshuttle-Decision"], h1["X-Kvshuttle-Reason"]) == ("recompute", "no_retention")
+    assert out1 == reference(vllm_pair, first)
+
+    prompt = first + out1 + tokens(100, 2)
+    out2, h2 = turn(stack, conv, prompt)
+    assert (h2["X-Kvshuttle-Decision"], h2["X-Kvshuttle-Reason"]) == ("reuse", "reuse_cheaper")
+    retained = len(first) + len(out1) - 1  # decode holds KV up to the last sampled token
+    assert int(h2["X-Kvshuttle-Reused-Tokens"]) == retained // BS * BS
+    assert int(h2["X-Kvshuttle-Prefill-Cached-Tokens"]) > 0  # prefill read them from decode
+    assert out2 == reference(vllm_pair, prompt)
+
+
+def test_an_edited_history_reuses_only_the_verified_prefix(
+    stack: KvshuttleStack, vllm_pair: VllmPair
+) -> None:
+    conv = f"c-{uuid.uuid4().hex[:8]}"
+    first = tokens(700, 3)
+    out1, _ = turn(stack, conv, first)
+    edited = first.copy()
+    edited[300] = (edited[300] + 1) % 2000 + 10  # e.g. a stripped or rewritten span mid-history
+    prompt = edited + out1 + tokens(80, 4)
+    out2, h2 = turn(stack, conv, prompt)
+    assert h2["X-Kvshuttle-Decision"] == "reuse"
+    assert int(h2["X-Kvshuttle-Reused-Tokens"]) == 300 // BS * BS
+    # Reading decode's KV past the edit would change the answer: it must equal the reference.
+    assert out2 == reference(vllm_pair, prompt)
+
+
+def test_an_expired_retention_is_recomputed(stack: KvshuttleStack, vllm_pair: VllmPair) -> None:
+    conv = f"c-{uuid.uuid4().hex[:8]}"
+    first = tokens(400, 5)
+    out1, _ = turn(stack, conv, first)
+    time.sleep(LEASE_S + 1)
+    prompt = first + out1 + tokens(60, 6)
+    out2, h2 = turn(stack, conv, prompt)
+    assert h2["X-Kvshuttle-Decision"] == "recompute"
+    assert h2["X-Kvshuttle-Reason"] in ("no_retention", "expired")  # swept by the timer, or about to be
+    assert out2 == reference(vllm_pair, prompt)
+
+
+def _registry(stack: KvshuttleStack) -> rpb_grpc.RegistryServiceStub:
+    return rpb_grpc.RegistryServiceStub(grpc.insecure_channel(stack.registry_addr))
+
+
+def _held_blocks(stack: KvshuttleStack, prompt: list[int]) -> int:
+    """Leading blocks of `prompt` that the registry's index says decode holds (prefill runs
+    without a prefix cache here, so it publishes no block events)."""
+    found = _registry(stack).LookupBlocks(rpb.LookupBlocksRequest(block_hashes=chain_hashes(prompt, BS)))
+    return next((m.matched_blocks for m in found.matches if m.node == "nodes/decode"), 0)
+
+
+def _until(condition: Any, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.2)
+
+
+def test_agents_forward_block_stored_and_removed(stack: KvshuttleStack, vllm_pair: VllmPair) -> None:
+    first = tokens(2000, 7)
+    post(f"{vllm_pair.decode.url}/v1/completions", {"model": "m", "prompt": first, "max_tokens": 1})
+    _until(lambda: _held_blocks(stack, first) == len(first) // BS)  # BlockStored reached the index
+    # Enough other long prompts to overflow decode's 1024 blocks: the first prompt's are evicted.
+    for seed in range(8, 14):
+        post(
+            f"{vllm_pair.decode.url}/v1/completions",
+            {"model": "m", "prompt": tokens(7000, seed), "max_tokens": 1},
+        )
+    _until(lambda: _held_blocks(stack, first) == 0)  # BlockRemoved reached the index
+
+
+def test_agents_see_an_engine_restart(stack: KvshuttleStack, vllm_pair: VllmPair) -> None:
+    """Runs last: it restarts the shared pair (same HTTP and event ports, new engine ids)."""
+    prompt = tokens(500, 20)
+    turn(stack, f"c-{uuid.uuid4().hex[:8]}", prompt)
+    _until(lambda: _held_blocks(stack, prompt) > 0)
+    keep = [
+        getattr(engine.spec, key)
+        for engine in (vllm_pair.prefill, vllm_pair.decode)
+        for key in ("http_port", "side_channel_port", "kv_events_port", "kv_replay_port")
+    ]
+    fresh = free_ports(2)
+    keep[1], keep[5] = fresh  # new side-channel ports: the old ones linger in TIME_WAIT
+    vllm_pair.restart(ports=keep)
+    agent = apb_grpc.AgentServiceStub(grpc.insecure_channel(f"127.0.0.1:{stack._agent_ports[1]}"))
+
+    def restarted() -> bool:
+        return agent.GetStatus(apb.GetStatusRequest(), timeout=2).events.engine_restarts >= 1
+
+    post(
+        f"{vllm_pair.decode.url}/v1/completions", {"model": "m", "prompt": tokens(100, 21), "max_tokens": 1}
+    )
+    _until(restarted, timeout=30)
+    _until(lambda: _held_blocks(stack, prompt) == 0)  # the registry cleared the restarted engine's index
+    stack.restart_agents()  # registrations carry the new engine ids from here on
+    conv = f"c-{uuid.uuid4().hex[:8]}"
+    out1, _ = turn(stack, conv, prompt)
+    _, h2 = turn(stack, conv, prompt + out1 + tokens(50, 22))
+    assert h2["X-Kvshuttle-Decision"] == "reuse"
