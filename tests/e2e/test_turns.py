@@ -204,9 +204,7 @@ def test_agents_see_an_engine_restart(stack: KvshuttleStack, vllm_pair: VllmPair
     def restarted() -> bool:
         return agent.GetStatus(apb.GetStatusRequest(), timeout=2).events.engine_restarts >= 1
 
-    post(
-        f"{vllm_pair.decode.url}/v1/completions", {"model": "m", "prompt": tokens(100, 21), "max_tokens": 1}
-    )
+    post(f"{vllm_pair.decode.url}/v1/completions", {"model": "m", "prompt": tokens(100, 21), "max_tokens": 1})
     _until(restarted, timeout=30)
     _until(lambda: _held_blocks(stack, prompt) == 0)  # the registry cleared the restarted engine's index
     stack.restart_agents()  # registrations carry the new engine ids from here on
