@@ -7,10 +7,11 @@ BUF := npx --yes @bufbuild/buf
 PROTOS := $(shell find proto -name '*.proto' | sort)
 GEN_OUT := services
 
-.PHONY: help venv vllm proto proto-check lint typecheck test unit demo bench clean
+.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test unit demo bench clean
 
 help:
-	@echo "make demo   - start a registry, drive it with the CLI, watch a retention expire"
+	@echo "make demo   - real vLLM prefill/decode + kvshuttle: an agent session, TTFT with and without reuse"
+	@echo "make demo-registry - the registry alone, driven by the kvshuttle CLI"
 	@echo "make test   - buf lint/format, generated-code freshness, ruff, mypy, pytest (real vLLM included)"
 	@echo "make vllm   - install the CPU build of vLLM into .venv-vllm (done by make test and demo)"
 	@echo "make proto  - regenerate Python code from proto/"
@@ -65,8 +66,12 @@ unit: venv
 
 test: lint proto-check typecheck vllm unit
 
-demo: venv
-	$(BIN)/python deploy/demo.py
+demo: venv vllm
+	$(BIN)/python -m deploy.demo
+
+# The registry alone, driven by the kvshuttle CLI (no vLLM): leases, claims, fencing, expiry.
+demo-registry: venv
+	$(BIN)/python deploy/registry_demo.py
 
 bench: venv
 	$(BIN)/python bench/registry_bench.py

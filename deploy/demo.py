@@ -1,214 +1,261 @@
-"""`make demo`: a registry, driven end to end through the `kvshuttle` CLI.
+"""`make demo`: kvshuttle's whole job on real vLLM, on this machine.
 
-Starts a registry on a free loopback port, registers a decode node, stores two retentions
-(what a decode engine keeps after a turn), watches the tenant's changes, claims one retention
-(single use: a second claim is refused), shows a stale commit being fenced, lets the other
-retention expire on the registry's timer, and stops everything it started (also on Ctrl-C).
+Starts a prefill and a decode vLLM server (CPU build, the `small` model, NixlConnector both
+ways, prefix caching off on prefill as in vLLM's published benchmark), then kvshuttle beside
+them: registry, router, one agent per engine, the gateway. Runs a scripted agent session through
+the gateway's OpenAI chat API (system prompt, tool calls and tool results, growing to several
+thousand tokens over ten turns). Every turn runs twice: through kvshuttle (the conversation's
+retained KV reused where it verifies) and with reuse disabled (no conversation: plain P->D, the
+whole prompt recomputed). Prints a per-turn table, writes the run's JSON and a PNG of TTFT
+against context length under .run/demo/, and stops everything it started, also on Ctrl-C.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
-import shlex
+import random
 import signal
-import socket
-import subprocess
 import sys
 import time
+import tomllib
+import urllib.error
+import urllib.request
+from datetime import UTC, datetime
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
-BIN = Path(sys.executable).parent
-RUN_DIR = Path(os.environ.get("KVSHUTTLE_DEMO_DIR", ".run/demo"))
-TENANT = "demo"
-# What a decode engine answers with bidirectional_kv_xfer on (vLLM 0.32 CPU build shape).
-DECODE_PARAMS = {
-    "do_remote_prefill": False,
-    "do_remote_decode": True,
-    "remote_block_ids": [[5, 6, 7, 8, 9, 10, 11, 12]],
-    "remote_engine_id": "decode-0",
-    "remote_request_id": "cmpl-8c2f-0",
-    "remote_host": "127.0.0.1",
-    "remote_port": 5601,
-    "tp_size": 1,
-    "dcp_size": 1,
-    "pp_size": 1,
-    "remote_num_tokens": 250,
-    "remote_blocks_expiry_time": 81234.5,
-    "transfer_mode": "pull",
-}
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display here
+import matplotlib.pyplot as plt
+
+from deploy.local.launch import VllmPair, ensure_model
+from deploy.local.stack import KvshuttleStack
+
+RUN_DIR = Path(".run/demo")
+# The small CPU model's costs, measured here (deploy/vllm/README.md); turns recalibrate them.
+PROFILE = Path(__file__).parent / "profiles" / "cpu-small.toml"
+SYSTEM = (
+    "You are a coding agent. You work in a repository through tools: read_file, run_tests, grep. "
+    "Think step by step, call one tool at a time, and report what you changed."
+)
+TOOLS = ["read_file", "run_tests", "grep"]
+WORDS = [
+    *("def", "class", "return", "import", "self", "async", "await", "raise", "test", "assert", "cache"),
+    *("block", "token", "prefill", "decode", "router", "registry", "lease", "claim", "retention", "node"),
+    *("engine", "error", "passed", "failed", "line"),
+]
 
 
 def say(text: str) -> None:
-    print(f"\n\033[1m== {text}\033[0m" if sys.stdout.isatty() else f"\n== {text}", flush=True)
+    print(f"\033[1m== {text}\033[0m" if sys.stdout.isatty() else f"== {text}", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def tool_result(rng: random.Random, turn: int) -> str:
+    """A few hundred tokens of plausible tool output (a file, a test log, grep hits)."""
+    words = WORDS
+    lines = [
+        f"{rng.choice(['src', 'tests', 'lib'])}/module_{turn}_{i}.py:{rng.randrange(1, 400)}: "
+        + " ".join(rng.choice(words) for _ in range(rng.randrange(6, 14)))
+        for i in range(14)
+    ]
+    return "\n".join(lines)
 
 
-class Demo:
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.addr = f"127.0.0.1:{self.port}"
-        self.procs: list[subprocess.Popen[bytes]] = []
-        RUN_DIR.mkdir(parents=True, exist_ok=True)
+def chat(
+    url: str, messages: list[dict[str, str]], conversation: str | None, max_tokens: int
+) -> dict[str, Any]:
+    """One streamed chat turn; returns TTFT (first content byte), the text and kvshuttle's headers."""
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    if conversation:
+        body["conversation_id"] = conversation
+    req = urllib.request.Request(
+        f"{url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    start = time.perf_counter()
+    ttft = None
+    text: list[str] = []
+    try:
+        response = urllib.request.urlopen(req, timeout=600)
+    except urllib.error.HTTPError as err:
+        raise SystemExit(
+            f"demo: the gateway answered {err.code}: {err.read()[:300].decode(errors='replace')}"
+        ) from None
+    with response:
+        headers = {k.lower(): v for k, v in response.headers.items() if k.lower().startswith("x-kvshuttle")}
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"])
+            for choice in event.get("choices", []):
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    ttft = ttft if ttft is not None else time.perf_counter() - start
+                    text.append(piece)
+    return {"ttft_ms": round((ttft or 0.0) * 1e3, 1), "text": "".join(text), "headers": headers}
 
-    def cli(self, *args: str, expect_ok: bool = True) -> str:
-        cmd = [str(BIN / "kvshuttle"), "--registry", self.addr, "registry", *args]
-        print("$ " + shlex.join(["kvshuttle", "registry", *args]), flush=True)
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
-        sys.stdout.write(out.stdout)
-        sys.stdout.write(out.stderr)
-        if expect_ok and out.returncode != 0:
-            raise SystemExit(f"demo: command failed with exit code {out.returncode}")
-        if not expect_ok and out.returncode == 0:
-            raise SystemExit("demo: command should have been refused")
-        return out.stdout
 
-    def put(
-        self,
-        conversation: str,
-        *,
-        tokens: int,
-        seed: int,
-        ttl: int,
-        params: dict[str, object],
-        expect_ok: bool = True,
-    ) -> None:
-        """Store what decode keeps after turn 1 (generation 1) of a conversation."""
-        self.cli("put-retention", "--tenant", TENANT, "--conversation", conversation,
-                 "--node", "nodes/decode-0", "--generation", "1", "--model", "demo-llama",
-                 "--block-size", "32", "--random-tokens", str(tokens), "--seed", str(seed),
-                 "--kv-transfer-params", json.dumps(params), "--ttl", str(ttl),
-                 expect_ok=expect_ok)  # fmt: skip
+def plot(rows: list[dict[str, Any]], out: Path) -> None:
+    ctx = [r["context_tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(ctx, [r["ttft_recompute_ms"] / 1e3 for r in rows], "o-", label="reuse disabled (recompute)")
+    ax.plot(ctx, [r["ttft_kvshuttle_ms"] / 1e3 for r in rows], "s-", label="kvshuttle (verified reuse)")
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title("Agent session on vLLM CPU (small model), prefill/decode over NIXL")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
 
-    def start_registry(self) -> None:
-        say(f"starting kvshuttle-registry on {self.addr}")
-        env = dict(
-            os.environ,
-            KVSHUTTLE_REGISTRY_SERVER__LISTEN=self.addr,
-            KVSHUTTLE_REGISTRY_TELEMETRY__LOG_FORMAT="json",
-            KVSHUTTLE_REGISTRY_SERVER__GRACE_SECONDS="2",
+
+def run(args: argparse.Namespace) -> int:
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    say(f"building the {args.size} model (seconds; cached under .run/models)")
+    model = ensure_model(args.size)
+    say("starting vLLM prefill (core 0) and decode (core 1) with NixlConnector both ways")
+    pair = VllmPair(
+        model,
+        log_dir=RUN_DIR / "vllm",
+        block_size=32,
+        prefill_prefix_caching=False,
+        progress=lambda name, elapsed, line: print(f"  [{elapsed:3.0f} s] {name}: {line[-90:]}", flush=True),
+    )
+    stack: KvshuttleStack | None = None
+    try:
+        pair.start()
+        say("starting kvshuttle: registry, router, two agents, gateway")
+        profile = tomllib.loads(PROFILE.read_text())["profile"][0]
+        stack = KvshuttleStack(
+            pair,
+            work_dir=RUN_DIR / "services",
+            profile=profile,
+            progress=lambda m: print(f"  {m}", flush=True),
         )
-        log = (RUN_DIR / "registry.log").open("wb")
-        self.registry = subprocess.Popen(
-            [str(BIN / "kvshuttle-registry")], env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-        self.procs.append(self.registry)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.registry.poll() is not None:
-                raise SystemExit(f"demo: the registry exited; see {RUN_DIR / 'registry.log'}")
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    print(f"registry is up (log: {RUN_DIR / 'registry.log'})")
-                    return
-            time.sleep(0.1)
-        raise SystemExit("demo: the registry did not start within 30 s")
+        stack.start()
+        rows = session(stack.gateway_url, args)
+        report(rows, stamp, pair, stack)
+    finally:
+        say("stopping everything the demo started")
+        if stack is not None:
+            codes = stack.stop()
+            print("  services exited: " + ", ".join(f"{k}={v}" for k, v in codes.items()), flush=True)
+        pair.stop()
+        print("  vLLM pair stopped", flush=True)
+    return 0
 
-    def start_watch(self) -> None:
-        self.watch_log = RUN_DIR / "watch.log"
-        self.watch = subprocess.Popen(
-            [str(BIN / "kvshuttle"), "--registry", self.addr, "registry", "watch", "--tenant", TENANT],
-            stdout=self.watch_log.open("wb"),
-            stderr=subprocess.STDOUT,
-        )
-        self.procs.append(self.watch)
-        time.sleep(0.5)
 
-    def run(self) -> None:
-        self.start_registry()
-        self.start_watch()
-
-        say("register the decode worker (its agent would do this and heartbeat every few seconds)")
-        out = self.cli(
-            "register-node",
-            "nodes/decode-0",
-            "--role",
-            "decode",
-            "--engine-id",
-            "decode-0",
-            "--http",
-            "http://127.0.0.1:8001",
-            "--side-channel",
-            "127.0.0.1:5601",
-            "--model",
-            "demo-llama",
-            "--block-size",
-            "32",
-            "--kv-bytes-per-token",
-            "4096",
-            "--ttl",
-            "60",
-            "--json",
-        )
-        incarnation = str(json.loads(out)["incarnation"])
-        self.cli("nodes")
-
-        say("turn 1 of two conversations finished: decode keeps their KV (retentions)")
-        self.put("chat-1", tokens=250, seed=1, ttl=60, params=DECODE_PARAMS)
-        short = DECODE_PARAMS | {
-            "remote_block_ids": [[13, 14, 15, 16]],
-            "remote_num_tokens": 100,
-            "remote_request_id": "cmpl-91d0-0",
+def session(gateway: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    rng = random.Random(7)
+    conversation = f"demo-{int(time.time())}"
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {
+            "role": "user",
+            "content": "The cache tests fail after the block-size change. Find out why and fix "
+            "it; run the tests when you are done.",
+        },
+    ]
+    rows: list[dict[str, Any]] = []
+    say(f"agent session: {args.turns} turns through the gateway (conversation {conversation})")
+    print(
+        f"{'turn':>4} {'context':>8} {'reused':>7}  {'decision':<10} {'reason':<16} "
+        f"{'TTFT kvshuttle':>15} {'TTFT recompute':>15} {'speedup':>8}  same output",
+        flush=True,
+    )
+    for turn in range(1, args.turns + 1):
+        shuttle = chat(gateway, messages, conversation, args.max_tokens)
+        plain = chat(gateway, messages, None, args.max_tokens)
+        h = shuttle["headers"]
+        row = {
+            "turn": turn,
+            "context_tokens": int(h.get("x-kvshuttle-prompt-tokens", 0)),
+            "reused_tokens": int(h.get("x-kvshuttle-reused-tokens", 0)),
+            "prefill_cached_tokens": int(h.get("x-kvshuttle-prefill-cached-tokens", 0) or 0),
+            "decision": h.get("x-kvshuttle-decision", "?"),
+            "reason": h.get("x-kvshuttle-reason", "?"),
+            "ttft_kvshuttle_ms": shuttle["ttft_ms"],
+            "ttft_recompute_ms": plain["ttft_ms"],
+            "output_identical": shuttle["text"] == plain["text"],
         }
-        self.put("chat-2", tokens=100, seed=2, ttl=4, params=short)
-        self.cli("retentions", "--tenant", TENANT)
-        self.cli("get", f"tenants/{TENANT}/conversations/chat-1/retentions/1")
+        rows.append(row)
+        speedup = row["ttft_recompute_ms"] / max(row["ttft_kvshuttle_ms"], 1e-3)
+        print(
+            f"{turn:>4} {row['context_tokens']:>8} {row['reused_tokens']:>7}  {row['decision']:<10} "
+            f"{row['reason']:<16} {row['ttft_kvshuttle_ms']:>12.0f} ms {row['ttft_recompute_ms']:>12.0f} ms "
+            f"{speedup:>7.1f}x  {'yes' if row['output_identical'] else 'NO'}",
+            flush=True,
+        )
+        tool = TOOLS[turn % len(TOOLS)]
+        messages.append(
+            {
+                "role": "assistant",
+                "content": shuttle["text"] + f'\n<tool_call>{{"name": "{tool}", "arguments": '
+                f'{{"path": "src/module_{turn}.py"}}}}</tool_call>',
+            }
+        )
+        messages.append({"role": "tool", "content": tool_result(rng, turn)})
+    return rows
 
-        say("turn 2 of chat-1: the router claims the retention (single use)")
-        chat1 = f"tenants/{TENANT}/conversations/chat-1/retentions/1"
-        self.cli("claim", chat1, "--holder", "turns/t-2")
-        say("a second reader is refused")
-        self.cli("claim", chat1, "--holder", "turns/t-2b", expect_ok=False)
-        say("a late commit of an older turn is fenced")
-        self.put("chat-1", tokens=250, seed=1, ttl=60, params=DECODE_PARAMS, expect_ok=False)
 
-        say("chat-2's user is thinking; its retention lapses on the registry's timer")
-        self.cli("heartbeat", "nodes/decode-0", "--incarnation", incarnation, "--ttl", "60")
-        for left in range(5, 0, -1):
-            print(f"  waiting {left}s ...", flush=True)
-            time.sleep(1)
-        self.cli("retentions", "--tenant", TENANT)
-        self.cli("get", f"tenants/{TENANT}/conversations/chat-2/retentions/1", expect_ok=False)
-
-        say("what a watcher of the tenant saw")
-        time.sleep(0.3)
-        self.watch.send_signal(signal.SIGINT)
-        self.watch.wait(10)
-        print(self.watch_log.read_text(), end="")
-
-        say("stop the registry (SIGTERM: NOT_SERVING, drain, exit)")
-        self.registry.send_signal(signal.SIGTERM)
-        code = self.registry.wait(30)
-        print(f"registry exited with code {code}")
-        if code != 0:
-            raise SystemExit(f"demo: the registry did not stop cleanly; see {RUN_DIR / 'registry.log'}")
-        say("done")
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+def report(rows: list[dict[str, Any]], stamp: str, pair: VllmPair, stack: KvshuttleStack) -> None:
+    out_json = RUN_DIR / f"demo-{stamp}.json"
+    out_png = RUN_DIR / f"demo-{stamp}.png"
+    out_json.write_text(
+        json.dumps(
+            {"time": stamp, "pair": pair.describe(), "turns": rows, "logs": str(stack.work_dir)}, indent=2
+        )
+        + "\n"
+    )
+    plot(rows, out_png)
+    reused = [r for r in rows if r["decision"] == "reuse"]
+    last = rows[-1]
+    say("summary")
+    print(
+        f"  {len(reused)} of {len(rows)} turns reused retained KV; outputs identical in "
+        f"{sum(r['output_identical'] for r in rows)} of {len(rows)} turns",
+        flush=True,
+    )
+    print(
+        f"  longest context {last['context_tokens']} tokens: TTFT {last['ttft_kvshuttle_ms']:.0f} ms with "
+        f"kvshuttle vs {last['ttft_recompute_ms']:.0f} ms recomputing",
+        flush=True,
+    )
+    print(f"  wrote {out_json} and {out_png}; service logs in {stack.work_dir}", flush=True)
 
 
 def main() -> None:
-    demo = Demo()
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--size", default="small", choices=["tiny", "small"])
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--max-tokens", type=int, default=48, help="answer length per turn")
+    args = ap.parse_args()
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     try:
-        demo.run()
+        sys.exit(run(args))
     except KeyboardInterrupt:
-        print("\ninterrupted; stopping what the demo started", flush=True)
-        raise SystemExit(130) from None
-    finally:
-        demo.stop()
+        print("\ninterrupted; everything the demo started has been stopped", flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

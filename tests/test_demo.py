@@ -1,4 +1,4 @@
-"""`make demo` end to end: the quickstart's main job must keep working."""
+"""The registry walkthrough (`make demo-registry`) end to end."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-DEMO = Path(__file__).resolve().parents[1] / "deploy" / "demo.py"
+DEMO = Path(__file__).resolve().parents[1] / "deploy" / "registry_demo.py"
 
 
 def test_demo_runs_and_stops_cleanly(tmp_path: Path) -> None:
