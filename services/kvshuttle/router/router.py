@@ -143,6 +143,14 @@ class _Timer:
         }
 
 
+async def _no_hits() -> dict[str, int]:
+    return {}
+
+
+async def _no_conversation() -> tuple[int, RetentionInfo | None]:
+    return 0, None
+
+
 class Router:
     def __init__(
         self,
@@ -269,28 +277,23 @@ class Router:
         span: trace.Span,
     ) -> Plan:
         n = int(tokens.size)
-        if conversation:
-            # Timed as one wait: the loop resumes this call only after both finished.
-            both = asyncio.gather(self._nodes(req.model), self._port.get_conversation(conversation))
-            nodes, (fence, retention) = await timer.registry(both)
-        else:
-            nodes, fence, retention = await timer.registry(self._nodes(req.model)), 0, None
+        nodes = await timer.registry(self._nodes(req.model))  # cached: usually no round trip
+        prefill_pool = [x for x in nodes if x.healthy and x.role.serves(Role.PREFILL)]
+        block_size = prefill_pool[0].block_size if prefill_pool else 16
+        chain = self.chains.chain(conversation, tokens, block_size)
+        # The conversation's retention and prefill's local hits in one round trip, not two.
+        lookup = self._port.lookup_blocks(chain, req.model, Role.PREFILL) if len(chain) else _no_hits()
+        current = self._port.get_conversation(conversation) if conversation else _no_conversation()
+        hits, (fence, retention) = await timer.registry(asyncio.gather(lookup, current))
         fork = False
         if retention is None and parent:
             _, retention = await timer.registry(self._port.get_conversation(parent))
             fork = retention is not None
-        prefill_pool = [x for x in nodes if x.healthy and x.role.serves(Role.PREFILL)]
-        block_size = (
-            retention.block_size
-            if retention is not None
-            else (prefill_pool[0].block_size if prefill_pool else 16)
-        )
-        chain = self.chains.chain(conversation, tokens, block_size)
-        hits = (
-            await timer.registry(self._port.lookup_blocks(chain, req.model, Role.PREFILL))
-            if len(chain)
-            else {}
-        )
+        if retention is not None and retention.block_size != block_size:
+            # KV of another block size cannot be read by this prefill (MODEL_MISMATCH below);
+            # the chain in its block size still lets verify() say so precisely.
+            block_size = retention.block_size
+            chain = self.chains.chain(conversation, tokens, block_size, remember=False)
         hits = {
             name: blocks
             for name, blocks in hits.items()
