@@ -40,6 +40,7 @@ from tests.router.helpers import (
 from tests.serving.echo import JsonLog
 
 from kvshuttle.client import KvshuttleRpcError, RegistryClient, RouterClient
+from kvshuttle.client.errors import CallRefused, domain_error
 from kvshuttle.core.clock import FakeClock
 from kvshuttle.core.errors import (
     Aborted,
@@ -57,7 +58,7 @@ from kvshuttle.router.cost import LinkModel, ModelProfile, PrefillModel
 from kvshuttle.router.main import build_router, build_server
 from kvshuttle.router.main import profiles as router_profiles
 from kvshuttle.router.model import Reason
-from kvshuttle.router.registry_port import GrpcRegistryPort, RegistryCallError, domain_error
+from kvshuttle.router.registry_port import GrpcRegistryPort
 from kvshuttle.router.servicer import turn_digest
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
@@ -805,14 +806,14 @@ async def test_the_router_process_serves_until_sigterm(c: Cluster) -> None:
         (grpc.StatusCode.UNAVAILABLE, None, Unavailable, "REGISTRY_UNAVAILABLE"),
         (grpc.StatusCode.DEADLINE_EXCEEDED, None, Unavailable, "REGISTRY_UNAVAILABLE"),
         # The router built the request: the registry refusing it is the router's bug -> INTERNAL.
-        (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT", RegistryCallError, None),
-        (grpc.StatusCode.PERMISSION_DENIED, None, RegistryCallError, None),
+        (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT", CallRefused, None),
+        (grpc.StatusCode.PERMISSION_DENIED, None, CallRefused, None),
     ],
 )
 def test_registry_errors_become_domain_errors_with_the_registrys_reason(
     code: grpc.StatusCode, reason: str | None, expected: type[Exception], expected_reason: str | None
 ) -> None:
     error = KvshuttleRpcError(code, "m", reason=reason, method="/kvshuttle.registry.v1.RegistryService/X")
-    mapped = domain_error(error)
+    mapped = domain_error(error, "registry")
     assert type(mapped) is expected
     assert getattr(mapped, "reason", None) == expected_reason

@@ -14,6 +14,15 @@ from typing import Any
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
+from kvshuttle.core.errors import (
+    Aborted,
+    FailedPrecondition,
+    KvshuttleError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+
 __all__ = ["STATUS_DETAILS_KEY", "KvshuttleRpcError"]
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
@@ -146,3 +155,39 @@ def _bad_request_field(status: Any) -> str | None:
             if detail.Unpack(bad) and bad.field_violations:
                 return str(bad.field_violations[0].field)
     return None
+
+
+_DOMAIN_ERRORS: dict[grpc.StatusCode, type[KvshuttleError]] = {
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.ABORTED: Aborted,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+}
+_UNREACHABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+
+
+class CallRefused(RuntimeError):
+    """A service refused a request its caller built (INVALID_ARGUMENT, PERMISSION_DENIED,
+    INTERNAL...): a bug or a misconfiguration, not a domain outcome. A service that meets one
+    answers its own caller INTERNAL and logs these details."""
+
+    def __init__(self, error: KvshuttleRpcError) -> None:
+        super().__init__(f"{error.method.rsplit('/', 1)[-1]} failed: {error!r}")
+        self.error = error
+
+
+def domain_error(error: KvshuttleRpcError, service: str) -> Exception:
+    """What a service raises when its call to another one (`service`, e.g. "registry") failed:
+    the domain error of the same code and reason, Unavailable(<SERVICE>_UNAVAILABLE) when the
+    other service could not be reached in time, CallRefused for everything else."""
+    kind = _DOMAIN_ERRORS.get(error.code)
+    if kind is not None:
+        return kind(error.message, reason=error.reason or error.code_name, metadata=error.metadata)
+    if error.code in _UNREACHABLE:
+        return Unavailable(
+            f"{service} unavailable ({error.code_name}): {error.message}",
+            reason=f"{service.upper()}_UNAVAILABLE",
+        )
+    return CallRefused(error)

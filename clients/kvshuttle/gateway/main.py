@@ -9,7 +9,6 @@ to finish and are then cancelled (their turns aborted), and buffered spans are e
 from __future__ import annotations
 
 import asyncio
-import signal
 import threading
 from collections.abc import Mapping
 from wsgiref.simple_server import WSGIServer
@@ -24,6 +23,7 @@ from kvshuttle.gateway.config import GatewaySettings
 from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.gateway.tokenizer import ChatTokenizer
 from kvshuttle.serving.logging import configure_logging
+from kvshuttle.serving.server import wait_for_signal
 from kvshuttle.serving.tracing import configure_tracing, shutdown_tracing
 
 __all__ = ["GatewayServer", "main"]
@@ -127,21 +127,9 @@ class GatewayServer:
 
     async def serve_until_signal(self) -> None:
         await self.start()
-        loop = asyncio.get_running_loop()
-        received: asyncio.Future[signal.Signals] = loop.create_future()
-
-        def on_signal(sig: signal.Signals) -> None:
-            if not received.done():
-                received.set_result(sig)
-
-        signals = (signal.SIGTERM, signal.SIGINT)
-        for sig in signals:
-            loop.add_signal_handler(sig, on_signal, sig)
         try:
-            log.info("gateway.signal", signal=(await received).name)
+            log.info("gateway.signal", signal=(await wait_for_signal()).name)
         finally:
-            for sig in signals:
-                loop.remove_signal_handler(sig)
             await self.stop()
 
 

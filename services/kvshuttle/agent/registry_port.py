@@ -7,7 +7,7 @@ Error mapping (KvshuttleRpcError code -> what the agent's loops see):
   CAPACITY_EXCEEDED).
 * UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED -> Unavailable(reason="REGISTRY_UNAVAILABLE").
 * anything else (INVALID_ARGUMENT: a misconfigured node or a batch over the registry's limits;
-  PERMISSION_DENIED, UNAUTHENTICATED, INTERNAL) -> RegistryCallError, kept with its details for
+  PERMISSION_DENIED, UNAUTHENTICATED, INTERNAL) -> CallRefused, kept with its details for
   the log.
 """
 
@@ -16,16 +16,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Iterable, Sequence
 from typing import TypeVar
 
-import grpc
-
-from kvshuttle.client.errors import KvshuttleRpcError
+from kvshuttle.client.errors import KvshuttleRpcError, domain_error
 from kvshuttle.client.registry import RegistryClient
-from kvshuttle.core.errors import FailedPrecondition, KvshuttleError, NotFound, ResourceExhausted, Unavailable
 from kvshuttle.registry import block_index as bi
 from kvshuttle.registry.model import NodeLoad, NodeRole, NodeSpec
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 
-__all__ = ["GrpcRegistryPort", "RegistryCallError", "batch_to_pb", "domain_error", "spec_to_pb"]
+__all__ = ["GrpcRegistryPort", "batch_to_pb", "spec_to_pb"]
 
 T = TypeVar("T")
 
@@ -34,33 +31,6 @@ ROLE_TO_PB: dict[NodeRole, pb.NodeRole.ValueType] = {
     NodeRole.DECODE: pb.NODE_ROLE_DECODE,
     NodeRole.BOTH: pb.NODE_ROLE_BOTH,
 }
-_DOMAIN_ERRORS: dict[grpc.StatusCode, type[KvshuttleError]] = {
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
-}
-_UNREACHABLE = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
-)
-
-
-class RegistryCallError(RuntimeError):
-    """The registry refused a request the agent built (misconfiguration, a limit, a bug)."""
-
-    def __init__(self, error: KvshuttleRpcError) -> None:
-        super().__init__(f"registry {error.method.rsplit('/', 1)[-1]} failed: {error}")
-        self.error = error
-
-
-def domain_error(error: KvshuttleRpcError) -> Exception:
-    kind = _DOMAIN_ERRORS.get(error.code)
-    if kind is not None:
-        return kind(error.message, reason=error.reason or error.code_name, metadata=error.metadata)
-    if error.code in _UNREACHABLE:
-        return Unavailable(
-            f"registry unavailable ({error.code_name}): {error.message}", reason="REGISTRY_UNAVAILABLE"
-        )
-    return RegistryCallError(error)
 
 
 def spec_to_pb(spec: NodeSpec) -> pb.Node:
@@ -118,7 +88,7 @@ class GrpcRegistryPort:
         try:
             return await call
         except KvshuttleRpcError as err:
-            raise domain_error(err) from err
+            raise domain_error(err, "registry") from err
 
     async def register_node(self, spec: NodeSpec, ttl: float) -> int:
         response = await self._call(self._client.register_node(spec_to_pb(spec), ttl=ttl))

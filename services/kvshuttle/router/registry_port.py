@@ -9,7 +9,7 @@ Error mapping (KvshuttleRpcError code -> what the router sees):
   decides what they mean for a turn (a lost claim plans a recompute, and so on).
 * UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED -> Unavailable(reason="REGISTRY_UNAVAILABLE"): the
   registry could not answer in time; the caller may retry the turn.
-* anything else, INVALID_ARGUMENT included -> RegistryCallError, which is not a domain error:
+* anything else, INVALID_ARGUMENT included -> CallRefused, which is not a domain error:
   the router built the request, so a registry refusing it is a router bug (or a
   misconfiguration such as a TLS or auth failure), and the router's client sees INTERNAL while
   the log keeps the details. The router bounds client input itself before calling.
@@ -25,21 +25,16 @@ import numpy as np
 import structlog
 
 from kvshuttle.client.convert import to_timestamp
-from kvshuttle.client.errors import KvshuttleRpcError
+from kvshuttle.client.errors import KvshuttleRpcError, domain_error
 from kvshuttle.client.registry import RegistryClient
 from kvshuttle.core.errors import (
     Aborted,
-    FailedPrecondition,
-    KvshuttleError,
-    NotFound,
-    ResourceExhausted,
-    Unavailable,
 )
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.router.model import ClaimInfo, Hashes, NodeInfo, RetentionInfo, Role
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 
-__all__ = ["GrpcRegistryPort", "RegistryCallError"]
+__all__ = ["GrpcRegistryPort"]
 
 log = structlog.get_logger("kvshuttle.router")
 T = TypeVar("T")
@@ -55,38 +50,8 @@ ROLE_TO_PB: dict[Role, pb.NodeRole.ValueType] = {
     Role.BOTH: pb.NODE_ROLE_BOTH,
 }
 
-_DOMAIN_ERRORS: dict[grpc.StatusCode, type[KvshuttleError]] = {
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-    grpc.StatusCode.ABORTED: Aborted,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
-}
-_UNREACHABLE = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
-)
 # Pages of ListNodes; a deployment has tens of nodes, so one page almost always.
 _PAGE_SIZE = 500
-
-
-class RegistryCallError(RuntimeError):
-    """The registry refused a request the router built: a router bug or a misconfiguration.
-    Not a domain error, so the router's client gets INTERNAL and the log gets the details."""
-
-    def __init__(self, error: KvshuttleRpcError) -> None:
-        super().__init__(f"registry {error.method.rsplit('/', 1)[-1]} failed: {error!r}")
-        self.error = error
-
-
-def domain_error(error: KvshuttleRpcError) -> Exception:
-    """The exception the router raises for a failed registry call (see the module docstring)."""
-    kind = _DOMAIN_ERRORS.get(error.code)
-    if kind is not None:
-        return kind(error.message, reason=error.reason or error.code_name, metadata=error.metadata)
-    if error.code in _UNREACHABLE:
-        return Unavailable(
-            f"registry unavailable ({error.code_name}): {error.message}", reason="REGISTRY_UNAVAILABLE"
-        )
-    return RegistryCallError(error)
 
 
 def _seconds(ts: Any) -> float:
@@ -140,7 +105,7 @@ class GrpcRegistryPort:
         try:
             return await call
         except KvshuttleRpcError as err:
-            raise domain_error(err) from err
+            raise domain_error(err, "registry") from err
 
     async def get_conversation(self, name: str) -> tuple[int, RetentionInfo | None]:
         try:
@@ -148,7 +113,7 @@ class GrpcRegistryPort:
         except KvshuttleRpcError as err:
             if err.code == grpc.StatusCode.NOT_FOUND and err.reason == "CONVERSATION_NOT_FOUND":
                 return 0, None
-            raise domain_error(err) from err
+            raise domain_error(err, "registry") from err
         conversation = response.conversation
         retention = retention_info(conversation.retention) if conversation.HasField("retention") else None
         return conversation.fence_generation, retention
@@ -231,4 +196,4 @@ class GrpcRegistryPort:
         except KvshuttleRpcError as err:
             if err.code == grpc.StatusCode.NOT_FOUND:
                 return  # already consumed, replaced or lapsed: what releasing wanted
-            raise domain_error(err) from err
+            raise domain_error(err, "registry") from err

@@ -153,22 +153,29 @@ class GrpcServer:
         _log.info("server.stopped")
 
     async def serve_until_signal(self) -> None:
-        """Start, serve until SIGTERM or SIGINT, then stop gracefully. The handlers are removed
-        once the first signal arrives, so a second one ends the process at once."""
+        """Start, serve until SIGTERM or SIGINT, then stop gracefully."""
         await self.start()
-        loop = asyncio.get_running_loop()
-        received: asyncio.Future[signal.Signals] = loop.create_future()
-
-        def on_signal(sig: signal.Signals) -> None:
-            if not received.done():
-                received.set_result(sig)
-
-        signals = (signal.SIGTERM, signal.SIGINT)
-        for sig in signals:
-            loop.add_signal_handler(sig, on_signal, sig)
         try:
-            _log.info("server.signal", signal=(await received).name)
+            _log.info("server.signal", signal=(await wait_for_signal()).name)
         finally:
-            for sig in signals:
-                loop.remove_signal_handler(sig)
             await self.stop()
+
+
+async def wait_for_signal() -> signal.Signals:
+    """The first SIGTERM or SIGINT. Its handlers are removed as it arrives, so a second signal
+    ends the process at once (the default action) while a graceful stop runs."""
+    loop = asyncio.get_running_loop()
+    received: asyncio.Future[signal.Signals] = loop.create_future()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not received.done():
+            received.set_result(sig)
+
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        return await received
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
