@@ -9,11 +9,14 @@ parses its arguments. Nothing is imported then; each fix patches its target when
 - `nixl_cpu.py`: NixlConnector on the CPU build: keep each worker on its own core (off:
   `KVSHUTTLE_NIXL_KEEP_CORE=0`), and, when `KVSHUTTLE_NIXL_PTHR_DELAY_US` is set, let NIXL's
   progress thread sleep instead of spinning a core.
+- `idle.py`: a decode node that only holds retained KV waits for new work between engine steps
+  instead of stepping every millisecond (which spins its worker's core). Off:
+  `KVSHUTTLE_IDLE_STEP_MS=0`.
 """
 
 from __future__ import annotations
 
-from . import nixl_cpu, stream
+from . import idle, nixl_cpu, stream
 
 __all__ = ["register"]
 
@@ -22,3 +25,4 @@ def register() -> None:
     """The entry point vLLM calls; never raises (a broken plugin must not stop the server)."""
     stream.install()
     nixl_cpu.install()
+    idle.install()
