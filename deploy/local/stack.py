@@ -92,7 +92,7 @@ class KvshuttleStack:
         self.registry_addr = f"{HOST}:{ports[0]}"
         self.router_addr = f"{HOST}:{ports[1]}"
         self.gateway_url = f"http://{HOST}:{ports[2]}"
-        self._agent_ports = (ports[3], ports[4])
+        self.agent_addrs = (f"{HOST}:{ports[3]}", f"{HOST}:{ports[4]}")
         self.metrics_ports = {"registry": ports[5], "router": ports[6]}
         extra = extra_env or {}
         log = {"TELEMETRY__LOG_FORMAT": "json"}
@@ -135,10 +135,10 @@ class KvshuttleStack:
         self.agents = self._agents(extra.get("agent", {}))
 
     def _agents(self, extra: Mapping[str, str]) -> tuple[Service, Service]:
-        def agent(engine: VllmEngine, port: int) -> Service:
+        def agent(engine: VllmEngine, listen: str) -> Service:
             host, side_port = engine.side_channel
             return Service(f"agent-{engine.name}", "kvshuttle.agent.main", _prefixed("KVSHUTTLE_AGENT_", {
-                "TELEMETRY__LOG_FORMAT": "json", "SERVER__LISTEN": f"{HOST}:{port}",
+                "TELEMETRY__LOG_FORMAT": "json", "SERVER__LISTEN": listen,
                 "REGISTRY__ADDRESS": self.registry_addr, "NODE__NAME": f"nodes/{engine.name}",
                 "NODE__ROLE": engine.spec.role, "NODE__ENGINE_ID": engine.engine_id,
                 "NODE__HTTP_ENDPOINT": engine.url, "NODE__MODEL": self.model,
@@ -149,7 +149,7 @@ class KvshuttleStack:
                 "EVENTS__TOPIC": "kv-events", "LEASE__TTL": "10", "LEASE__HEARTBEAT_INTERVAL": "1",
                 "ENGINE__POLL_INTERVAL": "0.5", **extra}), self.work_dir)  # fmt: skip
 
-        return agent(self.pair.prefill, self._agent_ports[0]), agent(self.pair.decode, self._agent_ports[1])
+        return agent(self.pair.prefill, self.agent_addrs[0]), agent(self.pair.decode, self.agent_addrs[1])
 
     @property
     def services(self) -> list[Service]:

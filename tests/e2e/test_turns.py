@@ -199,7 +199,7 @@ def test_agents_see_an_engine_restart(stack: KvshuttleStack, vllm_pair: VllmPair
     fresh = free_ports(2)
     keep[1], keep[5] = fresh  # new side-channel ports: the old ones linger in TIME_WAIT
     vllm_pair.restart(ports=keep)
-    agent = apb_grpc.AgentServiceStub(grpc.insecure_channel(f"127.0.0.1:{stack._agent_ports[1]}"))
+    agent = apb_grpc.AgentServiceStub(grpc.insecure_channel(stack.agent_addrs[1]))
 
     def restarted() -> bool:
         return agent.GetStatus(apb.GetStatusRequest(), timeout=2).events.engine_restarts >= 1

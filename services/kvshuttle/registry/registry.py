@@ -31,7 +31,6 @@ from kvshuttle.core.names import (
 )
 from kvshuttle.registry.block_index import ApplyResult, BlockIndex, BlockStored, EventBatch
 from kvshuttle.registry.model import (
-    ChangeKind,
     Conversation,
     ExpiryResult,
     Node,
@@ -515,4 +514,4 @@ class Registry:
         return self._index
 
 
-__all__ = ["ChangeKind", "Registry", "RegistryLimits", "RegistryStats", "Subscription", "TtlRange"]
+__all__ = ["Registry", "RegistryLimits", "RegistryStats", "Subscription", "TtlRange"]

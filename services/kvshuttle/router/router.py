@@ -26,7 +26,6 @@ from kvshuttle.core.errors import (
     Aborted,
     FailedPrecondition,
     InvalidArgument,
-    KvshuttleError,
     NotFound,
 )
 from kvshuttle.core.hashing import TokenIds, token_array
@@ -671,4 +670,4 @@ class Router:
         self._metrics.own_seconds.labels("AbortTurn").observe(timer.own_cpu_s())
 
 
-__all__ = ["CommitRequest", "CommitResult", "KvshuttleError", "PlanRequest", "Router", "RouterPolicy"]
+__all__ = ["CommitRequest", "CommitResult", "PlanRequest", "Router", "RouterPolicy"]
