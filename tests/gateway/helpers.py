@@ -100,17 +100,22 @@ class Cluster:
     metrics: CollectorRegistry
 
     async def post(self, path: str, body: dict[str, Any], **headers: str) -> tuple[int, dict[str, Any]]:
+        """The response, once the turn's background commit (or abort) has landed too."""
         async with self.http.post(self.url + path, json=body, headers=headers) as response:
-            return response.status, await response.json()
+            answer = response.status, await response.json()
+        await self.gateway.gateway.settle()
+        return answer
 
     async def stream(self, path: str, body: dict[str, Any], **headers: str) -> tuple[int, list[Any]]:
-        """Every SSE event's data, JSON-decoded ("[DONE]" as the string)."""
+        """Every SSE event's data, JSON-decoded ("[DONE]" as the string), once the turn's
+        background commit (or abort) has landed too."""
         async with self.http.post(
             self.url + path, json={**body, "stream": True}, headers=headers
         ) as response:
             raw = (await response.read()).decode()
-            if response.status != 200:
-                return response.status, [json.loads(raw)]
+        await self.gateway.gateway.settle()
+        if response.status != 200:
+            return response.status, [json.loads(raw)]
         assert raw.endswith("\n\n")
         events: list[Any] = []
         for event in raw.split("\n\n")[:-1]:

@@ -151,10 +151,13 @@ async def test_chat_turn_sends_the_engines_what_vllm_needs_and_commits_the_seque
     assert line["decision"] == "recompute" and line["reason"] == "no_retention"
     assert line["status"] == 200 and line["outcome"] == "ok"
     assert line["prompt_tokens"] == len(prompt) and line["output_tokens"] == len(output)
-    assert line["retention"] == retention.name
     assert line["conversation"] != "conv-1" and re.fullmatch(r"[0-9a-f]{16}", line["conversation"])
-    for key in ("tokenize_ms", "plan_ms", "prefill_ms", "decode_ms", "commit_ms", "ttft_ms", "added_ms"):
+    for key in ("tokenize_ms", "plan_ms", "prefill_ms", "decode_ms", "ttft_ms", "added_ms"):
         assert line[key] >= 0, key
+    assert "wait_ms" not in line  # no earlier turn of this conversation was committing
+    (committed,) = [e for e in logs if e["event"] == "turn.committed"]
+    assert committed["retention"] == retention.name and committed["commit_ms"] >= 0
+    assert committed["request_id"] == line["request_id"]
     assert line["added_ms"] <= line["total_ms"] - line["prefill_ms"] - line["decode_ms"] + 0.01
 
 
@@ -196,6 +199,48 @@ async def test_the_next_turn_reads_the_retained_kv_truncated_to_the_verified_pre
     assert line["reused_tokens"] == reused == line["remote_cached_tokens"]
     (retention,) = await c.retentions()  # turn 2's replaced turn 1's (claimed and consumed)
     assert retention.generation == 2
+
+
+async def test_the_answer_does_not_wait_for_the_commit_but_the_next_turn_does(
+    c: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    router = c.gateway.gateway.router
+    commit_turn = router.commit_turn
+    release = asyncio.Event()
+
+    async def held_commit(*args: Any, **kwargs: Any) -> Any:
+        await release.wait()
+        return await commit_turn(*args, **kwargs)
+
+    monkeypatch.setattr(router, "commit_turn", held_commit)
+    messages = first_messages()
+    async with c.http.post(c.url + CHAT, json=chat(messages, conversation_id="conv-bg")) as response:
+        assert response.status == 200
+        body = await response.json()
+    assert await c.retentions() == []  # answered while its commit is still held
+
+    messages += [body["choices"][0]["message"], {"role": "user", "content": "go on"}]
+    with capture_logs() as logs:
+        turn2 = asyncio.create_task(c.post(CHAT, chat(messages, conversation_id="conv-bg")))
+        await asyncio.sleep(0.2)
+        assert not turn2.done() and len(c.prefill.requests) == 1  # waiting for turn 1's commit
+        release.set()
+        status, _ = await turn2
+    assert status == 200
+    (line,) = request_lines(logs)
+    # It planned after the commit landed, so it read turn 1's retention.
+    assert (line["decision"], line["generation"]) == ("reuse", 2)
+    assert line["wait_ms"] >= 150
+    # Another conversation's turn does not wait for this one's commit.
+    release.clear()
+    async with c.http.post(c.url + CHAT, json=chat(messages, conversation_id="conv-bg")) as response:
+        assert response.status == 200
+    async with c.http.post(c.url + CHAT, json=chat(first_messages(), conversation_id="conv-x")) as response:
+        assert response.status == 200
+    assert [r.generation for r in await c.retentions()] == [2]  # both commits still held
+    release.set()
+    await c.gateway.gateway.settle()
+    assert sorted(r.generation for r in await c.retentions()) == [1, 3]
 
 
 async def test_a_streamed_chat_is_valid_openai_and_the_final_chunk_params_are_committed(c: Cluster) -> None:
@@ -497,8 +542,11 @@ async def test_a_refused_commit_still_answers_the_client_and_releases_the_claim(
         status, body = await c.post(CHAT, chat(messages, conversation_id="conv-f"))
     assert status == 200 and body["choices"][0]["message"]["content"] == c.decode.answer
     (line,) = request_lines(logs)
-    assert line["error"] == "commit:invalid_argument" and "retention" not in line
-    assert [e["event"] for e in logs if e.get("log_level") == "warning"] == ["turn.commit_failed"]
+    assert line["status"] == 200 and "error" not in line
+    (failed,) = [e for e in logs if e.get("log_level") == "warning"]
+    assert (failed["event"], failed["code"]) == ("turn.commit_failed", "INVALID_ARGUMENT")
+    assert failed["request_id"] == line["request_id"]
+    assert not [e for e in logs if e["event"] == "turn.committed"]
     assert await c.retentions() == []  # turn 1's claimed retention was released by the abort
 
 

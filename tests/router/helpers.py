@@ -52,7 +52,7 @@ def settings(registry_address: str, key: str = KEY, **policy: Any) -> RouterSett
         profiles_file=PROFILES,
         turn_signing_key=SecretStr(key),
         # The node list is re-read on every plan: a lapsed node shows at once.
-        policy=RouterPolicy(node_refresh_s=0.0, **policy),
+        policy=RouterPolicy(node_max_age_s=0.0, **policy),
     )
 
 

@@ -14,7 +14,7 @@ from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
 
-def node_info(node: reg.Node) -> NodeInfo:
+def node_info(node: reg.Node, indexed_blocks: int = 0) -> NodeInfo:
     spec = node.spec
     return NodeInfo(
         name=spec.name,
@@ -29,6 +29,7 @@ def node_info(node: reg.Node) -> NodeInfo:
         waiting_requests=node.load.waiting_requests,
         kv_cache_usage=node.load.kv_cache_usage,
         retained_bytes=node.retained_bytes,
+        indexed_blocks=indexed_blocks,
     )
 
 
@@ -66,7 +67,7 @@ class InProcessPort:
     async def list_nodes(self, model: str) -> list[NodeInfo]:
         self._count("list_nodes")
         nodes, _ = await self.registry.list_nodes(role=None, model=model, page_size=1000, page_token="")
-        return [node_info(n) for n in nodes]
+        return [node_info(n, self.registry.indexed_blocks(n.spec.name)) for n in nodes]
 
     async def lookup_blocks(self, chain: Hashes, model: str, role: Role) -> dict[str, int]:
         self._count("lookup_blocks")
@@ -98,7 +99,7 @@ class InProcessPort:
         kv_bytes: int,
         ttl: float,
         pin_expire_at: float,
-    ) -> tuple[str, float]:
+    ) -> RetentionInfo:
         self._count("put_retention")
         result = await self.registry.put_retention(
             request_id=request_id,
@@ -117,7 +118,7 @@ class InProcessPort:
                 pin_expire_at=pin_expire_at,
             ),
         )
-        return result.retention.name, result.retention.expire_at
+        return retention_info(result.retention)
 
     async def release(self, name: str, *, claim_id: str) -> None:
         self._count("release")

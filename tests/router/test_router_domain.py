@@ -37,6 +37,7 @@ CPU = ModelProfile(
 MODEL = CPU.model
 BS = 16
 CONV = "tenants/acme/conversations/c1"
+CONV2 = "tenants/acme/conversations/c2"
 KEY = b"k" * 32
 
 
@@ -239,6 +240,7 @@ async def test_expiry_between_lookup_and_claim_falls_back(
 ) -> None:
     router = cluster.router(claim_headroom_s=0.0)
     _, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    router.hints.forget(CONV)  # as another replica would: read from the registry
     port = router._port
     real_get = port.get_conversation
 
@@ -252,6 +254,53 @@ async def test_expiry_between_lookup_and_claim_falls_back(
         PlanRequest(model=MODEL, prompt_token_ids=seq + [1] * 50, conversation=CONV)
     )
     assert (plan.decision, plan.reason) == (Decision.RECOMPUTE, Reason.EXPIRED)
+
+
+async def test_the_committing_replica_plans_the_next_turn_from_its_hint(cluster: Cluster) -> None:
+    a, b = cluster.router(), cluster.router()
+    _, seq = await run_turn(a, cluster, cluster.tokens(1000))
+    assert len(a.hints) == 1 and a.hints.nbytes > 0
+    port_a, port_b = a._port, b._port
+    assert isinstance(port_a, InProcessPort) and isinstance(port_b, InProcessPort)
+    before = dict(port_a.calls)
+    prompt = seq + cluster.tokens(100)
+    plan = await a.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV))
+    assert (plan.decision, plan.generation) == (Decision.REUSE, 2)
+    # No registry read: the hint verified the prompt, and the claim confirmed the hint.
+    # Nor a block lookup: no prefill node has indexed blocks.
+    calls = {k: v - before.get(k, 0) for k, v in port_a.calls.items() if v != before.get(k, 0)}
+    assert calls == {"claim": 1}
+    assert len(a.hints) == 0  # consumed by the claim
+    await a.abort_turn(plan.turn, "test")
+
+    # Another replica has no hint: it reads the conversation.
+    _, seq = await run_turn(a, cluster, cluster.tokens(1000), conversation=CONV2)
+    plan = await b.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=seq + [7] * 80, conversation=CONV2))
+    assert plan.decision == Decision.REUSE
+    assert port_b.calls.get("get_conversation") == 1 and port_b.calls.get("claim") == 1
+
+
+async def test_a_stale_hint_is_never_trusted(cluster: Cluster) -> None:
+    a, b = cluster.router(), cluster.router()
+    _, seq = await run_turn(a, cluster, cluster.tokens(1000))  # a's hint: generation 1
+    _, seq = await run_turn(b, cluster, seq + cluster.tokens(100))  # b reused it and stored 2
+    # a's claim of generation 1 is refused (replaced): it plans again on the registry's word.
+    plan = await a.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=seq + cluster.tokens(100), conversation=CONV)
+    )
+    assert (plan.decision, plan.reason, plan.generation) == (Decision.REUSE, Reason.REUSE_CHEAPER, 3)
+    assert plan.claimed == f"{CONV}/retentions/2"
+    await a.abort_turn(plan.turn, "test")
+
+    # A hint that verifies nothing is checked with the registry too: another replica stored a
+    # newer retention of a rewritten history, which this prompt continues.
+    await run_turn(a, cluster, cluster.tokens(500), conversation=CONV2)  # a's hint: 1
+    _, rewritten = await run_turn(b, cluster, cluster.tokens(600), conversation=CONV2)  # b: 2
+    plan = await a.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=rewritten + [5] * 60, conversation=CONV2)
+    )
+    assert (plan.decision, plan.reason, plan.generation) == (Decision.REUSE, Reason.REUSE_CHEAPER, 3)
+    assert plan.claimed == f"{CONV2}/retentions/2"
 
 
 async def test_two_router_replicas_race_for_one_retention(cluster: Cluster) -> None:
@@ -268,7 +317,7 @@ async def test_two_router_replicas_race_for_one_retention(cluster: Cluster) -> N
 
 
 async def test_dead_or_unhealthy_holder_means_recompute(cluster: Cluster) -> None:
-    router = cluster.router(node_refresh_s=0.0)
+    router = cluster.router(node_max_age_s=0.0)
     _, seq = await run_turn(router, cluster, cluster.tokens(1000))
     await cluster.add_node("nodes/d1", NodeRole.DECODE)
     await cluster.add_node("nodes/d0", NodeRole.DECODE, healthy=False)  # same engine: retention kept
@@ -331,7 +380,7 @@ async def test_decisions_at_the_published_benchmark_points(
 
 async def test_local_prefix_hits_on_prefill_count(cluster: Cluster) -> None:
     """With the prompt already in prefill's cache, reading it remotely buys nothing."""
-    router = cluster.router()
+    router = cluster.router(node_max_age_s=0.0)  # sees prefill's indexed blocks at once
     _, seq = await run_turn(router, cluster, cluster.tokens(1000))
     p0 = await cluster.registry.get_node("nodes/p0")
     blocks = len(seq) // BS
@@ -558,3 +607,28 @@ async def test_placement_prefers_the_idle_prefill_node(cluster: Cluster) -> None
     plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=cluster.tokens(300)))
     assert plan.prefill.name == "nodes/p1"
     assert PrefillModel(1, 1).ms(2, 0) == 1 + 2  # the linear part alone
+
+
+async def test_the_node_list_is_refreshed_in_the_background(cluster: Cluster) -> None:
+    router = cluster.router(node_refresh_s=0.0, node_max_age_s=60.0)
+    port = router._port
+    assert isinstance(port, InProcessPort)
+    plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=cluster.tokens(100)))
+    assert port.calls["list_nodes"] == 1  # nothing in hand: the plan waited for it
+    await cluster.add_node("nodes/d1", NodeRole.DECODE)
+    d0 = await cluster.registry.get_node("nodes/d0")
+    await cluster.registry.deregister_node("nodes/d0", d0.incarnation)
+    # The list in hand (d0) serves this plan while a background read picks up d1.
+    plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=cluster.tokens(100)))
+    assert plan.decode.name == "nodes/d0"
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert port.calls["list_nodes"] == 2
+    plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=cluster.tokens(100)))
+    assert plan.decode.name == "nodes/d1"
+    # Too old to trust: the plan reads the list itself.
+    stale = cluster.router(node_max_age_s=0.0)
+    await stale.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=cluster.tokens(100)))
+    await stale.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=cluster.tokens(100)))
+    stale_port = stale._port
+    assert isinstance(stale_port, InProcessPort) and stale_port.calls["list_nodes"] == 2

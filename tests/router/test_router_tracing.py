@@ -102,11 +102,12 @@ async def test_a_turn_is_one_trace_with_plan_claim_and_commit(traced: Traced) ->
         "commit",
         "/kvshuttle.router.v1.RouterService/PlanTurn",  # client and server spans
         "/kvshuttle.router.v1.RouterService/CommitTurn",
-        "/kvshuttle.registry.v1.RegistryService/GetConversation",
         "/kvshuttle.registry.v1.RegistryService/ClaimRetention",
         "/kvshuttle.registry.v1.RegistryService/PutRetention",
     ):
         assert name in names, (name, names)
+    # The router that committed turn 1 planned turn 2 from its hint: no registry read.
+    assert "/kvshuttle.registry.v1.RegistryService/GetConversation" not in names
     # Nothing of the turn escaped into another trace.
     stray = [
         s.name
@@ -129,6 +130,7 @@ async def test_a_turn_is_one_trace_with_plan_claim_and_commit(traced: Traced) ->
     assert a["kvshuttle.reused_tokens"] == second.reusable_tokens
     assert a["kvshuttle.recomputed_tokens"] == second.tokens_to_compute
     assert (claim.attributes or {})["kvshuttle.claim"] == "won"
+    assert a["kvshuttle.retention_hint"] == "confirmed"
 
     c = commit.attributes or {}
     assert (c["kvshuttle.turn_index"], c["kvshuttle.decision"]) == (2, "reuse")

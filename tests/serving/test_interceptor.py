@@ -11,6 +11,7 @@ import grpc
 import grpc.aio
 import pytest
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode as SpanStatusCode
@@ -263,3 +264,16 @@ async def test_ids_do_not_leak_into_the_next_call(harness: Harness) -> None:
     line = await harness.done_once("Missing")
     assert "request_id" not in line
     assert "echoed" not in line
+
+
+async def test_health_checks_are_logged_but_not_traced(harness: Harness) -> None:
+    check = harness.channel.unary_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+    answer = await check(health_pb2.HealthCheckRequest(service=SERVICE))
+    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    line = await harness.done_once("Check")
+    assert line["code"] == "OK" and "trace_id" not in line
+    assert [s.kind.name for s in harness.spans.get_finished_spans()] == ["CLIENT"]

@@ -13,14 +13,17 @@ Per request:
    (never a hand-made dict: decode would hold such a request's blocks forever).
 4. Decode: `/v1/completions` with the same prompt, P's params, `return_token_ids: true` and the
    client's sampling; streamed to the client as it comes (translated to chat chunks for chat).
-5. CommitTurn before the response ends (so the conversation's next turn finds the retention):
-   decode's final `kv_transfer_params` (the non-streaming body, or the stream chunk that carries
-   them: upstream 0.33, or 0.32 with the kvshuttle plugin; absent, nothing is retained), the
-   sequence's token ids (prompt + output) and the timings.
+5. CommitTurn once decode has answered, in the background: the client's response does not
+   wait for it. It carries decode's final `kv_transfer_params` (the non-streaming body, or the
+   stream chunk that carries them: upstream 0.33, or 0.32 with the kvshuttle plugin; absent,
+   nothing is retained), the sequence's token ids (prompt + output) and the timings. The
+   conversation's next turn plans only after that commit has landed (in this gateway), so it
+   finds the retention; a turn that reaches another gateway replica first recomputes.
 
 Whatever ends a planned turn early (an engine error, the client leaving, shutdown) aborts it,
 which releases a claimed retention. One `request.done` log line per request carries what the
-lead's benchmark reads, `added_ms` included: the wall time less the prefill and decode requests.
+lead's benchmark reads, `added_ms` included: the wall time less the prefill and decode requests;
+the commit logs its own `turn.committed` line (or `turn.commit_failed`).
 """
 
 from __future__ import annotations
@@ -119,13 +122,13 @@ class RequestLog:
     reused_tokens: int = 0
     output_tokens: int = 0
     remote_cached_tokens: int | None = None
-    retention: str = ""
     stop_strings: bool = False
     tokenize_ms: float | None = None
     plan_ms: float | None = None
     prefill_ms: float | None = None
     decode_ms: float | None = None
-    commit_ms: float | None = None
+    # Waiting for the conversation's previous commit (in flight when this turn arrived).
+    wait_ms: float | None = None
     ttft_ms: float | None = None
     # Decode's time to its first byte (streaming) or to its whole answer.
     decode_ttfb_ms: float | None = None
@@ -141,6 +144,7 @@ class RequestLog:
 @dataclass(slots=True)
 class _Turn:
     handle: str
+    conversation: str
     # Committed, aborted, or handed to a commit in flight: nothing left to abort.
     settled: bool = False
 
@@ -190,6 +194,8 @@ class Gateway:
         self._engines = EngineClient(settings.engines)
         self._router: RouterClient | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        # Conversation -> its latest turn's commit while in flight.
+        self._commits: dict[str, asyncio.Task[Any]] = {}
         self._started = int(time.time())
         self.draining = False
 
@@ -211,9 +217,9 @@ class Gateway:
         await self._engines.start()
 
     async def _cleanup(self, app: web.Application) -> None:
-        # Aborts and commits of requests cancelled by the shutdown are still in flight.
-        if self._background:
-            await asyncio.wait(set(self._background), timeout=self.settings.router.timeout + 1)
+        # Commits, and aborts of requests cancelled by the shutdown, may still be in flight.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.settle(), self.settings.router.timeout + 1)
         if self._router is not None:
             await self._router.close()
         await self._engines.close()
@@ -223,6 +229,11 @@ class Gateway:
         if self._router is None:
             raise RuntimeError("the gateway app has not started")
         return self._router
+
+    async def settle(self) -> None:
+        """Wait until no commit or abort is in flight (one may start another)."""
+        while self._background:
+            await asyncio.wait(set(self._background))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], what: str) -> asyncio.Task[Any]:
         """A task that outlives the request that started it (kept referenced, failures logged)."""
@@ -356,7 +367,7 @@ class Gateway:
             ("kvshuttle.turn_index", rec.generation or None),
             ("kvshuttle.reused_tokens", rec.reused_tokens if rec.decision else None),
             ("kvshuttle.remote_cached_tokens", rec.remote_cached_tokens),
-            ("kvshuttle.retention", rec.retention),
+            ("kvshuttle.commit_wait.ms", rec.wait_ms),
             ("kvshuttle.ttft.ms", rec.ttft_ms),
             ("kvshuttle.tokenize.ms", rec.tokenize_ms),
             ("kvshuttle.prefill.ms", rec.prefill_ms),
@@ -481,6 +492,13 @@ class Gateway:
         start: float,
     ) -> web.StreamResponse:
         served = self.settings.served_name(treq.model)
+        previous = self._commits.get(conversation) if conversation else None
+        if previous is not None:
+            # The previous turn's retention is what this turn may read: plan once it is stored.
+            # (A commit never raises; a client leaving now does not cancel it.)
+            timer = _Timing()
+            await asyncio.wait({previous}, timeout=self.settings.router.timeout)
+            rec.wait_ms = timer.ms()
         timer = _Timing()
         try:
             plan = await self.router.plan_turn(
@@ -498,7 +516,7 @@ class Gateway:
         self._metrics.turns.labels(rec.decision, rec.reason).inc()
         self._metrics.reused_tokens.inc(plan.reusable_tokens)
 
-        turn = _Turn(plan.turn)
+        turn = _Turn(plan.turn, conversation)
         prompt_json = json.dumps(ids, separators=(",", ":")).encode()
         try:
             if not plan.prefill.http_endpoint or not plan.decode.http_endpoint:
@@ -608,7 +626,7 @@ class Gateway:
         params = answer.get("kv_transfer_params")
         out.kv_transfer_params = params if isinstance(params, dict) else None
         rec.output_tokens = len(out.token_ids)
-        await self._commit(turn, ids, out, rec)
+        self._commit(turn, ids, out, rec)
         response_id = self._response_id(treq, rec)
         if treq.kind == "chat":
             created = answer.get("created")
@@ -695,7 +713,7 @@ class Gateway:
                 await write(sse(err.body()) + SSE_DONE)
             return response
         rec.output_tokens = len(out.token_ids)
-        await self._commit(turn, ids, out, rec)
+        self._commit(turn, ids, out, rec)
         try:
             await write(SSE_DONE)
             await response.write_eof()
@@ -735,8 +753,10 @@ class Gateway:
 
     # ---- commit and abort ------------------------------------------------------------------
 
-    async def _commit(self, turn: _Turn, ids: list[int], out: DecodeOutput, rec: RequestLog) -> None:
-        """CommitTurn, shielded: a client leaving now must not lose the retention decode holds."""
+    def _commit(self, turn: _Turn, ids: list[int], out: DecodeOutput, rec: RequestLog) -> None:
+        """CommitTurn in the background: the client's answer is complete without it, and a
+        client leaving now must not lose the retention decode holds. The conversation's next
+        turn waits for it (in _turn)."""
         turn.settled = True
         timings = pb.TurnTimings()
         if rec.ttft_ms is not None:
@@ -756,15 +776,15 @@ class Gateway:
         elif out.finish_reason is not None:
             log.debug("decode.no_kv_transfer_params", stop_strings=rec.stop_strings)
         tokens = ids + out.token_ids if out.ids_complete else ids
-        timer = _Timing()
-        call = self._commit_call(turn.handle, tokens, params, timings)
-        result = await asyncio.shield(self._spawn(call, "commit"))
-        rec.commit_ms = timer.ms()
-        if isinstance(result, KvshuttleRpcError):
-            rec.error = f"commit:{(result.reason or result.code_name).lower()}"
-            await self._abort(turn.handle, "commit failed")  # releases a claim the commit did not
-        else:
-            rec.retention = result.retention
+        task = self._spawn(self._commit_call(turn.handle, tokens, params, timings, rec.request_id), "commit")
+        if conversation := turn.conversation:
+            self._commits[conversation] = task
+
+            def forget(t: asyncio.Task[Any]) -> None:
+                if self._commits.get(conversation) is t:
+                    del self._commits[conversation]
+
+            task.add_done_callback(forget)
 
     async def _commit_call(
         self,
@@ -772,17 +792,29 @@ class Gateway:
         tokens: list[int],
         params: KvTransferParams | None,
         timings: pb.TurnTimings,
-    ) -> pb.CommitTurnResponse | KvshuttleRpcError:
-        """The CommitTurn RPC; its failure logged here, also when nobody waits for it any more."""
+        request_id: str,
+    ) -> None:
+        """The CommitTurn RPC and its log line; a failed commit aborts the turn, which releases
+        a claimed retention the commit did not."""
+        timer = _Timing()
         try:
-            return await self.router.commit_turn(
+            result = await self.router.commit_turn(
                 handle, token_ids=tokens, decode_kv_transfer_params=params, timings=timings
             )
         except KvshuttleRpcError as err:
+            self._metrics.commits.labels("failed").inc()
             log.warning(
-                "turn.commit_failed", code=err.code_name, reason=err.reason, message=err.message[:300]
+                "turn.commit_failed",
+                code=err.code_name,
+                reason=err.reason,
+                message=err.message[:300],
+                commit_ms=timer.ms(),
+                request_id=request_id,
             )
-            return err
+            await self._abort_call(handle, "commit failed")
+            return
+        self._metrics.commits.labels("stored" if result.retention else "nothing_retained").inc()
+        log.info("turn.committed", retention=result.retention, commit_ms=timer.ms(), request_id=request_id)
 
     async def _abort(self, handle: str, reason: str) -> None:
         """AbortTurn, shielded from the request's cancellation; failures are logged, not raised."""

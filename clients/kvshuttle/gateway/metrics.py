@@ -11,8 +11,8 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.
 
 class GatewayMetrics:
     """kvshuttle_gateway_requests_total{endpoint,status}, kvshuttle_gateway_added_seconds,
-    kvshuttle_gateway_ttft_seconds, kvshuttle_gateway_turns_total{decision,reason} and
-    kvshuttle_gateway_reused_tokens_total."""
+    kvshuttle_gateway_ttft_seconds, kvshuttle_gateway_turns_total{decision,reason},
+    kvshuttle_gateway_reused_tokens_total and kvshuttle_gateway_commits_total{outcome}."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.requests = Counter(
@@ -42,5 +42,11 @@ class GatewayMetrics:
         self.reused_tokens = Counter(
             "kvshuttle_gateway_reused_tokens",
             "Prompt tokens planned to be read from retained KV instead of recomputed.",
+            registry=registry,
+        )
+        self.commits = Counter(
+            "kvshuttle_gateway_commits",
+            "Background CommitTurn calls by outcome: stored, nothing_retained or failed.",
+            ["outcome"],
             registry=registry,
         )

@@ -56,6 +56,8 @@ class NodeInfo:
     waiting_requests: int = 0
     kv_cache_usage: float = 0.0
     retained_bytes: int = 0
+    # Blocks of its prefix cache in the registry's index (0: nothing to look up there).
+    indexed_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

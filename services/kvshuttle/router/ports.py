@@ -39,8 +39,8 @@ class RegistryPort(Protocol):
         kv_bytes: int,
         ttl: float,
         pin_expire_at: float,
-    ) -> tuple[str, float]:
-        """Store decode's retained KV; returns (name, expire_at)."""
+    ) -> RetentionInfo:
+        """Store decode's retained KV; returns it as stored."""
         ...
 
     async def release(self, name: str, *, claim_id: str) -> None:

@@ -76,6 +76,7 @@ def node_info(node: pb.Node) -> NodeInfo | None:
         waiting_requests=node.load.waiting_requests,
         kv_cache_usage=node.load.kv_cache_usage,
         retained_bytes=node.retained_bytes,
+        indexed_blocks=node.indexed_blocks,
     )
 
 
@@ -168,7 +169,7 @@ class GrpcRegistryPort:
         kv_bytes: int,
         ttl: float,
         pin_expire_at: float,
-    ) -> tuple[str, float]:
+    ) -> RetentionInfo:
         retention = pb.Retention(
             node=node,
             generation=generation,
@@ -188,7 +189,7 @@ class GrpcRegistryPort:
                 request_id=request_id,
             )
         )
-        return response.retention.name, _seconds(response.retention.expire_time)
+        return retention_info(response.retention)
 
     async def release(self, name: str, *, claim_id: str) -> None:
         try:

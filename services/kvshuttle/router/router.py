@@ -8,6 +8,7 @@ is never served; slower is fine.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import math
 import time
@@ -32,6 +33,7 @@ from kvshuttle.core.hashing import TokenIds, token_array
 from kvshuttle.core.names import check_id, parse_conversation
 from kvshuttle.router.chains import Chain, ChainCache
 from kvshuttle.router.cost import CostModel, ModelProfile
+from kvshuttle.router.hints import RetentionHints
 from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import (
     ClaimInfo,
@@ -66,11 +68,16 @@ class RouterPolicy:
     # decode's answer; kvshuttle's lease ends margin_s earlier.
     decoder_kv_blocks_ttl_s: float = 480.0
     retention_margin_s: float = 30.0
+    # The node list in hand is refreshed in the background once it is node_refresh_s old; a
+    # plan waits for the registry only when it is node_max_age_s old (or missing).
     node_refresh_s: float = 0.5
+    node_max_age_s: float = 5.0
     reuse_enabled: bool = True
     max_prompt_tokens: int = 262_144
     max_id_length: int = 128
     chain_cache_bytes: int = 256 * 2**20
+    # The retentions this replica's commits stored, for the conversations' next plans.
+    retention_hint_bytes: int = 256 * 2**20
     remembered_turns: int = 100_000
     weights: PlacementWeights = field(default_factory=PlacementWeights)
 
@@ -142,14 +149,6 @@ class _Timer:
         }
 
 
-async def _no_hits() -> dict[str, int]:
-    return {}
-
-
-async def _no_conversation() -> tuple[int, RetentionInfo | None]:
-    return 0, None
-
-
 class Router:
     def __init__(
         self,
@@ -171,7 +170,9 @@ class Router:
         self.policy = policy or RouterPolicy()
         self._metrics = metrics or RouterMetrics()
         self.chains = ChainCache(self.policy.chain_cache_bytes)
+        self.hints = RetentionHints(self.policy.retention_hint_bytes)
         self._nodes_cache: dict[str, tuple[float, list[NodeInfo]]] = {}
+        self._node_refreshes: dict[str, asyncio.Task[None]] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()
         self._commits: OrderedDict[str, CommitResult] = OrderedDict()
         self._plans: OrderedDict[str, Plan] = OrderedDict()
@@ -183,14 +184,30 @@ class Router:
     # ---- shared ----------------------------------------------------------------------------
 
     async def _nodes(self, model: str) -> list[NodeInfo]:
-        """Live nodes serving `model`, refreshed from the registry at most every node_refresh_s."""
+        """Live nodes serving `model`: the list in hand unless it is node_max_age_s old, and
+        refreshed in the background past node_refresh_s, so a plan rarely waits for ListNodes."""
         cached = self._nodes_cache.get(model)
-        now = time.monotonic()
-        if cached is not None and now - cached[0] < self.policy.node_refresh_s:
-            return cached[1]
+        age = math.inf if cached is None else time.monotonic() - cached[0]
+        if cached is None or age >= self.policy.node_max_age_s:
+            return await self._read_nodes(model)
+        if age >= self.policy.node_refresh_s and model not in self._node_refreshes:
+            # In a context of its own: not a part of the plan that happened to start it.
+            task = asyncio.create_task(self._refresh_nodes(model), context=contextvars.Context())
+            self._node_refreshes[model] = task
+            task.add_done_callback(lambda _: self._node_refreshes.pop(model, None))
+        return cached[1]
+
+    async def _read_nodes(self, model: str) -> list[NodeInfo]:
+        read_at = time.monotonic()
         nodes = await self._port.list_nodes(model)
-        self._nodes_cache[model] = (now, nodes)
+        self._nodes_cache[model] = (read_at, nodes)
         return nodes
+
+    async def _refresh_nodes(self, model: str) -> None:
+        try:
+            await self._read_nodes(model)
+        except Exception as exc:  # the next plan retries; past node_max_age_s it reads itself
+            log.warning("router.nodes_refresh_failed", model=model, error=repr(exc)[:300])
 
     def _remember(self, table: OrderedDict[str, T], key: str, value: T) -> None:
         table[key] = value
@@ -274,16 +291,27 @@ class Router:
         parent: str,
         timer: _Timer,
         span: trace.Span,
+        *,
+        use_hint: bool = True,
     ) -> Plan:
         n = int(tokens.size)
         nodes = await timer.registry(self._nodes(req.model))  # cached: usually no round trip
         prefill_pool = [x for x in nodes if x.healthy and x.role.serves(Role.PREFILL)]
         block_size = prefill_pool[0].block_size if prefill_pool else 16
         chain = self.chains.chain(conversation, tokens, block_size)
-        # The conversation's retention and prefill's local hits in one round trip, not two.
-        lookup = self._port.lookup_blocks(chain, req.model, Role.PREFILL) if len(chain) else _no_hits()
-        current = self._port.get_conversation(conversation) if conversation else _no_conversation()
-        hits, (fence, retention) = await timer.registry(asyncio.gather(lookup, current))
+        hint = self._hint(req, conversation, block_size) if use_hint else None
+        # Prefill's own prefix-cache hits, asked only when a candidate has indexed blocks at all
+        # (none do when prefill runs without prefix caching). The conversation's retention, from
+        # this replica's hint or the registry, in the same round trip.
+        indexed = any(x.indexed_blocks for x in prefill_pool)
+        hits, (fence, retention) = await self._registry_reads(
+            chain if len(chain) and indexed else None,
+            conversation if conversation and hint is None else "",
+            req.model,
+            timer,
+        )
+        if hint is not None:
+            fence, retention = hint.generation, hint
         fork = False
         if retention is None and parent:
             _, retention = await timer.registry(self._port.get_conversation(parent))
@@ -328,6 +356,11 @@ class Router:
             recompute_cost,
             timer,
         )
+        if hint is not None:
+            self.hints.forget(conversation)  # claimed (consumed), or not confirmed
+            span.set_attribute("kvshuttle.retention_hint", "confirmed" if claim else "refused")
+            if claim is None:
+                return await self._plan(req, cost, tokens, conversation, parent, timer, span, use_hint=False)
         reusable = prefix.tokens if claim is not None and prefix is not None else 0
 
         turn_id = uuid.uuid4().hex
@@ -401,6 +434,28 @@ class Router:
         if req.expected_think_time_s is not None:
             span.set_attribute("kvshuttle.expected_think_time_s", req.expected_think_time_s)
         return plan
+
+    async def _registry_reads(
+        self, chain: Chain | None, conversation: str, model: str, timer: _Timer
+    ) -> tuple[dict[str, int], tuple[int, RetentionInfo | None]]:
+        """Prefill's local hits on `chain` and the conversation's retention: the reads asked
+        for (None, "": not asked), both in one round trip."""
+        lookup = None if chain is None else self._port.lookup_blocks(chain, model, Role.PREFILL)
+        current = self._port.get_conversation(conversation) if conversation else None
+        if lookup is not None and current is not None:
+            return await timer.registry(asyncio.gather(lookup, current))
+        if lookup is not None:
+            return await timer.registry(lookup), (0, None)
+        if current is not None:
+            return {}, await timer.registry(current)
+        return {}, (0, None)
+
+    def _hint(self, req: PlanRequest, conversation: str, block_size: int) -> RetentionInfo | None:
+        """The retention this replica last stored for the conversation, when reuse is on."""
+        if not conversation or not self.policy.reuse_enabled or req.disable_reuse:
+            return None
+        hint = self.hints.get(conversation)
+        return hint if hint is not None and hint.block_size == block_size else None
 
     async def _decide(
         self,
@@ -609,7 +664,7 @@ class Router:
         now = self._clock.now()
         pin = now + self.policy.decoder_kv_blocks_ttl_s - self.policy.retention_margin_s
         try:
-            name, expire_at = await timer.registry(
+            stored = await timer.registry(
                 self._port.put_retention(
                     request_id=f"{state.turn_id}-commit",
                     conversation=state.conversation,
@@ -632,7 +687,8 @@ class Router:
         except (FailedPrecondition, NotFound) as err:
             log.warning("commit.not_stored", reason=err.reason, node=node.name)
             return CommitResult("", None)
-        return CommitResult(name, expire_at)
+        self.hints.put(state.conversation, stored)
+        return CommitResult(stored.name, stored.expire_at)
 
     def _observe(self, state: TurnState, t: TurnTimings) -> None:
         cost = self._costs.get(state.model)

@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from kvshuttle.serving.interceptor import RpcInterceptor
 from kvshuttle.serving.metrics import RpcMetrics
 from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
-from kvshuttle.serving.tracing import configure_tracing, server_tracing_interceptor, shutdown_tracing
+from kvshuttle.serving.tracing import configure_tracing, shutdown_tracing
 
 _log = structlog.get_logger("kvshuttle.serving")
 
@@ -82,9 +82,12 @@ class GrpcServer:
         # Created here, not in __init__: a grpc.aio server belongs to the loop it is made on.
         server = grpc.aio.server(
             interceptors=[
-                # Outermost first: the span must exist while RpcInterceptor runs.
-                server_tracing_interceptor(self._provider),
-                RpcInterceptor(self._domain, self._metrics),
+                RpcInterceptor(
+                    self._domain,
+                    self._metrics,
+                    tracer_provider=self._provider,
+                    untraced=frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME}),
+                )
             ],
             options=[
                 ("grpc.max_receive_message_length", self._settings.max_receive_message_bytes),

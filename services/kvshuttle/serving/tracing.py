@@ -1,4 +1,5 @@
-"""OpenTelemetry for the services: a TracerProvider and the gRPC interceptors built on it.
+"""OpenTelemetry for the services: a TracerProvider and the client interceptors built on it
+(the server span is RpcInterceptor's).
 
 OTel lets a process set its global TracerProvider once (a second set_tracer_provider is
 refused with a warning). So each configure_tracing call builds its own provider, makes the
@@ -15,10 +16,9 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import grpc.aio
-from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, filters
+from opentelemetry.instrumentation.grpc import aio_client_interceptors
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
@@ -42,22 +42,6 @@ def configure_tracing(
     if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         trace.set_tracer_provider(provider)
     return provider
-
-
-def server_tracing_interceptor(provider: TracerProvider) -> grpc.aio.ServerInterceptor:
-    """The span of each incoming RPC, continuing the caller's trace.
-
-    Put it before RpcInterceptor in the server's interceptor list, so the span is current while
-    RpcInterceptor binds its ids to the logs. Health checks and reflection are not traced: probes
-    would flood the traces, and the instrumentation cannot wrap the health servicer's Watch (it
-    writes with context.write instead of yielding, which the instrumentation's wrapper breaks;
-    for the same reason a traced server-streaming handler must be an async generator).
-    """
-    untraced = filters.any_of(filters.health_check(), filters.service_name(reflection.SERVICE_NAME))
-    interceptor: grpc.aio.ServerInterceptor = aio_server_interceptor(  # type: ignore[no-untyped-call]
-        tracer_provider=provider, filter_=filters.negate(untraced)
-    )
-    return interceptor
 
 
 def client_tracing_interceptors(provider: TracerProvider) -> list[grpc.aio.ClientInterceptor]:

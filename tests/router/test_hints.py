@@ -1,0 +1,54 @@
+"""RetentionHints: bounded by bytes, least recently used first out, one per conversation."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvshuttle.router.hints import RetentionHints
+from kvshuttle.router.model import RetentionInfo
+
+
+def retention(conversation: str, generation: int, blocks: int) -> RetentionInfo:
+    return RetentionInfo(
+        name=f"{conversation}/retentions/{generation}",
+        node="nodes/d0",
+        generation=generation,
+        model="m",
+        block_size=16,
+        num_tokens=blocks * 16,
+        block_hashes=np.arange(blocks, dtype=np.uint64),
+        kv_transfer_params={"remote_block_ids": [list(range(blocks))]},
+        expire_at=100.0,
+        claimed=False,
+    )
+
+
+def test_a_conversation_keeps_only_its_latest_hint() -> None:
+    hints = RetentionHints(1 << 20)
+    hints.put("c1", retention("c1", 1, 10))
+    size = hints.nbytes
+    hints.put("c1", retention("c1", 2, 10))
+    assert len(hints) == 1 and hints.nbytes == size
+    got = hints.get("c1")
+    assert got is not None and got.generation == 2
+    hints.forget("c1")
+    hints.forget("c1")  # forgetting twice is harmless
+    assert hints.get("c1") is None and hints.nbytes == 0
+
+
+def test_the_bound_evicts_the_least_recently_used() -> None:
+    probe = RetentionHints(1 << 20)
+    probe.put("a", retention("a", 1, 100))
+    per_entry = probe.nbytes
+    assert 100 * 8 + 100 * 8 < per_entry < 10_000  # hashes, block ids and the fixed part
+    hints = RetentionHints(3 * per_entry)
+    for name in "abc":
+        hints.put(name, retention(name, 1, 100))
+    assert hints.get("a") is not None  # now the most recently used
+    hints.put("d", retention("d", 1, 100))
+    assert hints.get("b") is None  # the least recently used went
+    assert all(hints.get(name) is not None for name in "acd")
+    assert hints.nbytes == 3 * per_entry
+    # One retention larger than the whole bound is not kept (and evicts nothing).
+    hints.put("huge", retention("huge", 1, 10_000))
+    assert hints.get("huge") is None and len(hints) == 3
