@@ -71,7 +71,7 @@ class FakeRegistry(pb_grpc.RegistryServiceServicer):
     delay[method]: seconds to sleep before answering.
     max_page_size: server-side page cap, to force pagination.
     watch_events: what WatchRetentions sends; with hold_watch_open it then waits until cancelled.
-    calls / requests: what arrived, per method name.
+    calls / requests / received_metadata: what arrived, per method name.
     """
 
     def __init__(self) -> None:
@@ -88,6 +88,7 @@ class FakeRegistry(pb_grpc.RegistryServiceServicer):
         self.watch_started = asyncio.Event()
         self.calls: Counter[str] = Counter()
         self.requests: dict[str, list[Message]] = defaultdict(list)
+        self.received_metadata: dict[str, list[tuple[tuple[str, Any], ...]]] = defaultdict(list)
         self._by_request_id: dict[str, Message] = {}
 
     # Test helpers
@@ -139,6 +140,7 @@ class FakeRegistry(pb_grpc.RegistryServiceServicer):
     async def _enter(self, method: str, request: Message, context: Context) -> None:
         self.calls[method] += 1
         self.requests[method].append(request)
+        self.received_metadata[method].append(tuple(context.invocation_metadata() or ()))
         if method in self.delay:
             await asyncio.sleep(self.delay[method])
         if self.failures[method]:

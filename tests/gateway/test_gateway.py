@@ -388,6 +388,14 @@ async def test_completions_take_text_or_token_ids_and_answer_as_completions(
 # ---- what the gateway refuses -------------------------------------------------------------
 
 
+@pytest.mark.parametrize("prompt", [[1, True], [1, -1], [1, 2**32], [1, 2.0], [1, "2"], [], [[1], [2]]])
+async def test_a_token_id_prompt_must_be_uint32_ids(c: Cluster, prompt: list[Any]) -> None:
+    status, body = await c.post("/v1/completions", {"model": MODEL, "prompt": prompt})
+    assert status == 400
+    assert assert_openai_error(body)["param"] == "prompt"
+    assert c.prefill.requests == []
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [

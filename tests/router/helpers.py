@@ -28,7 +28,6 @@ from kvshuttle.router.router import Router, RouterPolicy
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.serving.server import GrpcServer
 from kvshuttle.serving.settings import ServerSettings
-from kvshuttle.serving.tracing import client_tracing_interceptors
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import BlockIdList, KvTransferParams
 
 PROFILES = Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "qwen3-32b-h200.toml"
@@ -91,8 +90,7 @@ async def start_router(
     )
     server = build_server(config, router, metrics, tracer_provider=tracer_provider)
     port = await server.start()
-    interceptors = client_tracing_interceptors(client_tracing) if client_tracing is not None else ()
-    client = RouterClient.connect(ChannelOptions(f"127.0.0.1:{port}", interceptors=interceptors))
+    client = RouterClient.connect(ChannelOptions(f"127.0.0.1:{port}", tracer_provider=client_tracing))
     return RouterEnv(router, server, registry_client, client, metrics)
 
 

@@ -11,10 +11,12 @@ from typing import Any, ClassVar, Self, TypeVar
 import grpc
 import grpc.aio
 from google.protobuf.message import Message
+from opentelemetry import trace
 
 from kvshuttle.client.channel import ChannelOptions, create_channel
 from kvshuttle.client.errors import KvshuttleRpcError
 from kvshuttle.client.retry import call_unary, retry_policy
+from kvshuttle.client.tracing import record_status, traced_attempt
 
 RespT = TypeVar("RespT", bound=Message)
 
@@ -45,6 +47,10 @@ class ServiceClient:
         self._options = options or ChannelOptions("(caller's channel)")
         self._owns_channel = owns_channel
         self._callables: dict[str, Any] = {}
+        provider = self._options.tracer_provider
+        self._tracer = (
+            None if provider is None else trace.get_tracer("kvshuttle.client", tracer_provider=provider)
+        )
 
     @classmethod
     def connect(cls, target: str | ChannelOptions, **overrides: Any) -> Self:
@@ -108,6 +114,7 @@ class ServiceClient:
             policy=retry_policy(self.SERVICE, method),
             options=self._options,
             timeout=self._timeout(timeout),
+            tracer=self._tracer,
         )
         return response
 
@@ -126,11 +133,14 @@ class ServiceClient:
             request_serializer=type(request).SerializeToString,
             response_deserializer=response_type.FromString,
         )
-        call = multicallable(request, timeout=timeout)
-        try:
-            async for response in call:
-                yield response
-        except grpc.aio.AioRpcError as exc:
-            raise KvshuttleRpcError.from_rpc_error(exc, method=path) from exc
-        finally:
-            call.cancel()
+        with traced_attempt(self._tracer, path) as (span, metadata):
+            call = multicallable(request, timeout=timeout, metadata=metadata)
+            try:
+                async for response in call:
+                    yield response
+            except grpc.aio.AioRpcError as exc:
+                record_status(span, exc.code(), exc.details())
+                raise KvshuttleRpcError.from_rpc_error(exc, method=path) from exc
+            finally:
+                call.cancel()
+            record_status(span, grpc.StatusCode.OK)

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from opentelemetry.trace import TracerProvider
 
 __all__ = ["ChannelOptions", "create_channel"]
 
@@ -32,8 +33,9 @@ class ChannelOptions:
         initial_backoff, max_backoff: seconds; the wait before retry n is uniform in
             [0, min(max_backoff, initial_backoff * backoff_multiplier ** (n - 1))].
         backoff_multiplier: growth of the backoff cap per retry.
-        interceptors: extra grpc.aio client interceptors, outermost first (e.g.
-            OpenTelemetry's `aio_client_interceptors()`).
+        interceptors: extra grpc.aio client interceptors, outermost first.
+        tracer_provider: traces every call (a CLIENT span per attempt, its context sent in
+            the metadata) with this OpenTelemetry provider; None: no client spans.
         grpc_options: extra channel arguments, e.g. ("grpc.max_receive_message_length", n).
     """
 
@@ -49,6 +51,7 @@ class ChannelOptions:
     max_backoff: float = 1.0
     backoff_multiplier: float = 2.0
     interceptors: Sequence[grpc.aio.ClientInterceptor] = field(default=())
+    tracer_provider: TracerProvider | None = None
     grpc_options: Sequence[tuple[str, Any]] = field(default=())
 
     def __post_init__(self) -> None:

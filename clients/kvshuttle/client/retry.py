@@ -26,9 +26,11 @@ from typing import Any, Protocol, TypeVar
 import grpc
 import grpc.aio
 from google.protobuf.message import Message
+from opentelemetry import trace
 
 from kvshuttle.client.channel import ChannelOptions
 from kvshuttle.client.errors import KvshuttleRpcError
+from kvshuttle.client.tracing import Metadata, record_status, traced_attempt
 
 __all__ = ["RETRY_POLICY", "Retry", "backoff_delay", "call_unary", "retry_policy", "should_retry"]
 
@@ -120,7 +122,9 @@ def backoff_delay(retry: int, options: ChannelOptions, rng: random.Random | None
 class UnaryCallable(Protocol[RespT_co]):
     """What a grpc.aio UnaryUnaryMultiCallable looks like to `call_unary`."""
 
-    def __call__(self, request: Any, *, timeout: float | None = None) -> Awaitable[RespT_co]: ...
+    def __call__(
+        self, request: Any, *, timeout: float | None = None, metadata: Metadata = ()
+    ) -> Awaitable[RespT_co]: ...
 
 
 async def call_unary(
@@ -132,21 +136,28 @@ async def call_unary(
     options: ChannelOptions,
     timeout: float | None,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    tracer: trace.Tracer | None = None,
 ) -> RespT:
     """Send `request`, retrying per `policy`, within one deadline of `timeout` seconds.
 
     Returns the response; raises KvshuttleRpcError for any failure (after the last attempt for
-    a retried UNAVAILABLE). `method` is the full RPC path, for the error.
+    a retried UNAVAILABLE). `method` is the full RPC path, for the error and the spans (one
+    per attempt, when `tracer` is given).
     """
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     attempt = 1
     while True:
         remaining = None if deadline is None else max(deadline - loop.time(), 0.0)
-        try:
-            return await multicallable(request, timeout=remaining)
-        except grpc.aio.AioRpcError as exc:
-            error = exc
+        with traced_attempt(tracer, method) as (span, metadata):
+            try:
+                response = await multicallable(request, timeout=remaining, metadata=metadata)
+            except grpc.aio.AioRpcError as exc:
+                error = exc
+                record_status(span, exc.code(), exc.details())
+            else:
+                record_status(span, grpc.StatusCode.OK)
+                return response
         code = error.code()
         if attempt < options.max_attempts and should_retry(policy, request, code):
             delay = backoff_delay(attempt, options)

@@ -70,7 +70,6 @@ from kvshuttle.gateway.protocol import (
 )
 from kvshuttle.gateway.tokenizer import ChatTokenizer, TemplateError
 from kvshuttle.router.v1 import router_service_pb2 as pb
-from kvshuttle.serving.tracing import client_tracing_interceptors
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
@@ -213,7 +212,7 @@ class Gateway:
 
     async def _startup(self, app: web.Application) -> None:
         options = self.settings.router.channel_options()
-        self._router = RouterClient.connect(options, interceptors=client_tracing_interceptors(self._provider))
+        self._router = RouterClient.connect(options, tracer_provider=self._provider)
         await self._engines.start()
 
     async def _cleanup(self, app: web.Application) -> None:

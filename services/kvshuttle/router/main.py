@@ -29,7 +29,7 @@ from kvshuttle.router.turns import TurnCodec
 from kvshuttle.router.v1 import router_service_pb2, router_service_pb2_grpc
 from kvshuttle.serving.logging import configure_logging
 from kvshuttle.serving.server import GrpcServer
-from kvshuttle.serving.tracing import client_tracing_interceptors, configure_tracing, shutdown_tracing
+from kvshuttle.serving.tracing import configure_tracing, shutdown_tracing
 
 SERVICE = router_service_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 ERROR_DOMAIN = "router.kvshuttle"
@@ -64,7 +64,7 @@ def signing_key(settings: RouterSettings) -> bytes:
 def connect_registry(settings: RouterSettings, tracer_provider: TracerProvider) -> RegistryClient:
     """A registry client whose calls carry the current span (a turn's registry calls join it)."""
     options = settings.registry.channel_options()
-    return RegistryClient.connect(options, interceptors=client_tracing_interceptors(tracer_provider))
+    return RegistryClient.connect(options, tracer_provider=tracer_provider)
 
 
 def build_router(

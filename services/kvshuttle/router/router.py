@@ -298,12 +298,13 @@ class Router:
         nodes = await timer.registry(self._nodes(req.model))  # cached: usually no round trip
         prefill_pool = [x for x in nodes if x.healthy and x.role.serves(Role.PREFILL)]
         block_size = prefill_pool[0].block_size if prefill_pool else 16
-        chain = self.chains.chain(conversation, tokens, block_size)
-        hint = self._hint(req, conversation, block_size) if use_hint else None
         # Prefill's own prefix-cache hits, asked only when a candidate has indexed blocks at all
         # (none do when prefill runs without prefix caching). The conversation's retention, from
-        # this replica's hint or the registry, in the same round trip.
+        # this replica's hint or the registry, in the same round trip. A plain request with
+        # nothing to look up needs no chain.
         indexed = any(x.indexed_blocks for x in prefill_pool)
+        chain = self.chains.chain(conversation, tokens, block_size) if conversation or indexed else _NO_CHAIN
+        hint = self._hint(req, conversation, block_size) if use_hint else None
         hits, (fence, retention) = await self._registry_reads(
             chain if len(chain) and indexed else None,
             conversation if conversation and hint is None else "",
