@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import time
 import tomllib
@@ -24,12 +25,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import grpc
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from deploy.local.launch import VllmPair, ensure_model
 from deploy.local.stack import KvshuttleStack
+from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
 RESULTS = Path(__file__).parent / "results"
 PROFILE = Path(__file__).resolve().parents[1] / "deploy" / "profiles" / "cpu-small.toml"
@@ -133,10 +136,46 @@ def ttft_sweep(
     return rows
 
 
+def _log_events(path: Path, event: str) -> list[dict[str, Any]]:
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in (json.loads(x) for x in lines if x.startswith("{")) if e.get("event") == event]
+
+
+def _p(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+
+def bare_grpc_hop_ms(address: str, samples: int = 60, idle_s: float = 0.05) -> dict[str, float | None]:
+    """This machine's floor for one gRPC round trip between two processes: a health check
+    against the router (no tracing, no handler work), back to back and after `idle_s` of quiet
+    (the idle case is what a turn's PlanTurn meets: the router slept through the last answer)."""
+    with grpc.insecure_channel(address) as channel:
+        check: grpc.UnaryUnaryMultiCallable[HealthCheckRequest, HealthCheckResponse] = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=HealthCheckRequest.SerializeToString,
+            response_deserializer=HealthCheckResponse.FromString,
+        )
+        check(HealthCheckRequest(), timeout=5)
+        warm: list[float] = []
+        idle: list[float] = []
+        for i in range(2 * samples):
+            if i >= samples:
+                time.sleep(idle_s)
+            t0 = time.perf_counter()
+            check(HealthCheckRequest(), timeout=5)
+            (warm if i < samples else idle).append((time.perf_counter() - t0) * 1e3)
+    return {"back_to_back_ms_p50": _p(warm, 0.5), "after_idle_ms_p50": _p(idle, 0.5), "idle_s": idle_s}
+
+
 def added_latency(stack: KvshuttleStack, pair: VllmPair, samples: int, rng: random.Random) -> dict[str, Any]:
     """The same P->D request direct and through the gateway (no conversation: plain P->D), in
-    alternation; and the gateway's own `added_ms` (its time minus waiting for P and D, the
-    router's PlanTurn and CommitTurn included) from its log lines."""
+    alternation; the gateway's own `added_ms` (its time less waiting for P and D) and its parts
+    from its log lines, with the router's side of each PlanTurn from the router's."""
+    gateway_log, router_log = stack.work_dir / "gateway.log", stack.work_dir / "router.log"
+    seen = len(_log_events(gateway_log, "request.done"))
     direct, gateway = [], []
     for _ in range(samples):
         prompt = tokens(512, rng)
@@ -168,20 +207,48 @@ def added_latency(stack: KvshuttleStack, pair: VllmPair, samples: int, rng: rand
             f"{stack.gateway_url}/v1/completions", completion(prompt, None, stream=False) | {"max_tokens": 8}
         )
         gateway.append(time.perf_counter() - t0)
-    logged = []
-    for line in (stack.work_dir / "gateway.log").read_text().splitlines():
-        if line.startswith("{"):
-            event = json.loads(line)
-            if event.get("event") == "request.done" and "added_ms" in event:
-                logged.append(float(event["added_ms"]))
+    time.sleep(0.5)  # the last lines
+    done = _log_events(gateway_log, "request.done")[seen:]
+    served = _log_events(router_log, "rpc.done")
+    plans = {e.get("request_id"): e for e in served if e.get("method") == "PlanTurn"}
+    routed = [plans[d["request_id"]] for d in done if d.get("request_id") in plans]
+
+    def parts(key: str, rows: list[dict[str, Any]]) -> dict[str, float | None]:
+        values = [float(r[key]) for r in rows if r.get(key) is not None]
+        return {"p50": _p(values, 0.5), "p90": _p(values, 0.9)}
+
+    own = [d["added_ms"] - d["plan_ms"] for d in done if d.get("plan_ms") is not None]
     return {
         "samples": samples,
         "prompt_tokens": 512,
         "direct_ms_p50": round(statistics.median(direct) * 1e3, 2),
         "gateway_ms_p50": round(statistics.median(gateway) * 1e3, 2),
         "wall_difference_ms_p50": round((statistics.median(gateway) - statistics.median(direct)) * 1e3, 2),
-        "gateway_added_ms_p50": round(statistics.median(logged), 2) if logged else None,
-        "gateway_added_ms_p90": round(sorted(logged)[int(len(logged) * 0.9)], 2) if logged else None,
+        "gateway_added_ms": parts("added_ms", done),
+        "gateway_plan_turn_ms": parts("plan_ms", done),
+        "gateway_own_ms": {"p50": _p(own, 0.5), "p90": _p(own, 0.9)},
+        "router_plan_turn_ms": parts("ms", routed),
+        "router_plan_turn_cpu_ms": parts("own_cpu_ms", routed),
+        "bare_grpc_hop": bare_grpc_hop_ms(stack.router_addr),
+    }
+
+
+def reuse_turn_overhead(stack: KvshuttleStack) -> dict[str, Any]:
+    """What the gateway added to the TTFT of the sweep's streamed reuse turns (ttft less prefill
+    less decode's first byte), and its parts, from its log lines: waiting for the previous
+    turn's commit (the sweep sends turn 2 the moment turn 1's answer lands), PlanTurn (with its
+    claim), and the rest (parsing and forwarding an up to 8k-token prompt twice)."""
+    done = _log_events(stack.work_dir / "gateway.log", "request.done")
+    rows = [e for e in done if e.get("decision") == "reuse" and e.get("ttft_added_ms") is not None]
+
+    def p50(key: str) -> float | None:
+        return _p([float(e.get(key) or 0.0) for e in rows], 0.5)
+
+    return {
+        "turns": len(rows),
+        "ttft_added_ms_p50": p50("ttft_added_ms"),
+        "commit_wait_ms_p50": p50("wait_ms"),
+        "plan_turn_ms_p50": p50("plan_ms"),
     }
 
 
@@ -192,13 +259,21 @@ def run_config(prefix_caching: bool, args: argparse.Namespace, work: Path) -> di
     profile = tomllib.loads(PROFILE.read_text())["profile"][0]
     rng = random.Random(1)
     pair = VllmPair(model, log_dir=work / "vllm", block_size=32, prefill_prefix_caching=prefix_caching)
+    services = work / f"services-{int(prefix_caching)}"
+    shutil.rmtree(services, ignore_errors=True)  # the figures come from this run's log lines only
     with (
         pair,
-        KvshuttleStack(pair, work_dir=work / f"services-{int(prefix_caching)}", profile=profile) as stack,
+        KvshuttleStack(pair, work_dir=services, profile=profile) as stack,
     ):
         rows = ttft_sweep(stack, pair, args.contexts, rng)
+        reuse = reuse_turn_overhead(stack)
         added = added_latency(stack, pair, args.samples, rng) if not prefix_caching else None
-    return {"prefill_prefix_caching": prefix_caching, "ttft": rows, "added_latency": added}
+    return {
+        "prefill_prefix_caching": prefix_caching,
+        "ttft": rows,
+        "reuse_turn_overhead": reuse,
+        "added_latency": added,
+    }
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> None:
@@ -249,7 +324,18 @@ def main() -> None:
     print(
         f"longest context ({longest['context_tokens']} tokens, P cache off): {longest['speedup']}x lower TTFT"
     )
-    print(f"added latency: {results[0]['added_latency']}")
+    added = results[0]["added_latency"]
+    hop = added["bare_grpc_hop"]
+    print(
+        f"added per plain turn: gateway's own time p50 {added['gateway_added_ms']['p50']} ms "
+        f"(PlanTurn {added['gateway_plan_turn_ms']['p50']} ms of it, the router's side "
+        f"{added['router_plan_turn_ms']['p50']} ms); wall difference p50 {added['wall_difference_ms_p50']} ms"
+    )
+    print(
+        f"this machine's bare gRPC round trip: {hop['back_to_back_ms_p50']} ms back to back, "
+        f"{hop['after_idle_ms_p50']} ms after {hop['idle_s'] * 1e3:.0f} ms idle"
+    )
+    print(f"reuse turns, TTFT added by the gateway: {results[0]['reuse_turn_overhead']}")
     print(f"saved {out} and {out.with_suffix('.png')}")
 
 

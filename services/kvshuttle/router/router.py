@@ -589,12 +589,19 @@ class Router:
                     or chain[state.prompt_full_blocks - 1] != state.prompt_tail_hash
                 ):
                     raise InvalidArgument("token_ids", "does not start with the planned prompt")
+            # Read or not, a claimed retention is consumed: prefill notified its holder. Released
+            # while the new one is stored (the two are independent: a put replaces whatever the
+            # conversation holds), so the commit waits for one round trip, not two.
+            release = (
+                asyncio.ensure_future(self._port.release(state.claimed, claim_id=state.claim_id))
+                if state.claimed
+                else None
+            )
             try:
                 result = await self._store(state, tokens, chain, params if retains else None, timer)
             finally:
-                # Read or not, a claimed retention is consumed: prefill notified its holder.
-                if state.claimed:
-                    await timer.registry(self._port.release(state.claimed, claim_id=state.claim_id))
+                if release is not None:
+                    await timer.registry(release)
             self._observe(state, req.timings)
             self._remember(self._finished, state.turn_id, "committed")
             if req.request_id:
