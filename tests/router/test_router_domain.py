@@ -632,3 +632,50 @@ async def test_the_node_list_is_refreshed_in_the_background(cluster: Cluster) ->
     await stale.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=cluster.tokens(100)))
     stale_port = stale._port
     assert isinstance(stale_port, InProcessPort) and stale_port.calls["list_nodes"] == 2
+
+
+async def test_a_plan_waits_for_its_conversations_commit_in_flight(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Turn 2 reaching the router (through another gateway, say) while turn 1's commit is still
+    being stored there plans once it is stored, and so reads it."""
+    router = cluster.router()
+    prompt = cluster.tokens(1000)
+    first = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV))
+    sequence = prompt + cluster.tokens(64)
+    port = router._port
+    put_retention = port.put_retention
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def held_put(**kwargs: Any) -> Any:
+        entered.set()
+        await release.wait()
+        return await put_retention(**kwargs)
+
+    monkeypatch.setattr(port, "put_retention", held_put)
+    commit = asyncio.create_task(
+        router.commit_turn(
+            CommitRequest(
+                turn=first.turn,
+                token_ids=sequence,
+                decode_kv_transfer_params=cluster.decode_params(first, len(sequence)),
+            )
+        )
+    )
+    await entered.wait()
+    plan = asyncio.create_task(
+        router.plan_turn(
+            PlanRequest(model=MODEL, prompt_token_ids=sequence + cluster.tokens(100), conversation=CONV)
+        )
+    )
+    await asyncio.sleep(0.05)
+    assert not plan.done()  # waiting for turn 1's retention
+    release.set()
+    assert (await commit).retention == f"{CONV}/retentions/1"
+    second = await plan
+    assert (second.decision, second.reason, second.generation) == (Decision.REUSE, Reason.REUSE_CHEAPER, 2)
+    # Another conversation's plan does not wait for this one's commits.
+    other = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=cluster.tokens(100), conversation=CONV2)
+    )
+    assert other.generation == 1

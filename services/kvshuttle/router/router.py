@@ -72,6 +72,8 @@ class RouterPolicy:
     # plan waits for the registry only when it is node_max_age_s old (or missing).
     node_refresh_s: float = 0.5
     node_max_age_s: float = 5.0
+    # A plan waits at most this long for its conversation's commit in flight on this replica.
+    commit_wait_s: float = 2.0
     reuse_enabled: bool = True
     max_prompt_tokens: int = 262_144
     max_id_length: int = 128
@@ -173,6 +175,8 @@ class Router:
         self.hints = RetentionHints(self.policy.retention_hint_bytes)
         self._nodes_cache: dict[str, tuple[float, list[NodeInfo]]] = {}
         self._node_refreshes: dict[str, asyncio.Task[None]] = {}
+        # Conversation -> its commit being stored here: the next turn's plan waits for it.
+        self._storing: dict[str, asyncio.Future[None]] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()
         self._commits: OrderedDict[str, CommitResult] = OrderedDict()
         self._plans: OrderedDict[str, Plan] = OrderedDict()
@@ -295,6 +299,11 @@ class Router:
         use_hint: bool = True,
     ) -> Plan:
         n = int(tokens.size)
+        storing = self._storing.get(conversation) if conversation else None
+        if storing is not None:
+            # The previous turn's commit is being stored here (it came through another gateway,
+            # or this one did not wait): what this turn may read is what it stores.
+            await timer.registry(asyncio.wait({storing}, timeout=self.policy.commit_wait_s))
         nodes = await timer.registry(self._nodes(req.model))  # cached: usually no round trip
         prefill_pool = [x for x in nodes if x.healthy and x.role.serves(Role.PREFILL)]
         block_size = prefill_pool[0].block_size if prefill_pool else 16
@@ -597,9 +606,15 @@ class Router:
                 if state.claimed
                 else None
             )
+            storing: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            if state.conversation:
+                self._storing[state.conversation] = storing
             try:
                 result = await self._store(state, tokens, chain, params if retains else None, timer)
             finally:
+                storing.set_result(None)
+                if self._storing.get(state.conversation) is storing:
+                    del self._storing[state.conversation]
                 if release is not None:
                     await timer.registry(release)
             self._observe(state, req.timings)
