@@ -8,8 +8,8 @@ callers branch on `code` and `reason`, never on message text.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
@@ -23,7 +23,9 @@ from kvshuttle.core.errors import (
     Unavailable,
 )
 
-__all__ = ["STATUS_DETAILS_KEY", "KvshuttleRpcError"]
+__all__ = ["STATUS_DETAILS_KEY", "KvshuttleRpcError", "as_domain", "domain_error"]
+
+T = TypeVar("T")
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
@@ -191,3 +193,11 @@ def domain_error(error: KvshuttleRpcError, service: str) -> Exception:
             reason=f"{service.upper()}_UNAVAILABLE",
         )
     return CallRefused(error)
+
+
+async def as_domain(call: Awaitable[T], service: str) -> T:
+    """Await a client call; its failure raised as domain_error(error, service)."""
+    try:
+        return await call
+    except KvshuttleRpcError as err:
+        raise domain_error(err, service) from err

@@ -9,14 +9,12 @@ to finish and are then cancelled (their turns aborted), and buffered spans are e
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Mapping
-from wsgiref.simple_server import WSGIServer
 
 import structlog
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from kvshuttle.gateway.app import Gateway
 from kvshuttle.gateway.config import GatewaySettings
@@ -24,7 +22,7 @@ from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.gateway.tokenizer import ChatTokenizer
 from kvshuttle.serving.logging import configure_logging
 from kvshuttle.serving.server import wait_for_signal
-from kvshuttle.serving.tracing import configure_tracing, shutdown_tracing
+from kvshuttle.serving.telemetry import Telemetry
 
 __all__ = ["GatewayServer", "main"]
 
@@ -56,21 +54,16 @@ class GatewayServer:
         tokenizers: Mapping[str, ChatTokenizer] | None = None,
     ) -> None:
         self.settings = settings
-        self._owns_provider = tracer_provider is None
-        self._provider = (
-            configure_tracing(settings.telemetry, SERVICE_NAME)
-            if tracer_provider is None
-            else tracer_provider
+        self._telemetry = Telemetry(
+            settings.telemetry, SERVICE_NAME, registry=metrics_registry, tracer_provider=tracer_provider
         )
-        self._registry = REGISTRY if metrics_registry is None else metrics_registry
         self.gateway = Gateway(
             settings,
-            tracer_provider=self._provider,
-            metrics=GatewayMetrics(self._registry),
+            tracer_provider=self._telemetry.provider,
+            metrics=GatewayMetrics(self._telemetry.registry),
             tokenizers=tokenizers,
         )
         self._runner: web.AppRunner | None = None
-        self._metrics_http: tuple[WSGIServer, threading.Thread] | None = None
         self.port: int | None = None
 
     async def start(self) -> int:
@@ -88,11 +81,7 @@ class GatewayServer:
         await site.start()
         self._runner = runner
         self.port = int(runner.addresses[0][1])
-        if self.settings.telemetry.metrics_listen:
-            metrics_host, _, metrics_port = self.settings.telemetry.metrics_listen.rpartition(":")
-            self._metrics_http = start_http_server(
-                int(metrics_port), metrics_host.strip("[]"), self._registry
-            )
+        self._telemetry.start_metrics()
         log.info(
             "gateway.started",
             listen=self.settings.listen,
@@ -113,16 +102,7 @@ class GatewayServer:
         if self.settings.drain_delay_s:
             await asyncio.sleep(self.settings.drain_delay_s)
         await runner.cleanup()
-        if self._metrics_http is not None:
-            httpd, thread = self._metrics_http
-            self._metrics_http = None
-            await asyncio.to_thread(httpd.shutdown)
-            httpd.server_close()
-            thread.join()
-        if self._owns_provider:
-            await asyncio.to_thread(shutdown_tracing, self._provider)
-        else:
-            await asyncio.to_thread(self._provider.force_flush)
+        await self._telemetry.close()
         log.info("gateway.stopped")
 
     async def serve_until_signal(self) -> None:

@@ -13,40 +13,16 @@ Error mapping (KvshuttleRpcError code -> what the agent's loops see):
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Iterable, Sequence
-from typing import TypeVar
+from collections.abc import Iterable, Sequence
 
-from kvshuttle.client.errors import KvshuttleRpcError, domain_error
+from kvshuttle.client.errors import as_domain
 from kvshuttle.client.registry import RegistryClient
 from kvshuttle.registry import block_index as bi
-from kvshuttle.registry.model import NodeLoad, NodeRole, NodeSpec
+from kvshuttle.registry.convert import spec_to_pb
+from kvshuttle.registry.model import NodeLoad, NodeSpec
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 
-__all__ = ["GrpcRegistryPort", "batch_to_pb", "spec_to_pb"]
-
-T = TypeVar("T")
-
-ROLE_TO_PB: dict[NodeRole, pb.NodeRole.ValueType] = {
-    NodeRole.PREFILL: pb.NODE_ROLE_PREFILL,
-    NodeRole.DECODE: pb.NODE_ROLE_DECODE,
-    NodeRole.BOTH: pb.NODE_ROLE_BOTH,
-}
-
-
-def spec_to_pb(spec: NodeSpec) -> pb.Node:
-    return pb.Node(
-        name=spec.name,
-        role=ROLE_TO_PB[spec.role],
-        engine_id=spec.engine_id,
-        http_endpoint=spec.http_endpoint,
-        side_channel_host=spec.side_channel_host,
-        side_channel_port=spec.side_channel_port,
-        agent_endpoint=spec.agent_endpoint,
-        model=spec.model,
-        block_size=spec.block_size,
-        kv_bytes_per_token=spec.kv_bytes_per_token,
-        labels=spec.labels,
-    )
+__all__ = ["GrpcRegistryPort", "batch_to_pb"]
 
 
 def _event_to_pb(event: bi.BlockEvent) -> pb.BlockEvent:
@@ -83,19 +59,12 @@ class GrpcRegistryPort:
     def __init__(self, client: RegistryClient) -> None:
         self._client = client
 
-    @staticmethod
-    async def _call(call: Awaitable[T]) -> T:
-        try:
-            return await call
-        except KvshuttleRpcError as err:
-            raise domain_error(err, "registry") from err
-
     async def register_node(self, spec: NodeSpec, ttl: float) -> int:
-        response = await self._call(self._client.register_node(spec_to_pb(spec), ttl=ttl))
+        response = await as_domain(self._client.register_node(spec_to_pb(spec), ttl=ttl), "registry")
         return int(response.node.incarnation)
 
     async def heartbeat_node(self, name: str, incarnation: int, ttl: float, load: NodeLoad) -> None:
-        await self._call(
+        await as_domain(
             self._client.heartbeat_node(
                 name,
                 incarnation,
@@ -106,17 +75,20 @@ class GrpcRegistryPort:
                     kv_cache_usage=load.kv_cache_usage,
                     engine_healthy=load.engine_healthy,
                 ),
-            )
+            ),
+            "registry",
         )
 
     async def deregister_node(self, name: str, incarnation: int, *, deadline_s: float) -> None:
-        await self._call(self._client.deregister_node(name, incarnation=incarnation, timeout=deadline_s))
+        await as_domain(
+            self._client.deregister_node(name, incarnation=incarnation, timeout=deadline_s), "registry"
+        )
 
     async def report_block_events(
         self, node: str, incarnation: int, batches: Sequence[bi.EventBatch]
     ) -> bi.ApplyResult:
-        response = await self._call(
-            self._client.report_block_events(node, incarnation, _batches_to_pb(batches))
+        response = await as_domain(
+            self._client.report_block_events(node, incarnation, _batches_to_pb(batches)), "registry"
         )
         return bi.ApplyResult(
             applied_batches=response.applied_batches,

@@ -96,8 +96,8 @@ def load_from_pb(load: pb.NodeLoad) -> NodeLoad:
     )
 
 
-def node_to_pb(node: Node, indexed_blocks: int = 0) -> pb.Node:
-    spec = node.spec
+def spec_to_pb(spec: NodeSpec) -> pb.Node:
+    """A node's descriptive fields (what RegisterNode takes)."""
     return pb.Node(
         name=spec.name,
         role=ROLE_TO_PB[spec.role],
@@ -110,19 +110,24 @@ def node_to_pb(node: Node, indexed_blocks: int = 0) -> pb.Node:
         block_size=spec.block_size,
         kv_bytes_per_token=spec.kv_bytes_per_token,
         labels=spec.labels,
-        load=pb.NodeLoad(
-            running_requests=node.load.running_requests,
-            waiting_requests=node.load.waiting_requests,
-            kv_cache_usage=node.load.kv_cache_usage,
-            engine_healthy=node.load.engine_healthy,
-        ),
-        incarnation=node.incarnation,
-        register_time=timestamp(node.register_time),
-        expire_time=timestamp(node.expire_at),
-        retained_bytes=node.retained_bytes,
-        retention_count=node.retention_count,
-        indexed_blocks=indexed_blocks,
     )
+
+
+def node_to_pb(node: Node, indexed_blocks: int = 0) -> pb.Node:
+    """A live node: its spec and the registry's output-only fields."""
+    out = spec_to_pb(node.spec)
+    load = node.load
+    out.load.running_requests = load.running_requests
+    out.load.waiting_requests = load.waiting_requests
+    out.load.kv_cache_usage = load.kv_cache_usage
+    out.load.engine_healthy = load.engine_healthy
+    out.incarnation = node.incarnation
+    out.register_time.CopyFrom(timestamp(node.register_time))
+    out.expire_time.CopyFrom(timestamp(node.expire_at))
+    out.retained_bytes = node.retained_bytes
+    out.retention_count = node.retention_count
+    out.indexed_blocks = indexed_blocks
+    return out
 
 
 def retention_from_pb(r: pb.Retention) -> Retention:

@@ -17,15 +17,14 @@ Error mapping (KvshuttleRpcError code -> what the router sees):
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import numpy as np
 import structlog
 
 from kvshuttle.client.convert import to_timestamp
-from kvshuttle.client.errors import KvshuttleRpcError, domain_error
+from kvshuttle.client.errors import KvshuttleRpcError, as_domain, domain_error
 from kvshuttle.client.registry import RegistryClient
 from kvshuttle.core.errors import (
     Aborted,
@@ -37,8 +36,6 @@ from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 __all__ = ["GrpcRegistryPort"]
 
 log = structlog.get_logger("kvshuttle.router")
-T = TypeVar("T")
-
 ROLE_FROM_PB: dict[int, Role] = {
     pb.NODE_ROLE_PREFILL: Role.PREFILL,
     pb.NODE_ROLE_DECODE: Role.DECODE,
@@ -101,13 +98,6 @@ class GrpcRegistryPort:
     def __init__(self, client: RegistryClient) -> None:
         self._client = client
 
-    @staticmethod
-    async def _call(call: Awaitable[T]) -> T:
-        try:
-            return await call
-        except KvshuttleRpcError as err:
-            raise domain_error(err, "registry") from err
-
     async def get_conversation(self, name: str) -> tuple[int, RetentionInfo | None]:
         try:
             response = await self._client.get_conversation(name)
@@ -123,8 +113,8 @@ class GrpcRegistryPort:
         nodes: list[NodeInfo] = []
         token = ""
         while True:
-            page = await self._call(
-                self._client.list_nodes(model=model, page_size=_PAGE_SIZE, page_token=token)
+            page = await as_domain(
+                self._client.list_nodes(model=model, page_size=_PAGE_SIZE, page_token=token), "registry"
             )
             for node in page.nodes:
                 info = node_info(node)
@@ -140,12 +130,14 @@ class GrpcRegistryPort:
         if not len(chain):
             return {}
         hashes = np.asarray(chain, dtype=np.uint64).tolist()
-        response = await self._call(self._client.lookup_blocks(hashes, model=model, role=ROLE_TO_PB[role]))
+        response = await as_domain(
+            self._client.lookup_blocks(hashes, model=model, role=ROLE_TO_PB[role]), "registry"
+        )
         return {m.node: m.matched_blocks for m in response.matches}
 
     async def claim(self, name: str, *, holder: str, claim_ttl: float, request_id: str) -> ClaimInfo:
-        response = await self._call(
-            self._client.claim_retention(name, holder, claim_ttl, request_id=request_id)
+        response = await as_domain(
+            self._client.claim_retention(name, holder, claim_ttl, request_id=request_id), "registry"
         )
         r = response.retention
         if r.name != name:  # cannot happen with scoped ids; never hand out another's KV if it does
@@ -181,13 +173,14 @@ class GrpcRegistryPort:
             kv_bytes=kv_bytes,
             pin_expire_time=to_timestamp(pin_expire_at),
         )
-        response = await self._call(
+        response = await as_domain(
             self._client.put_retention(
                 conversation,
                 retention,
                 ttl=max(ttl, 0.0),
                 request_id=request_id,
-            )
+            ),
+            "registry",
         )
         return retention_info(response.retention)
 

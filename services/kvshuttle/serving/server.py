@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import threading
 from collections.abc import Callable, Sequence
-from wsgiref.simple_server import WSGIServer
 
 import grpc
 import grpc.aio
@@ -15,12 +13,12 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from kvshuttle.serving.interceptor import RpcInterceptor
 from kvshuttle.serving.metrics import RpcMetrics
 from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
-from kvshuttle.serving.tracing import configure_tracing, shutdown_tracing
+from kvshuttle.serving.telemetry import Telemetry
 
 _log = structlog.get_logger("kvshuttle.serving")
 
@@ -51,20 +49,16 @@ class GrpcServer:
         on_stopping: Callable[[], None] | None = None,
     ) -> None:
         self._settings = settings
-        self._telemetry = telemetry
         self._domain = domain
         self._register = register
         self._on_stopping = on_stopping
         self._service_names = tuple(service_names)
-        self._registry = REGISTRY if registry is None else registry
-        self._metrics = RpcMetrics(self._registry)
-        self._owns_provider = tracer_provider is None
-        self._provider = (
-            configure_tracing(telemetry, service_name) if tracer_provider is None else tracer_provider
+        self._telemetry = Telemetry(
+            telemetry, service_name, registry=registry, tracer_provider=tracer_provider
         )
+        self._metrics = RpcMetrics(self._telemetry.registry)
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
-        self._metrics_http: tuple[WSGIServer, threading.Thread] | None = None
         self._port: int | None = None
 
     @property
@@ -75,7 +69,7 @@ class GrpcServer:
     @property
     def metrics_port(self) -> int | None:
         """The bound /metrics port once started, None when metrics_listen is off."""
-        return None if self._metrics_http is None else self._metrics_http[0].server_port
+        return self._telemetry.metrics_port
 
     async def start(self) -> int:
         """Bind, start serving, report SERVING; returns the bound port."""
@@ -85,7 +79,7 @@ class GrpcServer:
                 RpcInterceptor(
                     self._domain,
                     self._metrics,
-                    tracer_provider=self._provider,
+                    tracer_provider=self._telemetry.provider,
                     untraced=frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME}),
                 )
             ],
@@ -102,9 +96,7 @@ class GrpcServer:
             [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
         port = self._bind(server)
-        if self._telemetry.metrics_listen:
-            host, _, metrics_port = self._telemetry.metrics_listen.rpartition(":")
-            self._metrics_http = start_http_server(int(metrics_port), host.strip("[]"), self._registry)
+        self._telemetry.start_metrics()
         await server.start()
         self._server, self._port = server, port
         for name in (health.OVERALL_HEALTH, *self._service_names):
@@ -143,16 +135,7 @@ class GrpcServer:
             # Ends what would otherwise hold the grace period open (e.g. watch streams).
             self._on_stopping()
         await server.stop(self._settings.grace_seconds)
-        if self._metrics_http is not None:
-            httpd, thread = self._metrics_http
-            self._metrics_http = None
-            await asyncio.to_thread(httpd.shutdown)  # waits for its poll loop (up to 0.5 s)
-            httpd.server_close()
-            thread.join()
-        if self._owns_provider:
-            await asyncio.to_thread(shutdown_tracing, self._provider)
-        else:
-            await asyncio.to_thread(self._provider.force_flush)
+        await self._telemetry.close()
         _log.info("server.stopped")
 
     async def serve_until_signal(self) -> None:
