@@ -105,31 +105,33 @@ def new_registry(n: int) -> Registry:
     return Registry(InMemoryStore(limits), SystemClock(), BlockIndex(1000), RegistryLimits())
 
 
+def retention(hashes: array[int], blob: bytes) -> Retention:
+    """A retention of TOKENS tokens on NODE, as a commit puts it."""
+    return Retention(
+        name="",
+        node=NODE,
+        generation=1,
+        model="m",
+        block_size=BLOCK_SIZE,
+        num_tokens=TOKENS,
+        block_hashes=hashes,
+        kv_transfer_params=blob,
+        kv_bytes=TOKENS * 131072,
+        pin_expire_at=None,
+    )
+
+
 async def bench_domain(n: int) -> list[dict[str, Any]]:
     registry = new_registry(n)
     await registry.register_node(node_spec(), ttl=300)
     hashes = array("Q", chain_hashes(list(range(TOKENS)), BLOCK_SIZE))
     blob = params(list(range(TOKENS // BLOCK_SIZE))).SerializeToString()
 
-    def retention(i: int) -> Retention:
-        return Retention(
-            name="",
-            node=NODE,
-            generation=1,
-            model="m",
-            block_size=BLOCK_SIZE,
-            num_tokens=TOKENS,
-            block_hashes=hashes,
-            kv_transfer_params=blob,
-            kv_bytes=TOKENS * 131072,
-            pin_expire_at=None,
-        )
-
     rows = []
     put_s, put_w = await timed(
         n,
         lambda i: registry.put_retention(
-            request_id="", parent=f"tenants/t/conversations/c{i}", retention=retention(i), ttl=300
+            request_id="", parent=f"tenants/t/conversations/c{i}", retention=retention(hashes, blob), ttl=300
         ),
     )
     rows.append(summarize("put", put_s, put_w))
@@ -176,18 +178,7 @@ async def memory_per_retention(n: int) -> dict[str, Any]:
         await registry.put_retention(
             request_id="",
             parent=f"tenants/t/conversations/conv-{i:08d}",
-            retention=Retention(
-                name="",
-                node=NODE,
-                generation=1,
-                model="m",
-                block_size=BLOCK_SIZE,
-                num_tokens=TOKENS,
-                block_hashes=hashes,
-                kv_transfer_params=blob,
-                kv_bytes=TOKENS * 131072,
-                pin_expire_at=None,
-            ),
+            retention=retention(hashes, blob),
             ttl=300,
         )
     del inputs  # the registry keeps what it needs; the inputs' own copies are not its cost

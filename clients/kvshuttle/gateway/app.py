@@ -36,6 +36,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -548,6 +549,14 @@ class Gateway:
                     )
             raise
 
+    def _engine_span(self, role: str, placed: pb.Placement) -> AbstractContextManager[trace.Span]:
+        """The current span of a request to the engine the plan placed on `role`."""
+        return self._tracer.start_as_current_span(
+            role,
+            kind=SpanKind.CLIENT,
+            attributes={"kvshuttle.node": placed.node, "server.address": placed.http_endpoint},
+        )
+
     def _headers(self, request_id: str) -> dict[str, str]:
         headers = {"X-Request-Id": request_id}
         _PROPAGATOR.inject(headers)  # the current span: prefill's or decode's
@@ -560,10 +569,7 @@ class Gateway:
         fields: dict[str, Any] = {"model": served, **treq.prefill_params, "max_tokens": 1, "stream": False}
         if plan.HasField("prefill_kv_transfer_params"):
             fields["kv_transfer_params"] = to_vllm(plan.prefill_kv_transfer_params)
-        with self._tracer.start_as_current_span("prefill", kind=SpanKind.CLIENT) as span:
-            span.set_attributes(
-                {"kvshuttle.node": plan.prefill.node, "server.address": plan.prefill.http_endpoint}
-            )
+        with self._engine_span("prefill", plan.prefill) as span:
             timer = _Timing()
             try:
                 body = await self._engines.complete(
@@ -599,10 +605,7 @@ class Gateway:
         rec: RequestLog,
         start: float,
     ) -> web.StreamResponse:
-        with self._tracer.start_as_current_span("decode", kind=SpanKind.CLIENT) as span:
-            span.set_attributes(
-                {"kvshuttle.node": plan.decode.node, "server.address": plan.decode.http_endpoint}
-            )
+        with self._engine_span("decode", plan.decode):
             timer = _Timing()
             try:
                 answer = await self._engines.complete(
@@ -680,10 +683,7 @@ class Gateway:
 
         timer = _Timing()
         try:
-            with self._tracer.start_as_current_span("decode", kind=SpanKind.CLIENT) as span:
-                span.set_attributes(
-                    {"kvshuttle.node": plan.decode.node, "server.address": plan.decode.http_endpoint}
-                )
+            with self._engine_span("decode", plan.decode):
                 headers = self._headers(f"{rec.request_id}-d")
                 async with self._engines.stream("decode", plan.decode.http_endpoint, body, headers) as chunks:
                     try:  # decode answered 200: the client gets 200 too
@@ -766,16 +766,8 @@ class Gateway:
             timings.decode.CopyFrom(to_duration(rec.decode_ms / 1e3))
         if rec.remote_cached_tokens is not None:
             timings.remote_cached_tokens = rec.remote_cached_tokens
-        params = None
-        if out.kv_transfer_params is not None:
-            try:
-                params = from_vllm(out.kv_transfer_params, "decode.kv_transfer_params")
-            except InvalidArgument as exc:
-                log.warning("decode.bad_kv_transfer_params", error=exc.message)
-        elif out.finish_reason is not None:
-            log.debug("decode.no_kv_transfer_params", stop_strings=rec.stop_strings)
-        tokens = ids + out.token_ids if out.ids_complete else ids
-        task = self._spawn(self._commit_call(turn.handle, tokens, params, timings, rec.request_id), "commit")
+        call = self._commit_call(turn.handle, ids, out, timings, rec.request_id, rec.stop_strings)
+        task = self._spawn(call, "commit")
         if conversation := turn.conversation:
             self._commits[conversation] = task
 
@@ -788,14 +780,25 @@ class Gateway:
     async def _commit_call(
         self,
         handle: str,
-        tokens: list[int],
-        params: KvTransferParams | None,
+        ids: list[int],
+        out: DecodeOutput,
         timings: pb.TurnTimings,
         request_id: str,
+        stop_strings: bool,
     ) -> None:
-        """The CommitTurn RPC and its log line; a failed commit aborts the turn, which releases
-        a claimed retention the commit did not."""
+        """The CommitTurn RPC (decode's params converted here, off the response's path) and its
+        log line; a failed commit aborts the turn, which releases a claimed retention the
+        commit did not."""
         timer = _Timing()
+        params: KvTransferParams | None = None
+        if out.kv_transfer_params is not None:
+            try:
+                params = from_vllm(out.kv_transfer_params, "decode.kv_transfer_params")
+            except InvalidArgument as exc:
+                log.warning("decode.bad_kv_transfer_params", error=exc.message)
+        elif out.finish_reason is not None:
+            log.debug("decode.no_kv_transfer_params", stop_strings=stop_strings)
+        tokens = ids + out.token_ids if out.ids_complete else ids
         try:
             result = await self.router.commit_turn(
                 handle, token_ids=tokens, decode_kv_transfer_params=params, timings=timings

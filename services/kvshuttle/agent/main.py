@@ -9,7 +9,6 @@ server (health NOT_SERVING, in-flight RPCs drained).
 from __future__ import annotations
 
 import asyncio
-import signal
 
 import grpc
 import structlog
@@ -23,7 +22,7 @@ from kvshuttle.agent.servicer import AgentServicer, add_to_server
 from kvshuttle.agent.v1 import agent_service_pb2
 from kvshuttle.client.registry import RegistryClient
 from kvshuttle.serving.logging import configure_logging
-from kvshuttle.serving.server import GrpcServer
+from kvshuttle.serving.server import GrpcServer, wait_for_signal
 
 SERVICE = agent_service_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
 ERROR_DOMAIN = "agent.kvshuttle"
@@ -62,25 +61,6 @@ def build_server(
     )
 
 
-async def _wait_for_signal() -> None:
-    """Until SIGTERM or SIGINT; the handlers go with the first, so a second one kills."""
-    loop = asyncio.get_running_loop()
-    received: asyncio.Future[signal.Signals] = loop.create_future()
-
-    def on_signal(sig: signal.Signals) -> None:
-        if not received.done():
-            received.set_result(sig)
-
-    signals = (signal.SIGTERM, signal.SIGINT)
-    for sig in signals:
-        loop.add_signal_handler(sig, on_signal, sig)
-    try:
-        log.info("agent.signal", signal=(await received).name)
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
-
-
 async def serve(settings: AgentSettings) -> None:
     client = connect_registry(settings)
     try:
@@ -89,7 +69,7 @@ async def serve(settings: AgentSettings) -> None:
         port = await server.start()
         try:
             await agent.start(agent_endpoint=settings.advertised_endpoint(port))
-            await _wait_for_signal()
+            log.info("agent.signal", signal=(await wait_for_signal()).name)
         finally:
             await agent.shutdown()
             await server.stop()
