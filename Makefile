@@ -12,7 +12,7 @@ GEN_OUT := services
 help:
 	@echo "make demo   - real vLLM prefill/decode + kvshuttle: an agent session, TTFT with and without reuse"
 	@echo "make demo-registry - the registry alone, driven by the kvshuttle CLI"
-	@echo "make test   - buf lint/format, generated-code freshness, ruff, mypy, pytest (real vLLM included)"
+	@echo "make test   - buf lint/format, generated-code freshness, ruff, import layers, mypy, pytest (real vLLM included)"
 	@echo "make vllm   - install the CPU build of vLLM into .venv-vllm (done by make test and demo)"
 	@echo "make proto  - regenerate Python code from proto/"
 	@echo "make bench  - run the benchmarks under bench/ (results in bench/results/)"
@@ -57,6 +57,7 @@ lint: venv
 	$(BUF) format --diff --exit-code
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 typecheck: venv
 	$(BIN)/mypy

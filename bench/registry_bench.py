@@ -32,9 +32,10 @@ from google.protobuf.duration_pb2 import Duration
 
 from kvshuttle.core.clock import SystemClock
 from kvshuttle.core.hashing import chain_hashes
+from kvshuttle.core.nodes import NodeRole, NodeSpec
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.memory_store import InMemoryStore, StoreLimits
-from kvshuttle.registry.model import NodeRole, NodeSpec, Retention
+from kvshuttle.registry.model import Retention
 from kvshuttle.registry.registry import Registry, RegistryLimits
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as pb_grpc

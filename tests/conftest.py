@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
+from tests.clock import FakeClock
 
-from kvshuttle.core.clock import FakeClock
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RegistrySettings
 from kvshuttle.registry.main import build_server

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvshuttle.registry.block_index import EventBatch
+from kvshuttle.core.kv_events import EventBatch
 from kvshuttle.vllm.kv_events import KvEventDecoder, ReplayEnd
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry
+from tests.clock import FakeClock
 from tests.conftest import RegistryEnv
 from tests.fixtures_vllm import FIXTURE_TOPIC, live_batches
 
@@ -32,9 +33,9 @@ from kvshuttle.agent.main import build_server, connect_registry
 from kvshuttle.agent.registry_port import GrpcRegistryPort
 from kvshuttle.client import AgentClient, RegistryClient
 from kvshuttle.client.settings import ServiceConnection
-from kvshuttle.core.clock import FakeClock
 from kvshuttle.core.hashing import chain_hashes
-from kvshuttle.registry.block_index import BlockIndex, BlockStored, EventBatch
+from kvshuttle.core.kv_events import BlockStored, EventBatch
+from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RegistrySettings
 from kvshuttle.registry.main import build_server as build_registry_server
 from kvshuttle.registry.memory_store import InMemoryStore, StoreLimits

@@ -31,7 +31,7 @@ from tests.conftest import RegistryEnv
 from tests.fixtures_vllm import live_batches, load_frames
 
 from kvshuttle.client import KvshuttleRpcError
-from kvshuttle.registry.block_index import EventBatch
+from kvshuttle.core.kv_events import EventBatch
 from kvshuttle.registry.v1 import registry_service_pb2 as rpb
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 

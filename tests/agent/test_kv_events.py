@@ -9,7 +9,7 @@ import msgpack
 import pytest
 from tests.fixtures_vllm import FIXTURE_TOPIC, load_frames, replay_batches
 
-from kvshuttle.registry.block_index import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvshuttle.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvshuttle.vllm.kv_events import (
     END_OF_REPLAY,
     END_SEQ,

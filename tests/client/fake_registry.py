@@ -23,8 +23,8 @@ from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from kvshuttle.client.convert import to_timestamp
 from kvshuttle.core.hashing import common_prefix_blocks
+from kvshuttle.core.prototime import to_timestamp
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as pb_grpc
 

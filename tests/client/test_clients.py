@@ -16,7 +16,7 @@ from tests.client.fake_registry import Context, FakeRegistry, abort, names, serv
 from kvshuttle.agent.v1 import agent_service_pb2 as agent_pb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as agent_grpc
 from kvshuttle.client import AgentClient, ChannelOptions, KvshuttleRpcError, RegistryClient, RouterClient
-from kvshuttle.client.convert import to_duration
+from kvshuttle.core.prototime import to_duration
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.router.v1 import router_service_pb2 as router_pb
 from kvshuttle.router.v1 import router_service_pb2_grpc as router_grpc

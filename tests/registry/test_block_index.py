@@ -8,16 +8,9 @@ import pytest
 from tests.fixtures_vllm import live_batches, replay_batches
 
 from kvshuttle.core.errors import InvalidArgument
-from kvshuttle.core.hashing import ROOT_HASH, chain_hashes
-from kvshuttle.registry.block_index import (
-    AllBlocksCleared,
-    BlockEvent,
-    BlockIndex,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
-    chain_root,
-)
+from kvshuttle.core.hashing import ROOT_HASH, chain_hashes, chain_root
+from kvshuttle.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, EventBatch
+from kvshuttle.registry.block_index import BlockIndex
 
 BS = 4
 

@@ -6,8 +6,8 @@ import asyncio
 from array import array
 
 import pytest
+from tests.clock import FakeClock
 
-from kvshuttle.core.clock import FakeClock
 from kvshuttle.core.errors import (
     Aborted,
     FailedPrecondition,
@@ -17,9 +17,11 @@ from kvshuttle.core.errors import (
     ResourceExhausted,
 )
 from kvshuttle.core.hashing import chain_hashes
-from kvshuttle.registry.block_index import BlockIndex, BlockStored, EventBatch
+from kvshuttle.core.kv_events import BlockStored, EventBatch
+from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
+from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.memory_store import InMemoryStore, StoreLimits
-from kvshuttle.registry.model import ChangeKind, NodeLoad, NodeRole, NodeSpec, Retention, RetentionState
+from kvshuttle.registry.model import ChangeKind, Retention, RetentionState
 from kvshuttle.registry.registry import Registry, RegistryLimits
 
 CONV = "tenants/acme/conversations/c1"

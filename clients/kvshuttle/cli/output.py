@@ -13,7 +13,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from kvshuttle.client.convert import from_timestamp, seconds_until
+from kvshuttle.core.prototime import from_timestamp, seconds_until
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.vllm.kv_transfer_params import to_vllm
 

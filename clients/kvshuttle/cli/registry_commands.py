@@ -32,9 +32,9 @@ from kvshuttle.cli.common import (
 )
 from kvshuttle.cli.output import Printer
 from kvshuttle.client import RegistryClient
-from kvshuttle.client.convert import to_timestamp
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.hashing import chain_hashes
+from kvshuttle.core.prototime import to_timestamp
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.vllm.kv_transfer_params import from_vllm
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from kvshuttle.agent.v1 import agent_service_pb2 as pb
 from kvshuttle.client._base import ServiceClient, new_request_id
-from kvshuttle.client.convert import DurationLike, to_duration
 from kvshuttle.client.retry import AGENT_SERVICE
+from kvshuttle.core.prototime import DurationLike, to_duration
 from kvshuttle.vllm.v1 import kv_transfer_params_pb2 as vllm_pb
 
 __all__ = ["AgentClient"]

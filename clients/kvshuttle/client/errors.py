@@ -9,7 +9,7 @@ callers branch on `code` and `reason`, never on message text.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeAlias, TypeVar
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
@@ -22,6 +22,7 @@ from kvshuttle.core.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvshuttle.core.reasons import ErrorReason
 
 __all__ = ["STATUS_DETAILS_KEY", "KvshuttleRpcError", "as_domain", "domain_error"]
 
@@ -165,6 +166,12 @@ _DOMAIN_ERRORS: dict[grpc.StatusCode, type[KvshuttleError]] = {
     grpc.StatusCode.ABORTED: Aborted,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
 }
+# The services a kvshuttle service calls, and the reason it raises when one is out of reach.
+Service: TypeAlias = Literal["registry", "router"]
+_UNAVAILABLE_REASONS: dict[Service, ErrorReason] = {
+    "registry": ErrorReason.REGISTRY_UNAVAILABLE,
+    "router": ErrorReason.ROUTER_UNAVAILABLE,
+}
 _UNREACHABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
@@ -180,7 +187,7 @@ class CallRefused(RuntimeError):
         self.error = error
 
 
-def domain_error(error: KvshuttleRpcError, service: str) -> Exception:
+def domain_error(error: KvshuttleRpcError, service: Service) -> Exception:
     """What a service raises when its call to another one (`service`, e.g. "registry") failed:
     the domain error of the same code and reason, Unavailable(<SERVICE>_UNAVAILABLE) when the
     other service could not be reached in time, CallRefused for everything else."""
@@ -190,12 +197,12 @@ def domain_error(error: KvshuttleRpcError, service: str) -> Exception:
     if error.code in _UNREACHABLE:
         return Unavailable(
             f"{service} unavailable ({error.code_name}): {error.message}",
-            reason=f"{service.upper()}_UNAVAILABLE",
+            reason=_UNAVAILABLE_REASONS[service],
         )
     return CallRefused(error)
 
 
-async def as_domain(call: Awaitable[T], service: str) -> T:
+async def as_domain(call: Awaitable[T], service: Service) -> T:
     """Await a client call; its failure raised as domain_error(error, service)."""
     try:
         return await call

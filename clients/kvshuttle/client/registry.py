@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Iterable
 
 from kvshuttle.client._base import ServiceClient, new_request_id
-from kvshuttle.client.convert import DurationLike, to_duration
 from kvshuttle.client.retry import REGISTRY_SERVICE
+from kvshuttle.core.prototime import DurationLike, to_duration
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 
 __all__ = ["RegistryClient"]

@@ -22,7 +22,7 @@ from kvshuttle.agent.forwarder import EventForwarder
 from kvshuttle.agent.lease import NodeLease
 from kvshuttle.agent.model import AgentStatus, Backoff, EventStreamStats, LiveBatch
 from kvshuttle.agent.ports import RegistryPort, ReplayPort
-from kvshuttle.registry.model import NodeRole, NodeSpec
+from kvshuttle.core.nodes import NodeRole, NodeSpec
 from kvshuttle.vllm.kv_events import KvEventDecoder
 
 __all__ = ["Agent", "node_spec"]

@@ -34,6 +34,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.errors import InvalidArgument
+from kvshuttle.core.limits import MAX_EVENT_BATCHES
 from kvshuttle.core.names import check_id
 from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
 
@@ -45,8 +46,6 @@ __all__ = [
     "NodeSettings",
 ]
 
-# What the registry accepts in one ReportBlockEvents (RegistryLimits.max_event_batches).
-MAX_REPORT_BATCHES = 512
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
 
 
@@ -125,7 +124,7 @@ class EventsSettings(BaseModel):
     # Batches waiting to be forwarded; past this the newest are dropped (and counted).
     queue_size: int = Field(default=4096, gt=0)
     # One ReportBlockEvents carries at most this many batches and about this many bytes.
-    max_batches_per_report: int = Field(default=64, gt=0, le=MAX_REPORT_BATCHES)
+    max_batches_per_report: int = Field(default=64, gt=0, le=MAX_EVENT_BATCHES)
     max_report_bytes: int = Field(default=2 * 1024 * 1024, gt=0)
     # Seconds a report waits after its first batch for more to join it.
     linger: float = Field(default=0.05, ge=0)

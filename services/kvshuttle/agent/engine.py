@@ -25,7 +25,7 @@ import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvshuttle.agent.model import EngineState
-from kvshuttle.registry.model import NodeLoad
+from kvshuttle.core.nodes import NodeLoad
 
 __all__ = ["EngineMetrics", "EnginePoller", "parse_vllm_metrics"]
 

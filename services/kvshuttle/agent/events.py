@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from kvshuttle.agent.model import EventStreamStats, LiveBatch
-from kvshuttle.registry.block_index import EventBatch
+from kvshuttle.core.kv_events import EventBatch
 from kvshuttle.vllm.kv_events import KvEventDecoder, ReplayEnd, replay_request
 
 __all__ = ["EventReceiver", "ZmqReplayer"]

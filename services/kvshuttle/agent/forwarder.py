@@ -27,8 +27,10 @@ Reports carry up to `max_batches` batches and about `max_request_bytes`; the for
 `linger` seconds after the first batch to let a report fill. When the registry cannot be
 reached it retries the same report with backoff (the queue in front absorbs, then drops); when
 the registry answers that the lease is gone it tells the lease, waits for the new registration,
-re-synchronises the cursor and sends what is left. A report the registry refuses
-(INVALID_ARGUMENT) is dropped and counted; it is never retried.
+re-synchronises the cursor and sends what is left. Any other failure drops the report, logs
+it at error and counts it by reason (`rejection_reason`); it is never retried: a report the
+registry refused (INVALID_ARGUMENT: over its limits) or one the agent failed to build (a bug,
+logged with its traceback) would fail again.
 """
 
 from __future__ import annotations
@@ -41,13 +43,21 @@ import structlog
 
 from kvshuttle.agent.lease import NodeLease, lease_lost
 from kvshuttle.agent.model import Backoff, EventStreamStats, LiveBatch
-from kvshuttle.agent.ports import RegistryPort, ReplayPort
+from kvshuttle.agent.ports import RegistryPort, RegistryRefused, ReplayPort
 from kvshuttle.core.errors import Unavailable
-from kvshuttle.registry.block_index import BlockRemoved, BlockStored, EventBatch
+from kvshuttle.core.kv_events import BlockRemoved, BlockStored, EventBatch
 
-__all__ = ["EventForwarder", "estimated_bytes"]
+__all__ = ["EventForwarder", "estimated_bytes", "rejection_reason"]
 
 log = structlog.get_logger("kvshuttle.agent")
+
+
+def rejection_reason(exc: BaseException) -> str:
+    """The label a dropped report is counted under: the registry's reason for a refusal, the
+    exception's type for a failure of the agent's own."""
+    if isinstance(exc, RegistryRefused):
+        return exc.reason
+    return type(exc).__name__
 
 
 def estimated_bytes(batch: EventBatch) -> int:
@@ -95,10 +105,6 @@ class EventForwarder:
         self._seen_live = False
         self._stopping = False
         lease.add_listener(self._registered)
-
-    @property
-    def cursor(self) -> int:
-        return self._cursor
 
     def stop(self) -> None:
         """Forward what is queued, then end `run()` (the receiver must be stopped first)."""
@@ -271,13 +277,18 @@ class EventForwarder:
                     if self._lease.epoch != epoch or not self._lease.state.registered:
                         return batches[i:]
                     continue
-                stats.batches_rejected += len(chunk)
+                # Never retried: the same batches would fail the same way. Counted by reason, and
+                # logged at error with the traceback when the fault is the agent's own.
+                reason = rejection_reason(exc)
+                stats.batches_rejected[reason] += len(chunk)
                 log.error(
                     "events.report_rejected",
                     node=node,
                     first_seq=chunk[0].batch.seq,
                     batches=len(chunk),
+                    reason=reason,
                     error=str(exc),
+                    exc_info=not isinstance(exc, RegistryRefused),
                 )
                 i += len(chunk)
                 continue

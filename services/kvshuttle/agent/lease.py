@@ -23,7 +23,8 @@ import structlog
 from kvshuttle.agent.model import Backoff, LeaseState
 from kvshuttle.agent.ports import RegistryPort
 from kvshuttle.core.errors import FailedPrecondition, NotFound
-from kvshuttle.registry.model import NodeLoad, NodeSpec
+from kvshuttle.core.nodes import NodeLoad, NodeSpec
+from kvshuttle.core.reasons import ErrorReason
 
 __all__ = ["NodeLease", "lease_lost"]
 
@@ -33,9 +34,9 @@ log = structlog.get_logger("kvshuttle.agent")
 def lease_lost(exc: BaseException) -> bool:
     """Whether a registry error means this agent's registration is gone: register again."""
     if isinstance(exc, NotFound):
-        return exc.reason in ("NODE_NOT_FOUND", "NOT_FOUND")
+        return exc.reason in (ErrorReason.NODE_NOT_FOUND, ErrorReason.NOT_FOUND)
     if isinstance(exc, FailedPrecondition):
-        return exc.reason == "NODE_INCARNATION_MISMATCH"
+        return exc.reason == ErrorReason.NODE_INCARNATION_MISMATCH
     return False
 
 

@@ -49,11 +49,19 @@ class AgentCollector(Collector):
             ("received", events.batches_received),
             ("forwarded", events.batches_forwarded),
             ("dropped", events.batches_dropped),
-            ("rejected", events.batches_rejected),
+            ("rejected", events.batches_rejected.total()),
             ("replayed", events.replayed_batches),
         ):
             batches.add_metric([outcome], value)
         yield batches
+        rejected = CounterMetricFamily(
+            "kvshuttle_agent_event_batches_rejected",
+            "KV-event batches never delivered, by reason (the registry's, or the agent's own error).",
+            labels=["reason"],
+        )
+        for reason, value in sorted(events.batches_rejected.items()):
+            rejected.add_metric([reason], value)
+        yield rejected
         gaps = CounterMetricFamily(
             "kvshuttle_agent_event_gaps", "Sequence gaps by outcome.", labels=["outcome"]
         )

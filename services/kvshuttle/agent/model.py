@@ -4,9 +4,10 @@ lease, and the small pieces its loops share. No grpc, no sockets."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
-from kvshuttle.registry.block_index import EventBatch
+from kvshuttle.core.kv_events import EventBatch
 
 __all__ = [
     "AgentStatus",
@@ -39,7 +40,9 @@ class EventStreamStats:
     batches_received: int = 0  # live messages decoded
     batches_forwarded: int = 0  # batches the registry accepted (live and replayed)
     batches_dropped: int = 0  # live batches dropped because the forwarding queue was full
-    batches_rejected: int = 0  # batches the registry refused (INVALID_ARGUMENT): a bug or a limit
+    # Batches never delivered, by reason: the registry's ErrorInfo reason when it refused them
+    # (INVALID_ARGUMENT: a bug or a limit), the exception's type when the agent itself failed.
+    batches_rejected: Counter[str] = field(default_factory=Counter)
     gaps_detected: int = 0  # ranges of seqs missing before a batch, relative to the registry
     gaps_filled: int = 0  # of those, ranges the replay endpoint filled completely
     replayed_batches: int = 0  # batches fetched from the replay endpoint and forwarded
@@ -91,8 +94,8 @@ class AgentStatus:
 
 
 class Backoff:
-    """Exponential backoff with full jitter: the n-th delay is uniform in
-    [0, min(maximum, initial * 2 ** (n - 1))]; `reset()` after a success."""
+    """Exponential backoff with jitter: the n-th delay is uniform in [cap / 10, cap], where
+    cap = min(maximum, initial * 2 ** (n - 1)); `reset()` after a success."""
 
     def __init__(self, initial: float, maximum: float, *, rng: random.Random | None = None) -> None:
         if initial <= 0 or maximum < initial:

@@ -4,7 +4,9 @@ calls. The gRPC and ZMQ adapters implement them; tests may implement them over a
 Registry failures are domain errors (kvshuttle.core.errors) carrying the registry's reason:
 NotFound (NODE_NOT_FOUND: the lease lapsed, register again), FailedPrecondition
 (NODE_INCARNATION_MISMATCH: a newer registration replaced this one), Unavailable (the
-registry could not be reached in time; try again later).
+registry could not be reached in time; try again later). A call the registry refused outright
+(INVALID_ARGUMENT, PERMISSION_DENIED...: a bug or a misconfiguration, never retried) raises
+RegistryRefused with the registry's reason.
 """
 
 from __future__ import annotations
@@ -12,10 +14,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvshuttle.registry.block_index import ApplyResult, EventBatch
-from kvshuttle.registry.model import NodeLoad, NodeSpec
+from kvshuttle.core.kv_events import ApplyResult, EventBatch
+from kvshuttle.core.nodes import NodeLoad, NodeSpec
 
-__all__ = ["RegistryPort", "ReplayPort"]
+__all__ = ["RegistryPort", "RegistryRefused", "ReplayPort"]
+
+
+class RegistryRefused(Exception):
+    """The registry refused a call as built: `reason` is its ErrorInfo reason (or status code)."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class RegistryPort(Protocol):

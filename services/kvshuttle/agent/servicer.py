@@ -13,7 +13,7 @@ import grpc
 from kvshuttle.agent.model import AgentStatus
 from kvshuttle.agent.v1 import agent_service_pb2 as pb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as pb_grpc
-from kvshuttle.client.convert import to_timestamp
+from kvshuttle.core.prototime import to_timestamp
 
 __all__ = ["AgentServicer", "add_to_server", "status_to_pb"]
 

@@ -20,6 +20,11 @@ import numpy.typing as npt
 
 ROOT_HASH = 0
 _MAX_TOKEN = 2**32 - 1
+_U32 = 0xFFFFFFFF
+_U64 = 0xFFFFFFFFFFFFFFFF
+# The parent from which LoRA chain roots are derived; a fixed tag, so no LoRA root equals
+# ROOT_HASH or a base-model block's hash (short of a 64-bit collision).
+_LORA_DOMAIN = int.from_bytes(hashlib.blake2b(b"kvshuttle/lora-root/v1", digest_size=8).digest(), "little")
 TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
 Chain = Sequence[int] | npt.NDArray[np.uint64]
 
@@ -93,3 +98,15 @@ def common_prefix_blocks(
     y = np.asarray(b[:n], dtype=np.uint64)
     differ = np.flatnonzero(x != y)
     return int(differ[0]) if differ.size else n
+
+
+def chain_root(lora_id: int | None) -> int:
+    """The chain hash a sequence's first block chains from: ROOT_HASH for the base model,
+    a per-adapter root for blocks cached under LoRA adapter `lora_id`.
+
+    To look up a LoRA prompt: `chain_hashes(tokens, block_size, parent=chain_root(lora_id))`.
+    """
+    if lora_id is None:
+        return ROOT_HASH
+    v = lora_id & _U64  # int64 or uint64 alike
+    return block_hash(_LORA_DOMAIN, (v & _U32, v >> 32))

@@ -15,12 +15,12 @@ import re
 from dataclasses import dataclass
 
 from kvshuttle.core.errors import InvalidArgument
+from kvshuttle.core.limits import MAX_ID_LENGTH
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._~:-]*")
-DEFAULT_MAX_ID_LENGTH = 128
 
 
-def check_id(value: str, field: str, *, max_length: int = DEFAULT_MAX_ID_LENGTH) -> str:
+def check_id(value: str, field: str, *, max_length: int = MAX_ID_LENGTH) -> str:
     if not value:
         raise InvalidArgument(field, "required")
     if len(value) > max_length:
@@ -37,10 +37,6 @@ class ConversationName:
 
     def __str__(self) -> str:
         return f"tenants/{self.tenant}/conversations/{self.conversation}"
-
-    @property
-    def tenant_name(self) -> str:
-        return f"tenants/{self.tenant}"
 
     def retention(self, generation: int) -> str:
         return f"{self}/retentions/{generation}"
@@ -64,7 +60,7 @@ def _split(name: str, field: str, max_length: int) -> list[str]:
     return name.split("/")
 
 
-def parse_node(name: str, field: str = "name", *, max_length: int = DEFAULT_MAX_ID_LENGTH) -> str:
+def parse_node(name: str, field: str = "name", *, max_length: int = MAX_ID_LENGTH) -> str:
     """`nodes/{node}` -> node id."""
     parts = _split(name, field, max_length)
     if len(parts) != 2 or parts[0] != "nodes":
@@ -72,7 +68,7 @@ def parse_node(name: str, field: str = "name", *, max_length: int = DEFAULT_MAX_
     return check_id(parts[1], field, max_length=max_length)
 
 
-def parse_tenant(name: str, field: str = "parent", *, max_length: int = DEFAULT_MAX_ID_LENGTH) -> str:
+def parse_tenant(name: str, field: str = "parent", *, max_length: int = MAX_ID_LENGTH) -> str:
     """`tenants/{tenant}` -> tenant id."""
     parts = _split(name, field, max_length)
     if len(parts) != 2 or parts[0] != "tenants":
@@ -81,7 +77,7 @@ def parse_tenant(name: str, field: str = "parent", *, max_length: int = DEFAULT_
 
 
 def parse_conversation(
-    name: str, field: str = "name", *, max_length: int = DEFAULT_MAX_ID_LENGTH
+    name: str, field: str = "name", *, max_length: int = MAX_ID_LENGTH
 ) -> ConversationName:
     parts = _split(name, field, max_length)
     if len(parts) != 4 or parts[0] != "tenants" or parts[2] != "conversations":
@@ -91,9 +87,7 @@ def parse_conversation(
     )
 
 
-def parse_retention(
-    name: str, field: str = "name", *, max_length: int = DEFAULT_MAX_ID_LENGTH
-) -> RetentionName:
+def parse_retention(name: str, field: str = "name", *, max_length: int = MAX_ID_LENGTH) -> RetentionName:
     parts = _split(name, field, max_length)
     if len(parts) != 6 or parts[0] != "tenants" or parts[2] != "conversations" or parts[4] != "retentions":
         raise InvalidArgument(
@@ -109,7 +103,7 @@ def parse_retention(
 
 
 def parse_tenant_or_conversation(
-    name: str, field: str = "parent", *, max_length: int = DEFAULT_MAX_ID_LENGTH
+    name: str, field: str = "parent", *, max_length: int = MAX_ID_LENGTH
 ) -> tuple[str, str | None]:
     """`tenants/{t}` or `tenants/{t}/conversations/{c}` -> (tenant, conversation or None)."""
     parts = _split(name, field, max_length)

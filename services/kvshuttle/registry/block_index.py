@@ -41,89 +41,22 @@ Not thread-safe: the registry serializes calls (one event loop, or a lock).
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from kvshuttle.core.errors import InvalidArgument
-from kvshuttle.core.hashing import ROOT_HASH, block_hash, chain_hashes
+from kvshuttle.core.hashing import chain_hashes, chain_root
+from kvshuttle.core.kv_events import (
+    AllBlocksCleared,
+    ApplyResult,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
 
-__all__ = [
-    "AllBlocksCleared",
-    "ApplyResult",
-    "BlockEvent",
-    "BlockIndex",
-    "BlockIndexStats",
-    "BlockRemoved",
-    "BlockStored",
-    "EventBatch",
-    "chain_root",
-]
-
-_U32 = 0xFFFFFFFF
-_U64 = 0xFFFFFFFFFFFFFFFF
-# The parent from which LoRA chain roots are derived; a fixed tag, so no LoRA root equals
-# ROOT_HASH or a base-model block's hash (short of a 64-bit collision).
-_LORA_DOMAIN = int.from_bytes(hashlib.blake2b(b"kvshuttle/lora-root/v1", digest_size=8).digest(), "little")
-
-
-def chain_root(lora_id: int | None) -> int:
-    """The chain hash a sequence's first block chains from: ROOT_HASH for the base model,
-    a per-adapter root for blocks cached under LoRA adapter `lora_id`.
-
-    To look up a LoRA prompt: `chain_hashes(tokens, block_size, parent=chain_root(lora_id))`.
-    """
-    if lora_id is None:
-        return ROOT_HASH
-    v = lora_id & _U64  # int64 or uint64 alike
-    return block_hash(_LORA_DOMAIN, (v & _U32, v >> 32))
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """vLLM's BlockStored: full blocks newly cached, parent first."""
-
-    block_hashes: tuple[int, ...]
-    parent_block_hash: int | None
-    token_ids: tuple[int, ...]  # block_size * len(block_hashes) tokens
-    block_size: int
-    lora_id: int | None
-    medium: str
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """vLLM's BlockRemoved: blocks evicted from the cache (deepest first)."""
-
-    block_hashes: tuple[int, ...]
-    medium: str
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    """vLLM's AllBlocksCleared: the prefix cache was reset."""
-
-
-BlockEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-@dataclass(frozen=True, slots=True)
-class EventBatch:
-    """One message of the engine's KV-event publisher."""
-
-    seq: int  # the publisher's sequence number; restarts at 0 with the engine
-    engine_time: float  # the engine's timestamp, seconds since the epoch
-    events: tuple[BlockEvent, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ApplyResult:
-    applied_batches: int  # batches applied; already-seen ones are skipped
-    next_seq: int  # the sequence number the index expects next from the node
-    gap_detected: bool  # sequence numbers were missing: the index may lack blocks
-    engine_restarted: bool  # the sequence went back to 0: the node's index was cleared
+__all__ = ["BlockIndex", "BlockIndexStats"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,10 +106,6 @@ class BlockIndex:
         self._unkeyed = 0
         self._malformed = 0
         self._dropped = 0
-
-    @property
-    def max_blocks_per_node(self) -> int:
-        return self._max
 
     # -- events ------------------------------------------------------------------------
 

@@ -5,8 +5,6 @@ KVSHUTTLE_REGISTRY_LIMITS__RETENTION_TTL='{"default": 300, "minimum": 1, "maximu
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -22,8 +20,6 @@ class RegistrySettings(BaseSettings):
 
     server: ServerSettings = Field(default_factory=lambda: ServerSettings(listen="127.0.0.1:50051"))
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
-    # Where state lives. Only "memory" so far; Redis follows for HA.
-    store: Literal["memory"] = "memory"
     limits: RegistryLimits = Field(default_factory=RegistryLimits)
     store_limits: StoreLimits = Field(default_factory=StoreLimits)
     # Blocks indexed per node before new BlockStored events are dropped.

@@ -6,29 +6,15 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
-from google.protobuf.duration_pb2 import Duration
-from google.protobuf.timestamp_pb2 import Timestamp
-
+from kvshuttle.client.registry_convert import ROLE_FROM_PB, spec_to_pb
+from kvshuttle.core import kv_events as ev
 from kvshuttle.core.errors import InvalidArgument
-from kvshuttle.registry import block_index as bi
-from kvshuttle.registry.model import (
-    ChangeKind,
-    Node,
-    NodeLoad,
-    NodeRole,
-    NodeSpec,
-    Retention,
-    RetentionChange,
-)
+from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
+from kvshuttle.core.prototime import from_timestamp, to_timestamp
+from kvshuttle.registry.model import ChangeKind, Node, Retention, RetentionChange
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
-ROLE_TO_PB = {
-    NodeRole.PREFILL: pb.NODE_ROLE_PREFILL,
-    NodeRole.DECODE: pb.NODE_ROLE_DECODE,
-    NodeRole.BOTH: pb.NODE_ROLE_BOTH,
-}
-ROLE_FROM_PB = {v: k for k, v in ROLE_TO_PB.items()}
 CHANGE_TO_PB = {
     ChangeKind.PUT: pb.RETENTION_CHANGE_PUT,
     ChangeKind.RENEWED: pb.RETENTION_CHANGE_RENEWED,
@@ -40,30 +26,10 @@ CHANGE_TO_PB = {
 }
 
 
-def timestamp(seconds: float) -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(round(seconds * 1e9))
-    return ts
-
-
-def seconds(ts: Timestamp) -> float:
-    return ts.ToNanoseconds() / 1e9
-
-
-def duration_seconds(d: Duration, field: str) -> float | None:
-    """None when unset (the domain picks its default); negative durations are rejected."""
-    if d.seconds == 0 and d.nanos == 0:
-        return None
-    value = d.ToNanoseconds() / 1e9
-    if value < 0:
-        raise InvalidArgument(field, "must not be negative")
-    return value
-
-
 def role_from_pb(role: int, field: str, *, required: bool) -> NodeRole | None:
     if role == pb.NODE_ROLE_UNSPECIFIED and not required:
         return None
-    found: NodeRole | None = ROLE_FROM_PB.get(role)  # type: ignore[call-overload]
+    found = ROLE_FROM_PB.get(role)
     if found is None:
         raise InvalidArgument(field, "must be NODE_ROLE_PREFILL, NODE_ROLE_DECODE or NODE_ROLE_BOTH")
     return found
@@ -96,23 +62,6 @@ def load_from_pb(load: pb.NodeLoad) -> NodeLoad:
     )
 
 
-def spec_to_pb(spec: NodeSpec) -> pb.Node:
-    """A node's descriptive fields (what RegisterNode takes)."""
-    return pb.Node(
-        name=spec.name,
-        role=ROLE_TO_PB[spec.role],
-        engine_id=spec.engine_id,
-        http_endpoint=spec.http_endpoint,
-        side_channel_host=spec.side_channel_host,
-        side_channel_port=spec.side_channel_port,
-        agent_endpoint=spec.agent_endpoint,
-        model=spec.model,
-        block_size=spec.block_size,
-        kv_bytes_per_token=spec.kv_bytes_per_token,
-        labels=spec.labels,
-    )
-
-
 def node_to_pb(node: Node, indexed_blocks: int = 0) -> pb.Node:
     """A live node: its spec and the registry's output-only fields."""
     out = spec_to_pb(node.spec)
@@ -122,8 +71,8 @@ def node_to_pb(node: Node, indexed_blocks: int = 0) -> pb.Node:
     out.load.kv_cache_usage = load.kv_cache_usage
     out.load.engine_healthy = load.engine_healthy
     out.incarnation = node.incarnation
-    out.register_time.CopyFrom(timestamp(node.register_time))
-    out.expire_time.CopyFrom(timestamp(node.expire_at))
+    out.register_time.CopyFrom(to_timestamp(node.register_time))
+    out.expire_time.CopyFrom(to_timestamp(node.expire_at))
     out.retained_bytes = node.retained_bytes
     out.retention_count = node.retention_count
     out.indexed_blocks = indexed_blocks
@@ -144,7 +93,7 @@ def retention_from_pb(r: pb.Retention) -> Retention:
         if r.HasField("kv_transfer_params")
         else b"",
         kv_bytes=r.kv_bytes,
-        pin_expire_at=seconds(r.pin_expire_time) if r.HasField("pin_expire_time") else None,
+        pin_expire_at=from_timestamp(r.pin_expire_time) if r.HasField("pin_expire_time") else None,
     )
 
 
@@ -160,18 +109,18 @@ def retention_to_pb(r: Retention) -> pb.Retention:
         kv_transfer_params=KvTransferParams.FromString(r.kv_transfer_params),
         kv_bytes=r.kv_bytes,
         state=pb.RETENTION_STATE_CLAIMED if r.claim is not None else pb.RETENTION_STATE_ACTIVE,
-        create_time=timestamp(r.create_time),
-        expire_time=timestamp(r.expire_at),
+        create_time=to_timestamp(r.create_time),
+        expire_time=to_timestamp(r.expire_at),
     )
     if r.pin_expire_at is not None:
-        out.pin_expire_time.CopyFrom(timestamp(r.pin_expire_at))
+        out.pin_expire_time.CopyFrom(to_timestamp(r.pin_expire_at))
     if r.claim is not None:
         out.claim.CopyFrom(
             pb.Claim(
                 claim_id=r.claim.claim_id,
                 holder=r.claim.holder,
-                claim_time=timestamp(r.claim.claim_time),
-                expire_time=timestamp(r.claim.expire_at),
+                claim_time=to_timestamp(r.claim.claim_time),
+                expire_time=to_timestamp(r.claim.expire_at),
             )
         )
     return out
@@ -181,20 +130,20 @@ def change_to_pb(change: RetentionChange) -> pb.WatchRetentionsResponse:
     return pb.WatchRetentionsResponse(
         change=CHANGE_TO_PB[change.kind],
         retention=retention_to_pb(change.retention),
-        change_time=timestamp(change.at),
+        change_time=to_timestamp(change.at),
     )
 
 
-def event_batches_from_pb(batches: Sequence[pb.BlockEventBatch]) -> list[bi.EventBatch]:
-    out: list[bi.EventBatch] = []
+def event_batches_from_pb(batches: Sequence[pb.BlockEventBatch]) -> list[ev.EventBatch]:
+    out: list[ev.EventBatch] = []
     for i, batch in enumerate(batches):
-        events: list[bi.BlockStored | bi.BlockRemoved | bi.AllBlocksCleared] = []
+        events: list[ev.BlockStored | ev.BlockRemoved | ev.AllBlocksCleared] = []
         for j, event in enumerate(batch.events):
             kind = event.WhichOneof("event")
             if kind == "stored":
                 s = event.stored
                 events.append(
-                    bi.BlockStored(
+                    ev.BlockStored(
                         block_hashes=tuple(s.block_hashes),
                         parent_block_hash=s.parent_block_hash if s.HasField("parent_block_hash") else None,
                         token_ids=tuple(s.token_ids),
@@ -205,13 +154,13 @@ def event_batches_from_pb(batches: Sequence[pb.BlockEventBatch]) -> list[bi.Even
                 )
             elif kind == "removed":
                 events.append(
-                    bi.BlockRemoved(
+                    ev.BlockRemoved(
                         block_hashes=tuple(event.removed.block_hashes), medium=event.removed.medium
                     )
                 )
             elif kind == "cleared":
-                events.append(bi.AllBlocksCleared())
+                events.append(ev.AllBlocksCleared())
             else:
                 raise InvalidArgument(f"batches[{i}].events[{j}]", "must set stored, removed or cleared")
-        out.append(bi.EventBatch(seq=batch.seq, engine_time=batch.engine_time, events=tuple(events)))
+        out.append(ev.EventBatch(seq=batch.seq, engine_time=batch.engine_time, events=tuple(events)))
     return out

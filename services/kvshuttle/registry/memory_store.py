@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvshuttle.core.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted
+from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
+from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.model import (
     ChangeKind,
     Claim,
@@ -25,9 +27,6 @@ from kvshuttle.registry.model import (
     ExpiryResult,
     Node,
     NodeExpiry,
-    NodeLoad,
-    NodeRole,
-    NodeSpec,
     PutResult,
     Retention,
     RetentionChange,
@@ -120,7 +119,7 @@ class InMemoryStore:
         if existing is None and len(self._nodes) >= self._limits.max_nodes:
             raise ResourceExhausted(
                 f"at most {self._limits.max_nodes} nodes",
-                reason="CAPACITY_EXCEEDED",
+                reason=ErrorReason.CAPACITY_EXCEEDED,
                 metadata={"limit": "max_nodes"},
             )
         changes: list[RetentionChange] = []
@@ -148,13 +147,13 @@ class InMemoryStore:
         if node is None:
             raise NotFound(
                 f"node {name} is not registered (or its lease lapsed)",
-                reason="NODE_NOT_FOUND",
+                reason=ErrorReason.NODE_NOT_FOUND,
                 metadata={"node": name},
             )
         if incarnation is not None and node.incarnation != incarnation:
             raise FailedPrecondition(
                 f"node {name} is at incarnation {node.incarnation}, not {incarnation}",
-                reason="NODE_INCARNATION_MISMATCH",
+                reason=ErrorReason.NODE_INCARNATION_MISMATCH,
                 metadata={"node": name, "incarnation": str(node.incarnation)},
             )
         return node
@@ -212,14 +211,14 @@ class InMemoryStore:
         if node is None:
             raise FailedPrecondition(
                 f"node {retention.node} is not registered",
-                reason="NODE_NOT_FOUND",
+                reason=ErrorReason.NODE_NOT_FOUND,
                 metadata={"node": retention.node},
             )
         if node.spec.model != retention.model or node.spec.block_size != retention.block_size:
             raise FailedPrecondition(
                 f"node {retention.node} serves model {node.spec.model!r} with block size "
                 f"{node.spec.block_size}, not {retention.model!r} / {retention.block_size}",
-                reason="NODE_MISMATCH",
+                reason=ErrorReason.NODE_MISMATCH,
                 metadata={"node": retention.node},
             )
         conversation = retention.conversation
@@ -227,14 +226,14 @@ class InMemoryStore:
         if fence is not None and retention.generation <= fence.generation:
             raise Aborted(
                 f"generation {retention.generation} is not newer than {fence.generation} for {conversation}",
-                reason="FENCING_GENERATION_STALE",
+                reason=ErrorReason.FENCING_GENERATION_STALE,
                 metadata={"fence_generation": str(fence.generation)},
             )
         expire_at = now + ttl
         if retention.pin_expire_at is not None:
             if retention.pin_expire_at <= now:
                 raise FailedPrecondition(
-                    "pin_expire_time has already passed: the blocks are gone", reason="PIN_EXPIRED"
+                    "pin_expire_time has already passed: the blocks are gone", reason=ErrorReason.PIN_EXPIRED
                 )
             expire_at = min(expire_at, retention.pin_expire_at)
         old_name = self._by_conversation.get(conversation)
@@ -243,13 +242,13 @@ class InMemoryStore:
             if len(self._retentions) >= self._limits.max_retentions:
                 raise ResourceExhausted(
                     f"at most {self._limits.max_retentions} retentions",
-                    reason="CAPACITY_EXCEEDED",
+                    reason=ErrorReason.CAPACITY_EXCEEDED,
                     metadata={"limit": "max_retentions"},
                 )
             if len(self._tenant_names.get(tenant, ())) >= self._limits.max_retentions_per_tenant:
                 raise ResourceExhausted(
                     f"tenant {tenant} holds {self._limits.max_retentions_per_tenant} retentions",
-                    reason="CAPACITY_EXCEEDED",
+                    reason=ErrorReason.CAPACITY_EXCEEDED,
                     metadata={"limit": "max_retentions_per_tenant"},
                 )
         # Everything is checked: from here on nothing raises.
@@ -282,7 +281,9 @@ class InMemoryStore:
         record = self._retentions.get(name)
         if record is None:
             raise NotFound(
-                f"retention {name} not found", reason="RETENTION_NOT_FOUND", metadata={"retention": name}
+                f"retention {name} not found",
+                reason=ErrorReason.RETENTION_NOT_FOUND,
+                metadata={"retention": name},
             )
         return record
 
@@ -294,7 +295,7 @@ class InMemoryStore:
         if fence is None:
             raise NotFound(
                 f"conversation {name} has no retention and no fencing generation",
-                reason="CONVERSATION_NOT_FOUND",
+                reason=ErrorReason.CONVERSATION_NOT_FOUND,
                 metadata={"conversation": name},
             )
         current = self._by_conversation.get(name)
@@ -304,13 +305,13 @@ class InMemoryStore:
         if record.claim is not None:
             raise Aborted(
                 f"retention {record.name} is already claimed",
-                reason="RETENTION_ALREADY_CLAIMED",
+                reason=ErrorReason.RETENTION_ALREADY_CLAIMED,
                 metadata={"retention": record.name},
             )
         if record.expire_at <= now:
             raise FailedPrecondition(
                 f"retention {record.name} expired",
-                reason="RETENTION_EXPIRED",
+                reason=ErrorReason.RETENTION_EXPIRED,
                 metadata={"retention": record.name},
             )
 
@@ -321,7 +322,7 @@ class InMemoryStore:
         if record.claim is not None:
             raise FailedPrecondition(
                 f"retention {name} is claimed; a claim is never renewed",
-                reason="RETENTION_CLAIMED",
+                reason=ErrorReason.RETENTION_CLAIMED,
                 metadata={"retention": name},
             )
         self._check_claimable(record, now)
@@ -360,7 +361,7 @@ class InMemoryStore:
         if record.claim is not None and not force and claim_id != record.claim.claim_id:
             raise FailedPrecondition(
                 f"retention {name} is claimed by {record.claim.holder}",
-                reason="CLAIM_MISMATCH",
+                reason=ErrorReason.CLAIM_MISMATCH,
                 metadata={"retention": name},
             )
         return [self._remove_retention(name, ChangeKind.RELEASED, now)]

@@ -1,4 +1,4 @@
-"""The registry's domain records: nodes, retentions, claims and the changes they go through.
+"""The registry's domain records: node leases, retentions, claims and the changes they go through.
 
 Times are seconds on the registry's clock. Records returned by the store are snapshots:
 callers may keep them; the store never mutates a record it handed out.
@@ -7,43 +7,10 @@ callers may keep them; the store never mutates a record it handed out.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
-
-class NodeRole(StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "both"
-
-    def serves(self, wanted: NodeRole | None) -> bool:
-        """Whether a node of this role can serve `wanted` (None: any role)."""
-        return wanted is None or self is wanted or self is NodeRole.BOTH
-
-
-@dataclass(slots=True)
-class NodeLoad:
-    running_requests: int = 0
-    waiting_requests: int = 0
-    kv_cache_usage: float = 0.0
-    engine_healthy: bool = False
-
-
-@dataclass(slots=True)
-class NodeSpec:
-    """What a registrant says about its worker."""
-
-    name: str  # nodes/{node}
-    role: NodeRole
-    engine_id: str
-    http_endpoint: str
-    side_channel_host: str
-    side_channel_port: int
-    agent_endpoint: str
-    model: str
-    block_size: int
-    kv_bytes_per_token: int
-    labels: dict[str, str] = field(default_factory=dict)
+from kvshuttle.core.nodes import NodeLoad, NodeSpec
 
 
 @dataclass(slots=True)

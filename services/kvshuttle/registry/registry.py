@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from kvshuttle.core import limits
 from kvshuttle.core.clock import Clock
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from kvshuttle.core.kv_events import ApplyResult, BlockStored, EventBatch
 from kvshuttle.core.names import (
     check_id,
     parse_conversation,
@@ -29,18 +31,10 @@ from kvshuttle.core.names import (
     parse_tenant,
     parse_tenant_or_conversation,
 )
-from kvshuttle.registry.block_index import ApplyResult, BlockIndex, BlockStored, EventBatch
-from kvshuttle.registry.model import (
-    Conversation,
-    ExpiryResult,
-    Node,
-    NodeLoad,
-    NodeRole,
-    NodeSpec,
-    PutResult,
-    Retention,
-    RetentionChange,
-)
+from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
+from kvshuttle.core.reasons import ErrorReason
+from kvshuttle.registry.block_index import BlockIndex
+from kvshuttle.registry.model import Conversation, ExpiryResult, Node, PutResult, Retention, RetentionChange
 from kvshuttle.registry.store import RegistryStore
 
 log = structlog.get_logger("kvshuttle.registry")
@@ -62,22 +56,23 @@ class TtlRange:
 
 @dataclass(frozen=True, slots=True)
 class RegistryLimits:
-    """Bounds on every request; all configurable."""
+    """Bounds on every request; all configurable. Those other services check too default to
+    kvshuttle.core.limits."""
 
-    max_id_length: int = 128
+    max_id_length: int = limits.MAX_ID_LENGTH
     max_endpoint_length: int = 256
     max_labels: int = 16
     max_label_length: int = 128
-    max_block_size: int = 4096
-    max_block_hashes: int = 65_536
-    max_kv_transfer_params_bytes: int = 64 * 1024
-    max_num_tokens: int = 4_194_304
+    max_block_size: int = limits.MAX_BLOCK_SIZE
+    max_block_hashes: int = limits.MAX_BLOCK_HASHES
+    max_kv_transfer_params_bytes: int = limits.MAX_KV_TRANSFER_PARAMS_BYTES
+    max_num_tokens: int = limits.MAX_NUM_TOKENS
     max_page_size: int = 1000
     default_page_size: int = 100
-    max_event_batches: int = 512
-    max_events_per_batch: int = 4096
-    max_event_blocks: int = 4096
-    max_lookup_hashes: int = 65_536
+    max_event_batches: int = limits.MAX_EVENT_BATCHES
+    max_events_per_batch: int = limits.MAX_EVENTS_PER_BATCH
+    max_event_blocks: int = limits.MAX_EVENT_BLOCKS
+    max_lookup_hashes: int = limits.MAX_BLOCK_HASHES
     max_watchers: int = 256
     watch_queue_size: int = 1024
     node_ttl: TtlRange = TtlRange(default=10.0, minimum=1.0, maximum=300.0)
@@ -132,7 +127,9 @@ class Subscription:
             change = await self._queue.get()
             if change is None:
                 if self.overflowed:
-                    raise ResourceExhausted("watcher fell behind; watch again", reason="WATCH_OVERFLOW")
+                    raise ResourceExhausted(
+                        "watcher fell behind; watch again", reason=ErrorReason.WATCH_OVERFLOW
+                    )
                 return
             yield change
 
@@ -381,11 +378,11 @@ class Registry:
         if node:
             self._node_name(node, "node")
         if self._closed:
-            raise Unavailable("registry is shutting down", reason="SHUTTING_DOWN")
+            raise Unavailable("registry is shutting down", reason=ErrorReason.SHUTTING_DOWN)
         if len(self._subscriptions) >= self.limits.max_watchers:
             raise ResourceExhausted(
                 f"at most {self.limits.max_watchers} watchers",
-                reason="CAPACITY_EXCEEDED",
+                reason=ErrorReason.CAPACITY_EXCEEDED,
                 metadata={"limit": "max_watchers"},
             )
         sub = Subscription(tenant, node or None, self.limits.watch_queue_size)
@@ -438,7 +435,7 @@ class Registry:
         if known.incarnation != incarnation:
             raise FailedPrecondition(
                 f"node {node} is at incarnation {known.incarnation}",
-                reason="NODE_INCARNATION_MISMATCH",
+                reason=ErrorReason.NODE_INCARNATION_MISMATCH,
                 metadata={"node": node, "incarnation": str(known.incarnation)},
             )
         result = self._index.apply(node, batches)

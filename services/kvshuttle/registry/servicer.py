@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 from structlog.contextvars import bind_contextvars
 
+from kvshuttle.core.prototime import duration_seconds, to_timestamp
 from kvshuttle.registry import convert
 from kvshuttle.registry.registry import Registry
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
@@ -27,7 +28,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     ) -> pb.RegisterNodeResponse:
         bind_contextvars(node=request.node.name)
         node = await self._registry.register_node(
-            convert.node_spec_from_pb(request.node), convert.duration_seconds(request.ttl, "ttl")
+            convert.node_spec_from_pb(request.node), duration_seconds(request.ttl, "ttl")
         )
         return pb.RegisterNodeResponse(
             node=convert.node_to_pb(node, self._registry.indexed_blocks(node.name))
@@ -42,10 +43,10 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         node = await self._registry.heartbeat_node(
             request.name,
             request.incarnation,
-            convert.duration_seconds(request.ttl, "ttl"),
+            duration_seconds(request.ttl, "ttl"),
             convert.load_from_pb(request.load),
         )
-        return pb.HeartbeatNodeResponse(expire_time=convert.timestamp(node.expire_at))
+        return pb.HeartbeatNodeResponse(expire_time=to_timestamp(node.expire_at))
 
     async def DeregisterNode(
         self,
@@ -89,7 +90,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             request_id=request.request_id,
             parent=request.parent,
             retention=convert.retention_from_pb(request.retention),
-            ttl=convert.duration_seconds(request.ttl, "ttl"),
+            ttl=duration_seconds(request.ttl, "ttl"),
         )
         bind_contextvars(retention=result.retention.name)
         return pb.PutRetentionResponse(
@@ -122,9 +123,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         context: grpc.aio.ServicerContext[pb.RenewRetentionRequest, pb.RenewRetentionResponse],
     ) -> pb.RenewRetentionResponse:
         bind_contextvars(retention=request.name)
-        retention = await self._registry.renew_retention(
-            request.name, convert.duration_seconds(request.ttl, "ttl")
-        )
+        retention = await self._registry.renew_retention(request.name, duration_seconds(request.ttl, "ttl"))
         return pb.RenewRetentionResponse(retention=convert.retention_to_pb(retention))
 
     async def ClaimRetention(
@@ -137,7 +136,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             request_id=request.request_id,
             name=request.name,
             holder=request.holder,
-            claim_ttl=convert.duration_seconds(request.claim_ttl, "claim_ttl"),
+            claim_ttl=duration_seconds(request.claim_ttl, "claim_ttl"),
         )
         return pb.ClaimRetentionResponse(retention=convert.retention_to_pb(retention))
 

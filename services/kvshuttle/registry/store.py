@@ -1,5 +1,5 @@
-"""The registry's state behind one interface, so an in-memory and a Redis implementation
-share every rule.
+"""The registry's state behind one contract, so an in-memory store and a Redis store are
+interchangeable: each enforces the same stateful rules, the ones each method states here.
 
 Each method is one atomic domain operation: it either applies completely or raises a
 KvshuttleError and changes nothing. Inputs are already validated by the Registry facade;
@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
 from kvshuttle.registry.model import (
     Conversation,
     ExpiryResult,
     Node,
-    NodeLoad,
-    NodeRole,
-    NodeSpec,
     PutResult,
     Retention,
     RetentionChange,

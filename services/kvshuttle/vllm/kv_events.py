@@ -49,13 +49,7 @@ from typing import Any, Final
 
 import msgpack
 
-from kvshuttle.registry.block_index import (
-    AllBlocksCleared,
-    BlockEvent,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
-)
+from kvshuttle.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, EventBatch
 
 __all__ = [
     "END_OF_REPLAY",

@@ -34,10 +34,22 @@ class RegistryServiceStub:
     `expire_time`, is renewed explicitly, and is removed by a timer when it lapses (never
     lazily on read). A node whose lease lapses takes its retentions with it.
 
-    Errors carry a google.rpc.ErrorInfo (domain "registry.kvshuttle") whose reason is one of:
-    INVALID_ARGUMENT (with metadata "field"), NODE_NOT_FOUND, NODE_INCARNATION_MISMATCH,
-    RETENTION_NOT_FOUND, RETENTION_EXPIRED, RETENTION_ALREADY_CLAIMED, RETENTION_CLAIMED,
-    CLAIM_MISMATCH, FENCING_GENERATION_STALE, CONVERSATION_NOT_FOUND, CAPACITY_EXCEEDED.
+    Errors carry a google.rpc.ErrorInfo (domain "registry.kvshuttle") whose reason is one of
+    (the table: kvshuttle.core.reasons):
+      INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+      NODE_NOT_FOUND: no live lease of that node.
+      NODE_INCARNATION_MISMATCH: a newer registration of the node replaced this one.
+      NODE_MISMATCH: a retention's model or block size is not its node's.
+      RETENTION_NOT_FOUND, RETENTION_EXPIRED: no such retention, or its lease lapsed.
+      RETENTION_ALREADY_CLAIMED: another reader claimed it first.
+      RETENTION_CLAIMED: a claimed retention cannot be renewed.
+      CLAIM_MISMATCH: the claim id given is not the retention's claim.
+      PIN_EXPIRED: the engine's own pin on the blocks has passed.
+      FENCING_GENERATION_STALE: the conversation already saw this generation or a later one.
+      CONVERSATION_NOT_FOUND: the conversation has no fence and no retention.
+      CAPACITY_EXCEEDED: a bounded table or a tenant's quota is full.
+      WATCH_OVERFLOW: a watcher fell behind its buffer; watch again.
+      SHUTTING_DOWN: the registry is draining.
     """
 
     @_typing.overload
@@ -108,10 +120,22 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     `expire_time`, is renewed explicitly, and is removed by a timer when it lapses (never
     lazily on read). A node whose lease lapses takes its retentions with it.
 
-    Errors carry a google.rpc.ErrorInfo (domain "registry.kvshuttle") whose reason is one of:
-    INVALID_ARGUMENT (with metadata "field"), NODE_NOT_FOUND, NODE_INCARNATION_MISMATCH,
-    RETENTION_NOT_FOUND, RETENTION_EXPIRED, RETENTION_ALREADY_CLAIMED, RETENTION_CLAIMED,
-    CLAIM_MISMATCH, FENCING_GENERATION_STALE, CONVERSATION_NOT_FOUND, CAPACITY_EXCEEDED.
+    Errors carry a google.rpc.ErrorInfo (domain "registry.kvshuttle") whose reason is one of
+    (the table: kvshuttle.core.reasons):
+      INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+      NODE_NOT_FOUND: no live lease of that node.
+      NODE_INCARNATION_MISMATCH: a newer registration of the node replaced this one.
+      NODE_MISMATCH: a retention's model or block size is not its node's.
+      RETENTION_NOT_FOUND, RETENTION_EXPIRED: no such retention, or its lease lapsed.
+      RETENTION_ALREADY_CLAIMED: another reader claimed it first.
+      RETENTION_CLAIMED: a claimed retention cannot be renewed.
+      CLAIM_MISMATCH: the claim id given is not the retention's claim.
+      PIN_EXPIRED: the engine's own pin on the blocks has passed.
+      FENCING_GENERATION_STALE: the conversation already saw this generation or a later one.
+      CONVERSATION_NOT_FOUND: the conversation has no fence and no retention.
+      CAPACITY_EXCEEDED: a bounded table or a tenant's quota is full.
+      WATCH_OVERFLOW: a watcher fell behind its buffer; watch again.
+      SHUTTING_DOWN: the registry is draining.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -178,10 +202,22 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
     `expire_time`, is renewed explicitly, and is removed by a timer when it lapses (never
     lazily on read). A node whose lease lapses takes its retentions with it.
 
-    Errors carry a google.rpc.ErrorInfo (domain "registry.kvshuttle") whose reason is one of:
-    INVALID_ARGUMENT (with metadata "field"), NODE_NOT_FOUND, NODE_INCARNATION_MISMATCH,
-    RETENTION_NOT_FOUND, RETENTION_EXPIRED, RETENTION_ALREADY_CLAIMED, RETENTION_CLAIMED,
-    CLAIM_MISMATCH, FENCING_GENERATION_STALE, CONVERSATION_NOT_FOUND, CAPACITY_EXCEEDED.
+    Errors carry a google.rpc.ErrorInfo (domain "registry.kvshuttle") whose reason is one of
+    (the table: kvshuttle.core.reasons):
+      INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+      NODE_NOT_FOUND: no live lease of that node.
+      NODE_INCARNATION_MISMATCH: a newer registration of the node replaced this one.
+      NODE_MISMATCH: a retention's model or block size is not its node's.
+      RETENTION_NOT_FOUND, RETENTION_EXPIRED: no such retention, or its lease lapsed.
+      RETENTION_ALREADY_CLAIMED: another reader claimed it first.
+      RETENTION_CLAIMED: a claimed retention cannot be renewed.
+      CLAIM_MISMATCH: the claim id given is not the retention's claim.
+      PIN_EXPIRED: the engine's own pin on the blocks has passed.
+      FENCING_GENERATION_STALE: the conversation already saw this generation or a later one.
+      CONVERSATION_NOT_FOUND: the conversation has no fence and no retention.
+      CAPACITY_EXCEEDED: a bounded table or a tenant's quota is full.
+      WATCH_OVERFLOW: a watcher fell behind its buffer; watch again.
+      SHUTTING_DOWN: the registry is draining.
     """
 
     @_abc_1.abstractmethod

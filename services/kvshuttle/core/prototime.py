@@ -1,0 +1,70 @@
+"""Seconds <-> protobuf's well-known Timestamp and Duration: the one set of conversions every
+service, the client library and the CLI use. Seconds are floats since the Unix epoch."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime, timedelta
+from typing import TypeAlias
+
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from kvshuttle.core.errors import InvalidArgument
+
+__all__ = [
+    "DurationLike",
+    "duration_seconds",
+    "from_timestamp",
+    "seconds_until",
+    "to_duration",
+    "to_timestamp",
+]
+
+DurationLike: TypeAlias = timedelta | float | int
+"""A duration: a timedelta, or seconds."""
+
+
+def to_duration(value: DurationLike) -> Duration:
+    """A Duration from a timedelta or seconds (ValueError when negative or not finite)."""
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"a duration must be finite and non-negative, got {value!r}")
+    whole = int(seconds)
+    return Duration(seconds=whole, nanos=round((seconds - whole) * 1e9))
+
+
+def duration_seconds(d: Duration, field: str) -> float | None:
+    """A request's duration field in seconds; None when unset (the domain picks its default).
+    A negative duration is InvalidArgument naming `field`."""
+    if d.seconds == 0 and d.nanos == 0:
+        return None
+    value = d.ToNanoseconds() / 1e9
+    if value < 0:
+        raise InvalidArgument(field, "must not be negative")
+    return value
+
+
+def to_timestamp(value: datetime | float) -> Timestamp:
+    """A Timestamp from an aware datetime or seconds since the epoch."""
+    ts = Timestamp()
+    if isinstance(value, datetime):
+        ts.FromDatetime(value.astimezone(UTC))
+    else:
+        whole = math.floor(value)
+        ts.seconds, ts.nanos = whole, round((value - whole) * 1e9)
+        if ts.nanos >= 1_000_000_000:  # rounding carried into the next second
+            ts.seconds, ts.nanos = whole + 1, ts.nanos - 1_000_000_000
+    return ts
+
+
+def from_timestamp(ts: Timestamp) -> float:
+    """Seconds since the epoch (one rounding, from the exact nanosecond count)."""
+    return ts.ToNanoseconds() / 1e9
+
+
+def seconds_until(ts: Timestamp, now: float) -> float | None:
+    """Seconds from `now` until `ts`; None when `ts` is unset (all zero)."""
+    if ts.seconds == 0 and ts.nanos == 0:
+        return None
+    return from_timestamp(ts) - now

@@ -1,0 +1,88 @@
+"""Every ErrorInfo.reason a kvshuttle service returns, in one table.
+
+A reason is the stable, machine-readable cause of an error (UPPER_SNAKE_CASE); clients branch
+on it, so a reason keeps one meaning everywhere. Each service's proto lists the reasons its
+RPCs return; `SERVICE_REASONS` is that list as data, and a test holds the protos to it.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Final
+
+__all__ = ["SERVICE_REASONS", "ErrorReason"]
+
+
+class ErrorReason(StrEnum):
+    # Generic: the default reason of each domain error class (kvshuttle.core.errors).
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"  # ErrorInfo.metadata["field"] names the field
+    NOT_FOUND = "NOT_FOUND"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    ABORTED = "ABORTED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+    # Nodes.
+    NODE_NOT_FOUND = "NODE_NOT_FOUND"  # no live lease of that node: register again
+    NODE_INCARNATION_MISMATCH = "NODE_INCARNATION_MISMATCH"  # a newer registration replaced it
+    NODE_MISMATCH = "NODE_MISMATCH"  # a retention names another model or block size than its node
+    # Retentions and conversations.
+    RETENTION_NOT_FOUND = "RETENTION_NOT_FOUND"
+    RETENTION_EXPIRED = "RETENTION_EXPIRED"
+    RETENTION_ALREADY_CLAIMED = "RETENTION_ALREADY_CLAIMED"  # another reader claimed it
+    RETENTION_CLAIMED = "RETENTION_CLAIMED"  # claimed: it cannot be renewed
+    CLAIM_MISMATCH = "CLAIM_MISMATCH"  # the claim id given is not the retention's claim
+    PIN_EXPIRED = "PIN_EXPIRED"  # the engine's own pin on the blocks has passed
+    FENCING_GENERATION_STALE = "FENCING_GENERATION_STALE"  # a newer generation was stored
+    CONVERSATION_NOT_FOUND = "CONVERSATION_NOT_FOUND"
+    # Capacity and lifecycle.
+    CAPACITY_EXCEEDED = "CAPACITY_EXCEEDED"  # a bounded table or tenant quota is full
+    WATCH_OVERFLOW = "WATCH_OVERFLOW"  # a watcher fell behind its buffer: watch again
+    SHUTTING_DOWN = "SHUTTING_DOWN"  # the server is draining
+    # Turns (router).
+    TURN_NOT_FOUND = "TURN_NOT_FOUND"  # the handle is malformed or not this router's
+    TURN_EXPIRED = "TURN_EXPIRED"
+    TURN_FINISHED = "TURN_FINISHED"  # already committed or aborted
+    NO_PREFILL_NODE = "NO_PREFILL_NODE"
+    NO_DECODE_NODE = "NO_DECODE_NODE"
+    # A call to another kvshuttle service failed.
+    REGISTRY_UNAVAILABLE = "REGISTRY_UNAVAILABLE"
+    ROUTER_UNAVAILABLE = "ROUTER_UNAVAILABLE"
+    REGISTRY_ANSWER_MISMATCH = "REGISTRY_ANSWER_MISMATCH"  # the registry answered for another name
+
+
+# The reasons each service's RPCs return (beyond the generic ones), as its proto lists them.
+SERVICE_REASONS: Final[dict[str, frozenset[ErrorReason]]] = {
+    "registry": frozenset(
+        {
+            ErrorReason.INVALID_ARGUMENT,
+            ErrorReason.NODE_NOT_FOUND,
+            ErrorReason.NODE_INCARNATION_MISMATCH,
+            ErrorReason.NODE_MISMATCH,
+            ErrorReason.RETENTION_NOT_FOUND,
+            ErrorReason.RETENTION_EXPIRED,
+            ErrorReason.RETENTION_ALREADY_CLAIMED,
+            ErrorReason.RETENTION_CLAIMED,
+            ErrorReason.CLAIM_MISMATCH,
+            ErrorReason.PIN_EXPIRED,
+            ErrorReason.FENCING_GENERATION_STALE,
+            ErrorReason.CONVERSATION_NOT_FOUND,
+            ErrorReason.CAPACITY_EXCEEDED,
+            ErrorReason.WATCH_OVERFLOW,
+            ErrorReason.SHUTTING_DOWN,
+        }
+    ),
+    "router": frozenset(
+        {
+            ErrorReason.INVALID_ARGUMENT,
+            ErrorReason.TURN_NOT_FOUND,
+            ErrorReason.TURN_EXPIRED,
+            ErrorReason.TURN_FINISHED,
+            ErrorReason.NO_PREFILL_NODE,
+            ErrorReason.NO_DECODE_NODE,
+            ErrorReason.REGISTRY_UNAVAILABLE,
+            ErrorReason.REGISTRY_ANSWER_MISMATCH,
+            ErrorReason.SHUTTING_DOWN,
+        }
+    ),
+    "agent": frozenset({ErrorReason.INVALID_ARGUMENT, ErrorReason.SHUTTING_DOWN}),
+}
