@@ -249,7 +249,8 @@ class FakeEngine:
 
 def main() -> None:
     """`python tests/gateway/fake_engine.py TOKENIZER_JSON PREFILL_PORT DECODE_PORT`: both fakes
-    in one process until killed (for bench_added_latency.py; engine ids engine-p0 / engine-d0)."""
+    in one process until killed (for bench/gateway_added_latency.py; engine ids engine-p0 /
+    engine-d0)."""
     tokenizer = Tokenizer.from_file(sys.argv[1])
     eos = tokenizer.token_to_id("</s>") or 0
 

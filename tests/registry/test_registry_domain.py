@@ -20,9 +20,10 @@ from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.core.kv_events import BlockStored, EventBatch
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
 from kvshuttle.registry.block_index import BlockIndex
+from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.memory_store import InMemoryStore, StoreLimits
 from kvshuttle.registry.model import ChangeKind, Retention, RetentionState
-from kvshuttle.registry.registry import Registry, RegistryLimits
+from kvshuttle.registry.registry import Registry
 
 CONV = "tenants/acme/conversations/c1"
 BLOCK = 16

@@ -7,9 +7,10 @@ from array import array
 import numpy as np
 
 from kvshuttle.core.errors import NotFound
+from kvshuttle.core.nodes import NodeRole
 from kvshuttle.registry import model as reg
 from kvshuttle.registry.registry import Registry
-from kvshuttle.router.model import ClaimInfo, Hashes, NodeInfo, RetentionInfo, Role
+from kvshuttle.router.model import ClaimInfo, Hashes, NewRetention, NodeInfo, RetentionInfo
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
@@ -18,7 +19,7 @@ def node_info(node: reg.Node, indexed_blocks: int = 0) -> NodeInfo:
     spec = node.spec
     return NodeInfo(
         name=spec.name,
-        role=Role(spec.role.value),
+        role=spec.role,
         engine_id=spec.engine_id,
         http_endpoint=spec.http_endpoint,
         model=spec.model,
@@ -69,10 +70,10 @@ class InProcessPort:
         nodes, _ = await self.registry.list_nodes(role=None, model=model, page_size=1000, page_token="")
         return [node_info(n, self.registry.indexed_blocks(n.spec.name)) for n in nodes]
 
-    async def lookup_blocks(self, chain: Hashes, model: str, role: Role) -> dict[str, int]:
+    async def lookup_blocks(self, chain: Hashes, model: str, role: NodeRole) -> dict[str, int]:
         self._count("lookup_blocks")
         found = await self.registry.lookup_blocks(
-            np.asarray(chain, dtype=np.uint64).tolist(), model=model, role=reg.NodeRole(role.value)
+            np.asarray(chain, dtype=np.uint64).tolist(), model=model, role=role
         )
         return dict(found)
 
@@ -84,38 +85,23 @@ class InProcessPort:
         assert r.claim is not None
         return ClaimInfo(retention_info(r), r.claim.claim_id, r.claim.expire_at)
 
-    async def put_retention(
-        self,
-        *,
-        request_id: str,
-        conversation: str,
-        node: str,
-        generation: int,
-        model: str,
-        block_size: int,
-        num_tokens: int,
-        block_hashes: Hashes,
-        kv_transfer_params: dict[str, object],
-        kv_bytes: int,
-        ttl: float,
-        pin_expire_at: float,
-    ) -> RetentionInfo:
+    async def put_retention(self, new: NewRetention) -> RetentionInfo:
         self._count("put_retention")
         result = await self.registry.put_retention(
-            request_id=request_id,
-            parent=conversation,
-            ttl=ttl,
+            request_id=new.request_id,
+            parent=new.conversation,
+            ttl=new.ttl,
             retention=reg.Retention(
                 name="",
-                node=node,
-                generation=generation,
-                model=model,
-                block_size=block_size,
-                num_tokens=num_tokens,
-                block_hashes=array("Q", np.asarray(block_hashes, dtype=np.uint64).tobytes()),
-                kv_transfer_params=from_vllm(dict(kv_transfer_params)).SerializeToString(),
-                kv_bytes=kv_bytes,
-                pin_expire_at=pin_expire_at,
+                node=new.node,
+                generation=new.generation,
+                model=new.model,
+                block_size=new.block_size,
+                num_tokens=new.num_tokens,
+                block_hashes=array("Q", np.asarray(new.block_hashes, dtype=np.uint64).tobytes()),
+                kv_transfer_params=from_vllm(dict(new.kv_transfer_params)).SerializeToString(),
+                kv_bytes=new.kv_bytes,
+                pin_expire_at=new.pin_expire_at,
             ),
         )
         return retention_info(result.retention)

@@ -11,19 +11,30 @@ from typing import Any
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
+from tests.clock import FakeClock
 from tests.router.inproc import InProcessPort
 
-from kvshuttle.core.clock import FakeClock
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvshuttle.core.hashing import chain_hashes
-from kvshuttle.registry.block_index import BlockIndex, BlockStored, EventBatch
+from kvshuttle.core.kv_events import BlockStored, EventBatch
+from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
+from kvshuttle.registry.block_index import BlockIndex
+from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.memory_store import InMemoryStore
-from kvshuttle.registry.model import NodeLoad, NodeRole, NodeSpec
-from kvshuttle.registry.registry import Registry, RegistryLimits
-from kvshuttle.router.cost import LinkModel, ModelProfile, PrefillModel, load_profiles
+from kvshuttle.registry.registry import Registry
+from kvshuttle.router.cost import CostModel, LinkModel, ModelProfile, PrefillModel, load_profiles
 from kvshuttle.router.metrics import RouterMetrics
-from kvshuttle.router.model import Decision, Plan, Reason, TurnTimings
-from kvshuttle.router.router import CommitRequest, PlanRequest, Router, RouterPolicy
+from kvshuttle.router.model import (
+    CommitRequest,
+    Decision,
+    NewRetention,
+    Plan,
+    PlanRequest,
+    Reason,
+    RouterPolicy,
+    TurnTimings,
+)
+from kvshuttle.router.router import Router
 from kvshuttle.router.turns import TurnCodec
 
 QWEN = load_profiles(Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "qwen3-32b-h200.toml")[0]
@@ -49,6 +60,7 @@ class Cluster:
         self.registry = Registry(InMemoryStore(), self.clock, BlockIndex(100_000), RegistryLimits())
         self.rng = random.Random(7)
         self.block_ids = iter(range(1, 10**9))
+        self._ports: dict[Router, InProcessPort] = {}
 
     async def add_node(self, name: str, role: NodeRole, model: str = MODEL, healthy: bool = True) -> None:
         node = await self.registry.register_node(
@@ -68,15 +80,28 @@ class Cluster:
         )
         await self.registry.heartbeat_node(name, node.incarnation, 300, NodeLoad(engine_healthy=healthy))
 
-    def router(self, profiles: list[ModelProfile] | None = None, **policy: Any) -> Router:
-        return Router(
-            InProcessPort(self.registry),
+    def router(
+        self,
+        profiles: list[ModelProfile] | None = None,
+        *,
+        costs: list[CostModel] | None = None,
+        **policy: Any,
+    ) -> Router:
+        port = InProcessPort(self.registry)
+        router = Router(
+            port,
             self.clock,
-            profiles or [CPU, QWEN],
+            costs or [CostModel(p) for p in profiles or [CPU, QWEN]],
             TurnCodec(KEY),
             RouterPolicy(**policy),
             RouterMetrics(CollectorRegistry()),
         )
+        self._ports[router] = port
+        return router
+
+    def port(self, router: Router) -> InProcessPort:
+        """The port `router` reaches the registry through (it counts the calls)."""
+        return self._ports[router]
 
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(10, 150_000) for _ in range(n)]
@@ -241,7 +266,7 @@ async def test_expiry_between_lookup_and_claim_falls_back(
     router = cluster.router(claim_headroom_s=0.0)
     _, seq = await run_turn(router, cluster, cluster.tokens(1000))
     router.hints.forget(CONV)  # as another replica would: read from the registry
-    port = router._port
+    port = cluster.port(router)
     real_get = port.get_conversation
 
     async def get_then_expire(name: str) -> Any:
@@ -260,7 +285,7 @@ async def test_the_committing_replica_plans_the_next_turn_from_its_hint(cluster:
     a, b = cluster.router(), cluster.router()
     _, seq = await run_turn(a, cluster, cluster.tokens(1000))
     assert len(a.hints) == 1 and a.hints.nbytes > 0
-    port_a, port_b = a._port, b._port
+    port_a, port_b = cluster.port(a), cluster.port(b)
     assert isinstance(port_a, InProcessPort) and isinstance(port_b, InProcessPort)
     before = dict(port_a.calls)
     prompt = seq + cluster.tokens(100)
@@ -537,9 +562,8 @@ async def test_bad_plans_name_the_field_and_claim_nothing(
 
 
 async def test_measured_turns_calibrate_the_model_robustly(cluster: Cluster) -> None:
-    router = cluster.router()
-    cost = router.cost_model(MODEL)
-    assert cost.profile is CPU
+    cost = CostModel(CPU)
+    router = cluster.router(costs=[cost, CostModel(QWEN)])
     prompts = [cluster.tokens(2000) for _ in range(9)]
     for i, prompt in enumerate(prompts):
         plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt))
@@ -611,7 +635,7 @@ async def test_placement_prefers_the_idle_prefill_node(cluster: Cluster) -> None
 
 async def test_the_node_list_is_refreshed_in_the_background(cluster: Cluster) -> None:
     router = cluster.router(node_refresh_s=0.0, node_max_age_s=60.0)
-    port = router._port
+    port = cluster.port(router)
     assert isinstance(port, InProcessPort)
     plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=cluster.tokens(100)))
     assert port.calls["list_nodes"] == 1  # nothing in hand: the plan waited for it
@@ -630,7 +654,7 @@ async def test_the_node_list_is_refreshed_in_the_background(cluster: Cluster) ->
     stale = cluster.router(node_max_age_s=0.0)
     await stale.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=cluster.tokens(100)))
     await stale.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=cluster.tokens(100)))
-    stale_port = stale._port
+    stale_port = cluster.port(stale)
     assert isinstance(stale_port, InProcessPort) and stale_port.calls["list_nodes"] == 2
 
 
@@ -643,14 +667,14 @@ async def test_a_plan_waits_for_its_conversations_commit_in_flight(
     prompt = cluster.tokens(1000)
     first = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV))
     sequence = prompt + cluster.tokens(64)
-    port = router._port
+    port = cluster.port(router)
     put_retention = port.put_retention
     entered, release = asyncio.Event(), asyncio.Event()
 
-    async def held_put(**kwargs: Any) -> Any:
+    async def held_put(new: NewRetention) -> Any:
         entered.set()
         await release.wait()
-        return await put_retention(**kwargs)
+        return await put_retention(new)
 
     monkeypatch.setattr(port, "put_retention", held_put)
     commit = asyncio.create_task(

@@ -20,6 +20,7 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
+from tests.clock import FakeClock
 from tests.conftest import RegistryEnv, start_registry
 from tests.router.helpers import (
     BS,
@@ -41,7 +42,7 @@ from tests.serving.echo import JsonLog
 
 from kvshuttle.client import KvshuttleRpcError, RegistryClient, RouterClient
 from kvshuttle.client.errors import CallRefused, domain_error
-from kvshuttle.core.clock import FakeClock
+from kvshuttle.core.digest import log_digest
 from kvshuttle.core.errors import (
     Aborted,
     FailedPrecondition,
@@ -59,7 +60,6 @@ from kvshuttle.router.main import build_router, build_server
 from kvshuttle.router.main import profiles as router_profiles
 from kvshuttle.router.model import Reason
 from kvshuttle.router.registry_port import GrpcRegistryPort
-from kvshuttle.router.servicer import turn_digest
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
@@ -584,7 +584,7 @@ async def test_one_log_line_per_rpc_names_the_turn_by_digest() -> None:
         log.close()
     assert planned["code"] == "OK"
     assert planned["conversation"] == CONV
-    assert planned["turn"] == aborted["turn"] == turn_digest(plan.turn)
+    assert planned["turn"] == aborted["turn"] == log_digest(plan.turn)
     assert (planned["decision"], planned["reason"]) == ("recompute", "no_retention")
     assert planned["generation"] == 1 and "registry_ms" in planned
     text = "\n".join(str(e) for e in log.events())

@@ -29,6 +29,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.errors import InvalidArgument
+from kvshuttle.core.limits import MAX_PROMPT_TOKENS
 from kvshuttle.core.names import check_id
 from kvshuttle.serving.settings import TelemetrySettings
 
@@ -94,7 +95,7 @@ class GatewaySettings(BaseSettings):
     # Request bodies larger than this are refused (413).
     max_request_bytes: int = Field(default=32 * 2**20, ge=1024)
     # Prompts longer than this are refused (400) before any engine sees them.
-    max_prompt_tokens: int = Field(default=262_144, ge=1)
+    max_prompt_tokens: int = Field(default=MAX_PROMPT_TOKENS, ge=1)
     # On SIGTERM: /health answers 503 for drain_delay_s first (load balancers notice), then
     # the listener closes and in-flight requests get grace_seconds before they are cancelled
     # (their turns aborted).

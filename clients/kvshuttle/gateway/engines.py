@@ -1,4 +1,5 @@
-"""HTTP calls to the vLLM engines: one aiohttp session (a keep-alive pool) for all of them.
+"""HTTP calls to the vLLM engines (the turn runner's EnginePort): one aiohttp session (a
+keep-alive pool) for all of them.
 
 Every call goes to the engine's `/v1/completions` with a token-id prompt. Failures become
 GatewayError (see kvshuttle.gateway.errors): an engine's 400 stays a client error, anything
@@ -17,7 +18,7 @@ import aiohttp
 from kvshuttle.gateway.config import EngineSettings
 from kvshuttle.gateway.errors import GatewayError, engine_error, engine_message, engine_timeout
 
-__all__ = ["EngineClient", "completions_url", "request_body"]
+__all__ = ["EngineClient", "completions_url"]
 
 # Largest error body read from an engine, and largest single SSE event accepted.
 _MAX_ERROR_BODY = 64 * 1024
@@ -28,12 +29,6 @@ def completions_url(endpoint: str) -> str:
     """The completions URL of an engine's base URL ("http://host:8000" or ".../v1")."""
     base = endpoint.rstrip("/")
     return f"{base}/completions" if base.endswith("/v1") else f"{base}/v1/completions"
-
-
-def request_body(prompt_json: bytes, fields: Mapping[str, Any]) -> bytes:
-    """`{"prompt": [...], **fields}` with the prompt's JSON made once for both engines."""
-    rest = json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
-    return b'{"prompt":' + prompt_json + (b"," + rest[1:] if len(rest) > 2 else b"}")
 
 
 class EngineClient:

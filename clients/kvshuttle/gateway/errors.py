@@ -21,11 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import grpc
-
-from kvshuttle.client import KvshuttleRpcError
-
-__all__ = ["GatewayError", "engine_error", "router_error"]
+__all__ = ["GatewayError", "RouterFailure", "engine_error", "router_error"]
 
 _MAX_MESSAGE = 500
 
@@ -57,27 +53,41 @@ class GatewayError(Exception):
         return cls(400, message, param=param, code=code)
 
 
+class RouterFailure(Exception):
+    """A failed router call, as the turn sees it: the gRPC status's code name ("NOT_FOUND"),
+    the server's ErrorInfo reason and the field an INVALID_ARGUMENT names, with no gRPC type
+    (kvshuttle.gateway.router_port makes them from the client's errors)."""
+
+    def __init__(
+        self, code: str, message: str = "", *, reason: str | None = None, field: str | None = None
+    ) -> None:
+        super().__init__(code, message)
+        self.code = code
+        self.message = message
+        self.reason = reason
+        self.field = field
+
+
 def _short(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 1] + "…"
 
 
-def router_error(err: KvshuttleRpcError) -> GatewayError:
+def router_error(err: RouterFailure) -> GatewayError:
     """A failed router call as what the client sees."""
-    reason = (err.reason or err.code_name).lower()
-    message = _short(err.message) or err.code_name
-    code = err.code
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
+    reason = (err.reason or err.code).lower()
+    message = _short(err.message) or err.code
+    if err.code == "INVALID_ARGUMENT":
         return GatewayError(400, message, param=err.field, code=reason)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    if err.code == "RESOURCE_EXHAUSTED":
         return GatewayError(429, message, type_="rate_limit_error", code=reason)
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if err.code == "UNAVAILABLE":
         return GatewayError(503, f"service unavailable: {message}", type_="server_error", code=reason)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+    if err.code == "DEADLINE_EXCEEDED":
         return GatewayError(504, "the router did not answer in time", type_="server_error", code="timeout")
-    if code == grpc.StatusCode.NOT_FOUND:
+    if err.code == "NOT_FOUND":
         return GatewayError(404, message, code=reason)
-    return GatewayError(502, f"router error: {err.code_name}", type_="server_error", code="router_error")
+    return GatewayError(502, f"router error: {err.code}", type_="server_error", code="router_error")
 
 
 def engine_message(body: Any) -> str:

@@ -1,5 +1,5 @@
-"""The OpenAI surface: what a client request may carry, what goes on to the engines, and
-D's completion output translated back into chat.completion(.chunk) objects.
+"""The OpenAI request surface: what a client request may carry and what of it goes on to the
+engines (kvshuttle.gateway.responses translates decode's answer back).
 
 The engines only ever see `/v1/completions` with a token-id prompt, so parameters are copied
 by allow-list: a client can never smuggle `kv_transfer_params` (or anything else that steers
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvshuttle.core.errors import InvalidArgument
+from kvshuttle.core.limits import MAX_ID_LENGTH
 from kvshuttle.core.names import check_id
 from kvshuttle.gateway.errors import GatewayError
 from kvshuttle.gateway.tokenizer import RESERVED_TEMPLATE_KWARGS
@@ -28,7 +29,6 @@ from kvshuttle.gateway.tokenizer import RESERVED_TEMPLATE_KWARGS
 Kind = Literal["chat", "completions"]
 
 CONVERSATION_HEADER = "X-Conversation-ID"
-MAX_CONVERSATION_ID = 128
 
 # Copied from the client's request to the decode engine as they are (vLLM validates them).
 DECODE_PARAMS = (
@@ -158,11 +158,11 @@ def conversation_id(body: Mapping[str, Any], header: str | None) -> str | None:
     if found is None or found == "":
         return None
     try:
-        return check_id(found, "conversation_id", max_length=MAX_CONVERSATION_ID)
+        return check_id(found, "conversation_id")
     except InvalidArgument as exc:
         raise GatewayError.invalid(
             f"invalid conversation id: {exc.message.removeprefix('conversation_id: ')} "
-            f"(1..{MAX_CONVERSATION_ID} characters of A-Z a-z 0-9 . _ ~ : -)",
+            f"(1..{MAX_ID_LENGTH} characters of A-Z a-z 0-9 . _ ~ : -)",
             "conversation_id",
             code="invalid_conversation_id",
         ) from None
@@ -388,170 +388,3 @@ def parse_request(
         request.add_special_tokens = _bool(body, "add_special_tokens", True)
         request.prompt_text, request.prompt_ids = _prompt(body)
     return request
-
-
-# ---- responses ------------------------------------------------------------------------------
-
-
-def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + dumps(obj) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-@dataclass(slots=True)
-class DecodeOutput:
-    """What the gateway takes from decode's answer."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    # False when a chunk carried output without token_ids (an engine without return_token_ids).
-    ids_complete: bool = True
-    finish_reason: str | None = None
-    stop_reason: Any = None
-    usage: dict[str, Any] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    chunks: int = 0
-
-    def take_choice(self, choice: Mapping[str, Any]) -> None:
-        text = choice.get("text")
-        if isinstance(text, str):
-            self.text += text
-        ids = choice.get("token_ids")
-        if isinstance(ids, list):
-            self.token_ids.extend(ids)
-        elif text:
-            self.ids_complete = False
-        if choice.get("finish_reason") is not None:
-            self.finish_reason = str(choice["finish_reason"])
-            self.stop_reason = choice.get("stop_reason")
-
-
-def chat_completion(
-    *, response_id: str, created: int, model: str, out: DecodeOutput, prompt_ids: list[int], token_ids: bool
-) -> dict[str, Any]:
-    """A chat.completion from decode's (non-streaming) completion."""
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": {"role": "assistant", "content": out.text},
-        "logprobs": None,
-        "finish_reason": out.finish_reason,
-        "stop_reason": out.stop_reason,
-    }
-    response: dict[str, Any] = {
-        "id": response_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": out.usage,
-    }
-    if token_ids:
-        choice["token_ids"] = out.token_ids
-        response["prompt_token_ids"] = prompt_ids
-    return response
-
-
-def completion(body: dict[str, Any], *, response_id: str, model: str, token_ids: bool) -> dict[str, Any]:
-    """Decode's completion as the client's: the gateway's id and model name, no KV params."""
-    body.pop("kv_transfer_params", None)
-    body["id"] = response_id
-    body["model"] = model
-    if not token_ids:
-        body.pop("prompt_token_ids", None)
-        for choice in body.get("choices") or ():
-            if isinstance(choice, dict):
-                choice.pop("token_ids", None)
-                choice.pop("prompt_token_ids", None)
-    return body
-
-
-class ChatStream:
-    """Decode's completion chunks as chat.completion.chunk events."""
-
-    def __init__(
-        self, *, response_id: str, created: int, model: str, prompt_ids: list[int], request: TurnRequest
-    ) -> None:
-        self._id = response_id
-        self._created = created
-        self._model = model
-        self._prompt_ids = prompt_ids
-        self._token_ids = request.return_token_ids
-        self._usage = request.include_usage
-        self._role_sent = False
-
-    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {
-            "id": self._id,
-            "object": "chat.completion.chunk",
-            "created": self._created,
-            "model": self._model,
-            "choices": choices,
-            **extra,
-        }
-
-    def events(self, chunk: Mapping[str, Any]) -> bytes:
-        """The SSE bytes for one decode chunk (b"" when it carries nothing for the client)."""
-        out = b""
-        choices = chunk.get("choices") or []
-        if choices and isinstance(choices[0], dict):
-            choice = choices[0]
-            if not self._role_sent:
-                self._role_sent = True
-                role = {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                extra = {"prompt_token_ids": self._prompt_ids} if self._token_ids else {}
-                out += sse(self._chunk([role], **extra))
-            text = choice.get("text") or ""
-            finish = choice.get("finish_reason")
-            ids = choice.get("token_ids")
-            if text or finish is not None or (self._token_ids and ids):
-                delta = {
-                    "index": 0,
-                    "delta": {"content": text} if text else {},
-                    "logprobs": None,
-                    "finish_reason": finish,
-                }
-                if finish is not None:
-                    delta["stop_reason"] = choice.get("stop_reason")
-                if self._token_ids:
-                    delta["token_ids"] = ids or []
-                out += sse(self._chunk([delta]))
-        elif self._usage and chunk.get("usage"):
-            out += sse(self._chunk([], usage=chunk["usage"]))
-        return out
-
-
-class CompletionStream:
-    """Decode's completion chunks, as the client's: the gateway's id and model name, no KV params."""
-
-    def __init__(self, *, response_id: str, model: str, request: TurnRequest) -> None:
-        self._id = response_id
-        self._model = model
-        self._token_ids = request.return_token_ids
-        self._usage = request.include_usage
-
-    def events(self, chunk: dict[str, Any]) -> bytes:
-        chunk.pop("kv_transfer_params", None)
-        choices = chunk.get("choices") or []
-        if not self._usage:
-            chunk.pop("usage", None)
-        if not choices and not chunk.get("usage"):
-            return b""  # e.g. a chunk that only carried kv_transfer_params
-        chunk["id"] = self._id
-        chunk["model"] = self._model
-        if not self._token_ids:
-            for choice in choices:
-                if isinstance(choice, dict):
-                    choice.pop("token_ids", None)
-                    choice.pop("prompt_token_ids", None)
-        return sse(chunk)

@@ -19,6 +19,9 @@ only where that equivalence holds: the tokenizer is checked when loaded (no Meta
 `prepend_scheme: "first"`, which treats the first piece differently; special tokens that split
 cleanly) and self-tested on sample renderings; a sampled fraction of requests is re-checked
 against a full tokenization off the request path, and any mismatch turns the cache off.
+
+One module on purpose: the template's setup, the segment cache and the checks that decide when
+the cache may be used make one argument (cached ids equal the engine's), read together.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Bounds that more than one service enforces on the same values, defined once.
 
-The registry enforces them on what it stores; the router and the agent check the same
-values before they send them, so a caller learns of an oversized field at its own edge with
-the same bound the registry would apply. Each service's own settings may lower a bound, never
-raise it past the registry's.
+The registry enforces them on what it stores (its RegistryLimits default to these); the router,
+the agent and the gateway check the same values with the same defaults before they send them,
+so a caller learns of an oversized field at its own edge with the bound the registry applies.
 """
 
 from __future__ import annotations

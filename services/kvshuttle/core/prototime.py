@@ -31,7 +31,10 @@ def to_duration(value: DurationLike) -> Duration:
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"a duration must be finite and non-negative, got {value!r}")
     whole = int(seconds)
-    return Duration(seconds=whole, nanos=round((seconds - whole) * 1e9))
+    nanos = round((seconds - whole) * 1e9)
+    if nanos >= 1_000_000_000:  # rounding carried into the next second
+        whole, nanos = whole + 1, nanos - 1_000_000_000
+    return Duration(seconds=whole, nanos=nanos)
 
 
 def duration_seconds(d: Duration, field: str) -> float | None:
@@ -39,7 +42,7 @@ def duration_seconds(d: Duration, field: str) -> float | None:
     A negative duration is InvalidArgument naming `field`."""
     if d.seconds == 0 and d.nanos == 0:
         return None
-    value = d.ToNanoseconds() / 1e9
+    value = d.ToNanoseconds() / 10**9
     if value < 0:
         raise InvalidArgument(field, "must not be negative")
     return value
@@ -59,8 +62,8 @@ def to_timestamp(value: datetime | float) -> Timestamp:
 
 
 def from_timestamp(ts: Timestamp) -> float:
-    """Seconds since the epoch (one rounding, from the exact nanosecond count)."""
-    return ts.ToNanoseconds() / 1e9
+    """Seconds since the epoch, correctly rounded from the exact nanosecond count."""
+    return ts.ToNanoseconds() / 10**9
 
 
 def seconds_until(ts: Timestamp, now: float) -> float | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Final
 
-__all__ = ["SERVICE_REASONS", "ErrorReason"]
+__all__ = ["INTERNAL_REASONS", "SERVICE_REASONS", "ErrorReason"]
 
 
 class ErrorReason(StrEnum):
@@ -47,7 +47,8 @@ class ErrorReason(StrEnum):
     # A call to another kvshuttle service failed.
     REGISTRY_UNAVAILABLE = "REGISTRY_UNAVAILABLE"
     ROUTER_UNAVAILABLE = "ROUTER_UNAVAILABLE"
-    REGISTRY_ANSWER_MISMATCH = "REGISTRY_ANSWER_MISMATCH"  # the registry answered for another name
+    # The registry answered a claim with another retention: the plan recomputes (internal).
+    REGISTRY_ANSWER_MISMATCH = "REGISTRY_ANSWER_MISMATCH"
 
 
 # The reasons each service's RPCs return (beyond the generic ones), as its proto lists them.
@@ -80,9 +81,12 @@ SERVICE_REASONS: Final[dict[str, frozenset[ErrorReason]]] = {
             ErrorReason.NO_PREFILL_NODE,
             ErrorReason.NO_DECODE_NODE,
             ErrorReason.REGISTRY_UNAVAILABLE,
-            ErrorReason.REGISTRY_ANSWER_MISMATCH,
-            ErrorReason.SHUTTING_DOWN,
+            ErrorReason.CAPACITY_EXCEEDED,  # the registry's, passed on by CommitTurn
         }
     ),
-    "agent": frozenset({ErrorReason.INVALID_ARGUMENT, ErrorReason.SHUTTING_DOWN}),
+    # GetStatus takes no input; the NIXL moves answer UNIMPLEMENTED until the block pool lands.
+    "agent": frozenset(),
 }
+
+# Raised and handled inside one service, never returned by an RPC.
+INTERNAL_REASONS: Final[frozenset[ErrorReason]] = frozenset({ErrorReason.REGISTRY_ANSWER_MISMATCH})

@@ -8,8 +8,8 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.memory_store import StoreLimits
-from kvshuttle.registry.registry import RegistryLimits
 from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
 
 

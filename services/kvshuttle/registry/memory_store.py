@@ -1,4 +1,5 @@
-"""In-memory RegistryStore: one process, every operation atomic because it never awaits.
+"""In-memory RegistryStore: one process, every operation atomic because it never awaits. One
+cohesive thing: the store contract (kvshuttle.registry.store) over dicts and one expiry heap.
 
 Expiry runs off one min-heap of (deadline, kind, name) entries. Renewals push a new entry and
 leave the old one in place; a popped entry whose record has moved on is skipped, and the heap

@@ -1,5 +1,7 @@
 """The registry's domain service: validates requests, applies them to the store, keeps the
-block index, fans changes out to watchers and runs the expiry timer.
+block index, fans changes out to watchers (kvshuttle.registry.watchers) and runs the expiry
+timer. One cohesive thing, the facade every RegistryService RPC calls: each method is one RPC's
+validation followed by one store operation; the rules that depend on state live in the store.
 
 No grpc here. Every method validates all of its input before it touches the store, so a
 rejected request changes nothing; InvalidArgument names the request field (the proto path).
@@ -14,14 +16,13 @@ import contextlib
 import json
 import math
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import structlog
 
-from kvshuttle.core import limits
 from kvshuttle.core.clock import Clock
-from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from kvshuttle.core.errors import FailedPrecondition, InvalidArgument
 from kvshuttle.core.kv_events import ApplyResult, BlockStored, EventBatch
 from kvshuttle.core.names import (
     check_id,
@@ -34,50 +35,12 @@ from kvshuttle.core.names import (
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.block_index import BlockIndex
+from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.model import Conversation, ExpiryResult, Node, PutResult, Retention, RetentionChange
 from kvshuttle.registry.store import RegistryStore
+from kvshuttle.registry.watchers import Subscription, Watchers
 
 log = structlog.get_logger("kvshuttle.registry")
-
-
-@dataclass(frozen=True, slots=True)
-class TtlRange:
-    default: float
-    minimum: float
-    maximum: float
-
-    def pick(self, ttl: float | None, field_name: str) -> float:
-        if ttl is None or ttl == 0:
-            return self.default
-        if not math.isfinite(ttl) or ttl < self.minimum or ttl > self.maximum:
-            raise InvalidArgument(field_name, f"must be between {self.minimum:g}s and {self.maximum:g}s")
-        return ttl
-
-
-@dataclass(frozen=True, slots=True)
-class RegistryLimits:
-    """Bounds on every request; all configurable. Those other services check too default to
-    kvshuttle.core.limits."""
-
-    max_id_length: int = limits.MAX_ID_LENGTH
-    max_endpoint_length: int = 256
-    max_labels: int = 16
-    max_label_length: int = 128
-    max_block_size: int = limits.MAX_BLOCK_SIZE
-    max_block_hashes: int = limits.MAX_BLOCK_HASHES
-    max_kv_transfer_params_bytes: int = limits.MAX_KV_TRANSFER_PARAMS_BYTES
-    max_num_tokens: int = limits.MAX_NUM_TOKENS
-    max_page_size: int = 1000
-    default_page_size: int = 100
-    max_event_batches: int = limits.MAX_EVENT_BATCHES
-    max_events_per_batch: int = limits.MAX_EVENTS_PER_BATCH
-    max_event_blocks: int = limits.MAX_EVENT_BLOCKS
-    max_lookup_hashes: int = limits.MAX_BLOCK_HASHES
-    max_watchers: int = 256
-    watch_queue_size: int = 1024
-    node_ttl: TtlRange = TtlRange(default=10.0, minimum=1.0, maximum=300.0)
-    retention_ttl: TtlRange = TtlRange(default=300.0, minimum=1.0, maximum=3600.0)
-    claim_ttl: TtlRange = TtlRange(default=30.0, minimum=0.1, maximum=300.0)
 
 
 @dataclass(slots=True)
@@ -94,46 +57,6 @@ class RegistryStats:
     watchers_dropped: int = 0
 
 
-class Subscription:
-    """One WatchRetentions stream: a bounded queue, closed when the watcher falls behind."""
-
-    def __init__(self, tenant: str | None, node: str | None, size: int) -> None:
-        self.tenant = tenant
-        self.node = node
-        self._queue: asyncio.Queue[RetentionChange | None] = asyncio.Queue(maxsize=size)
-        self.overflowed = False
-
-    def matches(self, change: RetentionChange) -> bool:
-        if self.node is not None:
-            return change.retention.node == self.node
-        return change.retention.tenant == self.tenant
-
-    def offer(self, change: RetentionChange) -> bool:
-        try:
-            self._queue.put_nowait(change)
-        except asyncio.QueueFull:
-            self.overflowed = True
-            return False
-        return True
-
-    def close(self) -> None:
-        # Drop the oldest change if need be: the stream ends either way.
-        if self._queue.full():
-            self._queue.get_nowait()
-        self._queue.put_nowait(None)
-
-    async def __aiter__(self) -> AsyncIterator[RetentionChange]:
-        while True:
-            change = await self._queue.get()
-            if change is None:
-                if self.overflowed:
-                    raise ResourceExhausted(
-                        "watcher fell behind; watch again", reason=ErrorReason.WATCH_OVERFLOW
-                    )
-                return
-            yield change
-
-
 class Registry:
     def __init__(
         self, store: RegistryStore, clock: Clock, index: BlockIndex, limits: RegistryLimits | None = None
@@ -143,7 +66,7 @@ class Registry:
         self._index = index
         self.limits = limits or RegistryLimits()
         self.stats = RegistryStats()
-        self._subscriptions: set[Subscription] = set()
+        self._watchers = Watchers(self.limits.max_watchers, self.limits.watch_queue_size)
         self._wake = asyncio.Event()
         self._closed = False
 
@@ -377,31 +300,13 @@ class Registry:
         tenant = parse_tenant(parent, "parent", max_length=self.limits.max_id_length) if parent else None
         if node:
             self._node_name(node, "node")
-        if self._closed:
-            raise Unavailable("registry is shutting down", reason=ErrorReason.SHUTTING_DOWN)
-        if len(self._subscriptions) >= self.limits.max_watchers:
-            raise ResourceExhausted(
-                f"at most {self.limits.max_watchers} watchers",
-                reason=ErrorReason.CAPACITY_EXCEEDED,
-                metadata={"limit": "max_watchers"},
-            )
-        sub = Subscription(tenant, node or None, self.limits.watch_queue_size)
-        self._subscriptions.add(sub)
-        return sub
+        return self._watchers.add(tenant, node or None)
 
     def unwatch(self, sub: Subscription) -> None:
-        self._subscriptions.discard(sub)
+        self._watchers.discard(sub)
 
     def _publish(self, changes: Sequence[RetentionChange]) -> None:
-        if not changes or not self._subscriptions:
-            return
-        for sub in list(self._subscriptions):
-            for change in changes:
-                if sub.matches(change) and not sub.offer(change):
-                    self.stats.watchers_dropped += 1
-                    self._subscriptions.discard(sub)
-                    sub.close()
-                    break
+        self.stats.watchers_dropped += self._watchers.publish(changes)
 
     # ---- block index -----------------------------------------------------------------------
 
@@ -494,9 +399,7 @@ class Registry:
         """End every watch stream and the expiry timer."""
         self._closed = True
         self._wake.set()
-        for sub in list(self._subscriptions):
-            sub.close()
-        self._subscriptions.clear()
+        self._watchers.close()
 
     def counts_by_kind(self) -> dict[str, int]:
         counts = self._store.counts()
@@ -511,4 +414,4 @@ class Registry:
         return self._index
 
 
-__all__ = ["Registry", "RegistryLimits", "RegistryStats", "Subscription", "TtlRange"]
+__all__ = ["Registry", "RegistryStats"]

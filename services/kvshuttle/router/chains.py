@@ -19,6 +19,8 @@ from kvshuttle.core.hashing import chain_hashes
 
 Tokens = npt.NDArray[np.uint32]
 Chain = npt.NDArray[np.uint64]
+# The chain of what needed none (a plain request with nothing to look up).
+NO_CHAIN: Chain = np.zeros(0, dtype=np.uint64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,7 @@ class ChainCache:
         self._max_bytes = max_bytes
         self._bytes = 0
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        # Lookups that reused a remembered chain, and those that hashed the prompt whole.
         self.hits = 0
         self.misses = 0
 
@@ -76,10 +79,3 @@ class ChainCache:
         while self._bytes > self._max_bytes:
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= evicted.nbytes
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes

@@ -24,7 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.router.cost import ModelProfile
-from kvshuttle.router.router import RouterPolicy
+from kvshuttle.router.model import RouterPolicy
 from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
 
 MIN_SIGNING_KEY_BYTES = 16

@@ -13,29 +13,30 @@ from __future__ import annotations
 
 from typing import Any
 
-from google.protobuf.duration_pb2 import Duration
-from google.protobuf.timestamp_pb2 import Timestamp
-
 from kvshuttle.core.errors import InvalidArgument
-from kvshuttle.router.model import Decision, Estimate, NodeInfo, Plan, Reason, TurnTimings
-from kvshuttle.router.router import CommitRequest, PlanRequest
+from kvshuttle.core.limits import MAX_KV_TRANSFER_PARAMS_BYTES
+from kvshuttle.core.prototime import duration_seconds, to_duration, to_timestamp
+from kvshuttle.router.model import (
+    CommitRequest,
+    Decision,
+    Estimate,
+    NodeInfo,
+    Plan,
+    PlanRequest,
+    Reason,
+    TurnTimings,
+)
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
 __all__ = [
     "DECISION_TO_PB",
-    "MAX_DECODE_PARAMS_BYTES",
     "REASON_TO_PB",
     "commit_request_from_pb",
     "plan_request_from_pb",
     "plan_to_pb",
 ]
-
-# Decode's params become the retention's params; the registry refuses more than this
-# (RegistryLimits.max_kv_transfer_params_bytes, 64 KiB by default: ~16k block ids), so the
-# router refuses it first, naming the field, instead of failing the registry call.
-MAX_DECODE_PARAMS_BYTES = 64 * 1024
 
 DECISION_TO_PB: dict[Decision, pb.Decision.ValueType] = {
     Decision.REUSE: pb.DECISION_REUSE,
@@ -47,30 +48,12 @@ REASON_TO_PB: dict[Reason, pb.DecisionReason.ValueType] = {
 }
 
 
-def duration_seconds(d: Duration) -> float:
-    return float(d.ToNanoseconds()) / 1e9
-
-
 def _optional_duration_s(parent: Any, name: str, field: str) -> float | None:
-    """Seconds of a Duration field of `parent`; None when unset; negative is INVALID_ARGUMENT."""
+    """Seconds of a Duration field of `parent`; None when unset, 0.0 when set to zero (the
+    presence rule above); negative is INVALID_ARGUMENT."""
     if not parent.HasField(name):
         return None
-    seconds = duration_seconds(getattr(parent, name))
-    if seconds < 0:
-        raise InvalidArgument(field, "must not be negative")
-    return seconds
-
-
-def to_pb_duration(seconds: float) -> Duration:
-    d = Duration()
-    d.FromNanoseconds(round(seconds * 1e9))
-    return d
-
-
-def to_pb_timestamp(seconds: float) -> Timestamp:
-    ts = Timestamp()
-    ts.FromNanoseconds(round(seconds * 1e9))
-    return ts
+    return duration_seconds(getattr(parent, name), field) or 0.0
 
 
 # ---- PlanTurn -----------------------------------------------------------------------------
@@ -96,9 +79,9 @@ def _placement(node: NodeInfo) -> pb.Placement:
 
 def _estimate(estimate: Estimate) -> pb.CostEstimate:
     return pb.CostEstimate(
-        transfer=to_pb_duration(estimate.transfer_ms / 1e3),
-        prefill=to_pb_duration(estimate.prefill_ms / 1e3),
-        total=to_pb_duration(estimate.total_ms / 1e3),
+        transfer=to_duration(estimate.transfer_ms / 1e3),
+        prefill=to_duration(estimate.prefill_ms / 1e3),
+        total=to_duration(estimate.total_ms / 1e3),
     )
 
 
@@ -122,7 +105,7 @@ def plan_to_pb(plan: Plan) -> pb.PlanTurnResponse:
         reusable_tokens=plan.reusable_tokens,
         tokens_to_compute=plan.tokens_to_compute,
         recompute_cost=_estimate(plan.recompute_cost),
-        expire_time=to_pb_timestamp(plan.expire_at),
+        expire_time=to_timestamp(plan.expire_at),
     )
     if plan.reuse_cost is not None:
         response.reuse_cost.CopyFrom(_estimate(plan.reuse_cost))
@@ -155,8 +138,12 @@ def _decode_params(request: pb.CommitTurnRequest) -> dict[str, Any] | None:
     if not request.HasField("decode_kv_transfer_params"):
         return None
     params = request.decode_kv_transfer_params
-    if params.ByteSize() > MAX_DECODE_PARAMS_BYTES:
-        raise InvalidArgument("decode_kv_transfer_params", f"larger than {MAX_DECODE_PARAMS_BYTES} bytes")
+    # They become the retention's params: refused here, naming the field, rather than by the
+    # registry's call (which holds them to the same bound).
+    if params.ByteSize() > MAX_KV_TRANSFER_PARAMS_BYTES:
+        raise InvalidArgument(
+            "decode_kv_transfer_params", f"larger than {MAX_KV_TRANSFER_PARAMS_BYTES} bytes"
+        )
     return to_vllm(params)
 
 

@@ -73,7 +73,10 @@ class ModelProfile:
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token <= 0 or self.link.bandwidth_gb_s <= 0 or self.min_reuse_tokens < 0:
-            raise ValueError(f"profile {self.model}: kv_bytes_per_token and bandwidth must be positive")
+            raise ValueError(
+                f"profile {self.model}: kv_bytes_per_token and bandwidth must be positive, "
+                "min_reuse_tokens not negative"
+            )
         values = (
             self.prefill.fixed_ms,
             self.prefill.per_token_ms,
@@ -118,9 +121,6 @@ class _Median:
     def value(self) -> float | None:
         return statistics.median(self._values) if len(self._values) >= _MIN_SAMPLES else None
 
-    def __len__(self) -> int:
-        return len(self._values)
-
 
 class CostModel:
     def __init__(self, profile: ModelProfile) -> None:
@@ -163,6 +163,3 @@ class CostModel:
         wire_ms = measured_ms - self.profile.link.fixed_ms
         if nbytes > 0 and wire_ms > 0:
             self._bandwidth.add(nbytes / (wire_ms * 1e6))
-
-    def observations(self) -> tuple[int, int]:
-        return len(self._prefill_scale), len(self._bandwidth)

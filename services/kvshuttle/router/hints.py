@@ -16,7 +16,7 @@ from collections import OrderedDict
 import numpy as np
 
 from kvshuttle.router.model import RetentionInfo
-from kvshuttle.router.verify import block_groups
+from kvshuttle.vllm.block_ids import block_groups
 
 # A retention's fields, names and dict beyond its hashes and block ids.
 _FIXED_BYTES = 1024

@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from kvshuttle.client.registry import RegistryClient
 from kvshuttle.core.clock import Clock, SystemClock
 from kvshuttle.router.config import RouterSettings
-from kvshuttle.router.cost import ModelProfile, load_profiles
+from kvshuttle.router.cost import CostModel, ModelProfile, load_profiles
 from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.ports import RegistryPort
 from kvshuttle.router.registry_port import GrpcRegistryPort
@@ -80,7 +80,7 @@ def build_router(
     return Router(
         port,
         clock,
-        profiles(settings) if model_profiles is None else model_profiles,
+        [CostModel(p) for p in (profiles(settings) if model_profiles is None else model_profiles)],
         TurnCodec(signing_key(settings)),
         settings.policy,
         RouterMetrics(metrics_registry),

@@ -1,13 +1,19 @@
-"""What the router reasons about: its view of nodes and retentions, and the plans it makes."""
+"""What the router reasons about: its policy, its view of nodes and retentions, the requests it
+serves and the plans it makes."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from kvshuttle.core.hashing import TokenIds
+from kvshuttle.core.limits import MAX_ID_LENGTH, MAX_PROMPT_TOKENS
+from kvshuttle.core.nodes import NodeRole
 
 # A prefix-hash chain: uint64s, as a sequence or an array.
 Hashes = Sequence[int] | npt.NDArray[np.uint64]
@@ -33,19 +39,50 @@ class Reason(StrEnum):
     NO_CONVERSATION = "no_conversation"
 
 
-class Role(StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "both"
+@dataclass(frozen=True, slots=True)
+class PlacementWeights:
+    # Expected wait per request already running or queued on a node.
+    load_penalty_ms: float = 50.0
+    # Decode: one running/queued request weighs as much as this fraction of KV cache in use...
+    kv_usage_weight: float = 4.0
+    # ...and as much as this many GiB of KV held in retentions.
+    retained_gib_weight: float = 1.0
 
-    def serves(self, wanted: Role) -> bool:
-        return self is wanted or self is Role.BOTH
+
+@dataclass(frozen=True, slots=True)
+class RouterPolicy:
+    # How long a claim pins a retention for the prefill's read.
+    claim_ttl_s: float = 30.0
+    # A retention must outlive the read by this much: vLLM's prefill declines a remote read
+    # whose deadline is within 5 s (an HTTP 500 without kv_load_failure_policy=recompute).
+    claim_headroom_s: float = 6.0
+    turn_ttl_s: float = 600.0
+    # Decode keeps retained blocks this long (vLLM's decoder_kv_blocks_ttl), counted from
+    # decode's answer; kvshuttle's lease ends margin_s earlier.
+    decoder_kv_blocks_ttl_s: float = 480.0
+    retention_margin_s: float = 30.0
+    # The node list in hand is refreshed in the background once it is node_refresh_s old; a
+    # plan waits for the registry only when it is node_max_age_s old (or missing).
+    node_refresh_s: float = 0.5
+    node_max_age_s: float = 5.0
+    # A plan waits at most this long for its conversation's commit in flight on this replica.
+    commit_wait_s: float = 2.0
+    reuse_enabled: bool = True
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS
+    max_id_length: int = MAX_ID_LENGTH
+    chain_cache_bytes: int = 256 * 2**20
+    # The retentions this replica's commits stored, for the conversations' next plans.
+    retention_hint_bytes: int = 256 * 2**20
+    # Entries in each of TurnMemory's tables: plans and commits by request id, finished turns,
+    # conversations' last nodes.
+    remembered_turns: int = 100_000
+    weights: PlacementWeights = field(default_factory=PlacementWeights)
 
 
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
     name: str
-    role: Role
+    role: NodeRole
     engine_id: str
     http_endpoint: str
     model: str
@@ -77,6 +114,26 @@ class RetentionInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class NewRetention:
+    """Decode's retained KV as a commit stores it (RegistryPort.put_retention)."""
+
+    # Repeated with the same id, the put returns the first answer (a retried commit).
+    request_id: str
+    conversation: str
+    node: str
+    generation: int
+    model: str
+    block_size: int
+    num_tokens: int
+    block_hashes: Hashes
+    kv_transfer_params: dict[str, object]
+    kv_bytes: int
+    ttl: float
+    # Where the blocks live in vLLM, the engine's own pin: a renewal never goes past it.
+    pin_expire_at: float
+
+
+@dataclass(frozen=True, slots=True)
 class ClaimInfo:
     retention: RetentionInfo
     claim_id: str
@@ -91,6 +148,17 @@ class Estimate:
     @property
     def total_ms(self) -> float:
         return self.transfer_ms + self.prefill_ms
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRequest:
+    model: str
+    prompt_token_ids: TokenIds
+    conversation: str = ""
+    request_id: str = ""
+    parent_conversation: str = ""
+    expected_think_time_s: float | None = None
+    disable_reuse: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +177,6 @@ class Plan:
     expire_at: float
     # The retention this turn claimed (and must release or consume), if any.
     claimed: str = ""
-    extra: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,3 +187,19 @@ class TurnTimings:
     transfer_bytes: int | None = None
     decode_ms: float | None = None
     remote_cached_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRequest:
+    turn: str
+    token_ids: TokenIds
+    decode_kv_transfer_params: dict[str, Any] | None
+    timings: TurnTimings = field(default_factory=TurnTimings)
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    # "" when nothing was retained (no conversation, decode kept nothing, its node is gone).
+    retention: str
+    expire_at: float | None

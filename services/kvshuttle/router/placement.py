@@ -10,25 +10,27 @@ never the policy. Only healthy nodes serving the model are candidates.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from kvshuttle.core.errors import Unavailable
+from kvshuttle.core.nodes import NodeRole
+from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.router.cost import CostModel
-from kvshuttle.router.model import NodeInfo, Role
+from kvshuttle.router.model import NodeInfo, PlacementWeights
+
+_NO_NODE = {NodeRole.PREFILL: ErrorReason.NO_PREFILL_NODE, NodeRole.DECODE: ErrorReason.NO_DECODE_NODE}
 
 
-@dataclass(frozen=True, slots=True)
-class PlacementWeights:
-    # Expected wait per request already running or queued on a node.
-    load_penalty_ms: float = 50.0
-    # Decode: one running/queued request weighs as much as this fraction of KV cache in use...
-    kv_usage_weight: float = 4.0
-    # ...and as much as this many GiB of KV held in retentions.
-    retained_gib_weight: float = 1.0
-
-
-def candidates(nodes: Sequence[NodeInfo], role: Role, model: str) -> list[NodeInfo]:
-    return [n for n in nodes if n.healthy and n.model == model and n.role.serves(role)]
+def candidates(nodes: Sequence[NodeInfo], role: NodeRole, model: str) -> list[NodeInfo]:
+    """The healthy nodes serving `model` in `role`; Unavailable (NO_PREFILL_NODE or
+    NO_DECODE_NODE) when there is none."""
+    pool = [n for n in nodes if n.healthy and n.model == model and n.role.serves(role)]
+    if not pool:
+        raise Unavailable(
+            f"no healthy {role} node serves model {model!r}",
+            reason=_NO_NODE[role],
+            metadata={"model": model},
+        )
+    return pool
 
 
 def choose_prefill(
@@ -42,13 +44,7 @@ def choose_prefill(
     hint: str = "",
 ) -> tuple[NodeInfo, int]:
     """The prefill node and its local prefix hits in tokens."""
-    pool = candidates(nodes, Role.PREFILL, model)
-    if not pool:
-        raise Unavailable(
-            f"no healthy prefill node serves model {model!r}",
-            reason="NO_PREFILL_NODE",
-            metadata={"model": model},
-        )
+    pool = candidates(nodes, NodeRole.PREFILL, model)
 
     def hits(node: NodeInfo) -> int:
         # vLLM hits at most prompt - 1 tokens locally: the last one is always computed.
@@ -66,13 +62,7 @@ def choose_prefill(
 def choose_decode(
     nodes: Sequence[NodeInfo], *, model: str, weights: PlacementWeights, avoid: str = "", hint: str = ""
 ) -> NodeInfo:
-    pool = candidates(nodes, Role.DECODE, model)
-    if not pool:
-        raise Unavailable(
-            f"no healthy decode node serves model {model!r}",
-            reason="NO_DECODE_NODE",
-            metadata={"model": model},
-        )
+    pool = candidates(nodes, NodeRole.DECODE, model)
 
     def score(node: NodeInfo) -> tuple[bool, float, bool, str]:
         load = (

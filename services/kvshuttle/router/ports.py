@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvshuttle.router.model import ClaimInfo, Hashes, NodeInfo, RetentionInfo, Role
+from kvshuttle.core.nodes import NodeRole
+from kvshuttle.router.model import ClaimInfo, Hashes, NewRetention, NodeInfo, RetentionInfo
 
 
 class RegistryPort(Protocol):
@@ -18,28 +19,13 @@ class RegistryPort(Protocol):
 
     async def list_nodes(self, model: str) -> list[NodeInfo]: ...
 
-    async def lookup_blocks(self, chain: Hashes, model: str, role: Role) -> dict[str, int]:
+    async def lookup_blocks(self, chain: Hashes, model: str, role: NodeRole) -> dict[str, int]:
         """Node name -> leading blocks of `chain` it holds."""
         ...
 
     async def claim(self, name: str, *, holder: str, claim_ttl: float, request_id: str) -> ClaimInfo: ...
 
-    async def put_retention(
-        self,
-        *,
-        request_id: str,
-        conversation: str,
-        node: str,
-        generation: int,
-        model: str,
-        block_size: int,
-        num_tokens: int,
-        block_hashes: Hashes,
-        kv_transfer_params: dict[str, object],
-        kv_bytes: int,
-        ttl: float,
-        pin_expire_at: float,
-    ) -> RetentionInfo:
+    async def put_retention(self, new: NewRetention) -> RetentionInfo:
         """Store decode's retained KV; returns it as stored."""
         ...
 

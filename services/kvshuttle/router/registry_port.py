@@ -7,52 +7,40 @@ Error mapping (KvshuttleRpcError code -> what the router sees):
   Aborted, ResourceExhausted with the same reason (RETENTION_NOT_FOUND, RETENTION_EXPIRED,
   RETENTION_ALREADY_CLAIMED, FENCING_GENERATION_STALE, CAPACITY_EXCEEDED, ...). The domain
   decides what they mean for a turn (a lost claim plans a recompute, and so on).
-* UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED -> Unavailable(reason="REGISTRY_UNAVAILABLE"): the
+* UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED -> Unavailable (REGISTRY_UNAVAILABLE): the
   registry could not answer in time; the caller may retry the turn.
 * anything else, INVALID_ARGUMENT included -> CallRefused, which is not a domain error:
   the router built the request, so a registry refusing it is a router bug (or a
   misconfiguration such as a TLS or auth failure), and the router's client sees INTERNAL while
   the log keeps the details. The router bounds client input itself before calling.
+
+A claim answered with another retention than the one claimed (scoped claim ids rule that out)
+is Aborted (REGISTRY_ANSWER_MISMATCH): the plan recomputes and hands out no KV.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import grpc
 import numpy as np
 import structlog
 
-from kvshuttle.client.convert import to_timestamp
 from kvshuttle.client.errors import KvshuttleRpcError, as_domain, domain_error
 from kvshuttle.client.registry import RegistryClient
-from kvshuttle.core.errors import (
-    Aborted,
-)
+from kvshuttle.client.registry_convert import ROLE_FROM_PB, ROLE_TO_PB
+from kvshuttle.core.errors import Aborted
+from kvshuttle.core.nodes import NodeRole
+from kvshuttle.core.prototime import from_timestamp, to_timestamp
+from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
-from kvshuttle.router.model import ClaimInfo, Hashes, NodeInfo, RetentionInfo, Role
+from kvshuttle.router.model import ClaimInfo, Hashes, NewRetention, NodeInfo, RetentionInfo
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 
 __all__ = ["GrpcRegistryPort"]
 
 log = structlog.get_logger("kvshuttle.router")
-ROLE_FROM_PB: dict[int, Role] = {
-    pb.NODE_ROLE_PREFILL: Role.PREFILL,
-    pb.NODE_ROLE_DECODE: Role.DECODE,
-    pb.NODE_ROLE_BOTH: Role.BOTH,
-}
-ROLE_TO_PB: dict[Role, pb.NodeRole.ValueType] = {
-    Role.PREFILL: pb.NODE_ROLE_PREFILL,
-    Role.DECODE: pb.NODE_ROLE_DECODE,
-    Role.BOTH: pb.NODE_ROLE_BOTH,
-}
 
 # Pages of ListNodes; a deployment has tens of nodes, so one page almost always.
 _PAGE_SIZE = 500
-
-
-def _seconds(ts: Any) -> float:
-    return float(ts.ToNanoseconds()) / 1e9
 
 
 def node_info(node: pb.Node) -> NodeInfo | None:
@@ -87,7 +75,7 @@ def retention_info(r: pb.Retention) -> RetentionInfo:
         num_tokens=r.num_tokens,
         block_hashes=np.asarray(r.block_hashes, dtype=np.uint64),
         kv_transfer_params=to_vllm(r.kv_transfer_params),
-        expire_at=_seconds(r.expire_time),
+        expire_at=from_timestamp(r.expire_time),
         claimed=r.state == pb.RETENTION_STATE_CLAIMED,
     )
 
@@ -102,7 +90,7 @@ class GrpcRegistryPort:
         try:
             response = await self._client.get_conversation(name)
         except KvshuttleRpcError as err:
-            if err.code == grpc.StatusCode.NOT_FOUND and err.reason == "CONVERSATION_NOT_FOUND":
+            if err.code == grpc.StatusCode.NOT_FOUND and err.reason == ErrorReason.CONVERSATION_NOT_FOUND:
                 return 0, None
             raise domain_error(err, "registry") from err
         conversation = response.conversation
@@ -126,7 +114,7 @@ class GrpcRegistryPort:
             if not token:
                 return nodes
 
-    async def lookup_blocks(self, chain: Hashes, model: str, role: Role) -> dict[str, int]:
+    async def lookup_blocks(self, chain: Hashes, model: str, role: NodeRole) -> dict[str, int]:
         if not len(chain):
             return {}
         hashes = np.asarray(chain, dtype=np.uint64).tolist()
@@ -141,44 +129,34 @@ class GrpcRegistryPort:
         )
         r = response.retention
         if r.name != name:  # cannot happen with scoped ids; never hand out another's KV if it does
-            raise Aborted(f"the registry answered a claim of {name} with {r.name}", reason="CLAIM_MISMATCH")
+            raise Aborted(
+                f"the registry answered a claim of {name} with {r.name}",
+                reason=ErrorReason.REGISTRY_ANSWER_MISMATCH,
+            )
         return ClaimInfo(
-            retention=retention_info(r), claim_id=r.claim.claim_id, expire_at=_seconds(r.claim.expire_time)
+            retention=retention_info(r),
+            claim_id=r.claim.claim_id,
+            expire_at=from_timestamp(r.claim.expire_time),
         )
 
-    async def put_retention(
-        self,
-        *,
-        request_id: str,
-        conversation: str,
-        node: str,
-        generation: int,
-        model: str,
-        block_size: int,
-        num_tokens: int,
-        block_hashes: Hashes,
-        kv_transfer_params: dict[str, object],
-        kv_bytes: int,
-        ttl: float,
-        pin_expire_at: float,
-    ) -> RetentionInfo:
+    async def put_retention(self, new: NewRetention) -> RetentionInfo:
         retention = pb.Retention(
-            node=node,
-            generation=generation,
-            model=model,
-            block_size=block_size,
-            num_tokens=num_tokens,
-            block_hashes=np.asarray(block_hashes, dtype=np.uint64).tolist(),
-            kv_transfer_params=from_vllm(kv_transfer_params, "decode_kv_transfer_params"),
-            kv_bytes=kv_bytes,
-            pin_expire_time=to_timestamp(pin_expire_at),
+            node=new.node,
+            generation=new.generation,
+            model=new.model,
+            block_size=new.block_size,
+            num_tokens=new.num_tokens,
+            block_hashes=np.asarray(new.block_hashes, dtype=np.uint64).tolist(),
+            kv_transfer_params=from_vllm(new.kv_transfer_params, "decode_kv_transfer_params"),
+            kv_bytes=new.kv_bytes,
+            pin_expire_time=to_timestamp(new.pin_expire_at),
         )
         response = await as_domain(
             self._client.put_retention(
-                conversation,
+                new.conversation,
                 retention,
-                ttl=max(ttl, 0.0),
-                request_id=request_id,
+                ttl=max(new.ttl, 0.0),
+                request_id=new.request_id,
             ),
             "registry",
         )

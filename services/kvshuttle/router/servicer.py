@@ -9,20 +9,15 @@ the logs, while the digest still ties a turn's plan, commit and abort lines toge
 
 from __future__ import annotations
 
-import hashlib
-
 import grpc
 from structlog.contextvars import bind_contextvars
 
+from kvshuttle.core.digest import log_digest
+from kvshuttle.core.prototime import to_timestamp
 from kvshuttle.router import convert
 from kvshuttle.router.router import Router
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.router.v1 import router_service_pb2_grpc as pb_grpc
-
-
-def turn_digest(handle: str) -> str:
-    """16 hex digits naming a turn handle in logs."""
-    return hashlib.sha256(handle.encode()).hexdigest()[:16]
 
 
 class RouterServicer(pb_grpc.RouterServiceServicer):
@@ -36,7 +31,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
     ) -> pb.PlanTurnResponse:
         bind_contextvars(conversation=request.conversation[:300], model=request.model[:200])
         plan = await self._router.plan_turn(convert.plan_request_from_pb(request))
-        bind_contextvars(turn=turn_digest(plan.turn), generation=plan.generation)
+        bind_contextvars(turn=log_digest(plan.turn), generation=plan.generation)
         return convert.plan_to_pb(plan)
 
     async def CommitTurn(
@@ -44,11 +39,11 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         request: pb.CommitTurnRequest,
         context: grpc.aio.ServicerContext[pb.CommitTurnRequest, pb.CommitTurnResponse],
     ) -> pb.CommitTurnResponse:
-        bind_contextvars(turn=turn_digest(request.turn))
+        bind_contextvars(turn=log_digest(request.turn))
         result = await self._router.commit_turn(convert.commit_request_from_pb(request))
         response = pb.CommitTurnResponse(retention=result.retention)
         if result.expire_at is not None:
-            response.expire_time.CopyFrom(convert.to_pb_timestamp(result.expire_at))
+            response.expire_time.CopyFrom(to_timestamp(result.expire_at))
         return response
 
     async def AbortTurn(
@@ -56,6 +51,6 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         request: pb.AbortTurnRequest,
         context: grpc.aio.ServicerContext[pb.AbortTurnRequest, pb.AbortTurnResponse],
     ) -> pb.AbortTurnResponse:
-        bind_contextvars(turn=turn_digest(request.turn))
+        bind_contextvars(turn=log_digest(request.turn))
         await self._router.abort_turn(request.turn, request.reason)
         return pb.AbortTurnResponse()

@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass, fields
 
 from kvshuttle.core.errors import InvalidArgument, NotFound
+from kvshuttle.core.reasons import ErrorReason
 
 PREFIX = "turns/"
 MAX_HANDLE_LENGTH = 4096
@@ -80,8 +81,10 @@ class TurnCodec:
         except (binascii.Error, ValueError) as exc:
             raise InvalidArgument(field, "must be a turn handle returned by PlanTurn") from exc
         if not hmac.compare_digest(signature, self._sign(payload)):
-            raise NotFound("unknown turn (not issued by this router deployment)", reason="TURN_NOT_FOUND")
+            raise NotFound(
+                "unknown turn (not issued by this router deployment)", reason=ErrorReason.TURN_NOT_FOUND
+            )
         try:
             return TurnState(**json.loads(payload))
         except (TypeError, ValueError) as exc:  # a signed handle of another router version
-            raise NotFound("unknown turn format", reason="TURN_NOT_FOUND") from exc
+            raise NotFound("unknown turn format", reason=ErrorReason.TURN_NOT_FOUND) from exc

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvshuttle.core.hashing import common_prefix_blocks
 from kvshuttle.router.model import Hashes, RetentionInfo
+from kvshuttle.vllm.block_ids import block_groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,12 +27,6 @@ class VerifiedPrefix:
     @property
     def tokens(self) -> int:
         return self.blocks * self.block_size
-
-
-def block_groups(params: dict[str, Any]) -> list[list[int]]:
-    """Block ids per KV-cache group (older vLLM sent one flat list). Not copied: read only."""
-    groups = params.get("remote_block_ids") or []
-    return list(groups) if groups and isinstance(groups[0], list) else [groups]
 
 
 def verify(prompt_chain: Hashes, prompt_tokens: int, retention: RetentionInfo) -> VerifiedPrefix:

@@ -110,8 +110,3 @@ def _restore_ints(value: Any) -> Any:
     if isinstance(value, list):
         return [_restore_ints(v) for v in value]
     return value
-
-
-def block_count(msg: KvTransferParams) -> int:
-    """Blocks of the first KV-cache group (full attention), the ones a token count maps to."""
-    return len(msg.remote_block_ids[0].block_ids) if msg.remote_block_ids else 0

@@ -29,7 +29,9 @@ class AgentServiceStub:
     """AgentService is the sidecar of one vLLM worker: it registers the worker, forwards its KV
     events and load to the registry, and moves KV with NIXL READs when the router says so.
 
-    Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle").
+    Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle") whose reason is one of
+    (the table: kvshuttle.core.reasons): none yet. GetStatus takes no input; PullBlocks,
+    ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool lands.
     """
 
     def __init__(self, channel):
@@ -64,7 +66,9 @@ class AgentServiceServicer:
     """AgentService is the sidecar of one vLLM worker: it registers the worker, forwards its KV
     events and load to the registry, and moves KV with NIXL READs when the router says so.
 
-    Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle").
+    Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle") whose reason is one of
+    (the table: kvshuttle.core.reasons): none yet. GetStatus takes no input; PullBlocks,
+    ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool lands.
     """
 
     def GetStatus(self, request, context):
@@ -76,7 +80,7 @@ class AgentServiceServicer:
 
     def PullBlocks(self, request, context):
         """PullBlocks reads blocks from a remote holder (a vLLM engine or another agent) into this
-        agent's DRAM pool with NIXL READs.
+        agent's DRAM pool with NIXL READs. Not implemented yet: UNIMPLEMENTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,14 +88,16 @@ class AgentServiceServicer:
 
     def ParkRetention(self, request, context):
         """ParkRetention copies a retention's KV out of its engine into this agent's pool before the
-        engine's pin lapses, and re-points the retention at the agent.
+        engine's pin lapses, and re-points the retention at the agent. Not implemented yet:
+        UNIMPLEMENTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Prefetch(self, request, context):
-        """Prefetch moves a retention's KV next to the node expected to run the next prefill.
+        """Prefetch moves a retention's KV next to the node expected to run the next prefill. Not
+        implemented yet: UNIMPLEMENTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -132,7 +138,9 @@ class AgentService:
     """AgentService is the sidecar of one vLLM worker: it registers the worker, forwards its KV
     events and load to the registry, and moves KV with NIXL READs when the router says so.
 
-    Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle").
+    Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle") whose reason is one of
+    (the table: kvshuttle.core.reasons): none yet. GetStatus takes no input; PullBlocks,
+    ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool lands.
     """
 
     @staticmethod

@@ -30,7 +30,9 @@ class AgentServiceStub:
     """AgentService is the sidecar of one vLLM worker: it registers the worker, forwards its KV
     events and load to the registry, and moves KV with NIXL READs when the router says so.
 
-    Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle").
+    Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle") whose reason is one of
+    (the table: kvshuttle.core.reasons): none yet. GetStatus takes no input; PullBlocks,
+    ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool lands.
     """
 
     @_typing.overload
@@ -41,21 +43,26 @@ class AgentServiceStub:
     """GetStatus reports the agent's view of its engine, its event stream and its block pool."""
     PullBlocks: _grpc.UnaryUnaryMultiCallable[_agent_service_pb2.PullBlocksRequest, _agent_service_pb2.PullBlocksResponse]
     """PullBlocks reads blocks from a remote holder (a vLLM engine or another agent) into this
-    agent's DRAM pool with NIXL READs.
+    agent's DRAM pool with NIXL READs. Not implemented yet: UNIMPLEMENTED.
     """
     ParkRetention: _grpc.UnaryUnaryMultiCallable[_agent_service_pb2.ParkRetentionRequest, _agent_service_pb2.ParkRetentionResponse]
     """ParkRetention copies a retention's KV out of its engine into this agent's pool before the
-    engine's pin lapses, and re-points the retention at the agent.
+    engine's pin lapses, and re-points the retention at the agent. Not implemented yet:
+    UNIMPLEMENTED.
     """
     Prefetch: _grpc.UnaryUnaryMultiCallable[_agent_service_pb2.PrefetchRequest, _agent_service_pb2.PrefetchResponse]
-    """Prefetch moves a retention's KV next to the node expected to run the next prefill."""
+    """Prefetch moves a retention's KV next to the node expected to run the next prefill. Not
+    implemented yet: UNIMPLEMENTED.
+    """
 
 @_typing.type_check_only
 class AgentServiceAsyncStub(AgentServiceStub):
     """AgentService is the sidecar of one vLLM worker: it registers the worker, forwards its KV
     events and load to the registry, and moves KV with NIXL READs when the router says so.
 
-    Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle").
+    Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle") whose reason is one of
+    (the table: kvshuttle.core.reasons): none yet. GetStatus takes no input; PullBlocks,
+    ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool lands.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -63,20 +70,25 @@ class AgentServiceAsyncStub(AgentServiceStub):
     """GetStatus reports the agent's view of its engine, its event stream and its block pool."""
     PullBlocks: _aio.UnaryUnaryMultiCallable[_agent_service_pb2.PullBlocksRequest, _agent_service_pb2.PullBlocksResponse]  # type: ignore[assignment]
     """PullBlocks reads blocks from a remote holder (a vLLM engine or another agent) into this
-    agent's DRAM pool with NIXL READs.
+    agent's DRAM pool with NIXL READs. Not implemented yet: UNIMPLEMENTED.
     """
     ParkRetention: _aio.UnaryUnaryMultiCallable[_agent_service_pb2.ParkRetentionRequest, _agent_service_pb2.ParkRetentionResponse]  # type: ignore[assignment]
     """ParkRetention copies a retention's KV out of its engine into this agent's pool before the
-    engine's pin lapses, and re-points the retention at the agent.
+    engine's pin lapses, and re-points the retention at the agent. Not implemented yet:
+    UNIMPLEMENTED.
     """
     Prefetch: _aio.UnaryUnaryMultiCallable[_agent_service_pb2.PrefetchRequest, _agent_service_pb2.PrefetchResponse]  # type: ignore[assignment]
-    """Prefetch moves a retention's KV next to the node expected to run the next prefill."""
+    """Prefetch moves a retention's KV next to the node expected to run the next prefill. Not
+    implemented yet: UNIMPLEMENTED.
+    """
 
 class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
     """AgentService is the sidecar of one vLLM worker: it registers the worker, forwards its KV
     events and load to the registry, and moves KV with NIXL READs when the router says so.
 
-    Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle").
+    Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle") whose reason is one of
+    (the table: kvshuttle.core.reasons): none yet. GetStatus takes no input; PullBlocks,
+    ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool lands.
     """
 
     @_abc_1.abstractmethod
@@ -94,7 +106,7 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_agent_service_pb2.PullBlocksResponse, _abc.Awaitable[_agent_service_pb2.PullBlocksResponse]]:
         """PullBlocks reads blocks from a remote holder (a vLLM engine or another agent) into this
-        agent's DRAM pool with NIXL READs.
+        agent's DRAM pool with NIXL READs. Not implemented yet: UNIMPLEMENTED.
         """
 
     @_abc_1.abstractmethod
@@ -104,7 +116,8 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_agent_service_pb2.ParkRetentionResponse, _abc.Awaitable[_agent_service_pb2.ParkRetentionResponse]]:
         """ParkRetention copies a retention's KV out of its engine into this agent's pool before the
-        engine's pin lapses, and re-points the retention at the agent.
+        engine's pin lapses, and re-points the retention at the agent. Not implemented yet:
+        UNIMPLEMENTED.
         """
 
     @_abc_1.abstractmethod
@@ -113,6 +126,8 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _agent_service_pb2.PrefetchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_agent_service_pb2.PrefetchResponse, _abc.Awaitable[_agent_service_pb2.PrefetchResponse]]:
-        """Prefetch moves a retention's KV next to the node expected to run the next prefill."""
+        """Prefetch moves a retention's KV next to the node expected to run the next prefill. Not
+        implemented yet: UNIMPLEMENTED.
+        """
 
 def add_AgentServiceServicer_to_server(servicer: AgentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

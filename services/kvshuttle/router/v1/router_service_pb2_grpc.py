@@ -31,7 +31,15 @@ class RouterServiceStub:
     turn's prefill and decode run. It is stateless apart from caches: run several replicas
     over one registry.
 
-    Errors carry a google.rpc.ErrorInfo (domain "router.kvshuttle").
+    Errors carry a google.rpc.ErrorInfo (domain "router.kvshuttle") whose reason is one of
+    (the table: kvshuttle.core.reasons):
+    INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+    TURN_NOT_FOUND: the turn handle is malformed, forged or signed with another key.
+    TURN_EXPIRED: the turn's claim lapsed before CommitTurn.
+    TURN_FINISHED: the turn was already committed or aborted, or a later turn committed.
+    NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
+    REGISTRY_UNAVAILABLE: the registry did not answer in time; the turn may be retried.
+    CAPACITY_EXCEEDED: the registry's, passed on: the tenant's retention quota is full.
     """
 
     def __init__(self, channel):
@@ -63,7 +71,15 @@ class RouterServiceServicer:
     turn's prefill and decode run. It is stateless apart from caches: run several replicas
     over one registry.
 
-    Errors carry a google.rpc.ErrorInfo (domain "router.kvshuttle").
+    Errors carry a google.rpc.ErrorInfo (domain "router.kvshuttle") whose reason is one of
+    (the table: kvshuttle.core.reasons):
+    INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+    TURN_NOT_FOUND: the turn handle is malformed, forged or signed with another key.
+    TURN_EXPIRED: the turn's claim lapsed before CommitTurn.
+    TURN_FINISHED: the turn was already committed or aborted, or a later turn committed.
+    NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
+    REGISTRY_UNAVAILABLE: the registry did not answer in time; the turn may be retried.
+    CAPACITY_EXCEEDED: the registry's, passed on: the tenant's retention quota is full.
     """
 
     def PlanTurn(self, request, context):
@@ -123,7 +139,15 @@ class RouterService:
     turn's prefill and decode run. It is stateless apart from caches: run several replicas
     over one registry.
 
-    Errors carry a google.rpc.ErrorInfo (domain "router.kvshuttle").
+    Errors carry a google.rpc.ErrorInfo (domain "router.kvshuttle") whose reason is one of
+    (the table: kvshuttle.core.reasons):
+    INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+    TURN_NOT_FOUND: the turn handle is malformed, forged or signed with another key.
+    TURN_EXPIRED: the turn's claim lapsed before CommitTurn.
+    TURN_FINISHED: the turn was already committed or aborted, or a later turn committed.
+    NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
+    REGISTRY_UNAVAILABLE: the registry did not answer in time; the turn may be retried.
+    CAPACITY_EXCEEDED: the registry's, passed on: the tenant's retention quota is full.
     """
 
     @staticmethod

@@ -1,16 +1,17 @@
-"""The gateway's own latency per request for ~4k-token multi-turn chats.
+"""Gateway benchmark: the gateway's own latency per request (`added_ms`) for ~4k-token
+multi-turn chats, every piece in its own process as deployed.
 
-    .venv/bin/python tests/gateway/bench_added_latency.py [--conversations 20] [--turns 8] [--stream]
+    python bench/gateway_added_latency.py [--conversations 20] [--turns 8] [--stream]
 
-Runs each piece in its own process, as deployed: a registry and a router (the console
-scripts), the two fake engines (tests/gateway/fake_engine.py: the HTTP protocol only, they
-answer at once), and `kvshuttle-gateway` (JSON logs, tracing on without an exporter, the
-tokenizer-verification sampling at its default). The client sends one request at a time and
-reads the gateway's `request.done` lines: `added_ms` (wall time less the prefill and decode
-requests: parse, tokenize, PlanTurn, the engines' JSON, the response), and its parts; the
-commits, which run after the response, from their `turn.committed` lines. Then, in this
-process, tokenization alone: the whole chat through tokenizers vs. the gateway's segment
-cache on the turn-by-turn growing conversation.
+A registry and a router (the console scripts), the two fake engines (tests/gateway/fake_engine.py:
+the HTTP protocol only, they answer at once), and `kvshuttle-gateway` (JSON logs, tracing on
+without an exporter, the tokenizer-verification sampling at its default). The client sends one
+request at a time and reads the gateway's `request.done` lines: `added_ms` (wall time less the
+prefill and decode requests: parse, tokenize, PlanTurn, the engines' JSON, the response), and
+its parts; the commits, which run after the response, from their `turn.committed` lines. Then,
+in this process, tokenization alone: the whole chat through tokenizers vs. the gateway's
+segment cache on the turn-by-turn growing conversation.
+Prints the figures and writes bench/results/gateway_added_latency-<utc time>.json.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import random
 import shutil
 import socket
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,8 @@ import aiohttp
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
+# The tokenizer is made by the gateway tests' helper, which lives in the repo, not the venv.
 sys.path.insert(0, str(ROOT))
 
 from tests.gateway.helpers import WORDS, make_tokenizer  # noqa: E402
@@ -44,6 +48,7 @@ from kvshuttle.gateway.tokenizer import ChatTokenizer  # noqa: E402
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb  # noqa: E402
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as reg_grpc  # noqa: E402
 
+RESULTS = Path(__file__).parent / "results"
 MODEL = "Qwen/Qwen3-32B"
 PROFILES = ROOT / "deploy" / "profiles" / "qwen3-32b-h200.toml"
 BIN = Path(sys.executable).parent
@@ -169,15 +174,7 @@ def tokenization_bench(model_dir: Path, system_words: int, turns: int) -> dict[s
     }
 
 
-async def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--conversations", type=int, default=20)
-    ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--stream", action="store_true")
-    ap.add_argument("--system-words", type=int, default=3500, help="~tokens of the first prompt")
-    ap.add_argument("--keep", action="store_true", help="keep the processes' logs (the path is printed)")
-    args = ap.parse_args()
-
+async def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="kvshuttle-gw-bench-"))
     if args.keep:
         print(f"logs: {work}", file=sys.stderr)
@@ -267,10 +264,55 @@ async def main() -> None:
             key: round(pct([x[key] for x in calls], 0.5), 3) for key in ("ms", "own_ms", "registry_ms")
         }
     report["tokenization_in_process"] = tokenization_bench(model_dir, args.system_words, args.turns * 2)
-    print(json.dumps(report, indent=2))
     if not args.keep:
         shutil.rmtree(work)
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--conversations", type=int, default=20)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--system-words", type=int, default=3500, help="~tokens of the first prompt")
+    ap.add_argument("--keep", action="store_true", help="keep the processes' logs (the path is printed)")
+    args = ap.parse_args()
+    r = asyncio.run(run(args))
+    added, own, ttft = r["added_ms"], r["added_less_router_calls_ms"], r.get("ttft_added_ms")
+    print(
+        f"{r['requests']} requests ({args.conversations} conversations x {args.turns} turns, "
+        f"{'streamed' if args.stream else 'not streamed'}), prompts p50 {r['prompt_tokens_p50']} tokens, "
+        f"{r['reuse_turns']} reuse turns"
+    )
+    print(f"gateway added per request: p50 {added['p50']} ms, p90 {added['p90']} ms")
+    print(f"  of which not PlanTurn or the commit wait: p50 {own['p50']} ms, p90 {own['p90']} ms")
+    if ttft is not None:
+        print(f"  added to TTFT: p50 {ttft['p50']} ms, p90 {ttft['p90']} ms")
+    print(f"background CommitTurn: p50 {r['commit_ms_background']['p50']} ms")
+    tok = r["tokenization_in_process"]
+    print(
+        f"tokenizing a {tok['tokens']}-token chat: {tok['full_encode_ms_p50']:.3f} ms from scratch, "
+        f"{tok['cached_encode_ms_p50']:.3f} ms with the segment cache (p50)"
+    )
+    RESULTS.mkdir(exist_ok=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = RESULTS / f"gateway_added_latency-{stamp}.json"
+    out.write_text(
+        json.dumps(
+            {
+                "bench": "gateway_added_latency",
+                "time": stamp,
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "args": vars(args),
+                "result": r,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"saved {out}")
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()

@@ -1,0 +1,55 @@
+"""What the turn runner needs from the router and from the engines. kvshuttle.gateway.router_port
+implements RouterPort over the router's gRPC client and kvshuttle.gateway.engines implements
+EnginePort over aiohttp; unit tests implement both in memory, no sockets.
+
+Failures: a router call raises RouterFailure (kvshuttle.gateway.errors); an engine call raises
+GatewayError, already what the client sees (engine_error, engine_timeout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
+
+from kvshuttle.router.v1 import router_service_pb2 as pb
+from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
+
+__all__ = ["EnginePort", "RouterPort"]
+
+
+class RouterPort(Protocol):
+    async def plan_turn(
+        self, model: str, prompt_token_ids: Iterable[int], *, conversation: str, request_id: str
+    ) -> pb.PlanTurnResponse:
+        """PlanTurn; `request_id` is its idempotency key."""
+        ...
+
+    async def commit_turn(
+        self,
+        turn: str,
+        *,
+        token_ids: Iterable[int],
+        decode_kv_transfer_params: KvTransferParams | None,
+        timings: pb.TurnTimings,
+    ) -> pb.CommitTurnResponse: ...
+
+    async def abort_turn(self, turn: str, *, reason: str) -> None: ...
+
+
+class EnginePort(Protocol):
+    """`/v1/completions` of the engine at `endpoint` (its base URL); `role` ("prefill" or
+    "decode") names it in errors."""
+
+    async def complete(
+        self, role: str, endpoint: str, body: bytes, headers: Mapping[str, str], *, timeout_s: float
+    ) -> dict[str, Any]:
+        """One non-streaming completion; its JSON body."""
+        ...
+
+    def stream(
+        self, role: str, endpoint: str, body: bytes, headers: Mapping[str, str]
+    ) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
+        """A streaming completion: entered once the engine answered 200, it yields the chunks'
+        JSON in order; leaving it early closes the request (the engine aborts it)."""
+        ...

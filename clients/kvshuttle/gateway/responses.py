@@ -1,0 +1,210 @@
+"""Decode's answer, read once: what the turn's commit needs (DecodeOutput) and the client's
+OpenAI objects made from it (chat.completion, text_completion, and their stream chunks).
+
+Decode always runs a token-id `/v1/completions`; chat clients get its output translated into
+chat.completion(.chunk) objects, completions clients get it as it is, with the gateway's id
+and model name and without `kv_transfer_params` (never shown to a client).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "SSE_DONE",
+    "ChatStream",
+    "CompletionStream",
+    "DecodeOutput",
+    "chat_completion",
+    "completion",
+    "dumps",
+    "sse",
+]
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class DecodeOutput:
+    """What the gateway takes from decode's answer (one body, or the chunks of a stream)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    # False when a chunk carried output without token_ids (an engine without return_token_ids).
+    ids_complete: bool = True
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    usage: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    chunks: int = 0
+
+    def take_chunk(self, chunk: Mapping[str, Any]) -> None:
+        """Read one stream chunk (or the whole non-streaming answer) before it is translated for
+        the client, which drops `kv_transfer_params`."""
+        self.chunks += 1
+        params = chunk.get("kv_transfer_params")
+        if isinstance(params, dict):
+            self.kv_transfer_params = params
+        choices = chunk.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            self.take_choice(choices[0])
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+
+    def take_choice(self, choice: Mapping[str, Any]) -> None:
+        text = choice.get("text")
+        if isinstance(text, str):
+            self.text += text
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            self.token_ids.extend(ids)
+        elif text:
+            self.ids_complete = False
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = str(choice["finish_reason"])
+            self.stop_reason = choice.get("stop_reason")
+
+
+def chat_completion(
+    *, response_id: str, created: int, model: str, out: DecodeOutput, prompt_ids: list[int], token_ids: bool
+) -> dict[str, Any]:
+    """A chat.completion from decode's (non-streaming) completion."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": out.text},
+        "logprobs": None,
+        "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,
+    }
+    response: dict[str, Any] = {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": out.usage,
+    }
+    if token_ids:
+        choice["token_ids"] = out.token_ids
+        response["prompt_token_ids"] = prompt_ids
+    return response
+
+
+def completion(body: dict[str, Any], *, response_id: str, model: str, token_ids: bool) -> dict[str, Any]:
+    """Decode's completion as the client's: the gateway's id and model name, no KV params."""
+    body.pop("kv_transfer_params", None)
+    body["id"] = response_id
+    body["model"] = model
+    if not token_ids:
+        body.pop("prompt_token_ids", None)
+        for choice in body.get("choices") or ():
+            if isinstance(choice, dict):
+                choice.pop("token_ids", None)
+                choice.pop("prompt_token_ids", None)
+    return body
+
+
+class ChatStream:
+    """Decode's completion chunks as chat.completion.chunk events."""
+
+    def __init__(
+        self,
+        *,
+        response_id: str,
+        created: int,
+        model: str,
+        prompt_ids: list[int],
+        token_ids: bool,
+        include_usage: bool,
+    ) -> None:
+        self._id = response_id
+        self._created = created
+        self._model = model
+        self._prompt_ids = prompt_ids
+        self._token_ids = token_ids
+        self._usage = include_usage
+        self._role_sent = False
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self._id,
+            "object": "chat.completion.chunk",
+            "created": self._created,
+            "model": self._model,
+            "choices": choices,
+            **extra,
+        }
+
+    def events(self, chunk: Mapping[str, Any]) -> bytes:
+        """The SSE bytes for one decode chunk (b"" when it carries nothing for the client)."""
+        out = b""
+        choices = chunk.get("choices") or []
+        if choices and isinstance(choices[0], dict):
+            choice = choices[0]
+            if not self._role_sent:
+                self._role_sent = True
+                role = {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                extra = {"prompt_token_ids": self._prompt_ids} if self._token_ids else {}
+                out += sse(self._chunk([role], **extra))
+            text = choice.get("text") or ""
+            finish = choice.get("finish_reason")
+            ids = choice.get("token_ids")
+            if text or finish is not None or (self._token_ids and ids):
+                delta = {
+                    "index": 0,
+                    "delta": {"content": text} if text else {},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+                if finish is not None:
+                    delta["stop_reason"] = choice.get("stop_reason")
+                if self._token_ids:
+                    delta["token_ids"] = ids or []
+                out += sse(self._chunk([delta]))
+        elif self._usage and chunk.get("usage"):
+            out += sse(self._chunk([], usage=chunk["usage"]))
+        return out
+
+
+class CompletionStream:
+    """Decode's completion chunks, as the client's: the gateway's id and model name, no KV params."""
+
+    def __init__(self, *, response_id: str, model: str, token_ids: bool, include_usage: bool) -> None:
+        self._id = response_id
+        self._model = model
+        self._token_ids = token_ids
+        self._usage = include_usage
+
+    def events(self, chunk: dict[str, Any]) -> bytes:
+        chunk.pop("kv_transfer_params", None)
+        choices = chunk.get("choices") or []
+        if not self._usage:
+            chunk.pop("usage", None)
+        if not choices and not chunk.get("usage"):
+            return b""  # e.g. a chunk that only carried kv_transfer_params
+        chunk["id"] = self._id
+        chunk["model"] = self._model
+        if not self._token_ids:
+            for choice in choices:
+                if isinstance(choice, dict):
+                    choice.pop("token_ids", None)
+                    choice.pop("prompt_token_ids", None)
+        return sse(chunk)

@@ -1,0 +1,429 @@
+"""The turn runner: one request's turn, PlanTurn -> prefill -> decode -> CommitTurn (or
+AbortTurn), and the order of a conversation's turns. It knows no HTTP server and no gRPC: it
+calls a RouterPort and an EnginePort (kvshuttle.gateway.ports) and streams decode's chunks to
+a DecodeSink, which kvshuttle.gateway.app implements over its HTTP response.
+
+1. PlanTurn(model, prompt ids, `tenants/{tenant}/conversations/{id}`, request id): placement,
+   and the `kv_transfer_params` prefill must get (with reuse: the retained KV, truncated to
+   the verified prefix). A conversation's turn plans only once its previous turn's commit, in
+   flight at this gateway, has landed, so it finds that turn's retention; a turn that reaches
+   another gateway replica first recomputes.
+2. Prefill: `/v1/completions` with the token-id prompt, `max_tokens: 1`, `stream: false` and the
+   plan's params. Its answer's `kv_transfer_params` go to decode unchanged, or none at all
+   (never a hand-made dict: decode would hold such a request's blocks forever).
+3. Decode: `/v1/completions` with the same prompt, P's params, `return_token_ids: true` and the
+   client's sampling; streamed to the sink as it comes, or answered whole.
+4. CommitTurn once decode has answered, in the background: the client's response does not
+   wait for it. It carries decode's final `kv_transfer_params` (the non-streaming body, or the
+   stream chunk that carries them: upstream 0.33, or 0.32 with the kvshuttle plugin; absent,
+   nothing is retained), the sequence's token ids (prompt + output) and the timings the
+   runner measured. It logs `turn.committed` (or `turn.commit_failed`, and aborts the turn).
+
+Whatever ends a planned turn before its commit (an engine error, the client leaving, shutdown)
+aborts it, which releases a claimed retention, and goes on to the caller.
+
+One module: a turn's steps, what each measures and when the turn must be aborted belong
+together (the Turn record, the engines' request bodies and the CommitTurn timings with them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractContextManager, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from kvshuttle.core.errors import InvalidArgument
+from kvshuttle.core.prototime import to_duration
+from kvshuttle.gateway.background import BackgroundTasks
+from kvshuttle.gateway.errors import GatewayError, RouterFailure, engine_error, router_error
+from kvshuttle.gateway.metrics import GatewayMetrics
+from kvshuttle.gateway.ports import EnginePort, RouterPort
+from kvshuttle.gateway.responses import DecodeOutput
+from kvshuttle.router.v1 import router_service_pb2 as pb
+from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
+from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
+
+__all__ = ["ClientGone", "DecodeSink", "Turn", "TurnRunner"]
+
+log = structlog.get_logger("kvshuttle.gateway")
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def _request_body(prompt_json: bytes, fields: Mapping[str, Any]) -> bytes:
+    """`{"prompt": [...], **fields}` with the prompt's JSON made once for both engines."""
+    rest = json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
+    return b'{"prompt":' + prompt_json + (b"," + rest[1:] if len(rest) > 2 else b"}")
+
+
+def _enum_name(value: str, prefix: str) -> str:
+    return value.removeprefix(prefix).lower()
+
+
+class ClientGone(Exception):
+    """The client closed the connection while its response was being written."""
+
+
+class DecodeSink(Protocol):
+    """Where a streaming decode's chunks go: the client's response."""
+
+    async def open(self) -> None:
+        """Decode answered 200: start the client's response. Raises ClientGone."""
+        ...
+
+    async def send(self, chunk: dict[str, Any]) -> bool:
+        """One decode chunk, as the client gets it; True when anything was written. Raises
+        ClientGone."""
+        ...
+
+
+@dataclass(slots=True)
+class Turn:
+    """One turn: what the runner is given, and what it planned, measured and got. Times are
+    seconds of time.perf_counter(); None where the turn did not get that far."""
+
+    request_id: str
+    # The served model name: the router's profile and the engines' `model`.
+    model: str
+    # `tenants/{tenant}/conversations/{id}`, or "" for a turn of no conversation.
+    conversation: str
+    prompt_ids: list[int]
+    prefill_params: dict[str, Any]
+    decode_params: dict[str, Any]
+    # When the request arrived: TTFT counts from here.
+    arrived: float
+    # The client sent text stop strings: decode retains nothing (said in the commit's log).
+    stop_strings: bool = False
+    # The plan's, once planned.
+    decision: str = ""
+    reason: str = ""
+    generation: int = 0
+    reused_tokens: int = 0
+    remote_cached_tokens: int | None = None
+    output: DecodeOutput = field(default_factory=DecodeOutput)
+    # Of a finished decode (the committed sequence's output).
+    output_tokens: int = 0
+    # Waiting for the conversation's previous commit (in flight when this turn arrived).
+    wait_s: float | None = None
+    plan_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    # Decode's time to its first chunk (streaming) or to its whole answer.
+    decode_ttfb_s: float | None = None
+    # To the first output written to the client (streaming) or to decode's whole answer.
+    ttft_s: float | None = None
+    # What failed, when a router or engine call ended the turn: "router_error",
+    # "engine_error" or "error" (an engine's 429).
+    outcome: str = ""
+    # Committed, aborted, or handed to a commit in flight: nothing left to abort.
+    settled: bool = False
+
+
+class TurnRunner:
+    """Runs turns; holds the conversations' commits in flight so that a conversation's next
+    turn plans after its previous one committed."""
+
+    def __init__(
+        self,
+        router: RouterPort,
+        engines: EnginePort,
+        *,
+        tracer: trace.Tracer,
+        metrics: GatewayMetrics,
+        background: BackgroundTasks,
+        prefill_timeout_s: float,
+        decode_timeout_s: float,
+        commit_wait_s: float,
+    ) -> None:
+        self._router = router
+        self._engines = engines
+        self._tracer = tracer
+        self._metrics = metrics
+        self._background = background
+        self._prefill_timeout_s = prefill_timeout_s
+        self._decode_timeout_s = decode_timeout_s
+        # A commit taking longer than this no longer holds its conversation's next turn back.
+        self._commit_wait_s = commit_wait_s
+        # Conversation -> its latest turn's commit while in flight.
+        self._commits: dict[str, asyncio.Task[None]] = {}
+
+    async def complete(self, turn: Turn) -> dict[str, Any]:
+        """Run `turn` with a non-streaming decode; decode's answer (its output is in
+        `turn.output`, its commit on its way)."""
+        plan = await self._plan(turn)
+        async with self._aborting(turn, plan):
+            prompt_json = _prompt_json(turn.prompt_ids)
+            decode_params = await self._prefill(turn, plan, prompt_json)
+            answer = await self._decode(
+                turn, plan, _decode_body(turn, prompt_json, decode_params, stream=False)
+            )
+            self._commit(turn, plan)
+        return answer
+
+    async def stream(self, turn: Turn, sink: DecodeSink) -> None:
+        """Run `turn` with decode's chunks streamed to `sink` as they come."""
+        plan = await self._plan(turn)
+        async with self._aborting(turn, plan):
+            prompt_json = _prompt_json(turn.prompt_ids)
+            decode_params = await self._prefill(turn, plan, prompt_json)
+            body = _decode_body(turn, prompt_json, decode_params, stream=True)
+            await self._decode_stream(turn, plan, body, sink)
+            self._commit(turn, plan)
+
+    # ---- plan, prefill, decode -------------------------------------------------------------
+
+    async def _plan(self, turn: Turn) -> pb.PlanTurnResponse:
+        previous = self._commits.get(turn.conversation) if turn.conversation else None
+        if previous is not None:
+            # The previous turn's retention is what this turn may read: plan once it is stored.
+            # (A commit never raises; a client leaving now does not cancel it.)
+            started = time.perf_counter()
+            await asyncio.wait({previous}, timeout=self._commit_wait_s)
+            turn.wait_s = time.perf_counter() - started
+        started = time.perf_counter()
+        try:
+            plan = await self._router.plan_turn(
+                turn.model, turn.prompt_ids, conversation=turn.conversation, request_id=turn.request_id
+            )
+        except RouterFailure as err:
+            turn.plan_s = time.perf_counter() - started
+            turn.outcome = "router_error"
+            raise router_error(err) from None
+        turn.plan_s = time.perf_counter() - started
+        turn.decision = _enum_name(pb.Decision.Name(plan.decision), "DECISION_")
+        turn.reason = _enum_name(pb.DecisionReason.Name(plan.reason), "DECISION_REASON_")
+        turn.generation, turn.reused_tokens = plan.generation, plan.reusable_tokens
+        self._metrics.turns.labels(turn.decision, turn.reason).inc()
+        self._metrics.reused_tokens.inc(plan.reusable_tokens)
+        return plan
+
+    @asynccontextmanager
+    async def _aborting(self, turn: Turn, plan: pb.PlanTurnResponse) -> AsyncIterator[None]:
+        """Abort the turn when anything ends it before its commit; the exception goes on."""
+        try:
+            yield
+        except BaseException as exc:
+            if not turn.settled:
+                turn.settled = True
+                why = exc.message if isinstance(exc, GatewayError) else type(exc).__name__
+                if isinstance(exc, asyncio.CancelledError | ClientGone):
+                    why = "client disconnected"
+                await self._abort(plan.turn, why)
+                if isinstance(exc, GatewayError):
+                    engine = exc.status in (502, 504) or exc.code == "engine_rejected"
+                    turn.outcome = "engine_error" if engine else "error"
+            raise
+
+    def _engine_span(self, role: str, placed: pb.Placement) -> AbstractContextManager[trace.Span]:
+        """The current span of a request to the engine the plan placed on `role`."""
+        return self._tracer.start_as_current_span(
+            role,
+            kind=SpanKind.CLIENT,
+            attributes={"kvshuttle.node": placed.node, "server.address": placed.http_endpoint},
+        )
+
+    @staticmethod
+    def _headers(request_id: str) -> dict[str, str]:
+        headers = {"X-Request-Id": request_id}
+        _PROPAGATOR.inject(headers)  # the current span: prefill's or decode's
+        return headers
+
+    async def _prefill(
+        self, turn: Turn, plan: pb.PlanTurnResponse, prompt_json: bytes
+    ) -> dict[str, Any] | None:
+        """Run prefill; the params decode must get (P's, unchanged), or None for none."""
+        if not plan.prefill.http_endpoint or not plan.decode.http_endpoint:
+            raise engine_error(
+                "prefill", None, "the router placed the turn on a node without an HTTP endpoint"
+            )
+        fields: dict[str, Any] = {
+            "model": turn.model,
+            **turn.prefill_params,
+            "max_tokens": 1,
+            "stream": False,
+        }
+        if plan.HasField("prefill_kv_transfer_params"):
+            fields["kv_transfer_params"] = to_vllm(plan.prefill_kv_transfer_params)
+        with self._engine_span("prefill", plan.prefill) as span:
+            started = time.perf_counter()
+            try:
+                body = await self._engines.complete(
+                    "prefill",
+                    plan.prefill.http_endpoint,
+                    _request_body(prompt_json, fields),
+                    self._headers(f"{turn.request_id}-p"),
+                    timeout_s=self._prefill_timeout_s,
+                )
+            finally:
+                turn.prefill_s = time.perf_counter() - started
+            params = body.get("kv_transfer_params")
+            if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+                # No params (P runs without the NIXL connector), or not P's kind: decode computes
+                # the prompt itself. A made-up dict instead would make decode hold its blocks.
+                log.warning(
+                    "prefill.no_kv_transfer_params", node=plan.prefill.node, got=type(params).__name__
+                )
+                return None
+            cached = params.get("remote_prefill_cached_tokens")
+            if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+                turn.remote_cached_tokens = cached
+                span.set_attribute("kvshuttle.remote_cached_tokens", cached)
+            return params
+
+    async def _decode(self, turn: Turn, plan: pb.PlanTurnResponse, body: bytes) -> dict[str, Any]:
+        with self._engine_span("decode", plan.decode):
+            started = time.perf_counter()
+            try:
+                answer = await self._engines.complete(
+                    "decode",
+                    plan.decode.http_endpoint,
+                    body,
+                    self._headers(f"{turn.request_id}-d"),
+                    timeout_s=self._decode_timeout_s,
+                )
+            finally:
+                turn.decode_s = turn.decode_ttfb_s = time.perf_counter() - started
+        choices = answer.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise engine_error("decode", None, "the answer has no choices")
+        turn.ttft_s = time.perf_counter() - turn.arrived
+        turn.output.take_chunk(answer)
+        return answer
+
+    async def _decode_stream(
+        self, turn: Turn, plan: pb.PlanTurnResponse, body: bytes, sink: DecodeSink
+    ) -> None:
+        out = turn.output
+        started = time.perf_counter()
+        try:
+            with self._engine_span("decode", plan.decode):
+                headers = self._headers(f"{turn.request_id}-d")
+                async with self._engines.stream("decode", plan.decode.http_endpoint, body, headers) as chunks:
+                    await sink.open()  # decode answered 200: the client gets 200 too
+                    async for chunk in chunks:
+                        if not out.chunks:
+                            turn.decode_ttfb_s = time.perf_counter() - started
+                        out.take_chunk(chunk)  # before the sink drops what the client must not see
+                        if await sink.send(chunk) and turn.ttft_s is None:
+                            turn.ttft_s = time.perf_counter() - turn.arrived
+                turn.decode_s = time.perf_counter() - started
+                if out.finish_reason is None:
+                    raise engine_error("decode", None, "the stream ended without a finish_reason")
+        except (ClientGone, GatewayError):
+            if turn.decode_s is None:
+                turn.decode_s = time.perf_counter() - started
+            raise
+
+    # ---- commit and abort ------------------------------------------------------------------
+
+    def _commit(self, turn: Turn, plan: pb.PlanTurnResponse) -> None:
+        """CommitTurn in the background: the client's answer is complete without it, and a
+        client leaving now must not lose the retention decode holds. The conversation's next
+        turn waits for it (in _plan)."""
+        turn.settled = True
+        turn.output_tokens = len(turn.output.token_ids)
+        call = self._commit_call(plan.turn, turn, _timings(turn))
+        task = self._background.spawn(call, "commit")
+        if conversation := turn.conversation:
+            self._commits[conversation] = task
+
+            def forget(t: asyncio.Task[None]) -> None:
+                if self._commits.get(conversation) is t:
+                    del self._commits[conversation]
+
+            task.add_done_callback(forget)
+
+    async def _commit_call(self, handle: str, turn: Turn, timings: pb.TurnTimings) -> None:
+        """The CommitTurn call (decode's params converted here, off the response's path) and its
+        log line; a failed commit aborts the turn, which releases a claimed retention the
+        commit did not."""
+        started = time.perf_counter()
+        out = turn.output
+        params: KvTransferParams | None = None
+        if out.kv_transfer_params is not None:
+            try:
+                params = from_vllm(out.kv_transfer_params, "decode.kv_transfer_params")
+            except InvalidArgument as exc:
+                log.warning("decode.bad_kv_transfer_params", error=exc.message)
+        elif out.finish_reason is not None:
+            log.debug("decode.no_kv_transfer_params", stop_strings=turn.stop_strings)
+        tokens = turn.prompt_ids + out.token_ids if out.ids_complete else turn.prompt_ids
+        try:
+            result = await self._router.commit_turn(
+                handle, token_ids=tokens, decode_kv_transfer_params=params, timings=timings
+            )
+        except RouterFailure as err:
+            self._metrics.commits.labels("failed").inc()
+            log.warning(
+                "turn.commit_failed",
+                code=err.code,
+                reason=err.reason,
+                message=err.message[:300],
+                commit_ms=_ms(time.perf_counter() - started),
+                request_id=turn.request_id,
+            )
+            await self._abort_call(handle, "commit failed")
+            return
+        self._metrics.commits.labels("stored" if result.retention else "nothing_retained").inc()
+        log.info(
+            "turn.committed",
+            retention=result.retention,
+            commit_ms=_ms(time.perf_counter() - started),
+            request_id=turn.request_id,
+        )
+
+    async def _abort(self, handle: str, reason: str) -> None:
+        """AbortTurn, shielded from the request's cancellation; failures are logged, not raised."""
+        await asyncio.shield(self._background.spawn(self._abort_call(handle, reason[:300]), "abort"))
+
+    async def _abort_call(self, handle: str, reason: str) -> None:
+        try:
+            await self._router.abort_turn(handle, reason=reason)
+        except RouterFailure as err:
+            # FAILED_PRECONDITION: the turn is settled already (committed, aborted or lapsed).
+            level = log.debug if err.code == "FAILED_PRECONDITION" else log.warning
+            level("turn.abort_failed", code=err.code, reason=err.reason)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def _prompt_json(ids: list[int]) -> bytes:
+    return json.dumps(ids, separators=(",", ":")).encode()
+
+
+def _decode_body(
+    turn: Turn, prompt_json: bytes, prefill_params: dict[str, Any] | None, *, stream: bool
+) -> bytes:
+    fields: dict[str, Any] = {"model": turn.model, **turn.decode_params, "return_token_ids": True}
+    if prefill_params is not None:
+        fields["kv_transfer_params"] = prefill_params
+    if stream:
+        fields.update(stream=True, stream_options={"include_usage": True})
+    else:
+        fields["stream"] = False
+    return _request_body(prompt_json, fields)
+
+
+def _timings(turn: Turn) -> pb.TurnTimings:
+    """What CommitTurn reports of the turn, from the runner's own measurements."""
+    timings = pb.TurnTimings()
+    if turn.ttft_s is not None:
+        timings.ttft.CopyFrom(to_duration(turn.ttft_s))
+    if turn.prefill_s is not None:
+        timings.prefill.CopyFrom(to_duration(turn.prefill_s))
+    if turn.decode_s is not None:
+        timings.decode.CopyFrom(to_duration(turn.decode_s))
+    if turn.remote_cached_tokens is not None:
+        timings.remote_cached_tokens = turn.remote_cached_tokens
+    return timings

@@ -1,0 +1,74 @@
+"""Bounds on what a caller sends the router, checked before anything is read or changed.
+
+Each check raises InvalidArgument naming the request's field; those that return a value return
+it in the form the domain uses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from kvshuttle.core.errors import InvalidArgument
+from kvshuttle.core.hashing import TokenIds, token_array
+from kvshuttle.core.names import parse_conversation
+from kvshuttle.router.cost import CostModel
+from kvshuttle.router.model import TurnTimings
+
+_TIMINGS = ("ttft_ms", "prefill_ms", "transfer_ms", "decode_ms", "transfer_bytes", "remote_cached_tokens")
+
+
+def cost_model(costs: Mapping[str, CostModel], model: str) -> CostModel:
+    """The cost model of the model a request names."""
+    if not model:
+        raise InvalidArgument("model", "required")
+    cost = costs.get(model)
+    if cost is None:
+        raise InvalidArgument("model", f"no model profile for {model[:200]!r}")
+    return cost
+
+
+def token_ids(tokens: TokenIds, field: str, *, max_tokens: int) -> np.ndarray[Any, Any]:
+    """A non-empty uint32 array of at most `max_tokens` token ids."""
+    try:
+        arr = token_array(tokens)
+    except ValueError as exc:
+        raise InvalidArgument(field, str(exc)) from exc
+    if arr.size == 0:
+        raise InvalidArgument(field, "required")
+    if arr.size > max_tokens:
+        raise InvalidArgument(field, f"more than {max_tokens} tokens")
+    return arr
+
+
+def conversations(conversation: str, parent: str, *, max_id_length: int) -> tuple[str, str]:
+    """The conversation and the parent it forks from, "" where not given. A parent needs a
+    conversation in its own tenant."""
+    checked = (
+        str(parse_conversation(conversation, "conversation", max_length=max_id_length))
+        if conversation
+        else ""
+    )
+    if not parent:
+        return checked, ""
+    parsed = parse_conversation(parent, "hints.parent_conversation", max_length=max_id_length)
+    if not checked:
+        raise InvalidArgument("hints.parent_conversation", "needs a conversation")
+    if parsed.tenant != parse_conversation(checked).tenant:
+        raise InvalidArgument("hints.parent_conversation", "must be in the conversation's tenant")
+    return checked, str(parsed)
+
+
+def think_time(seconds: float | None) -> None:
+    if seconds is not None and (not math.isfinite(seconds) or seconds < 0):
+        raise InvalidArgument("hints.expected_think_time", "must not be negative")
+
+
+def timings(t: TurnTimings) -> None:
+    for name in _TIMINGS:
+        value = getattr(t, name)
+        if value is not None and (not math.isfinite(value) or value < 0):
+            raise InvalidArgument(f"timings.{name.removesuffix('_ms')}", "must not be negative")

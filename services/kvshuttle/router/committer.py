@@ -1,0 +1,259 @@
+"""CommitTurn and AbortTurn: how a planned turn finishes.
+
+A commit stores what decode retained as the conversation's next retention (fenced by the turn's
+generation, so an older turn's commit never replaces a newer one), releases the retention the
+turn claimed, and feeds the turn's measured times back into the cost model. An abort releases
+the claim. Either finishes the turn: a second commit or abort is TURN_FINISHED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import structlog
+from opentelemetry import trace
+
+from kvshuttle.core.clock import Clock
+from kvshuttle.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
+from kvshuttle.core.names import check_id
+from kvshuttle.core.reasons import ErrorReason
+from kvshuttle.router import checks
+from kvshuttle.router.chains import NO_CHAIN, Chain, ChainCache
+from kvshuttle.router.cost import CostModel
+from kvshuttle.router.metrics import RouterMetrics
+from kvshuttle.router.model import (
+    CommitRequest,
+    CommitResult,
+    Decision,
+    NewRetention,
+    RouterPolicy,
+    TurnTimings,
+)
+from kvshuttle.router.node_directory import NodeDirectory
+from kvshuttle.router.ports import RegistryPort
+from kvshuttle.router.timing import CallTimer
+from kvshuttle.router.turn_memory import TurnMemory
+from kvshuttle.router.turns import TurnCodec, TurnState
+from kvshuttle.vllm.block_ids import block_groups
+
+log = structlog.get_logger("kvshuttle.router")
+
+_NOTHING_STORED = CommitResult("", None)
+
+
+class Committer:
+    def __init__(
+        self,
+        port: RegistryPort,
+        *,
+        clock: Clock,
+        costs: Mapping[str, CostModel],
+        codec: TurnCodec,
+        policy: RouterPolicy,
+        metrics: RouterMetrics,
+        tracer: trace.Tracer,
+        nodes: NodeDirectory,
+        memory: TurnMemory,
+        chains: ChainCache,
+    ) -> None:
+        self._port = port
+        self._clock = clock
+        self._costs = costs
+        self._codec = codec
+        self._policy = policy
+        self._metrics = metrics
+        self._tracer = tracer
+        self._nodes = nodes
+        self._memory = memory
+        self._chains = chains
+
+    def _unfinished(self, handle: str) -> TurnState:
+        """The turn of `handle`; FailedPrecondition when it was committed or aborted here."""
+        state = self._codec.decode(handle)
+        finished = self._memory.finished(state.turn_id)
+        if finished is not None:
+            raise FailedPrecondition(f"turn already {finished}", reason=ErrorReason.TURN_FINISHED)
+        return state
+
+    # ---- CommitTurn ------------------------------------------------------------------------
+
+    async def commit_turn(self, req: CommitRequest) -> CommitResult:
+        timer = CallTimer()
+        policy = self._policy
+        if req.request_id:
+            check_id(req.request_id, "request_id", max_length=policy.max_id_length)
+            state = self._codec.decode(req.turn)
+            earlier = self._memory.earlier_commit(state.turn_id, req.request_id)
+            if earlier is not None:  # a retry whose first answer was lost
+                return earlier
+        state = self._unfinished(req.turn)
+        if self._clock.now() >= state.expire_at:
+            raise FailedPrecondition("turn expired; its claim is gone", reason=ErrorReason.TURN_EXPIRED)
+        tokens = checks.token_ids(req.token_ids, "token_ids", max_tokens=policy.max_prompt_tokens)
+        checks.timings(req.timings)
+        if tokens.size < state.prompt_tokens:
+            raise InvalidArgument("token_ids", "shorter than the planned prompt")
+        params = req.decode_kv_transfer_params
+        retains = bool(params and params.get("do_remote_decode") and block_groups(params)[0])
+        if retains and params is not None and params.get("remote_engine_id") != state.decode_engine_id:
+            raise InvalidArgument(
+                "decode_kv_transfer_params.remote_engine_id",
+                "names another engine than the planned decode node",
+            )
+        with self._tracer.start_as_current_span("commit", context=_trace_parent(state)) as span:
+            chain: Chain = NO_CHAIN
+            if state.conversation and state.prompt_full_blocks:
+                chain = self._chains.chain(state.conversation, tokens, state.block_size)
+                if (
+                    len(chain) < state.prompt_full_blocks
+                    or chain[state.prompt_full_blocks - 1] != state.prompt_tail_hash
+                ):
+                    raise InvalidArgument("token_ids", "does not start with the planned prompt")
+            # Read or not, a claimed retention is consumed: prefill notified its holder. Released
+            # while the new one is stored (the two are independent: a put replaces whatever the
+            # conversation holds), so the commit waits for one round trip, not two.
+            release = (
+                asyncio.ensure_future(self._port.release(state.claimed, claim_id=state.claim_id))
+                if state.claimed
+                else None
+            )
+            try:
+                with self._memory.storing(state.conversation):
+                    result = await self._store(state, tokens, chain, params if retains else None, timer)
+            finally:
+                if release is not None:
+                    await timer.registry(release)
+            self._observe(state, req.timings)
+            self._memory.finish(state.turn_id, "committed")
+            if req.request_id:
+                self._memory.remember_commit(state.turn_id, req.request_id, result)
+            self._metrics.commits.labels("stored" if result.retention else "nothing_retained").inc()
+            t = req.timings
+            span.set_attributes(
+                {
+                    "kvshuttle.turn_index": state.generation,
+                    "kvshuttle.decision": state.decision,
+                    "kvshuttle.decision.reason": state.reason,
+                    "kvshuttle.reused_tokens": state.reusable_tokens,
+                    "kvshuttle.recomputed_tokens": state.prompt_tokens
+                    - max(state.reusable_tokens, state.local_hit_tokens),
+                    "kvshuttle.retention": result.retention,
+                    **({"kvshuttle.ttft.ms": t.ttft_ms} if t.ttft_ms is not None else {}),
+                    **({"kvshuttle.transfer.ms": t.transfer_ms} if t.transfer_ms is not None else {}),
+                    **(
+                        {"kvshuttle.transfer.bytes": t.transfer_bytes} if t.transfer_bytes is not None else {}
+                    ),
+                }
+            )
+        self._metrics.own_seconds.labels("CommitTurn").observe(timer.own_cpu_s())
+        structlog.contextvars.bind_contextvars(retention=result.retention, **timer.log_fields())
+        return result
+
+    async def _store(
+        self,
+        state: TurnState,
+        tokens: np.ndarray[Any, Any],
+        chain: Chain,
+        params: dict[str, Any] | None,
+        timer: CallTimer,
+    ) -> CommitResult:
+        """Decode's retained KV, stored as the conversation's retention. Nothing is stored, and
+        the commit still succeeds, when there is no conversation, decode kept nothing, its node
+        is gone, or the registry will not store it (FailedPrecondition, NotFound)."""
+        if not state.conversation or params is None:
+            return _NOTHING_STORED
+        bs = state.block_size
+        if not len(chain):
+            chain = self._chains.chain(state.conversation, tokens, bs)
+        num_tokens = int(tokens.size)
+        if isinstance(params.get("remote_num_tokens"), int):
+            num_tokens = min(num_tokens, int(params["remote_num_tokens"]))
+        num_tokens = min(num_tokens, len(block_groups(params)[0]) * bs)
+        if num_tokens <= 0:
+            return _NOTHING_STORED
+        nodes = {x.name: x for x in await timer.registry(self._nodes.nodes(state.model))}
+        node = nodes.get(state.decode_node)
+        if node is None:
+            log.warning("commit.decode_node_gone", node=state.decode_node)
+            return _NOTHING_STORED
+        now = self._clock.now()
+        pin = now + self._policy.decoder_kv_blocks_ttl_s - self._policy.retention_margin_s
+        new = NewRetention(
+            request_id=f"{state.turn_id}-commit",
+            conversation=state.conversation,
+            node=node.name,
+            generation=state.generation,
+            model=state.model,
+            block_size=bs,
+            num_tokens=num_tokens,
+            block_hashes=chain[: num_tokens // bs],
+            kv_transfer_params=params,
+            kv_bytes=num_tokens * node.kv_bytes_per_token,
+            ttl=pin - now,
+            pin_expire_at=pin,
+        )
+        try:
+            stored = await timer.registry(self._port.put_retention(new))
+        except Aborted as err:
+            raise FailedPrecondition(
+                "a turn of this generation or later was already committed", reason=ErrorReason.TURN_FINISHED
+            ) from err
+        except (FailedPrecondition, NotFound) as err:
+            log.warning("commit.not_stored", reason=err.reason, node=node.name)
+            return _NOTHING_STORED
+        self._memory.hints.put(state.conversation, stored)
+        return CommitResult(stored.name, stored.expire_at)
+
+    def _observe(self, state: TurnState, t: TurnTimings) -> None:
+        """The turn's measured prefill (and KV read) times, into the model's cost estimates."""
+        cost = self._costs.get(state.model)
+        if cost is None or t.prefill_ms is None:
+            return
+        reused = state.reusable_tokens
+        if state.decision == Decision.REUSE.value and t.remote_cached_tokens == 0:
+            reused = 0  # prefill read nothing after all: it recomputed
+        if reused and t.transfer_ms is not None and t.transfer_bytes:
+            cost.observe_transfer(nbytes=t.transfer_bytes, measured_ms=t.transfer_ms)
+        cached = max(reused, state.local_hit_tokens)
+        read = max(reused - state.local_hit_tokens, 0)
+        transfer = t.transfer_ms if t.transfer_ms is not None else (cost.transfer_ms(read) if read else 0.0)
+        cost.observe_prefill(
+            computed=state.prompt_tokens - cached, cached=cached, measured_ms=t.prefill_ms - transfer
+        )
+
+    # ---- AbortTurn -------------------------------------------------------------------------
+
+    async def abort_turn(self, handle: str, reason: str) -> None:
+        timer = CallTimer()
+        if len(reason) > 1024:
+            raise InvalidArgument("reason", "longer than 1024 characters")
+        state = self._unfinished(handle)
+        if state.conversation:
+            fence, _ = await timer.registry(self._port.get_conversation(state.conversation))
+            if fence >= state.generation:
+                raise FailedPrecondition("turn already committed", reason=ErrorReason.TURN_FINISHED)
+        if state.claimed:
+            await timer.registry(self._port.release(state.claimed, claim_id=state.claim_id))
+        self._memory.finish(state.turn_id, "aborted")
+        log.info("turn.aborted", reason=reason[:200], claimed=state.claimed)
+        self._metrics.own_seconds.labels("AbortTurn").observe(timer.own_cpu_s())
+
+
+def _trace_parent(state: TurnState) -> Any:
+    """The plan's trace, when the caller did not send one: a turn stays one trace."""
+    current = trace.get_current_span().get_span_context()
+    if current.is_valid and format(current.trace_id, "032x") == state.trace_id:
+        return None
+    try:
+        ctx = trace.SpanContext(
+            int(state.trace_id, 16),
+            int(state.span_id, 16),
+            is_remote=True,
+            trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED),
+        )
+    except ValueError:
+        return None
+    return trace.set_span_in_context(trace.NonRecordingSpan(ctx)) if ctx.is_valid else None

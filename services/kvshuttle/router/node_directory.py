@@ -1,0 +1,64 @@
+"""The live nodes serving each model, as the registry last listed them.
+
+A plan needs the node list, and ListNodes is a round trip: the list in hand serves plans until
+it is `max_age_s` old, and once it is `refresh_s` old a background read replaces it, so a plan
+rarely waits for the registry. A failed background read is logged; the next plan past
+`refresh_s` tries again, and past `max_age_s` a plan reads (and fails) itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import math
+import time
+from collections.abc import Callable
+
+import structlog
+
+from kvshuttle.router.model import NodeInfo
+from kvshuttle.router.ports import RegistryPort
+
+log = structlog.get_logger("kvshuttle.router")
+
+
+class NodeDirectory:
+    def __init__(
+        self,
+        port: RegistryPort,
+        *,
+        refresh_s: float,
+        max_age_s: float,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._port = port
+        self._refresh_s = refresh_s
+        self._max_age_s = max_age_s
+        self._monotonic = monotonic
+        self._lists: dict[str, tuple[float, list[NodeInfo]]] = {}
+        self._refreshes: dict[str, asyncio.Task[None]] = {}
+
+    async def nodes(self, model: str) -> list[NodeInfo]:
+        """Live nodes serving `model` (the registry's errors propagate when it must be read)."""
+        cached = self._lists.get(model)
+        age = math.inf if cached is None else self._monotonic() - cached[0]
+        if cached is None or age >= self._max_age_s:
+            return await self._read(model)
+        if age >= self._refresh_s and model not in self._refreshes:
+            # In a context of its own: not a part of the plan that happened to start it.
+            task = asyncio.create_task(self._refresh(model), context=contextvars.Context())
+            self._refreshes[model] = task
+            task.add_done_callback(lambda _: self._refreshes.pop(model, None))
+        return cached[1]
+
+    async def _read(self, model: str) -> list[NodeInfo]:
+        read_at = self._monotonic()
+        nodes = await self._port.list_nodes(model)
+        self._lists[model] = (read_at, nodes)
+        return nodes
+
+    async def _refresh(self, model: str) -> None:
+        try:
+            await self._read(model)
+        except Exception as exc:  # the next plan retries; past max_age_s it reads itself
+            log.warning("router.nodes_refresh_failed", model=model, error=repr(exc)[:300])

@@ -1,0 +1,414 @@
+"""PlanTurn: where a turn's prefill and decode run, and whether prefill reads the
+conversation's retained KV or recomputes the prompt.
+
+A plan reads what it needs (the nodes; the conversation's retention, from this replica's hint or
+the registry; prefill's local prefix hits), verifies the prompt against the retention, prices
+reuse against recompute, and claims the retention when reuse wins. Anything uncertain plans a
+recompute: a missing, expired, claimed or mismatched retention, a dead holder, a prefix that does
+not verify, a claim lost to another router replica. Wrong KV is never served; slower is fine.
+
+A hint is only confirmed by its claim: when a plan made on a hint claims nothing, it is made
+again, once, on what the registry says.
+
+One module for one RPC's path, from the reads through the decision to the signed plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+from opentelemetry import trace
+
+from kvshuttle.core.clock import Clock
+from kvshuttle.core.digest import log_digest
+from kvshuttle.core.errors import Aborted, FailedPrecondition, NotFound
+from kvshuttle.core.names import check_id
+from kvshuttle.core.nodes import NodeRole
+from kvshuttle.router import checks
+from kvshuttle.router.chains import NO_CHAIN, Chain, ChainCache
+from kvshuttle.router.cost import CostModel
+from kvshuttle.router.metrics import RouterMetrics
+from kvshuttle.router.model import (
+    ClaimInfo,
+    Decision,
+    Estimate,
+    NodeInfo,
+    Plan,
+    PlanRequest,
+    Reason,
+    RetentionInfo,
+    RouterPolicy,
+)
+from kvshuttle.router.node_directory import NodeDirectory
+from kvshuttle.router.placement import candidates, choose_decode, choose_prefill
+from kvshuttle.router.ports import RegistryPort
+from kvshuttle.router.timing import CallTimer
+from kvshuttle.router.turn_memory import TurnMemory
+from kvshuttle.router.turns import TurnCodec, TurnState
+from kvshuttle.router.verify import VerifiedPrefix, first_turn_params, prefill_params, verify
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One PlanTurn call, its request checked."""
+
+    req: PlanRequest
+    cost: CostModel
+    tokens: np.ndarray[Any, Any]
+    conversation: str  # "" for a request without one
+    parent: str  # the conversation this one forks from, or ""
+    timer: CallTimer
+    span: trace.Span
+
+
+@dataclass(frozen=True, slots=True)
+class PlanContext:
+    """What one attempt at a plan knows when it decides."""
+
+    call: _Call
+    # The prompt's chain in `block_size` (empty when nothing needed it).
+    chain: Chain
+    # The prefill nodes' block size, or the retention's where that differs (so that verify()
+    # can still tell how much matched: the mismatch is MODEL_MISMATCH).
+    block_size: int
+    nodes: Sequence[NodeInfo]
+    # The conversation's fence generation: this turn is fence + 1.
+    fence: int
+    # The conversation's live retention, or its parent's for a fork.
+    retention: RetentionInfo | None
+    fork: bool
+    # The retention is this replica's hint, not the registry's answer.
+    from_hint: bool
+    prefill: NodeInfo
+    decode: NodeInfo
+    local_hits: int
+    recompute_cost: Estimate
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Why the turn reuses or recomputes, before any claim."""
+
+    reason: Reason
+    prefix: VerifiedPrefix | None = None
+    reuse_cost: Estimate | None = None
+    # Set only when reuse wins (REUSE_CHEAPER): the retention whose claim confirms it.
+    claim: RetentionInfo | None = None
+
+
+class Planner:
+    def __init__(
+        self,
+        port: RegistryPort,
+        *,
+        clock: Clock,
+        costs: Mapping[str, CostModel],
+        codec: TurnCodec,
+        policy: RouterPolicy,
+        metrics: RouterMetrics,
+        tracer: trace.Tracer,
+        nodes: NodeDirectory,
+        memory: TurnMemory,
+        chains: ChainCache,
+    ) -> None:
+        self._port = port
+        self._clock = clock
+        self._costs = costs
+        self._codec = codec
+        self._policy = policy
+        self._metrics = metrics
+        self._tracer = tracer
+        self._nodes = nodes
+        self._memory = memory
+        self._chains = chains
+
+    async def plan_turn(self, req: PlanRequest) -> Plan:
+        timer = CallTimer()
+        policy = self._policy
+        if req.request_id:
+            check_id(req.request_id, "request_id", max_length=policy.max_id_length)
+            earlier = self._memory.earlier_plan(req.conversation, req.model, req.request_id)
+            if earlier is not None:
+                return earlier
+        cost = checks.cost_model(self._costs, req.model)
+        tokens = checks.token_ids(
+            req.prompt_token_ids, "prompt_token_ids", max_tokens=policy.max_prompt_tokens
+        )
+        conversation, parent = checks.conversations(
+            req.conversation, req.parent_conversation, max_id_length=policy.max_id_length
+        )
+        checks.think_time(req.expected_think_time_s)
+
+        with self._tracer.start_as_current_span("plan") as span:
+            plan = await self._plan(_Call(req, cost, tokens, conversation, parent, timer, span))
+        if req.request_id:
+            self._memory.remember_plan(req.conversation, req.model, req.request_id, plan)
+
+        self._metrics.plan_seconds.observe(timer.elapsed_s())
+        self._metrics.own_seconds.labels("PlanTurn").observe(timer.own_cpu_s())
+        structlog.contextvars.bind_contextvars(
+            decision=plan.decision.value,
+            reason=plan.reason.value,
+            reusable_tokens=plan.reusable_tokens,
+            prompt_tokens=int(tokens.size),
+            **timer.log_fields(),
+        )
+        return plan
+
+    async def _plan(self, call: _Call) -> Plan:
+        use_hint = True
+        while True:
+            ctx = await self._context(call, use_hint=use_hint)
+            verdict = self._decide(ctx)
+            reason, claim = verdict.reason, None
+            if verdict.claim is not None:
+                claim, reason = await self._claim(ctx, verdict.claim)
+            if ctx.from_hint:
+                self._memory.hints.forget(call.conversation)  # claimed (consumed), or not confirmed
+                call.span.set_attribute("kvshuttle.retention_hint", "confirmed" if claim else "refused")
+                if claim is None:
+                    use_hint = False
+                    continue
+            return self._issue(ctx, reason, verdict, claim)
+
+    async def _context(self, call: _Call, *, use_hint: bool) -> PlanContext:
+        req, conversation, timer = call.req, call.conversation, call.timer
+        storing = self._memory.commit_in_flight(conversation) if conversation else None
+        if storing is not None:
+            # The previous turn's commit is being stored here (it came through another gateway,
+            # or this one did not wait): what this turn may read is what it stores.
+            await timer.registry(asyncio.wait({storing}, timeout=self._policy.commit_wait_s))
+        nodes = await timer.registry(self._nodes.nodes(req.model))  # cached: usually no round trip
+        prefill_pool = candidates(nodes, NodeRole.PREFILL, req.model)
+        block_size = prefill_pool[0].block_size
+        # Prefill's own prefix-cache hits, asked only when a candidate has indexed blocks at all
+        # (none do when prefill runs without prefix caching). The conversation's retention, from
+        # this replica's hint or the registry, in the same round trip. A plain request with
+        # nothing to look up needs no chain.
+        indexed = any(x.indexed_blocks for x in prefill_pool)
+        chain = (
+            self._chains.chain(conversation, call.tokens, block_size) if conversation or indexed else NO_CHAIN
+        )
+        hint = self._hint(req, conversation, block_size) if use_hint else None
+        hits, (fence, retention) = await self._registry_reads(
+            chain if len(chain) and indexed else None,
+            conversation if conversation and hint is None else "",
+            req.model,
+            timer,
+        )
+        if hint is not None:
+            fence, retention = hint.generation, hint
+        fork = False
+        if retention is None and call.parent:
+            _, retention = await timer.registry(self._port.get_conversation(call.parent))
+            fork = retention is not None
+        if retention is not None and retention.block_size != block_size:
+            # This prefill cannot read KV of another block size (MODEL_MISMATCH); the chain in
+            # the retention's still lets verify() say how much matched.
+            block_size = retention.block_size
+            chain = self._chains.chain(conversation, call.tokens, block_size, remember=False)
+        hits = {
+            name: blocks
+            for name, blocks in hits.items()
+            if any(x.name == name and x.block_size == block_size for x in nodes)
+        }
+        hint_p, hint_d = self._memory.last_nodes(conversation) if conversation else ("", "")
+        n = int(call.tokens.size)
+        weights = self._policy.weights
+        prefill, local_hits = choose_prefill(
+            nodes,
+            model=req.model,
+            prompt_tokens=n,
+            local_hit_blocks=hits,
+            cost=call.cost,
+            weights=weights,
+            hint=hint_p,
+        )
+        decode = choose_decode(nodes, model=req.model, weights=weights, avoid=prefill.name, hint=hint_d)
+        return PlanContext(
+            call=call,
+            chain=chain,
+            block_size=block_size,
+            nodes=nodes,
+            fence=fence,
+            retention=retention,
+            fork=fork,
+            from_hint=hint is not None,
+            prefill=prefill,
+            decode=decode,
+            local_hits=local_hits,
+            recompute_cost=call.cost.recompute(n, local_hits),
+            now=self._clock.now(),
+        )
+
+    async def _registry_reads(
+        self, chain: Chain | None, conversation: str, model: str, timer: CallTimer
+    ) -> tuple[dict[str, int], tuple[int, RetentionInfo | None]]:
+        """Prefill's local hits on `chain` and the conversation's retention: the reads asked
+        for (None, "": not asked), both in one round trip."""
+        lookup = None if chain is None else self._port.lookup_blocks(chain, model, NodeRole.PREFILL)
+        current = self._port.get_conversation(conversation) if conversation else None
+        if lookup is not None and current is not None:
+            return await timer.registry(asyncio.gather(lookup, current))
+        if lookup is not None:
+            return await timer.registry(lookup), (0, None)
+        if current is not None:
+            return {}, await timer.registry(current)
+        return {}, (0, None)
+
+    def _reuse_allowed(self, req: PlanRequest) -> bool:
+        return self._policy.reuse_enabled and not req.disable_reuse
+
+    def _hint(self, req: PlanRequest, conversation: str, block_size: int) -> RetentionInfo | None:
+        """The retention this replica last stored for the conversation, when reuse is on."""
+        if not conversation or not self._reuse_allowed(req):
+            return None
+        hint = self._memory.hints.get(conversation)
+        return hint if hint is not None and hint.block_size == block_size else None
+
+    def _decide(self, ctx: PlanContext) -> Verdict:
+        """Why this turn reuses (if the claim succeeds) or recomputes."""
+        call, retention = ctx.call, ctx.retention
+        if not call.conversation:
+            return Verdict(Reason.NO_CONVERSATION)
+        if not self._reuse_allowed(call.req):
+            return Verdict(Reason.DISABLED)
+        if retention is None:
+            return Verdict(Reason.NO_RETENTION)
+        n, cost = int(call.tokens.size), call.cost
+        # ctx.block_size is the retention's (see PlanContext), so the chains compare.
+        prefix = verify(ctx.chain, n, retention)
+        reuse_cost = cost.reuse(n, prefix.tokens, ctx.local_hits) if prefix.blocks else None
+        reason: Reason | None = None
+        if retention.claimed:
+            reason = Reason.FORK_UNSAFE if ctx.fork else Reason.CLAIM_LOST
+        elif retention.model != call.req.model or ctx.prefill.block_size != retention.block_size:
+            reason = Reason.MODEL_MISMATCH
+        elif retention.node not in {x.name for x in ctx.nodes if x.healthy}:
+            reason = Reason.NODE_DOWN
+        elif retention.expire_at - ctx.now < self._policy.claim_headroom_s + (
+            reuse_cost.transfer_ms / 1e3 if reuse_cost else 0.0
+        ):
+            reason = Reason.EXPIRED
+        elif prefix.blocks == 0:
+            reason = Reason.PREFIX_MISMATCH
+        elif prefix.tokens - ctx.local_hits < cost.profile.min_reuse_tokens:
+            reason = Reason.BELOW_THRESHOLD
+        elif reuse_cost is None or reuse_cost.total_ms >= ctx.recompute_cost.total_ms:
+            reason = Reason.COST
+        if reason is None:
+            return Verdict(Reason.REUSE_CHEAPER, prefix, reuse_cost, claim=retention)
+        return Verdict(reason, prefix, reuse_cost)
+
+    async def _claim(self, ctx: PlanContext, retention: RetentionInfo) -> tuple[ClaimInfo | None, Reason]:
+        req = ctx.call.req
+        # The registry scopes claim ids by retention; a digest keeps the id within its bounds.
+        request_id = (
+            hashlib.sha256(f"claim|{req.request_id}".encode()).hexdigest()[:32] if req.request_id else ""
+        )
+        with self._tracer.start_as_current_span("claim") as span:
+            span.set_attribute("kvshuttle.retention.generation", retention.generation)
+            try:
+                claim = await ctx.call.timer.registry(
+                    self._port.claim(
+                        retention.name,
+                        holder=f"router:{req.request_id or 'plan'}",
+                        claim_ttl=self._policy.claim_ttl_s,
+                        request_id=request_id,
+                    )
+                )
+            except Aborted:
+                span.set_attribute("kvshuttle.claim", "lost")
+                return None, Reason.FORK_UNSAFE if ctx.fork else Reason.CLAIM_LOST
+            except (FailedPrecondition, NotFound) as err:
+                span.set_attribute("kvshuttle.claim", err.reason)
+                return None, Reason.EXPIRED
+            span.set_attribute("kvshuttle.claim", "won")
+            return claim, Reason.REUSE_CHEAPER
+
+    def _issue(self, ctx: PlanContext, reason: Reason, verdict: Verdict, claim: ClaimInfo | None) -> Plan:
+        """The plan and its signed turn handle; counted, and described on the plan's span."""
+        call, prefill, decode, chain = ctx.call, ctx.prefill, ctx.decode, ctx.chain
+        req, conversation, n = call.req, call.conversation, int(call.tokens.size)
+        prefix, reuse_cost = verdict.prefix, verdict.reuse_cost
+        reusable = prefix.tokens if claim is not None and prefix is not None else 0
+        decision = Decision.REUSE if claim is not None else Decision.RECOMPUTE
+        if claim is not None and prefix is not None:
+            params = prefill_params(claim.retention, prefix)
+        else:
+            params = first_turn_params()
+        cached = max(reusable, ctx.local_hits)
+        span_context = call.span.get_span_context()
+        # CommitTurn checks its tokens against the prompt's chain, which is in decode's block
+        # size only when the prefill nodes' is decode's too.
+        same_blocks = decode.block_size == ctx.block_size
+        now = self._clock.now()
+        state = TurnState(
+            turn_id=uuid.uuid4().hex,
+            conversation=conversation,
+            generation=ctx.fence + 1,
+            model=req.model,
+            block_size=decode.block_size,
+            prefill_node=prefill.name,
+            decode_node=decode.name,
+            decode_engine_id=decode.engine_id,
+            prompt_tokens=n,
+            prompt_tail_hash=int(chain[-1]) if len(chain) and same_blocks else 0,
+            prompt_full_blocks=len(chain) if same_blocks else 0,
+            reusable_tokens=reusable,
+            local_hit_tokens=ctx.local_hits,
+            decision=decision.value,
+            reason=reason.value,
+            claimed=claim.retention.name if claim else "",
+            claim_id=claim.claim_id if claim else "",
+            issued_at=now,
+            expire_at=now + self._policy.turn_ttl_s,
+            trace_id=format(span_context.trace_id, "032x"),
+            span_id=format(span_context.span_id, "016x"),
+        )
+        plan = Plan(
+            turn=self._codec.encode(state),
+            generation=state.generation,
+            prefill=prefill,
+            decode=decode,
+            prefill_kv_transfer_params=params,
+            decision=decision,
+            reason=reason,
+            reusable_tokens=reusable,
+            tokens_to_compute=n - cached,
+            reuse_cost=reuse_cost,
+            recompute_cost=ctx.recompute_cost,
+            expire_at=state.expire_at,
+            claimed=state.claimed,
+        )
+        if conversation:
+            self._memory.placed(conversation, prefill.name, decode.name)
+        self._metrics.decided(decision, reason, reusable, n - cached)
+        call.span.set_attributes(
+            {
+                "kvshuttle.tenant": conversation.split("/")[1] if conversation else "",
+                "kvshuttle.conversation": log_digest(conversation) if conversation else "",
+                "kvshuttle.turn_index": state.generation,
+                "kvshuttle.decision": decision.value,
+                "kvshuttle.decision.reason": reason.value,
+                "kvshuttle.prompt_tokens": n,
+                "kvshuttle.reused_tokens": reusable,
+                "kvshuttle.recomputed_tokens": n - cached,
+                "kvshuttle.local_hit_tokens": ctx.local_hits,
+                "kvshuttle.prefill_node": prefill.name,
+                "kvshuttle.decode_node": decode.name,
+                "kvshuttle.estimate.reuse_ms": reuse_cost.total_ms if reuse_cost else -1.0,
+                "kvshuttle.estimate.recompute_ms": ctx.recompute_cost.total_ms,
+            }
+        )
+        if req.expected_think_time_s is not None:
+            call.span.set_attribute("kvshuttle.expected_think_time_s", req.expected_think_time_s)
+        return plan

@@ -1,0 +1,397 @@
+"""The turn runner on its own: a fake router and fake engines in memory (no sockets, no HTTP
+server, no gRPC), driven as the gateway's HTTP layer drives it.
+
+What it owes the gateway: the engines get what vLLM needs (prefill: max_tokens 1, the plan's
+params; decode: P's params unchanged), CommitTurn gets the sequence, decode's final params and
+the runner's own timings, whatever fails after planning aborts the turn, and a conversation's
+next turn plans only after its previous commit has landed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
+
+from kvshuttle.core.prototime import to_duration
+from kvshuttle.gateway.background import BackgroundTasks
+from kvshuttle.gateway.errors import GatewayError, RouterFailure, engine_error
+from kvshuttle.gateway.metrics import GatewayMetrics
+from kvshuttle.gateway.turns import ClientGone, Turn, TurnRunner
+from kvshuttle.router.v1 import router_service_pb2 as pb
+from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
+from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
+
+PROMPT = list(range(100, 164))
+OUTPUT = [7, 8, 9, 2]
+FIRST_TURN_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
+CONVERSATION = "tenants/t/conversations/c"
+
+
+def p_params(cached: int = 0) -> dict[str, Any]:
+    """Prefill's answer params, as vLLM's NixlConnector sends them."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [[1, 2, 3, 4]],
+        "remote_engine_id": "engine-p0",
+        "remote_request_id": "cmpl-p-0",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "remote_num_tokens": len(PROMPT),
+        "remote_prefill_cached_tokens": cached,
+    }
+
+
+def d_params() -> dict[str, Any]:
+    """Decode's final params: the blocks it keeps for the next turn."""
+    return {
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "remote_block_ids": [[11, 12, 13, 14]],
+        "remote_engine_id": "engine-d0",
+        "remote_request_id": "cmpl-d-0",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5601,
+        "remote_num_tokens": len(PROMPT) + len(OUTPUT) - 1,
+    }
+
+
+def make_plan(
+    n: int, *, reuse: bool = False, conversation: bool = True, params: dict[str, Any] | None = None
+) -> pb.PlanTurnResponse:
+    reason = pb.DECISION_REASON_NO_RETENTION if conversation else pb.DECISION_REASON_NO_CONVERSATION
+    plan = pb.PlanTurnResponse(
+        turn=f"turns/{n}",
+        generation=n,
+        prefill=pb.Placement(node="nodes/p0", http_endpoint="http://p0"),
+        decode=pb.Placement(node="nodes/d0", http_endpoint="http://d0"),
+        decision=pb.DECISION_REUSE if reuse else pb.DECISION_RECOMPUTE,
+        reason=pb.DECISION_REASON_REUSE_CHEAPER if reuse else reason,
+        reusable_tokens=32 if reuse else 0,
+    )
+    plan.prefill_kv_transfer_params.CopyFrom(from_vllm(params or FIRST_TURN_PARAMS))
+    return plan
+
+
+@dataclass
+class Commit:
+    turn: str
+    token_ids: list[int]
+    params: KvTransferParams | None
+    timings: pb.TurnTimings
+
+
+@dataclass
+class FakeRouter:
+    """RouterPort in memory; `log` records every call in order, across the fakes."""
+
+    log: list[str]
+    # Request id -> the plan it gets.
+    plans: dict[str, pb.PlanTurnResponse] = field(default_factory=dict)
+    commits: list[Commit] = field(default_factory=list)
+    aborts: list[tuple[str, str]] = field(default_factory=list)
+    # Set: CommitTurn waits for it. A failure: CommitTurn raises it.
+    commit_gate: asyncio.Event | None = None
+    commit_failure: RouterFailure | None = None
+    plan_failure: RouterFailure | None = None
+
+    async def plan_turn(
+        self, model: str, prompt_token_ids: Iterable[int], *, conversation: str, request_id: str
+    ) -> pb.PlanTurnResponse:
+        self.log.append(f"plan {request_id}")
+        if self.plan_failure is not None:
+            raise self.plan_failure
+        return self.plans[request_id]
+
+    async def commit_turn(
+        self,
+        turn: str,
+        *,
+        token_ids: Iterable[int],
+        decode_kv_transfer_params: KvTransferParams | None,
+        timings: pb.TurnTimings,
+    ) -> pb.CommitTurnResponse:
+        if self.commit_gate is not None:
+            await self.commit_gate.wait()
+        self.log.append(f"commit {turn}")
+        if self.commit_failure is not None:
+            raise self.commit_failure
+        self.commits.append(Commit(turn, list(token_ids), decode_kv_transfer_params, timings))
+        retained = decode_kv_transfer_params is not None
+        return pb.CommitTurnResponse(retention=f"{CONVERSATION}/retentions/1" if retained else "")
+
+    async def abort_turn(self, turn: str, *, reason: str) -> None:
+        self.log.append(f"abort {turn}")
+        self.aborts.append((turn, reason))
+
+
+@dataclass
+class FakeEngines:
+    """EnginePort in memory: prefill answers P's params, decode the output and D's params,
+    whole or as a stream of one chunk per token (the last one with finish_reason and params)."""
+
+    log: list[str]
+    cached: int = 0
+    requests: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {"prefill": [], "decode": []})
+    failures: dict[str, GatewayError] = field(default_factory=dict)
+    # Seconds each call takes: the runner's measurements must see them.
+    delay: float = 0.002
+
+    def _record(self, role: str, body: bytes) -> None:
+        self.log.append(role)
+        self.requests[role].append(json.loads(body))
+        if role in self.failures:
+            raise self.failures[role]
+
+    async def complete(
+        self, role: str, endpoint: str, body: bytes, headers: Mapping[str, str], *, timeout_s: float
+    ) -> dict[str, Any]:
+        await asyncio.sleep(self.delay)
+        self._record(role, body)
+        if role == "prefill":
+            choice = {"index": 0, "text": "x", "token_ids": OUTPUT[:1], "finish_reason": "length"}
+            return {"choices": [choice], "kv_transfer_params": p_params(self.cached)}
+        choice = {"index": 0, "text": "abcd", "token_ids": OUTPUT, "finish_reason": "stop"}
+        return {"id": "cmpl-d", "choices": [choice], "kv_transfer_params": d_params()}
+
+    @asynccontextmanager
+    async def stream(
+        self, role: str, endpoint: str, body: bytes, headers: Mapping[str, str]
+    ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        await asyncio.sleep(self.delay)
+        self._record(role, body)
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            for i, token in enumerate(OUTPUT):
+                last = i == len(OUTPUT) - 1
+                choice = {
+                    "index": 0,
+                    "text": "t",
+                    "token_ids": [token],
+                    "finish_reason": "stop" if last else None,
+                }
+                yield {"choices": [choice], **({"kv_transfer_params": d_params()} if last else {})}
+
+        yield chunks()
+
+
+@dataclass
+class FakeSink:
+    """DecodeSink: keeps what the client would get; `gone_after` chunks, the client leaves."""
+
+    opened: bool = False
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+    gone_after: int | None = None
+
+    async def open(self) -> None:
+        self.opened = True
+
+    async def send(self, chunk: dict[str, Any]) -> bool:
+        if self.gone_after is not None and len(self.chunks) == self.gone_after:
+            raise ClientGone
+        chunk.pop("kv_transfer_params", None)  # as the HTTP layer's translation does
+        self.chunks.append(chunk)
+        return True
+
+
+@dataclass
+class Env:
+    runner: TurnRunner
+    router: FakeRouter
+    engines: FakeEngines
+    background: BackgroundTasks
+    metrics: CollectorRegistry
+    log: list[str]
+
+    def commits(self, outcome: str) -> float | None:
+        return self.metrics.get_sample_value("kvshuttle_gateway_commits_total", {"outcome": outcome})
+
+
+@pytest.fixture
+def env() -> Env:
+    log: list[str] = []
+    router, engines, background = FakeRouter(log), FakeEngines(log), BackgroundTasks()
+    registry = CollectorRegistry()
+    runner = TurnRunner(
+        router,
+        engines,
+        tracer=trace.NoOpTracer(),
+        metrics=GatewayMetrics(registry),
+        background=background,
+        prefill_timeout_s=5.0,
+        decode_timeout_s=5.0,
+        commit_wait_s=5.0,
+    )
+    return Env(runner, router, engines, background, registry, log)
+
+
+def make_turn(request_id: str = "r1", conversation: str = CONVERSATION) -> Turn:
+    return Turn(
+        request_id=request_id,
+        model="m",
+        conversation=conversation,
+        prompt_ids=list(PROMPT),
+        prefill_params={"temperature": 0.0},
+        decode_params={"temperature": 0.0, "max_tokens": 16},
+        arrived=time.perf_counter(),
+    )
+
+
+async def test_a_plain_turn_prefills_decodes_and_commits_the_sequence_with_its_own_timings(env: Env) -> None:
+    env.router.plans["r1"] = make_plan(1, conversation=False)
+    turn = make_turn(conversation="")
+    answer = await env.runner.complete(turn)
+    await env.background.settle()
+
+    assert answer["choices"][0]["text"] == "abcd"
+    (prefill,) = env.engines.requests["prefill"]
+    assert prefill["prompt"] == PROMPT
+    assert (prefill["max_tokens"], prefill["stream"], prefill["model"]) == (1, False, "m")
+    assert prefill["kv_transfer_params"] == FIRST_TURN_PARAMS
+    assert prefill["temperature"] == 0.0
+    (decode,) = env.engines.requests["decode"]
+    assert decode["prompt"] == PROMPT
+    assert decode["kv_transfer_params"] == p_params()  # P's, unchanged
+    assert (decode["return_token_ids"], decode["stream"], decode["max_tokens"]) == (True, False, 16)
+
+    (commit,) = env.router.commits
+    assert commit.turn == "turns/1"
+    assert commit.token_ids == PROMPT + OUTPUT
+    assert commit.params is not None and to_vllm(commit.params) == d_params()
+    # The timings are what the runner measured (each engine call took at least `delay`).
+    assert turn.prefill_s is not None and turn.decode_s is not None and turn.ttft_s is not None
+    assert min(turn.prefill_s, turn.decode_s) >= env.engines.delay
+    assert commit.timings.prefill == to_duration(turn.prefill_s)
+    assert commit.timings.decode == to_duration(turn.decode_s)
+    assert commit.timings.ttft == to_duration(turn.ttft_s)
+    assert turn.ttft_s >= turn.prefill_s + turn.decode_s
+    # Prefill said it read nothing: a fact the router learns from, unlike an unset field.
+    assert commit.timings.HasField("remote_cached_tokens") and commit.timings.remote_cached_tokens == 0
+    assert (turn.decision, turn.reason, turn.generation) == ("recompute", "no_conversation", 1)
+    assert turn.output_tokens == len(OUTPUT) and turn.settled and not turn.outcome
+    assert env.router.aborts == []
+    assert env.log == ["plan r1", "prefill", "decode", "commit turns/1"]
+    assert env.commits("stored") == 1
+
+
+async def test_a_reuse_turn_hands_prefill_the_plans_params_and_streams_decode(env: Env) -> None:
+    retained = {**d_params(), "remote_num_tokens": 32, "remote_block_ids": [[11, 12]]}
+    env.router.plans["r1"] = make_plan(2, reuse=True, params=retained)
+    env.engines.cached = 32
+    turn, sink = make_turn(), FakeSink()
+    await env.runner.stream(turn, sink)
+    await env.background.settle()
+
+    (prefill,) = env.engines.requests["prefill"]
+    assert prefill["kv_transfer_params"] == retained  # exactly the plan's: decode's retained KV
+    (decode,) = env.engines.requests["decode"]
+    assert decode["kv_transfer_params"] == p_params(cached=32)
+    assert (decode["stream"], decode["stream_options"]) == (True, {"include_usage": True})
+    assert sink.opened and len(sink.chunks) == len(OUTPUT)
+    assert all("kv_transfer_params" not in c for c in sink.chunks)
+
+    (commit,) = env.router.commits
+    assert commit.token_ids == PROMPT + OUTPUT
+    assert commit.params is not None and to_vllm(commit.params) == d_params()  # from the final chunk
+    assert commit.timings.remote_cached_tokens == 32 == turn.remote_cached_tokens
+    assert turn.decode_ttfb_s is not None and turn.decode_s is not None
+    assert commit.timings.decode == to_duration(turn.decode_s)
+    assert (turn.decision, turn.reason, turn.reused_tokens) == ("reuse", "reuse_cheaper", 32)
+    assert env.metrics.get_sample_value("kvshuttle_gateway_reused_tokens_total") == 32
+
+
+async def test_a_failing_prefill_aborts_the_turn_and_reaches_no_decode(env: Env) -> None:
+    env.router.plans["r1"] = make_plan(3, reuse=True)
+    env.engines.failures["prefill"] = engine_error("prefill", 500, "EngineCore died")
+    turn = make_turn()
+    with pytest.raises(GatewayError) as raised:
+        await env.runner.complete(turn)
+    await env.background.settle()
+
+    assert raised.value.status == 502 and raised.value.code == "engine_error"
+    assert env.router.aborts == [("turns/3", raised.value.message)]
+    assert env.engines.requests["decode"] == [] and env.router.commits == []
+    assert (turn.outcome, turn.settled) == ("engine_error", True)
+    assert turn.prefill_s is not None and turn.decode_s is None
+    assert env.log == ["plan r1", "prefill", "abort turns/3"]
+
+
+async def test_a_client_leaving_mid_stream_aborts_the_turn_and_commits_nothing(env: Env) -> None:
+    env.router.plans["r1"] = make_plan(4)
+    with pytest.raises(ClientGone):
+        await env.runner.stream(make_turn(), FakeSink(gone_after=2))
+    await env.background.settle()
+    assert env.router.aborts == [("turns/4", "client disconnected")]
+    assert env.router.commits == []
+
+
+async def test_the_next_turn_of_a_conversation_plans_after_the_previous_commit(env: Env) -> None:
+    env.router.plans.update(r1=make_plan(1), r2=make_plan(2, reuse=True), r9=make_plan(9))
+    gate = env.router.commit_gate = asyncio.Event()
+    await env.runner.complete(make_turn("r1"))  # answered while its commit is held
+
+    second = make_turn("r2")
+    turn2 = asyncio.create_task(env.runner.complete(second))
+    await asyncio.sleep(0.05)
+    assert not turn2.done() and env.log.count("plan r2") == 0  # waiting for turn 1's commit
+    # Another conversation's turn does not wait for it.
+    other = await asyncio.wait_for(env.runner.complete(make_turn("r9", "tenants/t/conversations/x")), 1)
+    assert other["choices"]
+
+    gate.set()
+    await turn2
+    await env.background.settle()
+    assert env.log.index("commit turns/1") < env.log.index("plan r2")
+    assert second.wait_s is not None and second.wait_s >= 0.04
+    assert sorted(c.turn for c in env.router.commits) == ["turns/1", "turns/2", "turns/9"]
+
+
+async def test_a_failed_commit_aborts_the_turn_after_the_answer(env: Env) -> None:
+    env.router.plans["r1"] = make_plan(5, reuse=True)
+    env.router.commit_failure = RouterFailure(
+        "INVALID_ARGUMENT", "engine id mismatch", reason="INVALID_ARGUMENT"
+    )
+    turn = make_turn()
+    with capture_logs() as logs:
+        answer = await env.runner.complete(turn)
+        await env.background.settle()
+
+    assert answer["choices"][0]["text"] == "abcd"  # the client's answer did not depend on it
+    assert env.router.aborts == [("turns/5", "commit failed")]
+    assert env.log[-2:] == ["commit turns/5", "abort turns/5"]
+    (failed,) = [e for e in logs if e["event"] == "turn.commit_failed"]
+    assert (failed["code"], failed["request_id"]) == ("INVALID_ARGUMENT", "r1")
+    assert failed["commit_ms"] >= 0
+    assert env.commits("failed") == 1 and env.commits("stored") is None
+
+
+async def test_a_failed_plan_is_the_routers_error_and_aborts_nothing(env: Env) -> None:
+    env.router.plan_failure = RouterFailure("UNAVAILABLE", "no live engine", reason="NO_LIVE_NODE")
+    turn = make_turn()
+    with pytest.raises(GatewayError) as raised:
+        await env.runner.complete(turn)
+    assert (raised.value.status, raised.value.code) == (503, "no_live_node")
+    assert turn.outcome == "router_error" and turn.plan_s is not None
+    assert env.router.aborts == [] and env.log == ["plan r1"]
+
+
+def test_the_turn_runner_and_its_domain_modules_import_no_transport() -> None:
+    modules = ["background", "errors", "metrics", "ports", "request_log", "responses", "turns"]
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module('kvshuttle.gateway.' + m)\n"
+        "print(sorted({n.split('.')[0] for n in sys.modules} & {'grpc', 'aiohttp'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
