@@ -77,6 +77,7 @@ demo-registry: venv
 bench: venv
 	$(BIN)/python bench/registry_bench.py
 	$(BIN)/python bench/router_bench.py
+	$(BIN)/python bench/gateway_added_latency.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+from prometheus_client import CollectorRegistry
 
+from kvshuttle.router.chains import ChainCache
 from kvshuttle.router.hints import RetentionHints
+from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import RetentionInfo
 
 
@@ -52,3 +55,23 @@ def test_the_bound_evicts_the_least_recently_used() -> None:
     # One retention larger than the whole bound is not kept (and evicts nothing).
     hints.put("huge", retention("huge", 1, 10_000))
     assert hints.get("huge") is None and len(hints) == 3
+
+
+def test_the_caches_are_exported_as_metrics() -> None:
+    registry = CollectorRegistry()
+    chains, hints = ChainCache(1 << 20), RetentionHints(1 << 20)
+    RouterMetrics(registry).watch_caches(chains, hints)
+    tokens = np.arange(64, dtype=np.uint32)
+    chains.chain("c1", tokens, 16)  # hashed whole
+    chains.chain("c1", np.arange(80, dtype=np.uint32), 16)  # extends the remembered prefix
+    hints.put("c1", retention("c1", 1, 10))
+
+    def sample(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert sample("kvshuttle_router_chain_lookups_total", outcome="hit") == 1
+    assert sample("kvshuttle_router_chain_lookups_total", outcome="miss") == 1
+    assert sample("kvshuttle_router_cache_entries", cache="chains") == 1
+    assert sample("kvshuttle_router_cache_entries", cache="hints") == 1
+    assert sample("kvshuttle_router_cache_bytes", cache="hints") == hints.nbytes > 0
+    assert sample("kvshuttle_router_cache_bytes", cache="chains") == chains.nbytes > 0

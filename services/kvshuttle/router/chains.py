@@ -68,6 +68,13 @@ class ChainCache:
             self._put(key, _Entry(tokens.copy(), chain, block_size))
         return chain
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
     def _put(self, key: str, entry: _Entry) -> None:
         old = self._entries.pop(key, None)
         if old is not None:

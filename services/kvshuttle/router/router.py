@@ -50,9 +50,10 @@ class Router:
         metrics = metrics or RouterMetrics()
         nodes = NodeDirectory(port, refresh_s=policy.node_refresh_s, max_age_s=policy.node_max_age_s)
         memory = TurnMemory(remembered_turns=policy.remembered_turns, hint_bytes=policy.retention_hint_bytes)
-        # The caches the planner and the committer share, public so that they can be inspected.
+        # The caches the planner and the committer share, exported as metrics.
         self.chains = ChainCache(policy.chain_cache_bytes)
         self.hints = memory.hints
+        metrics.watch_caches(self.chains, self.hints)
         self._planner = Planner(
             port,
             clock=clock,

@@ -34,7 +34,8 @@ class RouterServiceStub:
     Errors carry a google.rpc.ErrorInfo (domain "router.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
     INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
-    TURN_NOT_FOUND: the turn handle is malformed, forged or signed with another key.
+    TURN_NOT_FOUND: the turn handle was not issued by this router deployment (another
+    signing key, a forged handle, another router version's format).
     TURN_EXPIRED: the turn's claim lapsed before CommitTurn.
     TURN_FINISHED: the turn was already committed or aborted, or a later turn committed.
     NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
@@ -74,7 +75,8 @@ class RouterServiceServicer:
     Errors carry a google.rpc.ErrorInfo (domain "router.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
     INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
-    TURN_NOT_FOUND: the turn handle is malformed, forged or signed with another key.
+    TURN_NOT_FOUND: the turn handle was not issued by this router deployment (another
+    signing key, a forged handle, another router version's format).
     TURN_EXPIRED: the turn's claim lapsed before CommitTurn.
     TURN_FINISHED: the turn was already committed or aborted, or a later turn committed.
     NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
@@ -142,7 +144,8 @@ class RouterService:
     Errors carry a google.rpc.ErrorInfo (domain "router.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
     INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
-    TURN_NOT_FOUND: the turn handle is malformed, forged or signed with another key.
+    TURN_NOT_FOUND: the turn handle was not issued by this router deployment (another
+    signing key, a forged handle, another router version's format).
     TURN_EXPIRED: the turn's claim lapsed before CommitTurn.
     TURN_FINISHED: the turn was already committed or aborted, or a later turn committed.
     NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
