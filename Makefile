@@ -76,6 +76,7 @@ demo-registry: venv
 
 bench: venv
 	$(BIN)/python bench/registry_bench.py
+	$(BIN)/python bench/registry_memory.py
 	$(BIN)/python bench/router_bench.py
 	$(BIN)/python bench/gateway_added_latency.py
 

@@ -36,7 +36,7 @@ from kvshuttle.core.nodes import NodeRole, NodeSpec
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.memory_store import InMemoryStore, StoreLimits
-from kvshuttle.registry.model import Retention
+from kvshuttle.registry.model import Holder, Retention
 from kvshuttle.registry.registry import Registry
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as pb_grpc
@@ -80,6 +80,9 @@ def node_spec() -> NodeSpec:
     )
 
 
+HOLDER = Holder.of(node_spec())
+
+
 def summarize(name: str, samples_ns: list[int], wall_s: float) -> dict[str, Any]:
     ordered = sorted(samples_ns)
     return {
@@ -120,6 +123,7 @@ def retention(hashes: array[int], blob: bytes) -> Retention:
         kv_transfer_params=blob,
         kv_bytes=TOKENS * 131072,
         pin_expire_at=None,
+        holder=HOLDER,  # what the servicer reads from the params: NODE's engine and side channel
     )
 
 

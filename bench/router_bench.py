@@ -129,7 +129,7 @@ async def conversation(
             remote_engine_id=plan.decode.engine_id,
             remote_request_id=f"cmpl-{turn}",
             remote_host="127.0.0.1",
-            remote_port=5601,
+            remote_port=5600,
             remote_num_tokens=len(sequence) - 1,
             remote_block_ids=[BlockIdList(block_ids=range(block_id, block_id + blocks))],
         )

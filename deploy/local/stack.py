@@ -1,6 +1,11 @@
 """kvshuttle's services beside a running vLLM pair, on one machine: a registry, a router, one
 agent per engine and the gateway, each its own process (as in production), logs in one folder.
 
+Authentication is on, as it should be everywhere: every caller has its own bearer token (files
+under `work_dir/tokens/`, fresh per stack), each service knows the identities that may call it,
+and an agent may act only for its own node. `stack.admin_metadata` is the admin's, for tests and
+tools that call the services directly.
+
     with VllmPair(model_dir) as pair, KvshuttleStack(pair, work_dir=...) as stack:
         stack.gateway_url  # OpenAI-compatible, conversation-aware
 
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -92,10 +98,23 @@ class KvshuttleStack:
         self.registry_addr = f"{HOST}:{ports[0]}"
         self.router_addr = f"{HOST}:{ports[1]}"
         self.gateway_url = f"http://{HOST}:{ports[2]}"
+        # The gateway's HMAC key of the tenants' vLLM cache salts (tests derive a tenant's salt).
+        self.cache_salt_key = os.urandom(24).hex()
         self.agent_addrs = (f"{HOST}:{ports[3]}", f"{HOST}:{ports[4]}")
         self.metrics_ports = {"registry": ports[5], "router": ports[6]}
         extra = extra_env or {}
         log = {"TELEMETRY__LOG_FORMAT": "json"}
+        self._tokens = _Tokens(self.work_dir / "tokens")
+        agent_ids = {engine.name: f"agent-{engine.name}" for engine in (pair.prefill, pair.decode)}
+        registry_auth = self._tokens.auth(
+            {"router": {"role": "router"}, "admin": {"role": "admin"}}
+            | {ident: {"role": "agent", "node": f"nodes/{name}"} for name, ident in agent_ids.items()}
+        )
+        router_auth = self._tokens.auth(
+            {"gateway": {"role": "gateway", "tenants": ["*"]}, "admin": {"role": "admin"}}
+        )
+        self._agent_auth = self._tokens.auth({"router": {"role": "router"}, "admin": {"role": "admin"}})
+        self._agent_ids = agent_ids
         self.registry = Service(
             "registry",
             "kvshuttle.registry.main",
@@ -105,6 +124,7 @@ class KvshuttleStack:
                     **log,
                     "SERVER__LISTEN": self.registry_addr,
                     "TELEMETRY__METRICS_LISTEN": f"{HOST}:{ports[5]}",
+                    **registry_auth,
                     **extra.get("registry", {}),
                 },
             ),
@@ -119,10 +139,12 @@ class KvshuttleStack:
                     **log,
                     "SERVER__LISTEN": self.router_addr,
                     "REGISTRY__ADDRESS": self.registry_addr,
+                    "REGISTRY__TOKEN_FILE": str(self._tokens.file("router")),
                     "PROFILES": json.dumps([dict(profile)]),
                     "TURN_SIGNING_KEY": os.urandom(24).hex(),
                     "POLICY__DECODER_KV_BLOCKS_TTL_S": str(decoder_kv_blocks_ttl),
                     "TELEMETRY__METRICS_LISTEN": f"{HOST}:{ports[6]}",
+                    **router_auth,
                     **extra.get("router", {}),
                 },
             ),
@@ -130,6 +152,7 @@ class KvshuttleStack:
         )
         self.gateway = Service("gateway", "kvshuttle.gateway.main", _prefixed("KVSHUTTLE_GATEWAY_", {
             **log, "LISTEN": f"{HOST}:{ports[2]}", "ROUTER__ADDRESS": self.router_addr,
+            "ROUTER__TOKEN_FILE": str(self._tokens.file("gateway")), "CACHE_SALT_KEY": self.cache_salt_key,
             "MODELS": json.dumps({served_model_name: str(pair.model_dir)}), **extra.get("gateway", {})}),
             self.work_dir)  # fmt: skip
         self.agents = self._agents(extra.get("agent", {}))
@@ -140,6 +163,8 @@ class KvshuttleStack:
             return Service(f"agent-{engine.name}", "kvshuttle.agent.main", _prefixed("KVSHUTTLE_AGENT_", {
                 "TELEMETRY__LOG_FORMAT": "json", "SERVER__LISTEN": listen,
                 "REGISTRY__ADDRESS": self.registry_addr, "NODE__NAME": f"nodes/{engine.name}",
+                "REGISTRY__TOKEN_FILE": str(self._tokens.file(self._agent_ids[engine.name])),
+                **self._agent_auth,
                 "NODE__ROLE": engine.spec.role, "NODE__ENGINE_ID": engine.engine_id,
                 "NODE__HTTP_ENDPOINT": engine.url, "NODE__MODEL": self.model,
                 "NODE__BLOCK_SIZE": str(self.block_size),
@@ -150,6 +175,11 @@ class KvshuttleStack:
                 "ENGINE__POLL_INTERVAL": "0.5", **extra}), self.work_dir)  # fmt: skip
 
         return agent(self.pair.prefill, self.agent_addrs[0]), agent(self.pair.decode, self.agent_addrs[1])
+
+    @property
+    def admin_metadata(self) -> tuple[tuple[str, str], ...]:
+        """gRPC metadata that authenticates as the stack's admin (every service accepts it)."""
+        return (("authorization", f"Bearer {self._tokens.token('admin')}"),)
 
     @property
     def services(self) -> list[Service]:
@@ -182,9 +212,8 @@ class KvshuttleStack:
     def _nodes_ready(self) -> bool:
         try:
             with grpc.insecure_channel(self.registry_addr) as channel:
-                nodes = (
-                    rpb_grpc.RegistryServiceStub(channel).ListNodes(rpb.ListNodesRequest(), timeout=2).nodes
-                )
+                stub = rpb_grpc.RegistryServiceStub(channel)
+                nodes = stub.ListNodes(rpb.ListNodesRequest(), timeout=2, metadata=self.admin_metadata).nodes
         except grpc.RpcError:
             return False
         engines = {self.pair.prefill.engine_id, self.pair.decode.engine_id}
@@ -211,6 +240,34 @@ class KvshuttleStack:
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+class _Tokens:
+    """A bearer token per identity, each in its own file (mode 0600), and the files a service
+    needs to know who may call it."""
+
+    def __init__(self, directory: Path) -> None:
+        self._dir = directory
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._tokens: dict[str, str] = {}
+
+    def token(self, identity: str) -> str:
+        if identity not in self._tokens:
+            self._tokens[identity] = secrets.token_urlsafe(24)
+            path = self.file(identity)
+            path.write_text(self._tokens[identity])
+            path.chmod(0o600)
+        return self._tokens[identity]
+
+    def file(self, identity: str) -> Path:
+        return self._dir / f"{identity}.token"
+
+    def auth(self, grants: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+        """AUTH__* settings of a service that accepts exactly these identities."""
+        table = self._dir / f"accepts-{secrets.token_hex(4)}.json"
+        table.write_text(json.dumps({identity: self.token(identity) for identity in grants}))
+        table.chmod(0o600)
+        return {"AUTH__IDENTITIES": json.dumps(grants), "AUTH__TOKENS_FILE": str(table)}
 
 
 def _prefixed(prefix: str, env: Mapping[str, str]) -> dict[str, str]:

@@ -9,6 +9,7 @@ import msgpack
 import pytest
 from tests.fixtures_vllm import FIXTURE_TOPIC, load_frames, replay_batches
 
+from kvshuttle.core.hashing import cache_salt_digest
 from kvshuttle.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvshuttle.vllm.kv_events import (
     END_OF_REPLAY,
@@ -159,3 +160,52 @@ def test_hashes_as_bytes_and_other_groups() -> None:
     assert decoder.stats.other_group_events == 2
     every_group = KvEventDecoder(group=None).decode_payload(0, payload({**STORED, "group_idx": 1}))
     assert len(every_group.events) == 1
+
+
+# ---- cache salts (vLLM 0.32 reports a request's cache_salt in its first block's extra_keys) ----
+
+
+def _decoded(event: dict[str, Any]) -> tuple[BlockStored | None, KvEventDecoder]:
+    decoder = KvEventDecoder()
+    events = decoder.decode_payload(0, payload(event)).events
+    stored = events[0] if events else None
+    assert stored is None or isinstance(stored, BlockStored)
+    return stored, decoder
+
+
+@pytest.mark.parametrize(
+    ("extra", "lora_name"),
+    [
+        ([["tenant-salt"], None], None),  # what vLLM sends for a salted prompt's first blocks
+        ([["adapter-a", "tenant-salt"], None], "adapter-a"),  # the LoRA name comes first
+        ([[["mm-hash", 0], "tenant-salt", b"\x01" * 32], None], None),  # mm pairs, embeds digests
+    ],
+)
+def test_a_first_blocks_salt_is_kept_only_as_its_digest(extra: list[Any], lora_name: str | None) -> None:
+    stored, decoder = _decoded({**STORED, "extra_keys": extra, "lora_name": lora_name})
+    assert stored is not None
+    assert stored.cache_salt_sha256 == cache_salt_digest("tenant-salt")
+    assert "tenant-salt" not in repr(stored)  # the salt itself never leaves the agent
+    assert decoder.stats.malformed_events == 0
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        STORED,  # no extra_keys at all (older vLLM)
+        {**STORED, "extra_keys": None},
+        {**STORED, "extra_keys": [None, None]},  # unsalted (the real capture)
+        {**STORED, "extra_keys": [["adapter-a"], None], "lora_name": "adapter-a"},
+        # A block that is not a sequence's first: its parent carries the salt down the chain.
+        {**STORED, "parent_block_hash": 9, "extra_keys": [["tenant-salt"], None]},
+    ],
+)
+def test_events_without_a_first_block_salt_carry_none(event: dict[str, Any]) -> None:
+    stored, _ = _decoded(event)
+    assert stored is not None and stored.cache_salt_sha256 == b""
+
+
+@pytest.mark.parametrize("extra", ["salt", [["salt-a", "salt-b"], None], ["salt"]])
+def test_unreadable_extra_keys_are_malformed(extra: Any) -> None:
+    stored, decoder = _decoded({**STORED, "extra_keys": extra})
+    assert stored is None and decoder.stats.malformed_events == 1

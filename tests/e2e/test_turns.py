@@ -21,7 +21,9 @@ from deploy.local.stack import KvshuttleStack
 
 from kvshuttle.agent.v1 import agent_service_pb2 as apb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as apb_grpc
-from kvshuttle.core.hashing import chain_hashes
+from kvshuttle.core.hashing import ROOT_HASH, cache_salt_digest, chain_hashes, salted_root
+from kvshuttle.gateway.config import DEFAULT_TENANT as TENANT
+from kvshuttle.gateway.salts import CacheSalts
 from kvshuttle.registry.v1 import registry_service_pb2 as rpb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as rpb_grpc
 
@@ -159,10 +161,17 @@ def _registry(stack: KvshuttleStack) -> rpb_grpc.RegistryServiceStub:
     return rpb_grpc.RegistryServiceStub(grpc.insecure_channel(stack.registry_addr))
 
 
-def _held_blocks(stack: KvshuttleStack, prompt: list[int]) -> int:
+def _held_blocks(stack: KvshuttleStack, prompt: list[int], *, via_gateway: bool = False) -> int:
     """Leading blocks of `prompt` that the registry's index says decode holds (prefill runs
-    without a prefix cache here, so it publishes no block events)."""
-    found = _registry(stack).LookupBlocks(rpb.LookupBlocksRequest(block_hashes=chain_hashes(prompt, BS)))
+    without a prefix cache here, so it publishes no block events). A prompt sent through the
+    gateway went with its tenant's cache salt: its blocks chain from that salt's root."""
+    root = ROOT_HASH
+    if via_gateway:
+        root = salted_root(cache_salt_digest(CacheSalts(stack.cache_salt_key.encode()).salt(TENANT)))
+    found = _registry(stack).LookupBlocks(
+        rpb.LookupBlocksRequest(block_hashes=chain_hashes(prompt, BS, parent=root)),
+        metadata=stack.admin_metadata,
+    )
     return next((m.matched_blocks for m in found.matches if m.node == "nodes/decode"), 0)
 
 
@@ -190,7 +199,7 @@ def test_agents_see_an_engine_restart(stack: KvshuttleStack, vllm_pair: VllmPair
     """Runs last: it restarts the shared pair (same HTTP and event ports, new engine ids)."""
     prompt = tokens(500, 20)
     turn(stack, f"c-{uuid.uuid4().hex[:8]}", prompt)
-    _until(lambda: _held_blocks(stack, prompt) > 0)
+    _until(lambda: _held_blocks(stack, prompt, via_gateway=True) > 0)
     keep = [
         getattr(engine.spec, key)
         for engine in (vllm_pair.prefill, vllm_pair.decode)
@@ -202,11 +211,14 @@ def test_agents_see_an_engine_restart(stack: KvshuttleStack, vllm_pair: VllmPair
     agent = apb_grpc.AgentServiceStub(grpc.insecure_channel(stack.agent_addrs[1]))
 
     def restarted() -> bool:
-        return agent.GetStatus(apb.GetStatusRequest(), timeout=2).events.engine_restarts >= 1
+        status = agent.GetStatus(apb.GetStatusRequest(), timeout=2, metadata=stack.admin_metadata)
+        return status.events.engine_restarts >= 1
 
     post(f"{vllm_pair.decode.url}/v1/completions", {"model": "m", "prompt": tokens(100, 21), "max_tokens": 1})
     _until(restarted, timeout=30)
-    _until(lambda: _held_blocks(stack, prompt) == 0)  # the registry cleared the restarted engine's index
+    _until(
+        lambda: _held_blocks(stack, prompt, via_gateway=True) == 0
+    )  # the registry cleared the restarted engine's index
     stack.restart_agents()  # registrations carry the new engine ids from here on
     conv = f"c-{uuid.uuid4().hex[:8]}"
     out1, _ = turn(stack, conv, prompt)

@@ -153,7 +153,9 @@ async def start_cluster(
     eos = engine_tok.token_to_id("</s>")
     assert eos is not None
     prefill = FakeEngine("prefill", "engine-p0", engine_tok, eos, side_channel_port=5600)
-    decode = FakeEngine("decode", "engine-d0", engine_tok, eos, side_channel_port=5601)
+    # Each engine's side channel is its node's as registered (node(): 5600): the registry and
+    # the router refuse retained KV whose params name another.
+    decode = FakeEngine("decode", "engine-d0", engine_tok, eos, side_channel_port=5600)
     await prefill.start()
     await decode.start()
     if nodes:

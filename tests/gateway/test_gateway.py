@@ -33,7 +33,8 @@ from tests.gateway.helpers import (
 from tests.router.helpers import BS, MODEL
 from tokenizers import Tokenizer
 
-from kvshuttle.core.hashing import chain_hashes
+from kvshuttle.core.digest import log_name
+from kvshuttle.core.hashing import cache_salt_digest, chain_hashes, salted_root
 from kvshuttle.gateway.tokenizer import ChatTokenizer
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 
@@ -144,7 +145,11 @@ async def test_chat_turn_sends_the_engines_what_vllm_needs_and_commits_the_seque
     assert retention.name == "tenants/default/conversations/conv-1/retentions/1"
     assert retention.node == "nodes/d0"
     assert retention.num_tokens == len(sequence) - 1 == held["remote_num_tokens"]
-    assert list(retention.block_hashes) == chain_hashes(sequence[: retention.num_tokens], BS)
+    # kvshuttle's chain of the sequence, from the root of the tenant's cache salt (both engines
+    # got the same one).
+    assert p.body["cache_salt"] == d.body["cache_salt"]
+    root = salted_root(cache_salt_digest(p.body["cache_salt"]))
+    assert list(retention.block_hashes) == chain_hashes(sequence[: retention.num_tokens], BS, parent=root)
     assert list(retention.kv_transfer_params.remote_block_ids[0].block_ids) == held["remote_block_ids"][0]
 
     (line,) = request_lines(logs)
@@ -156,7 +161,9 @@ async def test_chat_turn_sends_the_engines_what_vllm_needs_and_commits_the_seque
         assert line[key] >= 0, key
     assert "wait_ms" not in line  # no earlier turn of this conversation was committing
     (committed,) = [e for e in logs if e["event"] == "turn.committed"]
-    assert committed["retention"] == retention.name and committed["commit_ms"] >= 0
+    # The retention's name with the conversation id as its digest: ids never reach a log.
+    assert committed["retention"] == log_name(retention.name) and committed["commit_ms"] >= 0
+    assert "conv-1" not in committed["retention"]
     assert committed["request_id"] == line["request_id"]
     assert line["added_ms"] <= line["total_ms"] - line["prefill_ms"] - line["decode_ms"] + 0.01
 
@@ -552,7 +559,11 @@ async def test_a_refused_commit_still_answers_the_client_and_releases_the_claim(
     (line,) = request_lines(logs)
     assert line["status"] == 200 and "error" not in line
     (failed,) = [e for e in logs if e.get("log_level") == "warning"]
-    assert (failed["event"], failed["code"]) == ("turn.commit_failed", "INVALID_ARGUMENT")
+    assert (failed["event"], failed["code"], failed["reason"]) == (
+        "turn.commit_failed",
+        "FAILED_PRECONDITION",
+        "NODE_MISMATCH",
+    )
     assert failed["request_id"] == line["request_id"]
     assert not [e for e in logs if e["event"] == "turn.committed"]
     assert await c.retentions() == []  # turn 1's claimed retention was released by the abort

@@ -107,7 +107,13 @@ class FakeRouter:
     plan_failure: RouterFailure | None = None
 
     async def plan_turn(
-        self, model: str, prompt_token_ids: Iterable[int], *, conversation: str, request_id: str
+        self,
+        model: str,
+        prompt_token_ids: Iterable[int],
+        *,
+        conversation: str,
+        request_id: str,
+        cache_salt_sha256: bytes,
     ) -> pb.PlanTurnResponse:
         self.log.append(f"plan {request_id}")
         if self.plan_failure is not None:
@@ -144,6 +150,8 @@ class FakeEngines:
     log: list[str]
     cached: int = 0
     requests: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {"prefill": [], "decode": []})
+    # (role, endpoint) of every call, in order.
+    endpoints: list[tuple[str, str]] = field(default_factory=list)
     failures: dict[str, GatewayError] = field(default_factory=dict)
     # Seconds each call takes: the runner's measurements must see them.
     delay: float = 0.002
@@ -158,6 +166,7 @@ class FakeEngines:
         self, role: str, endpoint: str, body: bytes, headers: Mapping[str, str], *, timeout_s: float
     ) -> dict[str, Any]:
         await asyncio.sleep(self.delay)
+        self.endpoints.append((role, endpoint))
         self._record(role, body)
         if role == "prefill":
             choice = {"index": 0, "text": "x", "token_ids": OUTPUT[:1], "finish_reason": "length"}
@@ -170,6 +179,7 @@ class FakeEngines:
         self, role: str, endpoint: str, body: bytes, headers: Mapping[str, str]
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         await asyncio.sleep(self.delay)
+        self.endpoints.append((role, endpoint))
         self._record(role, body)
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
@@ -395,3 +405,107 @@ def test_the_turn_runner_and_its_domain_modules_import_no_transport() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---- the router out of reach --------------------------------------------------------------
+
+
+def unreachable(code: str = "UNAVAILABLE") -> RouterFailure:
+    """What GrpcRouterPort raises when the router cannot be reached (no ErrorInfo)."""
+    return RouterFailure(code, "failed to connect to all addresses")
+
+
+async def placed_once(env: Env) -> None:
+    """One turn planned by the router: the gateway learns where model "m" runs."""
+    plan = make_plan(1)
+    plan.prefill.http_endpoint, plan.decode.http_endpoint = "http://p-last", "http://d-last"
+    env.router.plans["r0"] = plan
+    await env.runner.complete(make_turn("r0"))
+    await env.background.settle()
+    env.log.clear()
+    env.router.commits.clear()
+    env.engines.endpoints.clear()
+    env.engines.requests = {"prefill": [], "decode": []}
+
+
+@pytest.mark.parametrize("code", ["UNAVAILABLE", "DEADLINE_EXCEEDED"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_router_out_of_reach_serves_plain_pd_on_the_models_last_placement(
+    env: Env, code: str, stream: bool
+) -> None:
+    await placed_once(env)
+    env.router.plan_failure = unreachable(code)
+    turn = make_turn("r1")
+    with capture_logs() as logs:
+        if stream:
+            sink = FakeSink()
+            await env.runner.stream(turn, sink)
+            assert sink.opened and len(sink.chunks) == len(OUTPUT)
+        else:
+            answer = await env.runner.complete(turn)
+            assert answer["choices"][0]["text"] == "abcd"
+        await env.background.settle()
+
+    assert env.engines.endpoints == [("prefill", "http://p-last"), ("decode", "http://d-last")]
+    (prefill,) = env.engines.requests["prefill"]
+    assert prefill["kv_transfer_params"] == FIRST_TURN_PARAMS  # decode still reads P's KV
+    (decode,) = env.engines.requests["decode"]
+    assert decode["kv_transfer_params"] == p_params()
+    assert (turn.decision, turn.reason, turn.reused_tokens) == ("recompute", "router_unavailable", 0)
+    assert turn.settled and not turn.outcome
+    # Nothing to commit or abort: no turn handle.
+    assert env.log == ["plan r1", "prefill", "decode"]
+    assert env.router.commits == [] and env.router.aborts == []
+    (warned,) = [e for e in logs if e["event"] == "turn.router_unavailable"]
+    assert (warned["code"], warned["prefill"], warned["decode"]) == (code, "nodes/p0", "nodes/d0")
+    labels = {"decision": "recompute", "reason": "router_unavailable"}
+    assert env.metrics.get_sample_value("kvshuttle_gateway_turns_total", labels) == 1
+
+
+async def test_an_engine_failing_a_turn_run_without_the_router_aborts_nothing(env: Env) -> None:
+    await placed_once(env)
+    env.router.plan_failure = unreachable()
+    env.engines.failures["decode"] = engine_error("decode", 500, "EngineCore died")
+    turn = make_turn("r1")
+    with pytest.raises(GatewayError) as raised:
+        await env.runner.complete(turn)
+    await env.background.settle()
+    assert raised.value.status == 502 and turn.outcome == "engine_error"
+    assert env.router.aborts == [] and env.log == ["plan r1", "prefill", "decode"]
+
+
+async def test_without_a_placement_for_the_model_an_unreachable_router_is_503(env: Env) -> None:
+    env.router.plan_failure = unreachable()
+    with pytest.raises(GatewayError) as raised:
+        await env.runner.complete(make_turn("r1"))
+    assert raised.value.status == 503
+    # A placement is the model's own: another model's does not serve it.
+    env.router.plan_failure = None
+    await placed_once(env)
+    env.router.plan_failure = unreachable()
+    other = make_turn("r2")
+    other.model = "m2"
+    with pytest.raises(GatewayError) as raised:
+        await env.runner.complete(other)
+    assert raised.value.status == 503 and env.engines.requests["prefill"] == []
+
+
+async def test_a_router_that_answers_with_an_error_is_not_routed_around(env: Env) -> None:
+    await placed_once(env)
+    env.router.plan_failure = RouterFailure("INVALID_ARGUMENT", "bad ids", reason="INVALID_ARGUMENT")
+    with pytest.raises(GatewayError) as raised:
+        await env.runner.complete(make_turn("r1"))
+    assert raised.value.status == 400 and env.engines.requests["prefill"] == []
+
+
+async def test_the_router_back_plans_again_and_commits(env: Env) -> None:
+    await placed_once(env)
+    env.router.plan_failure = unreachable()
+    await env.runner.complete(make_turn("r1"))
+    env.router.plan_failure = None
+    env.router.plans["r2"] = make_plan(2, reuse=True)
+    turn = make_turn("r2")
+    await env.runner.complete(turn)
+    await env.background.settle()
+    assert (turn.decision, turn.reason) == ("reuse", "reuse_cheaper")
+    assert [c.turn for c in env.router.commits] == ["turns/2"]

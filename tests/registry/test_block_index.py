@@ -8,7 +8,7 @@ import pytest
 from tests.fixtures_vllm import live_batches, replay_batches
 
 from kvshuttle.core.errors import InvalidArgument
-from kvshuttle.core.hashing import ROOT_HASH, chain_hashes, chain_root
+from kvshuttle.core.hashing import ROOT_HASH, cache_salt_digest, chain_hashes, chain_root, salted_root
 from kvshuttle.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, EventBatch
 from kvshuttle.registry.block_index import BlockIndex
 
@@ -27,6 +27,7 @@ def stored(
     block_size: int = BS,
     lora_id: int | None = None,
     medium: str = "GPU",
+    salt: bytes = b"",
 ) -> BlockStored:
     return BlockStored(
         block_hashes=hashes,
@@ -35,6 +36,7 @@ def stored(
         block_size=block_size,
         lora_id=lora_id,
         medium=medium,
+        cache_salt_sha256=salt,
     )
 
 
@@ -249,6 +251,32 @@ def test_lora_blocks_live_in_their_own_chain_namespace() -> None:
     assert index.lookup(chain_hashes(tokens, BS)) == [("base", 3)]
     assert index.lookup(chain_hashes(tokens, BS, parent=chain_root(7))) == [("lora7", 3)]
     assert index.lookup(chain_hashes(tokens, BS, parent=chain_root(8))) == [("lora8", 3)]
+
+
+def test_salted_blocks_live_in_their_salts_chain_namespace() -> None:
+    """vLLM never serves blocks stored under one cache salt to a request under another: nor does
+    the index count them as a prompt's local hits (the router chains a salted prompt the same way)."""
+    index = BlockIndex(1000)
+    tokens = toks(3)
+    salt_a, salt_b = cache_salt_digest("tenant-a"), cache_salt_digest("tenant-b")
+    index.apply("plain", [batch(0, stored((11, 12, 13), tokens))])
+    index.apply("a", [batch(0, stored((21, 22), tokens[: 2 * BS], salt=salt_a))])
+    # The next event chains from its parent: vLLM reports the salt only with the first block.
+    index.apply("a", [batch(1, stored((23,), tokens[2 * BS :], parent=22))])
+    index.apply("b", [batch(0, stored((31, 32, 33), tokens, salt=salt_b))])
+    index.apply("lora-a", [batch(0, stored((41, 42, 43), tokens, lora_id=7, salt=salt_a))])
+
+    assert index.lookup(chain_hashes(tokens, BS)) == [("plain", 3)]
+    assert index.lookup(chain_hashes(tokens, BS, parent=salted_root(salt_a))) == [("a", 3)]
+    assert index.lookup(chain_hashes(tokens, BS, parent=salted_root(salt_b))) == [("b", 3)]
+    assert index.lookup(chain_hashes(tokens, BS, parent=chain_root(7, salt_a))) == [("lora-a", 3)]
+    assert index.lookup(chain_hashes(tokens, BS, parent=chain_root(7))) == []
+
+
+def test_a_malformed_salt_digest_is_skipped_and_counted() -> None:
+    index = BlockIndex(1000)
+    index.apply("n", [batch(0, stored((11,), toks(1), salt=b"short"))])
+    assert index.stats().malformed_events == 1 and index.node_block_count("n") == 0
 
 
 # -- sequence numbers -------------------------------------------------------------------

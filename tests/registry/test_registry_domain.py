@@ -22,7 +22,7 @@ from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.memory_store import InMemoryStore, StoreLimits
-from kvshuttle.registry.model import ChangeKind, Retention, RetentionState
+from kvshuttle.registry.model import ChangeKind, Holder, Retention, RetentionState
 from kvshuttle.registry.registry import Registry
 
 CONV = "tenants/acme/conversations/c1"
@@ -45,7 +45,11 @@ def spec(name: str = "nodes/d0", engine_id: str = "engine-d0", role: NodeRole = 
 
 
 def retention(
-    generation: int = 1, node: str = "nodes/d0", tokens: int = 100, pin: float | None = None
+    generation: int = 1,
+    node: str = "nodes/d0",
+    tokens: int = 100,
+    pin: float | None = None,
+    holder: Holder | None = None,
 ) -> Retention:
     ids = list(range(tokens))
     return Retention(
@@ -59,6 +63,8 @@ def retention(
         kv_transfer_params=b"\x10\x01",
         kv_bytes=tokens * 1024,
         pin_expire_at=pin,
+        # What the servicer reads from the params: the node's engine and side channel (spec()).
+        holder=holder or Holder(f"engine-{node.removeprefix('nodes/')}", "127.0.0.1", 5601),
     )
 
 
@@ -189,8 +195,7 @@ async def test_fencing_rejects_older_and_newer_replaces(registry: Registry) -> N
             await put(registry, stale)
         assert err.value.reason == "FENCING_GENERATION_STALE"
     result = await registry.put_retention(request_id="", parent=CONV, retention=retention(3), ttl=60)
-    assert result.replaced is not None
-    assert result.replaced.name == f"{CONV}/retentions/2"
+    assert result.replaced == f"{CONV}/retentions/2"
     conversation = await registry.get_conversation(CONV)
     assert conversation.fence_generation == 3
     assert conversation.retention is not None

@@ -50,6 +50,8 @@ def retention(generation: int = 1, tokens: int = 100) -> pb.Retention:
         kv_transfer_params=KvTransferParams(
             do_remote_decode=True,
             remote_engine_id="engine-d0",
+            remote_host="127.0.0.1",
+            remote_port=5601,
             remote_block_ids=[BlockIdList(block_ids=[1, 2, 3])],
             remote_num_tokens=tokens,
         ),
@@ -322,6 +324,29 @@ def _bad_requests() -> list[tuple[str, str, Any, str]]:
                 node="nodes/d0", incarnation=1, batches=[pb.BlockEventBatch(events=[pb.BlockEvent()])]
             ),
             "batches[0].events[0]",
+        ),
+        (
+            "ReportBlockEvents",
+            "salt digest not sha-256",
+            pb.ReportBlockEventsRequest(
+                node="nodes/d0",
+                incarnation=1,
+                batches=[
+                    pb.BlockEventBatch(
+                        events=[
+                            pb.BlockEvent(
+                                stored=pb.BlockStored(
+                                    block_hashes=[1],
+                                    token_ids=list(range(16)),
+                                    block_size=16,
+                                    cache_salt_sha256=b"tenant-salt",  # the salt, not its digest
+                                )
+                            )
+                        ]
+                    )
+                ],
+            ),
+            "batches[0].events[0].cache_salt_sha256",
         ),
         (
             "LookupBlocks",

@@ -153,7 +153,7 @@ class Tokens:
             remote_engine_id=plan.decode.engine_id,
             remote_request_id=f"cmpl-{plan.generation}",
             remote_host="127.0.0.1",
-            remote_port=5601,
+            remote_port=5600,  # the decode node's side channel as registered (node())
             tp_size=1,
             remote_num_tokens=total_tokens,
         )

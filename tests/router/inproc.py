@@ -9,6 +9,7 @@ import numpy as np
 from kvshuttle.core.errors import NotFound
 from kvshuttle.core.nodes import NodeRole
 from kvshuttle.registry import model as reg
+from kvshuttle.registry.convert import holder_from_pb
 from kvshuttle.registry.registry import Registry
 from kvshuttle.router.model import ClaimInfo, Hashes, NewRetention, NodeInfo, RetentionInfo
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
@@ -31,6 +32,8 @@ def node_info(node: reg.Node, indexed_blocks: int = 0) -> NodeInfo:
         kv_cache_usage=node.load.kv_cache_usage,
         retained_bytes=node.retained_bytes,
         indexed_blocks=indexed_blocks,
+        side_channel_host=spec.side_channel_host,
+        side_channel_port=spec.side_channel_port,
     )
 
 
@@ -87,6 +90,7 @@ class InProcessPort:
 
     async def put_retention(self, new: NewRetention) -> RetentionInfo:
         self._count("put_retention")
+        params = from_vllm(dict(new.kv_transfer_params))
         result = await self.registry.put_retention(
             request_id=new.request_id,
             parent=new.conversation,
@@ -99,9 +103,10 @@ class InProcessPort:
                 block_size=new.block_size,
                 num_tokens=new.num_tokens,
                 block_hashes=array("Q", np.asarray(new.block_hashes, dtype=np.uint64).tobytes()),
-                kv_transfer_params=from_vllm(dict(new.kv_transfer_params)).SerializeToString(),
+                kv_transfer_params=params.SerializeToString(),
                 kv_bytes=new.kv_bytes,
                 pin_expire_at=new.pin_expire_at,
+                holder=holder_from_pb(params),
             ),
         )
         return retention_info(result.retention)

@@ -54,6 +54,8 @@ def node(name: str, role: NodeRole) -> NodeInfo:
         block_size=BS,
         kv_bytes_per_token=CPU.kv_bytes_per_token,
         healthy=True,
+        side_channel_host="127.0.0.1",
+        side_channel_port=5600,
     )
 
 

@@ -116,7 +116,7 @@ class Cluster:
             "remote_engine_id": plan.decode.engine_id,
             "remote_request_id": f"cmpl-{plan.generation}",
             "remote_host": "127.0.0.1",
-            "remote_port": 5601,
+            "remote_port": 5600,
             "tp_size": 1,
             "remote_num_tokens": total_tokens,
             "remote_blocks_expiry_time": 1234.5,
@@ -501,14 +501,6 @@ async def test_bad_commits_change_nothing(cluster: Cluster) -> None:
         ),
         ("token_ids", CommitRequest(turn=plan.turn, token_ids=prompt[:100], decode_kv_transfer_params=good)),
         (
-            "decode_kv_transfer_params.remote_engine_id",
-            CommitRequest(
-                turn=plan.turn,
-                token_ids=prompt + [1] * 60,
-                decode_kv_transfer_params=good | {"remote_engine_id": "x"},
-            ),
-        ),
-        (
             "timings.ttft",
             CommitRequest(
                 turn=plan.turn,
@@ -522,6 +514,16 @@ async def test_bad_commits_change_nothing(cluster: Cluster) -> None:
         with pytest.raises(InvalidArgument) as err:
             await router.commit_turn(req)
         assert err.value.field == field
+    # Decode's params name another engine or side channel than the planned decode node's.
+    for key, value in (("remote_engine_id", "x"), ("remote_host", "203.0.113.9"), ("remote_port", 6666)):
+        with pytest.raises(FailedPrecondition) as mismatch:
+            await router.commit_turn(
+                CommitRequest(
+                    turn=plan.turn, token_ids=prompt + [1] * 60, decode_kv_transfer_params=good | {key: value}
+                )
+            )
+        assert mismatch.value.reason == "NODE_MISMATCH"
+        assert mismatch.value.metadata["field"] == f"decode_kv_transfer_params.{key}"
     with pytest.raises(NotFound):
         await cluster.registry.get_conversation(CONV)
     with pytest.raises(NotFound):

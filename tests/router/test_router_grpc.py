@@ -42,7 +42,7 @@ from tests.serving.echo import JsonLog
 
 from kvshuttle.client import KvshuttleRpcError, RegistryClient, RouterClient
 from kvshuttle.client.errors import CallRefused, domain_error
-from kvshuttle.core.digest import log_digest
+from kvshuttle.core.digest import log_digest, log_name
 from kvshuttle.core.errors import (
     Aborted,
     FailedPrecondition,
@@ -192,7 +192,7 @@ async def test_first_turn_recomputes_its_commit_is_retained_and_the_next_turn_re
     assert (params.remote_engine_id, params.remote_request_id, params.remote_port) == (
         "engine-d0",
         "cmpl-1",
-        5601,
+        5600,
     )
     assert second.reuse_cost.total.ToNanoseconds() < second.recompute_cost.total.ToNanoseconds()
     assert second.reuse_cost.transfer.ToNanoseconds() > 0
@@ -404,8 +404,13 @@ async def test_bad_plan_input_is_invalid_argument_and_changes_nothing(
     assert (await retention(c)).state == reg_pb.RETENTION_STATE_ACTIVE
 
 
-def _other_engine(params: KvTransferParams) -> KvTransferParams:
-    params.remote_engine_id = "engine-p0"
+def _many_unknown_fields(params: KvTransferParams) -> KvTransferParams:
+    params.extra.update({f"novel_{i}": i for i in range(33)})
+    return params
+
+
+def _large_unknown_field(params: KvTransferParams) -> KvTransferParams:
+    params.extra.update({"novel": "x" * 5000})
     return params
 
 
@@ -419,7 +424,8 @@ def _huge(params: KvTransferParams) -> KvTransferParams:
     [
         ({"timings": pb.TurnTimings(ttft=_negative(-1))}, "timings.ttft"),
         ({"timings": pb.TurnTimings(transfer=Duration(nanos=-5))}, "timings.transfer"),
-        ({"params": _other_engine}, "decode_kv_transfer_params.remote_engine_id"),
+        ({"params": _many_unknown_fields}, "decode_kv_transfer_params.extra"),
+        ({"params": _large_unknown_field}, "decode_kv_transfer_params.extra"),
         ({"params": _huge}, "decode_kv_transfer_params"),
         ({"tokens": lambda s: s[:100]}, "token_ids"),
         ({"tokens": lambda s: [s[0] + 1, *s[1:]]}, "token_ids"),
@@ -583,12 +589,13 @@ async def test_one_log_line_per_rpc_names_the_turn_by_digest() -> None:
         await registry.server.stop()
         log.close()
     assert planned["code"] == "OK"
-    assert planned["conversation"] == CONV
+    assert planned["conversation"] == log_name(CONV)  # the conversation id only as its digest
     assert planned["turn"] == aborted["turn"] == log_digest(plan.turn)
     assert (planned["decision"], planned["reason"]) == ("recompute", "no_retention")
     assert planned["generation"] == 1 and "registry_ms" in planned
     text = "\n".join(str(e) for e in log.events())
     assert plan.turn not in text  # the handle is a credential
+    assert CONV not in text
 
 
 # ---- conversion -------------------------------------------------------------------------

@@ -138,7 +138,8 @@ async def test_a_turn_is_one_trace_with_plan_claim_and_commit(traced: Traced) ->
     assert c["kvshuttle.ttft.ms"] == pytest.approx(120.0)
     assert c["kvshuttle.transfer.ms"] == pytest.approx(30.0)
     assert c["kvshuttle.transfer.bytes"] == 123_456_789
-    assert c["kvshuttle.retention"] == f"{CONV}/retentions/2"
+    # The retention's name with the conversation id replaced by the same digest.
+    assert c["kvshuttle.retention"] == f"tenants/acme/conversations/{digest}/retentions/2"
 
     # Turn 1 recomputed: no claim, and its commit carries no timings it was not given.
     first_spans = traced.spans(first_trace)

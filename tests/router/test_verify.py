@@ -3,18 +3,35 @@ group (vLLM today) and one flat list (older vLLM)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from kvshuttle.core.hashing import chain_hashes
-from kvshuttle.router.model import RetentionInfo
+from kvshuttle.core.nodes import NodeRole
+from kvshuttle.router.model import NodeInfo, RetentionInfo
 from kvshuttle.router.verify import prefill_params, verify
 
 BS = 16
 TOKENS = list(range(1, 1 + 10 * BS))
 
 
-def retention(block_ids: object) -> RetentionInfo:
+HOLDER = NodeInfo(
+    name="nodes/d0",
+    role=NodeRole.DECODE,
+    engine_id="engine-d0",
+    http_endpoint="http://d0:8000",
+    model="m",
+    block_size=BS,
+    kv_bytes_per_token=1,
+    healthy=True,
+    side_channel_host="10.0.0.7",
+    side_channel_port=5601,
+)
+
+
+def retention(block_ids: object, **params: object) -> RetentionInfo:
     return RetentionInfo(
         name="tenants/t/conversations/c/retentions/1",
         node="nodes/d0",
@@ -23,7 +40,7 @@ def retention(block_ids: object) -> RetentionInfo:
         block_size=BS,
         num_tokens=len(TOKENS),
         block_hashes=np.array(chain_hashes(TOKENS, BS), dtype=np.uint64),
-        kv_transfer_params={"do_remote_decode": True, "remote_block_ids": block_ids},
+        kv_transfer_params={"do_remote_decode": True, "remote_block_ids": block_ids, **params},
         expire_at=0.0,
         claimed=False,
     )
@@ -35,7 +52,7 @@ def test_prefill_reads_only_the_verified_blocks(block_ids: object) -> None:
     held = retention(block_ids)
     prefix = verify(chain_hashes(prompt, BS), len(prompt), held)
     assert (prefix.blocks, prefix.tokens) == (6, 6 * BS)
-    params = prefill_params(held, prefix)
+    params = prefill_params(held, prefix, HOLDER)
     assert params["remote_block_ids"] == [list(range(6))]
     assert (params["remote_num_tokens"], params["do_remote_decode"], params["do_remote_prefill"]) == (
         6 * BS,
@@ -54,3 +71,32 @@ def test_groups_of_other_lengths_are_reused_only_whole() -> None:
     assert verify(chain_hashes(edited, BS), len(edited), held).blocks == 0
     shorter = retention([list(range(10)), [20, 21]])  # does not cover the whole retention
     assert verify(chain_hashes(extended, BS), len(extended), shorter).blocks == 0
+
+
+def test_prefill_reads_from_the_holder_as_registered_never_from_the_stored_params() -> None:
+    held = retention(
+        [list(range(10))], remote_engine_id="attacker", remote_host="203.0.113.9", remote_port=6666
+    )
+    prefix = verify(chain_hashes([*TOKENS, 1], BS), len(TOKENS) + 1, held)
+    params = prefill_params(held, prefix, HOLDER)
+    assert (params["remote_engine_id"], params["remote_host"], params["remote_port"]) == (
+        "engine-d0",
+        "10.0.0.7",
+        5601,
+    )
+    assert held.kv_transfer_params["remote_host"] == "203.0.113.9"  # the stored copy untouched
+
+
+@pytest.mark.parametrize(
+    "holder",
+    [
+        replace(HOLDER, name="nodes/d1"),
+        replace(HOLDER, side_channel_host=""),
+        replace(HOLDER, side_channel_port=0),
+    ],
+    ids=["another node", "no host", "no port"],
+)
+def test_no_params_name_a_holder_the_router_cannot_address(holder: NodeInfo) -> None:
+    held = retention([list(range(10))])
+    with pytest.raises(ValueError):
+        prefill_params(held, verify(chain_hashes([*TOKENS, 1], BS), len(TOKENS) + 1, held), holder)

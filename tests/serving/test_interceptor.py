@@ -280,3 +280,30 @@ async def test_health_checks_are_logged_but_not_traced(harness: Harness) -> None
     line = await harness.done_once("Check")
     assert line["code"] == "OK" and "trace_id" not in line
     assert harness.spans.get_finished_spans() == ()
+
+
+def raw_echo(harness: Harness) -> Any:
+    """Echo with the request's bytes sent as they are (no client-side serialization)."""
+    return harness.channel.unary_unary(
+        f"/{SERVICE}/Echo", request_serializer=lambda b: b, response_deserializer=Request.FromString
+    )
+
+
+async def test_undecodable_request_is_invalid_argument_with_its_line(harness: Harness) -> None:
+    err = await failure(raw_echo(harness)(b"\xff\xff\xff\xff garbage"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    info = error_info(err)
+    assert (info.reason, info.domain, info.metadata["field"]) == ("INVALID_ARGUMENT", DOMAIN, "request")
+    line = await harness.log.done_once("Echo")
+    assert (line["code"], line["reason"]) == ("INVALID_ARGUMENT", "INVALID_ARGUMENT")
+    assert "echoed" not in line  # the servicer never saw it
+
+
+async def test_oversized_request_is_resource_exhausted_with_error_info(harness: Harness) -> None:
+    limit = ServerSettings().max_receive_message_bytes
+    big = Request(request_id="r1", serving_data="x" * (limit + 10)).SerializeToString()
+    err = await failure(raw_echo(harness)(big))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    info = error_info(err)
+    assert (info.reason, info.metadata["limit"]) == ("MESSAGE_TOO_LARGE", str(limit))
+    assert (await harness.log.done_once("Echo"))["code"] == "RESOURCE_EXHAUSTED"

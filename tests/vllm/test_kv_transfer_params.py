@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvshuttle.core.errors import InvalidArgument
-from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
+from kvshuttle.core.limits import MAX_KV_TRANSFER_PARAMS_EXTRA_KEYS
+from kvshuttle.vllm.kv_transfer_params import check_extra, from_vllm, to_vllm
+from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
 
 def test_kv_transfer_params_round_trip() -> None:
@@ -76,3 +78,25 @@ def test_malformed_fields_are_named(params: dict[str, object], field: str) -> No
     with pytest.raises(InvalidArgument) as err:
         from_vllm(params)
     assert err.value.field == field
+
+
+@pytest.mark.parametrize(
+    "unknown",
+    [{f"novel_{i}": i for i in range(33)}, {"novel": "x" * 5000}, {"novel": [list(range(400))] * 4}],
+    ids=["33 keys", "5000 bytes", "nested"],
+)
+def test_fields_kvshuttle_does_not_know_are_bounded(unknown: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        from_vllm({"do_remote_decode": True, **unknown}, "decode_kv_transfer_params")
+    assert err.value.field == "decode_kv_transfer_params.extra"
+    within = {f"novel_{i}": "v" * 100 for i in range(MAX_KV_TRANSFER_PARAMS_EXTRA_KEYS)}
+    assert to_vllm(from_vllm(within)) == {"do_remote_decode": False, "do_remote_prefill": False, **within}
+
+
+def test_check_extra_holds_a_message_to_the_same_bounds() -> None:
+    msg = KvTransferParams()
+    msg.extra.update({f"k{i}": i for i in range(MAX_KV_TRANSFER_PARAMS_EXTRA_KEYS + 1)})
+    with pytest.raises(InvalidArgument) as err:
+        check_extra(msg, "retention.kv_transfer_params")
+    assert err.value.field == "retention.kv_transfer_params.extra"
+    check_extra(KvTransferParams(), "retention.kv_transfer_params")  # no extra at all

@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
+from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 import grpc
@@ -28,6 +29,7 @@ from kvshuttle.client import ChannelOptions, KvshuttleRpcError, RegistryClient
 __all__ = ["DEFAULT_REGISTRY", "REGISTRY_ENV", "main", "run"]
 
 REGISTRY_ENV = "KVSHUTTLE_REGISTRY_ADDR"
+TOKEN_FILE_ENV = "KVSHUTTLE_TOKEN_FILE"
 DEFAULT_REGISTRY = "127.0.0.1:50051"
 DEFAULT_TIMEOUT = 5.0
 
@@ -57,7 +59,18 @@ class _Parser(argparse.ArgumentParser):
         raise _ParserExitError(2, f"{self.format_usage()}{self.prog}: error: {message}\n")
 
 
-def _add_global_options(parser: argparse.ArgumentParser, registry: str | None) -> None:
+def _read_token(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise UsageError(f"--token-file: {exc}") from exc
+
+
+def _add_global_options(
+    parser: argparse.ArgumentParser, registry: str | None, token_file: str | None = None
+) -> None:
     """The options every command takes. With `registry` None every default is SUPPRESS: the copy
     that each command's parser gets, so an option given after the command overrides the
     top-level one without the command's defaults clobbering it."""
@@ -81,9 +94,31 @@ def _add_global_options(parser: argparse.ArgumentParser, registry: str | None) -
     )
     group.add_argument("--json", action="store_true", default=default(False), help="JSON output")
     group.add_argument("--tls", action="store_true", default=default(False), help="connect with TLS")
-    group.add_argument("--ca", metavar="FILE", default=default(None), help="PEM CA bundle (implies --tls)")
-    group.add_argument("--cert", metavar="FILE", default=default(None), help="PEM client certificate (mTLS)")
-    group.add_argument("--key", metavar="FILE", default=default(None), help="PEM client key (mTLS)")
+    group.add_argument(
+        "--tls-ca",
+        "--ca",
+        dest="ca",
+        metavar="FILE",
+        default=default(None),
+        help="PEM CA bundle (implies --tls)",
+    )
+    group.add_argument(
+        "--tls-cert",
+        "--cert",
+        dest="cert",
+        metavar="FILE",
+        default=default(None),
+        help="PEM client certificate (mTLS)",
+    )
+    group.add_argument(
+        "--tls-key", "--key", dest="key", metavar="FILE", default=default(None), help="PEM client key (mTLS)"
+    )
+    group.add_argument(
+        "--token-file",
+        metavar="FILE",
+        default=default(token_file),
+        help=f"file holding this caller's bearer token (default: ${TOKEN_FILE_ENV})",
+    )
     group.add_argument(
         "--tls-server-name",
         metavar="NAME",
@@ -94,7 +129,9 @@ def _add_global_options(parser: argparse.ArgumentParser, registry: str | None) -
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = _Parser(prog="kvshuttle", description="Inspect and drive a kvshuttle control plane.")
-    _add_global_options(parser, environ.get(REGISTRY_ENV) or DEFAULT_REGISTRY)
+    _add_global_options(
+        parser, environ.get(REGISTRY_ENV) or DEFAULT_REGISTRY, environ.get(TOKEN_FILE_ENV) or None
+    )
     leaf_options = _Parser(add_help=False)
     _add_global_options(leaf_options, None)
     groups = parser.add_subparsers(dest="group", metavar="GROUP", required=True)
@@ -112,6 +149,7 @@ def _channel_options(args: argparse.Namespace) -> ChannelOptions:
             cert_chain=args.cert,
             private_key=args.key,
             tls_server_name=args.tls_server_name,
+            token=_read_token(args.token_file),
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from exc

@@ -134,7 +134,7 @@ class ServiceClient:
             response_deserializer=response_type.FromString,
         )
         with traced_attempt(self._tracer, path) as (span, metadata):
-            call = multicallable(request, timeout=timeout, metadata=metadata)
+            call = multicallable(request, timeout=timeout, metadata=(*self._options.call_metadata, *metadata))
             try:
                 async for response in call:
                     yield response

@@ -73,6 +73,8 @@ def _event_to_pb(event: BlockEvent) -> pb.BlockEvent:
             stored.parent_block_hash = event.parent_block_hash
         if event.lora_id is not None:
             stored.lora_id = event.lora_id
+        if event.cache_salt_sha256:
+            stored.cache_salt_sha256 = event.cache_salt_sha256
         return pb.BlockEvent(stored=stored)
     if isinstance(event, BlockRemoved):
         return pb.BlockEvent(removed=pb.BlockRemoved(block_hashes=event.block_hashes, medium=event.medium))

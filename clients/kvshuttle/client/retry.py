@@ -151,7 +151,9 @@ async def call_unary(
         remaining = None if deadline is None else max(deadline - loop.time(), 0.0)
         with traced_attempt(tracer, method) as (span, metadata):
             try:
-                response = await multicallable(request, timeout=remaining, metadata=metadata)
+                response = await multicallable(
+                    request, timeout=remaining, metadata=(*options.call_metadata, *metadata)
+                )
             except grpc.aio.AioRpcError as exc:
                 error = exc
                 record_status(span, exc.code(), exc.details())

@@ -33,11 +33,13 @@ class RouterClient(ServiceClient):
         conversation: str = "",
         hints: pb.PlanHints | None = None,
         request_id: str | None = None,
+        cache_salt_sha256: bytes = b"",
         timeout: float | None = None,
     ) -> pb.PlanTurnResponse:
         """Plan one turn: reuse or recompute, P and D placement, the params to send to P.
 
         `conversation` is "tenants/{t}/conversations/{c}", or empty for a plain P->D request.
+        `cache_salt_sha256`: SHA-256 of the `cache_salt` both engines get (b"": none).
         """
         request = pb.PlanTurnRequest(
             request_id=new_request_id(request_id),
@@ -45,6 +47,7 @@ class RouterClient(ServiceClient):
             model=model,
             prompt_token_ids=prompt_token_ids,
             hints=hints,
+            cache_salt_sha256=cache_salt_sha256,
         )
         return await self._unary("PlanTurn", request, pb.PlanTurnResponse, timeout)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Self
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, SecretStr, model_validator
 
 from kvshuttle.client.channel import ChannelOptions
 
@@ -26,12 +26,23 @@ class ServiceConnection(BaseModel):
     cert_chain: Path | None = None
     private_key: Path | None = None
     tls_server_name: str | None = None
+    # This caller's bearer token (for a service that authenticates by tokens): inline, or a
+    # file holding it (a mounted secret; read when the channel is built).
+    token: SecretStr | None = None
+    token_file: Path | None = None
 
     @model_validator(mode="after")
     def _mtls_complete(self) -> Self:
         if (self.cert_chain is None) != (self.private_key is None):
             raise ValueError("cert_chain and private_key go together (mTLS)")
+        if self.token is not None and self.token_file is not None:
+            raise ValueError("token and token_file are alternatives")
         return self
+
+    def bearer_token(self) -> str | None:
+        if self.token_file is not None:
+            return self.token_file.read_text().strip()
+        return None if self.token is None else self.token.get_secret_value()
 
     def channel_options(self) -> ChannelOptions:
         return ChannelOptions(
@@ -43,4 +54,5 @@ class ServiceConnection(BaseModel):
             private_key=self.private_key,
             tls_server_name=self.tls_server_name,
             max_attempts=self.max_attempts,
+            token=self.bearer_token(),
         )

@@ -2,8 +2,9 @@
 kvshuttle.gateway.turns runs (PlanTurn -> prefill -> decode -> CommitTurn).
 
 Per request, here: authenticate (API key -> tenant), validate (kvshuttle.gateway.protocol),
-tokenize the prompt exactly as the engine would (kvshuttle.gateway.tokenizer), hand the turn to
-the runner, and answer: one JSON body, or server-sent events as decode streams (a failure after
+tokenize the prompt exactly as the engine would (kvshuttle.gateway.tokenizer), derive the turn's
+vLLM cache salt from the tenant (kvshuttle.gateway.salts), hand the turn to the runner, and
+answer: one JSON body, or server-sent events as decode streams (a failure after
 the first byte ends the stream with an error event). Errors are OpenAI-style bodies
 (kvshuttle.gateway.errors); a client that leaves mid-answer is logged with status 499. Every
 request ends with one `request.done` line (kvshuttle.gateway.request_log).
@@ -49,6 +50,7 @@ from kvshuttle.gateway.responses import (
     sse,
 )
 from kvshuttle.gateway.router_port import GrpcRouterPort
+from kvshuttle.gateway.salts import CacheSalts
 from kvshuttle.gateway.tokenizer import ChatTokenizer
 from kvshuttle.gateway.turns import ClientGone, Turn, TurnRunner
 
@@ -96,6 +98,8 @@ class Gateway:
         )
         self._content_format = {name: m.content_format for name, m in settings.models.items()}
         self._keys = {_key_digest(key): tenant for key, tenant in settings.tenant_keys().items()}
+        key = settings.cache_salt_key
+        self._salts = CacheSalts.from_key(None if key is None else key.get_secret_value().encode())
         self._engines = EngineClient(settings.engines)
         self._router = GrpcRouterPort(settings.router, tracer_provider=tracer_provider)
         self._background = BackgroundTasks()
@@ -279,6 +283,7 @@ class Gateway:
             prefill_params=treq.prefill_params,
             decode_params=treq.decode_params,
             arrived=start,
+            cache_salt=self._salts.salt(tenant, treq.cache_salt),
             stop_strings=treq.stop_strings,
         )
         try:

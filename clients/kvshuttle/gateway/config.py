@@ -16,6 +16,11 @@ engine would, so the token ids the router verifies are the ids vLLM computes.
 
 Without API keys every request belongs to tenant "default"; with them, a request must carry
 `Authorization: Bearer KEY` of a known key and belongs to that key's tenant.
+
+Each tenant's requests reach vLLM with a cache salt of their own (kvshuttle.gateway.salts), an
+HMAC under `KVSHUTTLE_GATEWAY_CACHE_SALT_KEY` (secret, at least 16 bytes). Set it in production,
+the same on every replica; unset, each process draws a random key and warns (tenants stay
+isolated, but KV is reused only within one gateway process).
 """
 
 from __future__ import annotations
@@ -90,6 +95,9 @@ class GatewaySettings(BaseSettings):
     api_keys: SecretStr | None = None
     # A file holding the same JSON object (a mounted secret); merged with api_keys.
     api_keys_file: Path | None = None
+    # HMAC key of the tenants' vLLM cache salts, at least 16 bytes; the same on every replica.
+    # Secret. None: a random key per process (logged as a warning at startup).
+    cache_salt_key: SecretStr | None = None
     # max_tokens of a request that sets none; None: the engine's default (up to the context).
     default_max_tokens: int | None = Field(default=None, ge=1)
     # Request bodies larger than this are refused (413).
@@ -126,6 +134,8 @@ class GatewaySettings(BaseSettings):
             if not name or len(name) > 256:
                 raise ValueError(f"model name {name[:300]!r} must be 1..256 characters")
         self.tenant_keys()  # a malformed key map fails at startup, not on the first request
+        if self.cache_salt_key is not None and len(self.cache_salt_key.get_secret_value().encode()) < 16:
+            raise ValueError("cache_salt_key needs at least 16 bytes")
         return self
 
     def tenant_keys(self) -> dict[str, str]:

@@ -20,9 +20,16 @@ __all__ = ["EnginePort", "RouterPort"]
 
 class RouterPort(Protocol):
     async def plan_turn(
-        self, model: str, prompt_token_ids: Iterable[int], *, conversation: str, request_id: str
+        self,
+        model: str,
+        prompt_token_ids: Iterable[int],
+        *,
+        conversation: str,
+        request_id: str,
+        cache_salt_sha256: bytes,
     ) -> pb.PlanTurnResponse:
-        """PlanTurn; `request_id` is its idempotency key."""
+        """PlanTurn; `request_id` is its idempotency key, `cache_salt_sha256` the SHA-256 of the
+        cache salt the engines get (b"": none)."""
         ...
 
     async def commit_turn(

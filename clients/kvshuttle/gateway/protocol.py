@@ -7,6 +7,10 @@ the KV transfer) to an engine. What the gateway cannot honour faithfully through
 token-id completion (tools, several choices, beam search, chat logprobs, prompt logprobs,
 truncation, echo) is refused with a 400 naming the parameter, not silently changed.
 
+`cache_salt` is never forwarded as sent: the engines get the tenant's salt, which folds the
+client's in (kvshuttle.gateway.salts), so a client can partition its own tenant's cache but never
+reach another tenant's.
+
 Text `stop` strings are passed through, with a cost: vLLM finds stop strings in its front end
 and then *aborts* the request in the engine, and an aborted decode retains nothing, so the
 conversation's next turn recomputes its whole prompt. Use `stop_token_ids` (or EOS) to keep
@@ -24,6 +28,7 @@ from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.limits import MAX_ID_LENGTH
 from kvshuttle.core.names import check_id
 from kvshuttle.gateway.errors import GatewayError
+from kvshuttle.gateway.salts import client_salt_problem
 from kvshuttle.gateway.tokenizer import RESERVED_TEMPLATE_KWARGS
 
 Kind = Literal["chat", "completions"]
@@ -99,6 +104,7 @@ _HANDLED = frozenset(
         "prompt_logprobs",
         "chat_template",
         "kv_transfer_params",
+        "cache_salt",
     }
 )
 
@@ -124,6 +130,8 @@ class TurnRequest:
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
     stop_strings: bool = False
+    # The client's own `cache_salt` (checked as vLLM checks it): folded into the tenant's salt.
+    cache_salt: str | None = None
     # Body fields the gateway neither uses nor forwards (logged, not refused: OpenAI clients
     # send many that mean nothing to vLLM).
     ignored: list[str] = field(default_factory=list)
@@ -379,6 +387,12 @@ def parse_request(
         stop_strings=stop_strings,
         ignored=sorted(k for k in body if k not in _HANDLED and k not in DECODE_PARAMS)[:20],
     )
+    salt = body.get("cache_salt")
+    if salt is not None:
+        problem = client_salt_problem(salt)
+        if problem is not None:
+            raise GatewayError.invalid(f"'cache_salt' {problem}", "cache_salt")
+        request.cache_salt = salt
     if kind == "chat":
         _chat_fields(request, body, content_format.get(model, "string"))
     else:

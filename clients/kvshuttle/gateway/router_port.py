@@ -51,11 +51,21 @@ class GrpcRouterPort:
         return self._client
 
     async def plan_turn(
-        self, model: str, prompt_token_ids: Iterable[int], *, conversation: str, request_id: str
+        self,
+        model: str,
+        prompt_token_ids: Iterable[int],
+        *,
+        conversation: str,
+        request_id: str,
+        cache_salt_sha256: bytes,
     ) -> pb.PlanTurnResponse:
         async with _failures():
             return await self.client.plan_turn(
-                model, prompt_token_ids, conversation=conversation, request_id=request_id
+                model,
+                prompt_token_ids,
+                conversation=conversation,
+                request_id=request_id,
+                cache_salt_sha256=cache_salt_sha256,
             )
 
     async def commit_turn(

@@ -3,16 +3,18 @@ AbortTurn), and the order of a conversation's turns. It knows no HTTP server and
 calls a RouterPort and an EnginePort (kvshuttle.gateway.ports) and streams decode's chunks to
 a DecodeSink, which kvshuttle.gateway.app implements over its HTTP response.
 
-1. PlanTurn(model, prompt ids, `tenants/{tenant}/conversations/{id}`, request id): placement,
-   and the `kv_transfer_params` prefill must get (with reuse: the retained KV, truncated to
-   the verified prefix). A conversation's turn plans only once its previous turn's commit, in
-   flight at this gateway, has landed, so it finds that turn's retention; a turn that reaches
-   another gateway replica first recomputes.
-2. Prefill: `/v1/completions` with the token-id prompt, `max_tokens: 1`, `stream: false` and the
-   plan's params. Its answer's `kv_transfer_params` go to decode unchanged, or none at all
-   (never a hand-made dict: decode would hold such a request's blocks forever).
-3. Decode: `/v1/completions` with the same prompt, P's params, `return_token_ids: true` and the
-   client's sampling; streamed to the sink as it comes, or answered whole.
+1. PlanTurn(model, prompt ids, `tenants/{tenant}/conversations/{id}`, request id, the SHA-256
+   of the turn's cache salt): placement, and the `kv_transfer_params` prefill must get (with
+   reuse: the retained KV, truncated to the verified prefix). A conversation's turn plans only
+   once its previous turn's commit, in flight at this gateway, has landed, so it finds that
+   turn's retention; a turn that reaches another gateway replica first recomputes.
+2. Prefill: `/v1/completions` with the token-id prompt, `max_tokens: 1`, `stream: false`, the
+   turn's `cache_salt` (the tenant's: kvshuttle.gateway.salts) and the plan's params. Its
+   answer's `kv_transfer_params` go to decode unchanged, or none at all (never a hand-made
+   dict: decode would hold such a request's blocks forever).
+3. Decode: `/v1/completions` with the same prompt and `cache_salt`, P's params,
+   `return_token_ids: true` and the client's sampling; streamed to the sink as it comes, or
+   answered whole.
 4. CommitTurn once decode has answered, in the background: the client's response does not
    wait for it. It carries decode's final `kv_transfer_params` (the non-streaming body, or the
    stream chunk that carries them: upstream 0.33, or 0.32 with the kvshuttle plugin; absent,
@@ -21,6 +23,13 @@ a DecodeSink, which kvshuttle.gateway.app implements over its HTTP response.
 
 Whatever ends a planned turn before its commit (an engine error, the client leaving, shutdown)
 aborts it, which releases a claimed retention, and goes on to the caller.
+
+A router that cannot be reached (PlanTurn fails UNAVAILABLE or DEADLINE_EXCEEDED) does not fail
+the turn: it runs plain P->D on the last prefill and decode endpoints a plan named for the model
+(remembered per model from every successful PlanTurn), prefill getting turn 1's params
+(`do_remote_decode: true, do_remote_prefill: false`, so decode still reads prefill's KV), with
+decision `recompute` and reason `router_unavailable`, and nothing to commit or abort (no turn
+handle). Only a model no plan ever placed gets the router's error (503).
 
 One module: a turn's steps, what each measures and when the turn must be aborted belong
 together (the Turn record, the engines' request bodies and the CommitTurn timings with them).
@@ -41,7 +50,9 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from kvshuttle.core.digest import log_name
 from kvshuttle.core.errors import InvalidArgument
+from kvshuttle.core.hashing import cache_salt_digest
 from kvshuttle.core.prototime import to_duration
 from kvshuttle.gateway.background import BackgroundTasks
 from kvshuttle.gateway.errors import GatewayError, RouterFailure, engine_error, router_error
@@ -52,9 +63,14 @@ from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
-__all__ = ["ClientGone", "DecodeSink", "Turn", "TurnRunner"]
+__all__ = ["ROUTER_UNAVAILABLE", "ClientGone", "DecodeSink", "Turn", "TurnRunner"]
 
 log = structlog.get_logger("kvshuttle.gateway")
+
+# The reason of a turn run without the router (X-Kvshuttle-Reason, the request.done line).
+ROUTER_UNAVAILABLE = "router_unavailable"
+# PlanTurn failures that mean the router could not answer: the turn runs plain P->D instead.
+_ROUTER_UNREACHABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -101,6 +117,8 @@ class Turn:
     decode_params: dict[str, Any]
     # When the request arrived: TTFT counts from here.
     arrived: float
+    # vLLM's `cache_salt` for both engines (the tenant's); "" for none. The router gets its SHA-256.
+    cache_salt: str = ""
     # The client sent text stop strings: decode retains nothing (said in the commit's log).
     stop_strings: bool = False
     # The plan's, once planned.
@@ -155,6 +173,9 @@ class TurnRunner:
         self._commit_wait_s = commit_wait_s
         # Conversation -> its latest turn's commit while in flight.
         self._commits: dict[str, asyncio.Task[None]] = {}
+        # Model -> the prefill and decode a plan last placed it on: where its turns run while
+        # the router cannot be reached (bounded by the gateway's configured models).
+        self._last_placement: dict[str, tuple[pb.Placement, pb.Placement]] = {}
 
     async def complete(self, turn: Turn) -> dict[str, Any]:
         """Run `turn` with a non-streaming decode; decode's answer (its output is in
@@ -192,19 +213,53 @@ class TurnRunner:
         started = time.perf_counter()
         try:
             plan = await self._router.plan_turn(
-                turn.model, turn.prompt_ids, conversation=turn.conversation, request_id=turn.request_id
+                turn.model,
+                turn.prompt_ids,
+                conversation=turn.conversation,
+                request_id=turn.request_id,
+                cache_salt_sha256=cache_salt_digest(turn.cache_salt) if turn.cache_salt else b"",
             )
         except RouterFailure as err:
             turn.plan_s = time.perf_counter() - started
+            placed = self._last_placement.get(turn.model)
+            if err.code in _ROUTER_UNREACHABLE and placed is not None:
+                return self._plain_pd(turn, err, placed)
             turn.outcome = "router_error"
             raise router_error(err) from None
         turn.plan_s = time.perf_counter() - started
+        if plan.prefill.http_endpoint and plan.decode.http_endpoint:
+            self._last_placement[turn.model] = (plan.prefill, plan.decode)
         turn.decision = _enum_name(pb.Decision.Name(plan.decision), "DECISION_")
         turn.reason = _enum_name(pb.DecisionReason.Name(plan.reason), "DECISION_REASON_")
         turn.generation, turn.reused_tokens = plan.generation, plan.reusable_tokens
         self._metrics.turns.labels(turn.decision, turn.reason).inc()
         self._metrics.reused_tokens.inc(plan.reusable_tokens)
         return plan
+
+    def _plain_pd(
+        self, turn: Turn, err: RouterFailure, placed: tuple[pb.Placement, pb.Placement]
+    ) -> pb.PlanTurnResponse:
+        """The turn's plan without the router: plain P->D on the model's last placement, with
+        no turn handle (nothing to commit or abort)."""
+        prefill, decode = placed
+        turn.decision, turn.reason = "recompute", ROUTER_UNAVAILABLE
+        self._metrics.turns.labels(turn.decision, turn.reason).inc()
+        log.warning(
+            "turn.router_unavailable",
+            code=err.code,
+            reason=err.reason,
+            prefill=prefill.node,
+            decode=decode.node,
+            request_id=turn.request_id,
+        )
+        return pb.PlanTurnResponse(
+            prefill=prefill,
+            decode=decode,
+            # As turn 1's: prefill computes and keeps its KV for decode to read.
+            prefill_kv_transfer_params=KvTransferParams(do_remote_decode=True, do_remote_prefill=False),
+            decision=pb.DECISION_RECOMPUTE,
+            tokens_to_compute=len(turn.prompt_ids),
+        )
 
     @asynccontextmanager
     async def _aborting(self, turn: Turn, plan: pb.PlanTurnResponse) -> AsyncIterator[None]:
@@ -217,7 +272,8 @@ class TurnRunner:
                 why = exc.message if isinstance(exc, GatewayError) else type(exc).__name__
                 if isinstance(exc, asyncio.CancelledError | ClientGone):
                     why = "client disconnected"
-                await self._abort(plan.turn, why)
+                if plan.turn:  # a turn run without the router holds nothing
+                    await self._abort(plan.turn, why)
                 if isinstance(exc, GatewayError):
                     engine = exc.status in (502, 504) or exc.code == "engine_rejected"
                     turn.outcome = "engine_error" if engine else "error"
@@ -251,6 +307,8 @@ class TurnRunner:
             "max_tokens": 1,
             "stream": False,
         }
+        if turn.cache_salt:
+            fields["cache_salt"] = turn.cache_salt
         if plan.HasField("prefill_kv_transfer_params"):
             fields["kv_transfer_params"] = to_vllm(plan.prefill_kv_transfer_params)
         with self._engine_span("prefill", plan.prefill) as span:
@@ -331,6 +389,9 @@ class TurnRunner:
         turn waits for it (in _plan)."""
         turn.settled = True
         turn.output_tokens = len(turn.output.token_ids)
+        if not plan.turn:  # run without the router: nothing to commit, decode's KV lapses
+            log.debug("turn.not_committed", reason=turn.reason, request_id=turn.request_id)
+            return
         call = self._commit_call(plan.turn, turn, _timings(turn))
         task = self._background.spawn(call, "commit")
         if conversation := turn.conversation:
@@ -376,7 +437,7 @@ class TurnRunner:
         self._metrics.commits.labels("stored" if result.retention else "nothing_retained").inc()
         log.info(
             "turn.committed",
-            retention=result.retention,
+            retention=log_name(result.retention),
             commit_ms=_ms(time.perf_counter() - started),
             request_id=turn.request_id,
         )
@@ -406,6 +467,8 @@ def _decode_body(
     turn: Turn, prompt_json: bytes, prefill_params: dict[str, Any] | None, *, stream: bool
 ) -> bytes:
     fields: dict[str, Any] = {"model": turn.model, **turn.decode_params, "return_token_ids": True}
+    if turn.cache_salt:
+        fields["cache_salt"] = turn.cache_salt  # the same as prefill's: D's cache is salted alike
     if prefill_params is not None:
         fields["kv_transfer_params"] = prefill_params
     if stream:

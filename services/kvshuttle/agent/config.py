@@ -36,7 +36,7 @@ from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.limits import MAX_EVENT_BATCHES
 from kvshuttle.core.names import check_id
-from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
+from kvshuttle.serving.settings import AuthSettings, ServerSettings, TelemetrySettings
 
 __all__ = [
     "AgentSettings",
@@ -157,6 +157,7 @@ class AgentSettings(BaseSettings):
 
     server: ServerSettings = ServerSettings(listen="127.0.0.1:50071")
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
     registry: ServiceConnection = Field(default_factory=lambda: ServiceConnection(address="127.0.0.1:50051"))
     node: NodeSettings
     lease: LeaseSettings = Field(default_factory=LeaseSettings)

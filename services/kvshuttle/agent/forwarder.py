@@ -66,6 +66,8 @@ def estimated_bytes(batch: EventBatch) -> int:
     for event in batch.events:
         if isinstance(event, BlockStored):
             size += 32 + 9 * len(event.block_hashes) + 5 * len(event.token_ids) + len(event.medium)
+            if event.cache_salt_sha256:
+                size += 2 + len(event.cache_salt_sha256)
         elif isinstance(event, BlockRemoved):
             size += 16 + 9 * len(event.block_hashes) + len(event.medium)
         else:

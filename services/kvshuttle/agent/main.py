@@ -14,6 +14,7 @@ import grpc
 import structlog
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from kvshuttle.agent import authz
 from kvshuttle.agent.agent import Agent
 from kvshuttle.agent.config import AgentSettings
 from kvshuttle.agent.metrics import AgentCollector
@@ -59,6 +60,8 @@ def build_server(
         register=register,
         service_names=[SERVICE],
         registry=prometheus,
+        auth=settings.auth,
+        policy=authz.policy,
     )
 
 

@@ -18,6 +18,8 @@ class ErrorCode(StrEnum):
     ABORTED = "ABORTED"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
 
 
 class KvshuttleError(Exception):
@@ -51,8 +53,8 @@ class InvalidArgument(KvshuttleError):
     code = ErrorCode.INVALID_ARGUMENT
     default_reason = ErrorReason.INVALID_ARGUMENT
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}", metadata={"field": field})
+    def __init__(self, field: str, message: str, *, reason: ErrorReason | None = None) -> None:
+        super().__init__(f"{field}: {message}", reason=reason, metadata={"field": field})
         self.field = field
 
 
@@ -81,3 +83,19 @@ class ResourceExhausted(KvshuttleError):
 class Unavailable(KvshuttleError):
     code = ErrorCode.UNAVAILABLE
     default_reason = ErrorReason.UNAVAILABLE
+
+
+class Unauthenticated(KvshuttleError):
+    """The caller presented no identity the service accepts (no token, an unknown token, no
+    verified client certificate, or one whose identity is not configured)."""
+
+    code = ErrorCode.UNAUTHENTICATED
+    default_reason = ErrorReason.UNAUTHENTICATED
+
+
+class PermissionDenied(KvshuttleError):
+    """The caller is known but may not do this: its role lacks the permission (metadata
+    "permission"), or the tenant or node named is outside its scope."""
+
+    code = ErrorCode.PERMISSION_DENIED
+    default_reason = ErrorReason.PERMISSION_MISSING

@@ -5,6 +5,11 @@ H(hash of block i-1, tokens of block i), with H = BLAKE2b-64 over the parent has
 (8 bytes, little-endian) followed by the block's tokens (uint32, little-endian). Equal
 hashes at position i mean equal tokens in blocks 0..i, so the longest common run of two
 chains is the verified common prefix. A trailing partial block has no hash.
+
+A chain starts from a root: ROOT_HASH for a plain prompt, `salted_root` of the prompt's vLLM
+`cache_salt` (by its SHA-256, `cache_salt_digest`) for a salted one, so chains of equal tokens
+under different salts never share a hash (as vLLM's own block hashes do not), and a per-adapter
+root for LoRA (`chain_root`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ _U64 = 0xFFFFFFFFFFFFFFFF
 # The parent from which LoRA chain roots are derived; a fixed tag, so no LoRA root equals
 # ROOT_HASH or a base-model block's hash (short of a 64-bit collision).
 _LORA_DOMAIN = int.from_bytes(hashlib.blake2b(b"kvshuttle/lora-root/v1", digest_size=8).digest(), "little")
+# Domain tags of the roots derived from a cache salt's digest (plain, and under a LoRA adapter).
+_SALT_TAG = b"kvshuttle/salted-root/v1\x00"
+_LORA_SALT_TAG = b"kvshuttle/lora-salted-root/v1\x00"
+SALT_DIGEST_BYTES = 32
 TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
 Chain = Sequence[int] | npt.NDArray[np.uint64]
 
@@ -100,13 +109,45 @@ def common_prefix_blocks(
     return int(differ[0]) if differ.size else n
 
 
-def chain_root(lora_id: int | None) -> int:
+def cache_salt_digest(salt: str) -> bytes:
+    """SHA-256 of a vLLM `cache_salt` (UTF-8): what stands for the salt outside the engines (the
+    router's PlanTurn, the agent's block events), so the salt itself never leaves them."""
+    return hashlib.sha256(salt.encode()).digest()
+
+
+def _salted(salt_digest: bytes) -> bool:
+    """Whether a digest names a salt (b"": none). Raises ValueError for a malformed one."""
+    if len(salt_digest) not in (0, SALT_DIGEST_BYTES):
+        raise ValueError(f"a cache salt digest is {SALT_DIGEST_BYTES} bytes (SHA-256), or empty for none")
+    return bool(salt_digest)
+
+
+def _root_of(tag: bytes, payload: bytes) -> int:
+    root = int.from_bytes(hashlib.blake2b(tag + payload, digest_size=8).digest(), "little")
+    return root if root != ROOT_HASH else 1  # never the unsalted root, even by a 2**-64 chance
+
+
+def salted_root(salt_digest: bytes) -> int:
+    """The root a prompt sent with a vLLM `cache_salt` chains from, given the salt's
+    `cache_salt_digest`: ROOT_HASH for b"" (no salt); otherwise BLAKE2b-64 of a domain tag and
+    the digest, never ROOT_HASH, so a chain under one salt never verifies for another salt or for
+    none. Raises ValueError for a digest that is neither empty nor 32 bytes.
+    """
+    if not _salted(salt_digest):
+        return ROOT_HASH
+    return _root_of(_SALT_TAG, salt_digest)
+
+
+def chain_root(lora_id: int | None, salt_digest: bytes = b"") -> int:
     """The chain hash a sequence's first block chains from: ROOT_HASH for the base model,
-    a per-adapter root for blocks cached under LoRA adapter `lora_id`.
+    a per-adapter root for blocks cached under LoRA adapter `lora_id`, each salted by the
+    prompt's `cache_salt` when `salt_digest` (its `cache_salt_digest`) is given.
 
     To look up a LoRA prompt: `chain_hashes(tokens, block_size, parent=chain_root(lora_id))`.
     """
     if lora_id is None:
-        return ROOT_HASH
+        return salted_root(salt_digest)
     v = lora_id & _U64  # int64 or uint64 alike
+    if _salted(salt_digest):
+        return _root_of(_LORA_SALT_TAG, salt_digest + v.to_bytes(8, "little"))
     return block_hash(_LORA_DOMAIN, (v & _U32, v >> 32))

@@ -26,6 +26,10 @@ class BlockStored:
     block_size: int
     lora_id: int | None
     medium: str
+    # SHA-256 of the cache_salt the sequence's first block was stored under (vLLM reports the
+    # salt in that block's `extra_keys`); b"" for none, and for every event whose first block is
+    # not a sequence's first (its parent carries the salt down the chain).
+    cache_salt_sha256: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

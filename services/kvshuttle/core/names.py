@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from kvshuttle.core.errors import InvalidArgument
-from kvshuttle.core.limits import MAX_ID_LENGTH
+from kvshuttle.core.limits import MAX_GENERATION, MAX_ID_LENGTH
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._~:-]*")
 
@@ -94,8 +94,17 @@ def parse_retention(name: str, field: str = "name", *, max_length: int = MAX_ID_
             field, "must be tenants/{tenant}/conversations/{conversation}/retentions/{generation}"
         )
     generation = parts[5]
-    if not generation.isdigit() or len(generation) > 20 or int(generation) == 0:
-        raise InvalidArgument(field, "generation must be a positive integer")
+    # ASCII digits only (str.isdigit() also takes superscript, Arabic-Indic and fullwidth digits,
+    # which int() then reads or refuses), canonical (no leading zero),
+    # and a generation the registry can store (limits.MAX_GENERATION).
+    if (
+        not generation.isascii()
+        or not generation.isdigit()
+        or generation[0] == "0"
+        or len(generation) > len(str(MAX_GENERATION))
+        or int(generation) > MAX_GENERATION
+    ):
+        raise InvalidArgument(field, f"generation must be an integer in 1..{MAX_GENERATION}")
     conversation = ConversationName(
         check_id(parts[1], field, max_length=max_length), check_id(parts[3], field, max_length=max_length)
     )
@@ -111,3 +120,11 @@ def parse_tenant_or_conversation(
         return parse_tenant(name, field, max_length=max_length), None
     conv = parse_conversation(name, field, max_length=max_length)
     return conv.tenant, conv.conversation
+
+
+def tenant_of(name: str) -> str | None:
+    """The tenant a resource name starts with (tenants/{tenant}/...), without validating the rest;
+    None for a name of another shape. For scoping a caller before its request is parsed: a
+    malformed name is refused by the parse that follows."""
+    parts = name.split("/", 2)
+    return parts[1] if len(parts) >= 2 and parts[0] == "tenants" and parts[1] else None

@@ -21,10 +21,18 @@ class ErrorReason(StrEnum):
     ABORTED = "ABORTED"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
+    # Identity and authorization (kvshuttle.core.auth): every service.
+    UNAUTHENTICATED = "UNAUTHENTICATED"  # no identity the service accepts
+    PERMISSION_MISSING = "PERMISSION_MISSING"  # the role lacks it: metadata["permission"]
+    TENANT_NOT_IN_SCOPE = "TENANT_NOT_IN_SCOPE"  # metadata["tenant"]
+    NODE_NOT_IN_SCOPE = "NODE_NOT_IN_SCOPE"  # an agent acting for another node: metadata["node"]
+    MESSAGE_TOO_LARGE = "MESSAGE_TOO_LARGE"  # a request over the server's limit: metadata["limit"]
     # Nodes.
     NODE_NOT_FOUND = "NODE_NOT_FOUND"  # no live lease of that node: register again
     NODE_INCARNATION_MISMATCH = "NODE_INCARNATION_MISMATCH"  # a newer registration replaced it
-    NODE_MISMATCH = "NODE_MISMATCH"  # a retention names another model or block size than its node
+    # A retention's model, block size, engine id or side channel (kv_transfer_params'
+    # remote_engine_id, remote_host, remote_port) is not its node's as registered.
+    NODE_MISMATCH = "NODE_MISMATCH"
     # Retentions and conversations.
     RETENTION_NOT_FOUND = "RETENTION_NOT_FOUND"
     RETENTION_EXPIRED = "RETENTION_EXPIRED"
@@ -33,6 +41,8 @@ class ErrorReason(StrEnum):
     CLAIM_MISMATCH = "CLAIM_MISMATCH"  # the claim id given is not the retention's claim
     PIN_EXPIRED = "PIN_EXPIRED"  # the engine's own pin on the blocks has passed
     FENCING_GENERATION_STALE = "FENCING_GENERATION_STALE"  # a newer generation was stored
+    # A request_id seen before with another request body (AIP-155): metadata["field"] "request_id".
+    REQUEST_ID_REUSED = "REQUEST_ID_REUSED"
     CONVERSATION_NOT_FOUND = "CONVERSATION_NOT_FOUND"
     # Capacity and lifecycle.
     CAPACITY_EXCEEDED = "CAPACITY_EXCEEDED"  # a bounded table or tenant quota is full
@@ -51,11 +61,25 @@ class ErrorReason(StrEnum):
     REGISTRY_ANSWER_MISMATCH = "REGISTRY_ANSWER_MISMATCH"
 
 
-# The reasons each service's RPCs return (beyond the generic ones), as its proto lists them.
+# Every service authenticates and authorizes each call and bounds its requests
+# (kvshuttle.serving.interceptor).
+_AUTH: Final = frozenset(
+    {
+        ErrorReason.MESSAGE_TOO_LARGE,
+        ErrorReason.UNAUTHENTICATED,
+        ErrorReason.PERMISSION_MISSING,
+        ErrorReason.TENANT_NOT_IN_SCOPE,
+        ErrorReason.NODE_NOT_IN_SCOPE,
+    }
+)
+
+# The reasons each service's RPCs return, as its proto lists them.
 SERVICE_REASONS: Final[dict[str, frozenset[ErrorReason]]] = {
-    "registry": frozenset(
+    "registry": _AUTH
+    | frozenset(
         {
             ErrorReason.INVALID_ARGUMENT,
+            ErrorReason.REQUEST_ID_REUSED,
             ErrorReason.NODE_NOT_FOUND,
             ErrorReason.NODE_INCARNATION_MISMATCH,
             ErrorReason.NODE_MISMATCH,
@@ -72,9 +96,12 @@ SERVICE_REASONS: Final[dict[str, frozenset[ErrorReason]]] = {
             ErrorReason.SHUTTING_DOWN,
         }
     ),
-    "router": frozenset(
+    "router": _AUTH
+    | frozenset(
         {
             ErrorReason.INVALID_ARGUMENT,
+            ErrorReason.REQUEST_ID_REUSED,
+            ErrorReason.NODE_MISMATCH,  # decode's params name another engine than the planned node
             ErrorReason.TURN_NOT_FOUND,
             ErrorReason.TURN_EXPIRED,
             ErrorReason.TURN_FINISHED,
@@ -85,7 +112,7 @@ SERVICE_REASONS: Final[dict[str, frozenset[ErrorReason]]] = {
         }
     ),
     # GetStatus takes no input; the NIXL moves answer UNIMPLEMENTED until the block pool lands.
-    "agent": frozenset(),
+    "agent": _AUTH,
 }
 
 # Raised and handled inside one service, never returned by an RPC.

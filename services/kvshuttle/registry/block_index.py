@@ -8,7 +8,8 @@ them, so the index re-keys every block by kvshuttle's chain:
 
     chain(block) = block_hash(chain(parent), tokens of block)
 
-with the chain root `chain_root(lora_id)` for a sequence's first block. Per node it keeps
+with the chain root `chain_root(lora_id, cache_salt_sha256)` for a sequence's first block. Per
+node it keeps
 vLLM hash -> chain hash (to resolve the parents of later events and to apply removals),
 and one global map chain hash -> nodes holding it (a bit mask over node slots), which
 `lookup` walks, AND-ing masks down the chain until no node is left.
@@ -28,9 +29,18 @@ engine's integer id for the adapter, assigned per serving process, so the same a
 get different ids on different nodes: a lookup by LoRA (not offered yet) would need the
 adapter's name in the events to be reliable across nodes.
 
-Not in the chain: vLLM's other extra keys (multimodal input hashes, `cache_salt`) are not
-carried by the events as the registry receives them. Blocks that differ only by those keys
-get the same chain hash, so the index can over-report a hit for them; it is a hint only.
+Cache salts: vLLM folds a request's `cache_salt` into its first block's hash, so blocks stored
+under one salt never serve a prompt under another. Its BlockStored events say so: the first
+block's `extra_keys` carry the salt (vLLM 0.32 and later), and the agent forwards its SHA-256.
+The index roots such a sequence at `salted_root(digest)`, as the router roots a prompt sent
+with that salt (`PlanTurnRequest.cache_salt_sha256`): a salted prompt's lookup finds only blocks
+stored under its own salt, so one tenant's plan never reflects what another tenant has cached.
+Events without the digest (an older agent) are keyed unsalted: salted prompts then find none of
+those blocks, and unsalted ones may over-count.
+
+Not in the chain: vLLM's other extra keys (multimodal input hashes) are not carried by the
+events as the registry receives them. Blocks that differ only by those keys get the same chain
+hash, so the index can over-report a hit for them; it is a hint only.
 
 Memory: per block, one entry in the node's vLLM-hash dict (two ints) and, per distinct
 chain hash, one entry in the global map whose value is a small int (the holders' bits; a
@@ -65,7 +75,7 @@ class BlockIndexStats:
     total_blocks: int  # indexed blocks, all nodes (a block held in two media counts twice)
     distinct_chains: int  # distinct chain hashes held by any node
     unkeyed_blocks: int  # stored blocks skipped: their parent was unknown on the node
-    malformed_events: int  # BlockStored events skipped: token count or token ids invalid
+    malformed_events: int  # BlockStored events skipped: token count, token ids or salt digest invalid
     dropped_over_capacity: int  # stored blocks skipped: the node was at max_blocks_per_node
 
 
@@ -236,7 +246,11 @@ class BlockIndex:
             self._malformed += 1
             return
         if event.parent_block_hash is None:
-            parent = chain_root(event.lora_id)
+            try:
+                parent = chain_root(event.lora_id, event.cache_salt_sha256)
+            except ValueError:  # a salt digest of the wrong length
+                self._malformed += 1
+                return
         else:
             found = self._resolve(state, event.parent_block_hash, event.medium)
             if found is None:

@@ -10,7 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.memory_store import StoreLimits
-from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
+from kvshuttle.serving.settings import AuthSettings, ServerSettings, TelemetrySettings
 
 
 class RegistrySettings(BaseSettings):
@@ -20,6 +20,7 @@ class RegistrySettings(BaseSettings):
 
     server: ServerSettings = Field(default_factory=lambda: ServerSettings(listen="127.0.0.1:50051"))
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
     limits: RegistryLimits = Field(default_factory=RegistryLimits)
     store_limits: StoreLimits = Field(default_factory=StoreLimits)
     # Blocks indexed per node before new BlockStored events are dropped.

@@ -1,19 +1,28 @@
 """Protobuf <-> registry domain records. Pure translation: bounds are the domain's job, except
-where a value cannot even be represented (an unknown enum, a malformed nested message)."""
+where a value cannot even be represented (an unknown enum, a malformed nested message, a
+Timestamp outside protobuf's range) and what only the wire format shows (the bounds on
+kv_transfer_params' pass-through `extra`). The holder a retention's params name is read here and
+handed to the domain as plain values (model.Holder): the domain keeps the params opaque."""
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Sequence
 
 from kvshuttle.client.registry_convert import ROLE_FROM_PB, spec_to_pb
 from kvshuttle.core import kv_events as ev
 from kvshuttle.core.errors import InvalidArgument
+from kvshuttle.core.hashing import SALT_DIGEST_BYTES
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
-from kvshuttle.core.prototime import from_timestamp, to_timestamp
-from kvshuttle.registry.model import ChangeKind, Node, Retention, RetentionChange
+from kvshuttle.core.prototime import timestamp_seconds, to_timestamp
+from kvshuttle.registry.model import ChangeKind, Holder, Node, Retention, RetentionChange
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
+from kvshuttle.vllm.kv_transfer_params import check_extra
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
+
+_UINT64_MAX = 2**64 - 1
+_UINT32_MAX = 2**32 - 1
 
 CHANGE_TO_PB = {
     ChangeKind.PUT: pb.RETENTION_CHANGE_PUT,
@@ -73,14 +82,34 @@ def node_to_pb(node: Node, indexed_blocks: int = 0) -> pb.Node:
     out.incarnation = node.incarnation
     out.register_time.CopyFrom(to_timestamp(node.register_time))
     out.expire_time.CopyFrom(to_timestamp(node.expire_at))
-    out.retained_bytes = node.retained_bytes
-    out.retention_count = node.retention_count
+    # Sums over the node's retentions: each is bounded, so these fit; saturated all the same, so
+    # that no configuration of the bounds can make a node unlistable.
+    out.retained_bytes = min(node.retained_bytes, _UINT64_MAX)
+    out.retention_count = min(node.retention_count, _UINT32_MAX)
     out.indexed_blocks = indexed_blocks
     return out
 
 
+def holder_from_pb(params: KvTransferParams) -> Holder:
+    """Who decode's params send readers to; an unset field is "" or 0 (names no node). Interned:
+    a node's many retentions share one engine id and host string."""
+    return Holder(
+        engine_id=sys.intern(params.remote_engine_id),
+        side_channel_host=sys.intern(params.remote_host),
+        side_channel_port=params.remote_port,
+    )
+
+
 def retention_from_pb(r: pb.Retention) -> Retention:
     """The input fields of a retention; the name is set by the domain from the parent."""
+    params = r.kv_transfer_params if r.HasField("kv_transfer_params") else None
+    if params is not None:
+        check_extra(params, "retention.kv_transfer_params")
+    pin = (
+        timestamp_seconds(r.pin_expire_time, "retention.pin_expire_time")
+        if r.HasField("pin_expire_time")
+        else None
+    )
     return Retention(
         name="",
         node=r.node,
@@ -89,11 +118,10 @@ def retention_from_pb(r: pb.Retention) -> Retention:
         block_size=r.block_size,
         num_tokens=r.num_tokens,
         block_hashes=array("Q", r.block_hashes),
-        kv_transfer_params=r.kv_transfer_params.SerializeToString(deterministic=True)
-        if r.HasField("kv_transfer_params")
-        else b"",
+        kv_transfer_params=params.SerializeToString(deterministic=True) if params is not None else b"",
         kv_bytes=r.kv_bytes,
-        pin_expire_at=from_timestamp(r.pin_expire_time) if r.HasField("pin_expire_time") else None,
+        pin_expire_at=pin,
+        holder=holder_from_pb(params) if params is not None else None,
     )
 
 
@@ -134,6 +162,15 @@ def change_to_pb(change: RetentionChange) -> pb.WatchRetentionsResponse:
     )
 
 
+def _salt_digest(digest: bytes, batch: int, event: int) -> bytes:
+    if len(digest) not in (0, SALT_DIGEST_BYTES):
+        raise InvalidArgument(
+            f"batches[{batch}].events[{event}].cache_salt_sha256",
+            f"must be {SALT_DIGEST_BYTES} bytes (SHA-256 of the cache salt) or empty",
+        )
+    return digest
+
+
 def event_batches_from_pb(batches: Sequence[pb.BlockEventBatch]) -> list[ev.EventBatch]:
     out: list[ev.EventBatch] = []
     for i, batch in enumerate(batches):
@@ -150,6 +187,7 @@ def event_batches_from_pb(batches: Sequence[pb.BlockEventBatch]) -> list[ev.Even
                         block_size=s.block_size,
                         lora_id=s.lora_id if s.HasField("lora_id") else None,
                         medium=s.medium,
+                        cache_salt_sha256=_salt_digest(s.cache_salt_sha256, i, j),
                     )
                 )
             elif kind == "removed":

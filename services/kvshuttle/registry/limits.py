@@ -40,6 +40,7 @@ class RegistryLimits:
     max_block_hashes: int = limits.MAX_BLOCK_HASHES
     max_kv_transfer_params_bytes: int = limits.MAX_KV_TRANSFER_PARAMS_BYTES
     max_num_tokens: int = limits.MAX_NUM_TOKENS
+    max_kv_bytes: int = limits.MAX_KV_BYTES
     max_page_size: int = 1000
     default_page_size: int = 100
     max_event_batches: int = limits.MAX_EVENT_BATCHES

@@ -10,6 +10,7 @@ import structlog
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvshuttle.core.clock import Clock, SystemClock
+from kvshuttle.registry import authz
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RegistrySettings
 from kvshuttle.registry.memory_store import InMemoryStore
@@ -47,6 +48,8 @@ def build_server(
         service_names=[SERVICE],
         registry=prometheus,
         on_stopping=registry.close,
+        auth=settings.auth,
+        policy=authz.policy,
     )
 
 

@@ -4,6 +4,13 @@ cohesive thing: the store contract (kvshuttle.registry.store) over dicts and one
 Expiry runs off one min-heap of (deadline, kind, name) entries. Renewals push a new entry and
 leave the old one in place; a popped entry whose record has moved on is skipped, and the heap
 is rebuilt when stale entries outnumber live ones.
+
+Memory is bounded by bytes as well as counts: retentions by `max_retentions` (and the request
+bounds on each); request ids by the idempotency cache's entries, bytes and age
+(kvshuttle.registry.idempotency); fences of conversations without a retention ("lingering",
+kept `fence_ttl` to refuse a late commit of an older turn) by count and bytes, the oldest
+forgotten first when either bound is reached (a stale commit it would have refused is then
+stored, which the router's verification still never serves as wrong KV).
 """
 
 from __future__ import annotations
@@ -14,18 +21,25 @@ import heapq
 import math
 import uuid
 from collections import OrderedDict
-from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
 
 from kvshuttle.core.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
 from kvshuttle.core.reasons import ErrorReason
+from kvshuttle.registry.idempotency import (
+    ClaimAnswer,
+    IdempotencyCache,
+    PutAnswer,
+    claim_fingerprint,
+    put_fingerprint,
+    reused,
+)
 from kvshuttle.registry.model import (
     ChangeKind,
     Claim,
     Conversation,
     ExpiryResult,
+    Holder,
     Node,
     NodeExpiry,
     PutResult,
@@ -45,8 +59,21 @@ class StoreLimits:
     # How long a conversation's fencing generation outlives its last retention, so a late
     # commit of an older turn is still rejected.
     fence_ttl: float = 3600.0
+    # Lingering fences (their conversation holds no retention), by count and estimated bytes.
+    max_lingering_fences: int = 1_000_000
+    lingering_fence_max_bytes: int = 128 * 2**20
+    # Request ids remembered (fingerprint and compact first answer), by age, count and bytes.
     idempotency_ttl: float = 600.0
     idempotency_max_entries: int = 100_000
+    idempotency_max_bytes: int = 64 * 2**20
+
+
+# Bytes one lingering fence costs beyond its name's characters: the name's string object, its
+# _Fence, the dict and OrderedDict entries (measured with tracemalloc on CPython 3.11: 334 bytes
+# with a 63-character name).
+FENCE_OVERHEAD = 280
+
+_PUT, _CLAIM = "put", "claim"
 
 
 @dataclass(slots=True)
@@ -55,34 +82,16 @@ class _Fence:
     forget_at: float
 
 
-class _IdempotencyCache:
-    """First responses by (operation, request_id), bounded in count and age."""
-
-    def __init__(self, ttl: float, max_entries: int) -> None:
-        self._ttl = ttl
-        self._max = max_entries
-        self._entries: OrderedDict[Hashable, tuple[float, Any]] = OrderedDict()
-
-    def get(self, key: Hashable, now: float) -> Any | None:
-        hit = self._entries.get(key)
-        if hit is None:
-            return None
-        if hit[0] <= now:
-            del self._entries[key]
-            return None
-        return hit[1]
-
-    def put(self, key: Hashable, value: Any, now: float) -> None:
-        self._entries[key] = (now + self._ttl, value)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self._max:
-            self._entries.popitem(last=False)
-        # Entries are added in time order, so the oldest are at the front.
-        while self._entries:
-            first = next(iter(self._entries.values()))
-            if first[0] > now:
-                break
-            self._entries.popitem(last=False)
+def _holder_mismatch(holder: Holder | None, spec: NodeSpec) -> str | None:
+    """The first kv_transfer_params field that does not name the node as registered, or None."""
+    registered = Holder.of(spec)
+    if holder is None or holder.engine_id != registered.engine_id:
+        return "retention.kv_transfer_params.remote_engine_id"
+    if holder.side_channel_host != registered.side_channel_host:
+        return "retention.kv_transfer_params.remote_host"
+    if holder.side_channel_port != registered.side_channel_port:
+        return "retention.kv_transfer_params.remote_port"
+    return None
 
 
 def _snapshot_node(node: Node) -> Node:
@@ -101,11 +110,17 @@ class InMemoryStore:
         self._retentions: dict[str, Retention] = {}
         self._by_conversation: dict[str, str] = {}
         self._fences: dict[str, _Fence] = {}
+        # Conversations whose fence outlives their last retention, oldest first, and their bytes.
+        self._lingering: OrderedDict[str, int] = OrderedDict()
+        self._lingering_bytes = 0
+        self._fences_forgotten_early = 0
         # Sorted retention names per tenant, for stable paging.
         self._tenant_names: dict[str, list[str]] = {}
         self._heap: list[tuple[float, int, str]] = []
-        self._idempotency = _IdempotencyCache(
-            self._limits.idempotency_ttl, self._limits.idempotency_max_entries
+        self._idempotency = IdempotencyCache(
+            self._limits.idempotency_ttl,
+            self._limits.idempotency_max_entries,
+            self._limits.idempotency_max_bytes,
         )
         # Incarnations grow across registry restarts too (callers seed the base from the clock).
         self._next_incarnation = incarnation_base + 1
@@ -202,26 +217,17 @@ class InMemoryStore:
     async def put_retention(
         self, retention: Retention, ttl: float, now: float, *, request_id: str
     ) -> tuple[PutResult, list[RetentionChange]]:
-        # Scoped by the target: another conversation (or tenant) reusing an id gets its own answer.
-        key = ("put", retention.name, request_id)
+        # Scoped by the target, the request's parent: another conversation (or tenant) reusing an
+        # id gets its own answer; another generation under the same id is another body.
+        key = (_PUT, retention.conversation, request_id)
+        fingerprint = put_fingerprint(retention) if request_id else b""
         if request_id:
-            cached: PutResult | None = self._idempotency.get(key, now)
-            if cached is not None:
-                return cached, []
-        node = self._nodes.get(retention.node)
-        if node is None:
-            raise FailedPrecondition(
-                f"node {retention.node} is not registered",
-                reason=ErrorReason.NODE_NOT_FOUND,
-                metadata={"node": retention.node},
-            )
-        if node.spec.model != retention.model or node.spec.block_size != retention.block_size:
-            raise FailedPrecondition(
-                f"node {retention.node} serves model {node.spec.model!r} with block size "
-                f"{node.spec.block_size}, not {retention.model!r} / {retention.block_size}",
-                reason=ErrorReason.NODE_MISMATCH,
-                metadata={"node": retention.node},
-            )
+            first = self._idempotency.get(key, now)
+            if first is not None:
+                if not isinstance(first, PutAnswer) or first.fingerprint != fingerprint:
+                    raise reused()
+                return self._first_put(retention, first), []
+        node = self._holding_node(retention)
         conversation = retention.conversation
         fence = self._fences.get(conversation)
         if fence is not None and retention.generation <= fence.generation:
@@ -254,11 +260,8 @@ class InMemoryStore:
                 )
         # Everything is checked: from here on nothing raises.
         changes: list[RetentionChange] = []
-        replaced: Retention | None = None
         if old_name is not None:
-            old_change = self._remove_retention(old_name, ChangeKind.REPLACED, now)
-            replaced = old_change.retention
-            changes.append(old_change)
+            changes.append(self._remove_retention(old_name, ChangeKind.REPLACED, now))
         record = _snapshot(retention)
         record.create_time = now
         record.expire_at = expire_at
@@ -271,12 +274,55 @@ class InMemoryStore:
         bisect.insort(self._tenant_names.setdefault(tenant, []), record.name)
         # The fence lives as long as a retention does; its own timer starts when the last goes.
         self._fences[conversation] = _Fence(record.generation, math.inf)
+        self._stop_lingering(conversation)
         self._push(expire_at, _RETENTION, record.name)
-        result = PutResult(_snapshot(record), replaced)
+        result = PutResult(_snapshot(record), old_name or "")
         changes.append(RetentionChange(ChangeKind.PUT, result.retention, now))
         if request_id:
-            self._idempotency.put(key, result, now)
+            answer = PutAnswer(fingerprint, record.name, now, expire_at, record.pin_expire_at, old_name or "")
+            self._idempotency.put(key, answer, now)
         return result, changes
+
+    def _holding_node(self, retention: Retention) -> Node:
+        """The live node that holds `retention`'s blocks, and only if the retention is its own:
+        its model and block size, and params that name it as registered."""
+        node = self._nodes.get(retention.node)
+        if node is None:
+            raise FailedPrecondition(
+                f"node {retention.node} is not registered",
+                reason=ErrorReason.NODE_NOT_FOUND,
+                metadata={"node": retention.node},
+            )
+        if node.spec.model != retention.model or node.spec.block_size != retention.block_size:
+            raise FailedPrecondition(
+                f"node {retention.node} serves model {node.spec.model!r} with block size "
+                f"{node.spec.block_size}, not {retention.model!r} / {retention.block_size}",
+                reason=ErrorReason.NODE_MISMATCH,
+                metadata={"node": retention.node},
+            )
+        # KV is read only from nodes the registry knows: the params must send readers to this
+        # node's engine and side channel as registered, never to a host of the caller's choosing.
+        mismatch = _holder_mismatch(retention.holder, node.spec)
+        if mismatch is not None:
+            raise FailedPrecondition(
+                f"retention.kv_transfer_params do not name node {retention.node} as registered "
+                f"({mismatch.rsplit('.', 1)[-1]} differs)",
+                reason=ErrorReason.NODE_MISMATCH,
+                metadata={"node": retention.node, "field": mismatch},
+            )
+        return node
+
+    @staticmethod
+    def _first_put(retention: Retention, first: PutAnswer) -> PutResult:
+        """The first response to a repeated put, rebuilt from the repeat (same fingerprint: the
+        same retention) and what the first one set."""
+        record = _snapshot(retention)
+        record.name = first.name
+        record.create_time = first.create_time
+        record.expire_at = first.expire_at
+        record.pin_expire_at = first.pin_expire_at
+        record.claim = None
+        return PutResult(record, first.replaced)
 
     def _retention(self, name: str) -> Retention:
         record = self._retentions.get(name)
@@ -339,11 +385,14 @@ class InMemoryStore:
     async def claim_retention(
         self, name: str, holder: str, claim_ttl: float, now: float, *, request_id: str
     ) -> tuple[Retention, list[RetentionChange]]:
-        key = ("claim", name, request_id)
+        key = (_CLAIM, name, request_id)
+        fingerprint = claim_fingerprint(holder) if request_id else b""
         if request_id:
-            cached: Retention | None = self._idempotency.get(key, now)
-            if cached is not None:
-                return cached, []
+            first = self._idempotency.get(key, now)
+            if first is not None:
+                if not isinstance(first, ClaimAnswer) or first.fingerprint != fingerprint:
+                    raise reused()
+                return self._first_claim(name, request_id, first), []
         record = self._retention(name)
         self._check_claimable(record, now)
         record.claim = Claim(uuid.uuid4().hex, holder, now, now + claim_ttl)
@@ -352,8 +401,21 @@ class InMemoryStore:
         self._push(record.expire_at, _RETENTION, name)
         snapshot = _snapshot(record)
         if request_id:
-            self._idempotency.put(key, snapshot, now)
+            self._idempotency.put(key, ClaimAnswer(fingerprint, record.claim.claim_id), now)
         return snapshot, [RetentionChange(ChangeKind.CLAIMED, snapshot, now)]
+
+    def _first_claim(self, name: str, request_id: str, first: ClaimAnswer) -> Retention:
+        """The retention a repeated claim took, as it is now: a claim is never renewed or given
+        back, so while the retention lives it is the first answer. Once it is gone (released,
+        lapsed), the claim has ended: RETENTION_NOT_FOUND."""
+        record = self._retentions.get(name)
+        if record is None or record.claim is None or record.claim.claim_id != first.claim_id:
+            raise NotFound(
+                f"retention {name} is gone: the claim request {request_id} made has ended",
+                reason=ErrorReason.RETENTION_NOT_FOUND,
+                metadata={"retention": name},
+            )
+        return _snapshot(record)
 
     async def release_retention(
         self, name: str, claim_id: str, force: bool, now: float
@@ -399,6 +461,7 @@ class InMemoryStore:
         if fence is not None:
             fence.forget_at = now + self._limits.fence_ttl
             self._push(fence.forget_at, _FENCE, conversation)
+            self._linger(conversation)
         names = self._tenant_names[record.tenant]
         del names[bisect.bisect_left(names, name)]
         if not names:
@@ -406,6 +469,32 @@ class InMemoryStore:
         if record.claim is not None:
             self._claimed -= 1
         return RetentionChange(kind, record, now)
+
+    # ---- fences ----------------------------------------------------------------------------
+
+    def _linger(self, conversation: str) -> None:
+        """The conversation's fence outlives its last retention: counted against the lingering
+        bounds, and the oldest lingering fences forgotten while either is exceeded."""
+        if conversation in self._lingering:
+            self._lingering.move_to_end(conversation)
+        else:
+            size = FENCE_OVERHEAD + len(conversation)
+            self._lingering[conversation] = size
+            self._lingering_bytes += size
+        limits = self._limits
+        while self._lingering and (
+            len(self._lingering) > limits.max_lingering_fences
+            or self._lingering_bytes > limits.lingering_fence_max_bytes
+        ):
+            oldest, size = self._lingering.popitem(last=False)
+            self._lingering_bytes -= size
+            del self._fences[oldest]
+            self._fences_forgotten_early += 1
+
+    def _stop_lingering(self, conversation: str) -> None:
+        size = self._lingering.pop(conversation, None)
+        if size is not None:
+            self._lingering_bytes -= size
 
     # ---- expiry ----------------------------------------------------------------------------
 
@@ -440,6 +529,8 @@ class InMemoryStore:
                 fence = self._fences.get(name)
                 if fence is not None and fence.forget_at <= now:
                     del self._fences[name]
+                    self._stop_lingering(name)
+        self._idempotency.expire(now)
         return ExpiryResult(tuple(nodes), tuple(retentions))
 
     def next_deadline(self) -> float | None:
@@ -451,4 +542,9 @@ class InMemoryStore:
             retentions=len(self._retentions),
             claimed=self._claimed,
             fenced_conversations=len(self._fences),
+            lingering_fences=len(self._lingering),
+            lingering_fence_bytes=self._lingering_bytes,
+            fences_forgotten_early=self._fences_forgotten_early,
+            remembered_requests=len(self._idempotency),
+            remembered_request_bytes=self._idempotency.nbytes,
         )

@@ -36,6 +36,22 @@ class Claim:
     expire_at: float
 
 
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """The engine a retention's kv_transfer_params send readers to: `remote_engine_id`,
+    `remote_host` and `remote_port` (its NIXL side channel). A put is refused (NODE_MISMATCH)
+    unless they are the node's as registered (NodeSpec engine_id, side_channel_host,
+    side_channel_port): KV is read only from nodes the registry knows."""
+
+    engine_id: str
+    side_channel_host: str
+    side_channel_port: int
+
+    @classmethod
+    def of(cls, spec: NodeSpec) -> Holder:
+        return cls(spec.engine_id, spec.side_channel_host, spec.side_channel_port)
+
+
 class RetentionState(StrEnum):
     ACTIVE = "active"
     CLAIMED = "claimed"
@@ -47,7 +63,8 @@ class Retention:
 
     `block_hashes` is kvshuttle's prefix-hash chain (array of uint64, treat as immutable);
     `kv_transfer_params` is the serialized kvshuttle.vllm.v1.KvTransferParams the reader hands
-    to its prefill engine, kept opaque here so the registry neither parses nor rewrites it.
+    to its prefill engine, kept opaque here so the registry neither parses nor rewrites it;
+    `holder` is who those params name, read from them by the servicer (None: they name none).
     """
 
     name: str  # tenants/{t}/conversations/{c}/retentions/{generation}
@@ -63,6 +80,7 @@ class Retention:
     create_time: float = 0.0
     expire_at: float = 0.0
     claim: Claim | None = None
+    holder: Holder | None = None
 
     @property
     def conversation(self) -> str:
@@ -104,7 +122,8 @@ class Conversation:
 @dataclass(frozen=True, slots=True)
 class PutResult:
     retention: Retention
-    replaced: Retention | None
+    # The name of the retention this one replaced; "" when none.
+    replaced: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,3 +151,11 @@ class StoreCounts:
     retentions: int
     claimed: int
     fenced_conversations: int
+    # Fences of conversations without a retention, their estimated bytes, and how many were
+    # forgotten before fence_ttl because the lingering bounds were reached.
+    lingering_fences: int = 0
+    lingering_fence_bytes: int = 0
+    fences_forgotten_early: int = 0
+    # Request ids remembered for idempotency, and their estimated bytes.
+    remembered_requests: int = 0
+    remembered_request_bytes: int = 0

@@ -24,6 +24,7 @@ import structlog
 from kvshuttle.core.clock import Clock
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument
 from kvshuttle.core.kv_events import ApplyResult, BlockStored, EventBatch
+from kvshuttle.core.limits import MAX_EVENT_SEQ, MAX_GENERATION, MAX_KV_BYTES_PER_TOKEN
 from kvshuttle.core.names import (
     check_id,
     parse_conversation,
@@ -121,8 +122,8 @@ class Registry:
         self._bounded(spec.model, "node.model")
         if not 0 < spec.block_size <= self.limits.max_block_size:
             raise InvalidArgument("node.block_size", f"must be 1..{self.limits.max_block_size}")
-        if spec.kv_bytes_per_token <= 0:
-            raise InvalidArgument("node.kv_bytes_per_token", "must be positive")
+        if not 0 < spec.kv_bytes_per_token <= MAX_KV_BYTES_PER_TOKEN:
+            raise InvalidArgument("node.kv_bytes_per_token", f"must be 1..{MAX_KV_BYTES_PER_TOKEN}")
         if len(spec.labels) > self.limits.max_labels:
             raise InvalidArgument("node.labels", f"at most {self.limits.max_labels} labels")
         for key, value in spec.labels.items():
@@ -185,8 +186,9 @@ class Registry:
 
     def _check_retention(self, retention: Retention) -> None:
         self._node_name(retention.node, "retention.node")
-        if retention.generation <= 0:
-            raise InvalidArgument("retention.generation", "must be positive")
+        # Below 2**63: the router plans generation + 1 into a uint64.
+        if not 0 < retention.generation <= MAX_GENERATION:
+            raise InvalidArgument("retention.generation", f"must be 1..{MAX_GENERATION}")
         self._bounded(retention.model, "retention.model")
         if not 0 < retention.block_size <= self.limits.max_block_size:
             raise InvalidArgument("retention.block_size", f"must be 1..{self.limits.max_block_size}")
@@ -203,8 +205,9 @@ class Registry:
                 "retention.kv_transfer_params",
                 f"larger than {self.limits.max_kv_transfer_params_bytes} bytes",
             )
-        if retention.kv_bytes < 0:
-            raise InvalidArgument("retention.kv_bytes", "must not be negative")
+        # A node's retained_bytes is a sum of these.
+        if not 0 <= retention.kv_bytes <= self.limits.max_kv_bytes:
+            raise InvalidArgument("retention.kv_bytes", f"must be 0..{self.limits.max_kv_bytes}")
 
     def _request_id(self, request_id: str) -> str:
         if request_id:
@@ -226,7 +229,7 @@ class Registry:
         )
         if changes:
             self.stats.puts += 1
-            self.stats.replaced += result.replaced is not None
+            self.stats.replaced += bool(result.replaced)
         self._publish(changes)
         self._wake.set()
         return result
@@ -319,6 +322,9 @@ class Registry:
         if len(batches) > self.limits.max_event_batches:
             raise InvalidArgument("batches", f"at most {self.limits.max_event_batches} batches")
         for i, batch in enumerate(batches):
+            # Below 2**63: the answer's next_seq is seq + 1, in a uint64.
+            if not 0 <= batch.seq <= MAX_EVENT_SEQ:
+                raise InvalidArgument(f"batches[{i}].seq", f"must be 0..{MAX_EVENT_SEQ}")
             if len(batch.events) > self.limits.max_events_per_batch:
                 raise InvalidArgument(
                     f"batches[{i}].events", f"at most {self.limits.max_events_per_batch} events"

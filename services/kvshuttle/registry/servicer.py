@@ -1,6 +1,8 @@
 """RegistryService over gRPC: translates protobuf to the domain and back, nothing more.
 
-Domain errors propagate to the serving interceptor, which maps them to status codes.
+Domain errors propagate to the serving interceptor, which maps them to status codes. Retention
+names are bound for the `rpc.done` line with their conversation id replaced by its digest
+(`log_name`): conversation ids are the tenant's data and never reach a log.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections.abc import AsyncIterator
 import grpc
 from structlog.contextvars import bind_contextvars
 
+from kvshuttle.core.digest import log_name
 from kvshuttle.core.prototime import duration_seconds, to_timestamp
 from kvshuttle.registry import convert
 from kvshuttle.registry.registry import Registry
@@ -92,10 +95,10 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             retention=convert.retention_from_pb(request.retention),
             ttl=duration_seconds(request.ttl, "ttl"),
         )
-        bind_contextvars(retention=result.retention.name)
+        bind_contextvars(retention=log_name(result.retention.name))
         return pb.PutRetentionResponse(
             retention=convert.retention_to_pb(result.retention),
-            replaced=result.replaced.name if result.replaced else "",
+            replaced=result.replaced,
         )
 
     async def GetRetention(
@@ -122,7 +125,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         request: pb.RenewRetentionRequest,
         context: grpc.aio.ServicerContext[pb.RenewRetentionRequest, pb.RenewRetentionResponse],
     ) -> pb.RenewRetentionResponse:
-        bind_contextvars(retention=request.name)
+        bind_contextvars(retention=log_name(request.name))
         retention = await self._registry.renew_retention(request.name, duration_seconds(request.ttl, "ttl"))
         return pb.RenewRetentionResponse(retention=convert.retention_to_pb(retention))
 
@@ -131,7 +134,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         request: pb.ClaimRetentionRequest,
         context: grpc.aio.ServicerContext[pb.ClaimRetentionRequest, pb.ClaimRetentionResponse],
     ) -> pb.ClaimRetentionResponse:
-        bind_contextvars(retention=request.name, holder=request.holder)
+        bind_contextvars(retention=log_name(request.name), holder=request.holder[:300])
         retention = await self._registry.claim_retention(
             request_id=request.request_id,
             name=request.name,
@@ -145,7 +148,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         request: pb.ReleaseRetentionRequest,
         context: grpc.aio.ServicerContext[pb.ReleaseRetentionRequest, pb.ReleaseRetentionResponse],
     ) -> pb.ReleaseRetentionResponse:
-        bind_contextvars(retention=request.name)
+        bind_contextvars(retention=log_name(request.name))
         await self._registry.release_retention(request.name, claim_id=request.claim_id, force=request.force)
         return pb.ReleaseRetentionResponse()
 

@@ -4,7 +4,8 @@ A conversation's next prompt almost always starts with the last one (plus the an
 cache keeps each conversation's last token ids and chain, finds where the new tokens first
 differ (one vectorised comparison), reuses the chain up to that block and hashes only the rest.
 A miss (another router replica served the last turn) hashes everything: same result, slower.
-Bounded by bytes, least recently used first out.
+A chain is remembered with its root (the prompt's cache salt's): a prompt under another root
+shares no hash with it, so it is hashed whole. Bounded by bytes, least recently used first out.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvshuttle.core.hashing import chain_hashes
+from kvshuttle.core.hashing import ROOT_HASH, chain_hashes
 
 Tokens = npt.NDArray[np.uint32]
 Chain = npt.NDArray[np.uint64]
@@ -28,6 +29,7 @@ class _Entry:
     tokens: Tokens
     chain: Chain
     block_size: int
+    root: int
 
     @property
     def nbytes(self) -> int:
@@ -43,14 +45,17 @@ class ChainCache:
         self.hits = 0
         self.misses = 0
 
-    def chain(self, key: str, tokens: Tokens, block_size: int, *, remember: bool = True) -> Chain:
-        """The chain of `tokens` (uint32 array) as uint64s; remembered under `key` unless key is empty.
+    def chain(
+        self, key: str, tokens: Tokens, block_size: int, *, root: int = ROOT_HASH, remember: bool = True
+    ) -> Chain:
+        """The chain of `tokens` (uint32 array) from `root`, as uint64s; remembered under `key`
+        unless key is empty.
 
         The returned array is shared with the cache: treat it as read-only.
         """
         entry = self._entries.get(key) if key else None
         reused = 0
-        if entry is not None and entry.block_size == block_size:
+        if entry is not None and entry.block_size == block_size and entry.root == root:
             n = min(len(tokens), len(entry.tokens))
             differ = np.flatnonzero(tokens[:n] != entry.tokens[:n])
             same = int(differ[0]) if differ.size else n
@@ -63,9 +68,9 @@ class ChainCache:
             chain = np.concatenate([entry.chain[:reused], np.array(tail, dtype=np.uint64)])
         else:
             self.misses += 1
-            chain = np.array(chain_hashes(tokens, block_size), dtype=np.uint64)
+            chain = np.array(chain_hashes(tokens, block_size, parent=root), dtype=np.uint64)
         if key and remember:
-            self._put(key, _Entry(tokens.copy(), chain, block_size))
+            self._put(key, _Entry(tokens.copy(), chain, block_size, root))
         return chain
 
     def __len__(self) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvshuttle.core.errors import InvalidArgument
-from kvshuttle.core.hashing import TokenIds, token_array
+from kvshuttle.core.hashing import TokenIds, salted_root, token_array
 from kvshuttle.core.names import parse_conversation
 from kvshuttle.router.cost import CostModel
 from kvshuttle.router.model import TurnTimings
@@ -60,6 +60,16 @@ def conversations(conversation: str, parent: str, *, max_id_length: int) -> tupl
     if parsed.tenant != parse_conversation(checked).tenant:
         raise InvalidArgument("hints.parent_conversation", "must be in the conversation's tenant")
     return checked, str(parsed)
+
+
+def chain_root(salt_sha256: bytes) -> int:
+    """The root the prompt's chain starts from: its cache salt's (kvshuttle.core.hashing)."""
+    try:
+        return salted_root(salt_sha256)
+    except ValueError:
+        raise InvalidArgument(
+            "cache_salt_sha256", "must be 32 bytes (SHA-256 of the cache salt) or empty"
+        ) from None
 
 
 def think_time(seconds: float | None) -> None:

@@ -4,20 +4,29 @@ A commit stores what decode retained as the conversation's next retention (fence
 generation, so an older turn's commit never replaces a newer one), releases the retention the
 turn claimed, and feeds the turn's measured times back into the cost model. An abort releases
 the claim. Either finishes the turn: a second commit or abort is TURN_FINISHED.
+
+Neither fails for a registry that does not answer: its calls here give up after
+`commit_registry_timeout_s` (a dead registry holds neither the commit nor the conversation's
+next turn, which waits for it, longer than that), and then the commit succeeds with nothing
+stored (an empty `retention`; logged `commit.not_stored reason=REGISTRY_UNAVAILABLE`, counted as
+outcome `registry_unavailable`), and a release that did not reach the registry is logged: the
+claim lapses on its own TTL, and the retention with it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 import structlog
 from opentelemetry import trace
 
 from kvshuttle.core.clock import Clock
-from kvshuttle.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
+from kvshuttle.core.digest import log_name
+from kvshuttle.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from kvshuttle.core.limits import MAX_BLOCK_HASHES, MAX_GENERATION
 from kvshuttle.core.names import check_id
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.router import checks
@@ -29,19 +38,24 @@ from kvshuttle.router.model import (
     CommitResult,
     Decision,
     NewRetention,
+    Reason,
     RouterPolicy,
     TurnTimings,
 )
 from kvshuttle.router.node_directory import NodeDirectory
 from kvshuttle.router.ports import RegistryPort
 from kvshuttle.router.timing import CallTimer
-from kvshuttle.router.turn_memory import TurnMemory
+from kvshuttle.router.turn_memory import TurnMemory, commit_fingerprint
 from kvshuttle.router.turns import TurnCodec, TurnState
 from kvshuttle.vllm.block_ids import block_groups
 
 log = structlog.get_logger("kvshuttle.router")
 
+T = TypeVar("T")
+
 _NOTHING_STORED = CommitResult("", None)
+# Nothing stored because the registry did not answer (told apart by identity, for the metric).
+_REGISTRY_UNAVAILABLE = CommitResult("", None)
 
 
 class Committer:
@@ -73,10 +87,13 @@ class Committer:
     def _unfinished(self, handle: str) -> TurnState:
         """The turn of `handle`; FailedPrecondition when it was committed or aborted here."""
         state = self._codec.decode(handle)
+        self._check_unfinished(state)
+        return state
+
+    def _check_unfinished(self, state: TurnState) -> None:
         finished = self._memory.finished(state.turn_id)
         if finished is not None:
             raise FailedPrecondition(f"turn already {finished}", reason=ErrorReason.TURN_FINISHED)
-        return state
 
     # ---- CommitTurn ------------------------------------------------------------------------
 
@@ -85,28 +102,34 @@ class Committer:
         policy = self._policy
         if req.request_id:
             check_id(req.request_id, "request_id", max_length=policy.max_id_length)
-            state = self._codec.decode(req.turn)
-            earlier = self._memory.earlier_commit(state.turn_id, req.request_id)
-            if earlier is not None:  # a retry whose first answer was lost
+        state = self._codec.decode(req.turn)
+        # The whole sequence: a prompt at PlanTurn's bound plus the answer stays committable.
+        tokens = checks.token_ids(
+            req.token_ids, "token_ids", max_tokens=policy.max_prompt_tokens + policy.max_output_tokens
+        )
+        checks.timings(req.timings)
+        fingerprint = b""
+        if req.request_id:
+            fingerprint = commit_fingerprint(req, tokens)
+            # A retry whose first answer was lost; another body under the id is REQUEST_ID_REUSED.
+            earlier = self._memory.earlier_commit(state.turn_id, req.request_id, fingerprint)
+            if earlier is not None:
                 return earlier
-        state = self._unfinished(req.turn)
+        self._check_unfinished(state)
         if self._clock.now() >= state.expire_at:
             raise FailedPrecondition("turn expired; its claim is gone", reason=ErrorReason.TURN_EXPIRED)
-        tokens = checks.token_ids(req.token_ids, "token_ids", max_tokens=policy.max_prompt_tokens)
-        checks.timings(req.timings)
         if tokens.size < state.prompt_tokens:
             raise InvalidArgument("token_ids", "shorter than the planned prompt")
         params = req.decode_kv_transfer_params
         retains = bool(params and params.get("do_remote_decode") and block_groups(params)[0])
-        if retains and params is not None and params.get("remote_engine_id") != state.decode_engine_id:
-            raise InvalidArgument(
-                "decode_kv_transfer_params.remote_engine_id",
-                "names another engine than the planned decode node",
-            )
+        if retains and params is not None:
+            _check_decode_node(params, state)
         with self._tracer.start_as_current_span("commit", context=_trace_parent(state)) as span:
             chain: Chain = NO_CHAIN
             if state.conversation and state.prompt_full_blocks:
-                chain = self._chains.chain(state.conversation, tokens, state.block_size)
+                chain = self._chains.chain(
+                    state.conversation, tokens, state.block_size, root=state.chain_root
+                )
                 if (
                     len(chain) < state.prompt_full_blocks
                     or chain[state.prompt_full_blocks - 1] != state.prompt_tail_hash
@@ -115,11 +138,7 @@ class Committer:
             # Read or not, a claimed retention is consumed: prefill notified its holder. Released
             # while the new one is stored (the two are independent: a put replaces whatever the
             # conversation holds), so the commit waits for one round trip, not two.
-            release = (
-                asyncio.ensure_future(self._port.release(state.claimed, claim_id=state.claim_id))
-                if state.claimed
-                else None
-            )
+            release = asyncio.ensure_future(self._release(state, "commit")) if state.claimed else None
             try:
                 with self._memory.storing(state.conversation):
                     result = await self._store(state, tokens, chain, params if retains else None, timer)
@@ -129,8 +148,11 @@ class Committer:
             self._observe(state, req.timings)
             self._memory.finish(state.turn_id, "committed")
             if req.request_id:
-                self._memory.remember_commit(state.turn_id, req.request_id, result)
-            self._metrics.commits.labels("stored" if result.retention else "nothing_retained").inc()
+                self._memory.remember_commit(state.turn_id, req.request_id, fingerprint, result)
+            outcome = "stored" if result.retention else "nothing_retained"
+            if result is _REGISTRY_UNAVAILABLE:
+                outcome = "registry_unavailable"
+            self._metrics.commits.labels(outcome).inc()
             t = req.timings
             span.set_attributes(
                 {
@@ -140,7 +162,7 @@ class Committer:
                     "kvshuttle.reused_tokens": state.reusable_tokens,
                     "kvshuttle.recomputed_tokens": state.prompt_tokens
                     - max(state.reusable_tokens, state.local_hit_tokens),
-                    "kvshuttle.retention": result.retention,
+                    "kvshuttle.retention": log_name(result.retention),
                     **({"kvshuttle.ttft.ms": t.ttft_ms} if t.ttft_ms is not None else {}),
                     **({"kvshuttle.transfer.ms": t.transfer_ms} if t.transfer_ms is not None else {}),
                     **(
@@ -149,7 +171,7 @@ class Committer:
                 }
             )
         self._metrics.own_seconds.labels("CommitTurn").observe(timer.own_cpu_s())
-        structlog.contextvars.bind_contextvars(retention=result.retention, **timer.log_fields())
+        structlog.contextvars.bind_contextvars(retention=log_name(result.retention), **timer.log_fields())
         return result
 
     async def _store(
@@ -162,19 +184,27 @@ class Committer:
     ) -> CommitResult:
         """Decode's retained KV, stored as the conversation's retention. Nothing is stored, and
         the commit still succeeds, when there is no conversation, decode kept nothing, its node
-        is gone, or the registry will not store it (FailedPrecondition, NotFound)."""
+        is gone, or the registry will not store it (FailedPrecondition, NotFound) or does not
+        answer (Unavailable)."""
         if not state.conversation or params is None:
+            return _NOTHING_STORED
+        if state.generation > MAX_GENERATION:  # the registry stores no later turn of it
+            log.warning("commit.generation_exhausted", generation=state.generation)
             return _NOTHING_STORED
         bs = state.block_size
         if not len(chain):
-            chain = self._chains.chain(state.conversation, tokens, bs)
+            chain = self._chains.chain(state.conversation, tokens, bs, root=state.chain_root)
         num_tokens = int(tokens.size)
         if isinstance(params.get("remote_num_tokens"), int):
             num_tokens = min(num_tokens, int(params["remote_num_tokens"]))
-        num_tokens = min(num_tokens, len(block_groups(params)[0]) * bs)
+        # A retention's chain holds at most MAX_BLOCK_HASHES blocks (reached only by tiny blocks).
+        num_tokens = min(num_tokens, len(block_groups(params)[0]) * bs, MAX_BLOCK_HASHES * bs)
         if num_tokens <= 0:
             return _NOTHING_STORED
-        nodes = {x.name: x for x in await timer.registry(self._nodes.nodes(state.model))}
+        try:
+            nodes = {x.name: x for x in await self._registry(self._nodes.nodes(state.model), timer)}
+        except Unavailable as err:
+            return _not_stored(err, state.decode_node)
         node = nodes.get(state.decode_node)
         if node is None:
             log.warning("commit.decode_node_gone", node=state.decode_node)
@@ -196,8 +226,14 @@ class Committer:
             pin_expire_at=pin,
         )
         try:
-            stored = await timer.registry(self._port.put_retention(new))
+            stored = await self._registry(self._port.put_retention(new), timer)
+        except Unavailable as err:
+            return _not_stored(err, node.name)
         except Aborted as err:
+            if state.reason == Reason.REGISTRY_UNAVAILABLE.value:
+                # Planned without the registry, on a guessed generation: the newer turn stays.
+                log.warning("commit.not_stored", reason=err.reason, node=node.name)
+                return _NOTHING_STORED
             raise FailedPrecondition(
                 "a turn of this generation or later was already committed", reason=ErrorReason.TURN_FINISHED
             ) from err
@@ -231,15 +267,71 @@ class Committer:
         if len(reason) > 1024:
             raise InvalidArgument("reason", "longer than 1024 characters")
         state = self._unfinished(handle)
-        if state.conversation:
-            fence, _ = await timer.registry(self._port.get_conversation(state.conversation))
-            if fence >= state.generation:
-                raise FailedPrecondition("turn already committed", reason=ErrorReason.TURN_FINISHED)
+        # A turn planned without the registry holds nothing there, and its generation is a guess.
+        if state.conversation and state.reason != Reason.REGISTRY_UNAVAILABLE.value:
+            try:
+                fence, _ = await self._registry(self._port.get_conversation(state.conversation), timer)
+            except Unavailable as err:
+                if err.reason != ErrorReason.REGISTRY_UNAVAILABLE:
+                    raise
+                log.warning("abort.fence_unknown", reason=err.reason)  # aborted here all the same
+            else:
+                if fence >= state.generation:
+                    raise FailedPrecondition("turn already committed", reason=ErrorReason.TURN_FINISHED)
         if state.claimed:
-            await timer.registry(self._port.release(state.claimed, claim_id=state.claim_id))
+            await timer.registry(self._release(state, "abort"))
         self._memory.finish(state.turn_id, "aborted")
-        log.info("turn.aborted", reason=reason[:200], claimed=state.claimed)
+        log.info("turn.aborted", reason=reason[:200], claimed=log_name(state.claimed))
         self._metrics.own_seconds.labels("AbortTurn").observe(timer.own_cpu_s())
+
+    async def _registry(self, call: Awaitable[T], timer: CallTimer) -> T:
+        """A registry call of a commit or an abort, given up after commit_registry_timeout_s
+        (Unavailable, REGISTRY_UNAVAILABLE, as when the registry cannot be reached)."""
+        try:
+            return await timer.registry(asyncio.wait_for(call, self._policy.commit_registry_timeout_s))
+        except TimeoutError as err:
+            raise Unavailable(
+                f"the registry did not answer within {self._policy.commit_registry_timeout_s} s",
+                reason=ErrorReason.REGISTRY_UNAVAILABLE,
+            ) from err
+
+    async def _release(self, state: TurnState, rpc: str) -> None:
+        """Release the retention the turn claimed. Best effort when the registry does not answer:
+        logged, and the claim lapses on its own TTL (removing the retention: a claim is never
+        handed back)."""
+        try:
+            await self._registry(self._port.release(state.claimed, claim_id=state.claim_id), CallTimer())
+        except Unavailable as err:
+            if err.reason != ErrorReason.REGISTRY_UNAVAILABLE:
+                raise
+            log.warning(f"{rpc}.release_failed", reason=err.reason, retention=log_name(state.claimed))
+
+
+def _not_stored(err: Unavailable, node: str) -> CommitResult:
+    """A commit whose registry calls failed: nothing stored, the commit goes on."""
+    if err.reason != ErrorReason.REGISTRY_UNAVAILABLE:
+        raise err
+    log.warning("commit.not_stored", reason=err.reason, node=node)
+    return _REGISTRY_UNAVAILABLE
+
+
+def _check_decode_node(params: dict[str, Any], state: TurnState) -> None:
+    """Decode's params must name the decode node the turn was planned on, as registered (its
+    engine id and NIXL side channel): they become the retention readers are sent to.
+    FailedPrecondition (NODE_MISMATCH) naming the first param that does not."""
+    expected: list[tuple[str, object]] = [("remote_engine_id", state.decode_engine_id)]
+    if state.decode_side_channel_host:  # handles issued before it was recorded carry none
+        expected += [
+            ("remote_host", state.decode_side_channel_host),
+            ("remote_port", state.decode_side_channel_port),
+        ]
+    for key, value in expected:
+        if params.get(key) != value:
+            raise FailedPrecondition(
+                f"decode_kv_transfer_params.{key} is not the planned decode node {state.decode_node}'s",
+                reason=ErrorReason.NODE_MISMATCH,
+                metadata={"field": f"decode_kv_transfer_params.{key}", "node": state.decode_node},
+            )
 
 
 def _trace_parent(state: TurnState) -> Any:

@@ -25,7 +25,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.router.cost import ModelProfile
 from kvshuttle.router.model import RouterPolicy
-from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
+from kvshuttle.serving.settings import AuthSettings, ServerSettings, TelemetrySettings
 
 MIN_SIGNING_KEY_BYTES = 16
 
@@ -41,6 +41,7 @@ class RouterSettings(BaseSettings):
 
     server: ServerSettings = ServerSettings(listen="127.0.0.1:50061")
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
     registry: ServiceConnection = Field(default_factory=lambda: ServiceConnection(address="127.0.0.1:50051"))
     # TOML file of model profiles; None: only the inline `profiles`.
     profiles_file: Path | None = None
@@ -64,4 +65,8 @@ class RouterSettings(BaseSettings):
             raise ValueError("policy: decoder_kv_blocks_ttl_s - retention_margin_s must be at least 1 s")
         if min(policy.claim_ttl_s, policy.turn_ttl_s) <= 0 or policy.max_prompt_tokens <= 0:
             raise ValueError("policy: claim_ttl_s, turn_ttl_s and max_prompt_tokens must be positive")
+        if policy.degraded_nodes_max_age_s < 0 or policy.commit_registry_timeout_s <= 0:
+            raise ValueError(
+                "policy: degraded_nodes_max_age_s must be at least 0, commit_registry_timeout_s positive"
+            )
         return self

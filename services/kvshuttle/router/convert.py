@@ -1,6 +1,6 @@
 """Protobuf <-> router domain. Pure translation, plus the checks only the wire format needs
-(a negative Duration, presence, the size of decode's params); every other bound is the
-domain's.
+(a negative Duration or one outside protobuf's range, presence, the size of decode's params and
+of their pass-through `extra`); every other bound is the domain's.
 
 Presence: Durations are messages, so an unset one is "not measured" (None) and a zero one is
 zero. TurnTimings.transfer_bytes and remote_cached_tokens are proto3 `optional` for the same
@@ -27,7 +27,7 @@ from kvshuttle.router.model import (
     TurnTimings,
 )
 from kvshuttle.router.v1 import router_service_pb2 as pb
-from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
+from kvshuttle.vllm.kv_transfer_params import check_extra, from_vllm, to_vllm
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
 __all__ = [
@@ -70,6 +70,7 @@ def plan_request_from_pb(request: pb.PlanTurnRequest) -> PlanRequest:
         parent_conversation=hints.parent_conversation,
         expected_think_time_s=_optional_duration_s(hints, "expected_think_time", "hints.expected_think_time"),
         disable_reuse=hints.disable_reuse,
+        cache_salt_sha256=request.cache_salt_sha256,
     )
 
 
@@ -144,6 +145,8 @@ def _decode_params(request: pb.CommitTurnRequest) -> dict[str, Any] | None:
         raise InvalidArgument(
             "decode_kv_transfer_params", f"larger than {MAX_KV_TRANSFER_PARAMS_BYTES} bytes"
         )
+    # vLLM's fields kvshuttle does not know pass through from decode's own answer, bounded.
+    check_extra(params, "decode_kv_transfer_params")
     return to_vllm(params)
 
 

@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvshuttle.client.registry import RegistryClient
 from kvshuttle.core.clock import Clock, SystemClock
+from kvshuttle.router.authz import turn_policy
 from kvshuttle.router.config import RouterSettings
 from kvshuttle.router.cost import CostModel, ModelProfile, load_profiles
 from kvshuttle.router.metrics import RouterMetrics
@@ -107,6 +108,8 @@ def build_server(
         service_names=[SERVICE],
         registry=prometheus,
         tracer_provider=tracer_provider,
+        auth=settings.auth,
+        policy=turn_policy(router.codec),
     )
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvshuttle.core.hashing import TokenIds
-from kvshuttle.core.limits import MAX_ID_LENGTH, MAX_PROMPT_TOKENS
+from kvshuttle.core.limits import MAX_ID_LENGTH, MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS
 from kvshuttle.core.nodes import NodeRole
 
 # A prefix-hash chain: uint64s, as a sequence or an array.
@@ -37,6 +37,8 @@ class Reason(StrEnum):
     DISABLED = "disabled"
     FORK_UNSAFE = "fork_unsafe"
     NO_CONVERSATION = "no_conversation"
+    # The registry did not answer: plain P->D on the last node list it gave, nothing claimed.
+    REGISTRY_UNAVAILABLE = "registry_unavailable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +67,20 @@ class RouterPolicy:
     # plan waits for the registry only when it is node_max_age_s old (or missing).
     node_refresh_s: float = 0.5
     node_max_age_s: float = 5.0
+    # With the registry unreachable, plans fall back to the last node list it gave while that
+    # list is younger than this (plain P->D, REGISTRY_UNAVAILABLE); older, PlanTurn is
+    # UNAVAILABLE. 0: no fallback.
+    degraded_nodes_max_age_s: float = 60.0
+    # CommitTurn's and AbortTurn's registry calls give up after this long: a dead registry
+    # does not hold a commit (nor the conversation's next turn, which waits for it) for longer.
+    # The retention is then not stored (commit.not_stored reason=REGISTRY_UNAVAILABLE).
+    commit_registry_timeout_s: float = 1.0
     # A plan waits at most this long for its conversation's commit in flight on this replica.
     commit_wait_s: float = 2.0
     reuse_enabled: bool = True
     max_prompt_tokens: int = MAX_PROMPT_TOKENS
+    # CommitTurn takes prompt plus output: at most max_prompt_tokens + max_output_tokens tokens.
+    max_output_tokens: int = MAX_OUTPUT_TOKENS
     max_id_length: int = MAX_ID_LENGTH
     chain_cache_bytes: int = 256 * 2**20
     # The retentions this replica's commits stored, for the conversations' next plans.
@@ -76,6 +88,8 @@ class RouterPolicy:
     # Entries in each of TurnMemory's tables: plans and commits by request id, finished turns,
     # conversations' last nodes.
     remembered_turns: int = 100_000
+    # Estimated bytes of the plans remembered by request id (each holds prefill's block ids).
+    remembered_plan_bytes: int = 64 * 2**20
     weights: PlacementWeights = field(default_factory=PlacementWeights)
 
 
@@ -95,6 +109,11 @@ class NodeInfo:
     retained_bytes: int = 0
     # Blocks of its prefix cache in the registry's index (0: nothing to look up there).
     indexed_blocks: int = 0
+    # Its engine's NIXL side channel as registered: where a prefill reads KV this node retains
+    # (the plan names these, never what a retention's stored params say). "" / 0: not known,
+    # and then no plan reads from the node.
+    side_channel_host: str = ""
+    side_channel_port: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +178,9 @@ class PlanRequest:
     parent_conversation: str = ""
     expected_think_time_s: float | None = None
     disable_reuse: bool = False
+    # SHA-256 of the vLLM cache_salt the caller sends the engines (b"": none): the prompt's
+    # chain starts from its salted root (kvshuttle.core.hashing.salted_root).
+    cache_salt_sha256: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +222,7 @@ class CommitRequest:
 
 @dataclass(frozen=True, slots=True)
 class CommitResult:
-    # "" when nothing was retained (no conversation, decode kept nothing, its node is gone).
+    # "" when nothing was retained (no conversation, decode kept nothing, its node is gone, the
+    # registry unreachable: the turn is committed all the same, and the next turn recomputes).
     retention: str
     expire_at: float | None

@@ -4,6 +4,10 @@ A plan needs the node list, and ListNodes is a round trip: the list in hand serv
 it is `max_age_s` old, and once it is `refresh_s` old a background read replaces it, so a plan
 rarely waits for the registry. A failed background read is logged; the next plan past
 `refresh_s` tries again, and past `max_age_s` a plan reads (and fails) itself.
+
+The last list a read returned stays in hand after reads fail: with the registry unreachable, a
+plan falls back to it (`last_known`) while it is younger than `degraded_max_age_s`, so turns
+are still served, plain P->D, on the nodes that were healthy then.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ class NodeDirectory:
         *,
         refresh_s: float,
         max_age_s: float,
+        degraded_max_age_s: float = 0.0,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._port = port
         self._refresh_s = refresh_s
         self._max_age_s = max_age_s
+        self._degraded_max_age_s = degraded_max_age_s
         self._monotonic = monotonic
         self._lists: dict[str, tuple[float, list[NodeInfo]]] = {}
         self._refreshes: dict[str, asyncio.Task[None]] = {}
@@ -50,6 +56,15 @@ class NodeDirectory:
             self._refreshes[model] = task
             task.add_done_callback(lambda _: self._refreshes.pop(model, None))
         return cached[1]
+
+    def last_known(self, model: str) -> tuple[list[NodeInfo], float] | None:
+        """The last list the registry gave for `model` and its age in seconds, while younger
+        than `degraded_max_age_s`; None otherwise (never read, or too old to trust)."""
+        cached = self._lists.get(model)
+        if cached is None:
+            return None
+        age = self._monotonic() - cached[0]
+        return (cached[1], age) if age < self._degraded_max_age_s else None
 
     async def _read(self, model: str) -> list[NodeInfo]:
         read_at = self._monotonic()

@@ -10,6 +10,13 @@ not verify, a claim lost to another router replica. Wrong KV is never served; sl
 A hint is only confirmed by its claim: when a plan made on a hint claims nothing, it is made
 again, once, on what the registry says.
 
+A registry that does not answer (Unavailable, REGISTRY_UNAVAILABLE: unreachable or past its
+deadline) degrades the plan, never fails it: plain P->D on the last node list it gave (no
+retention read, no local hits, nothing claimed), decision RECOMPUTE, reason
+REGISTRY_UNAVAILABLE, while that list is younger than `degraded_nodes_max_age_s`; older, the
+error goes to the caller. The turn's generation is then this replica's best guess (the
+conversation's hint's, else the first): its commit is fenced by the registry all the same.
+
 One module for one RPC's path, from the reads through the decision to the signed plan.
 """
 
@@ -28,9 +35,11 @@ from opentelemetry import trace
 
 from kvshuttle.core.clock import Clock
 from kvshuttle.core.digest import log_digest
-from kvshuttle.core.errors import Aborted, FailedPrecondition, NotFound
+from kvshuttle.core.errors import Aborted, FailedPrecondition, NotFound, Unavailable
+from kvshuttle.core.limits import MAX_BLOCK_HASHES
 from kvshuttle.core.names import check_id
 from kvshuttle.core.nodes import NodeRole
+from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.router import checks
 from kvshuttle.router.chains import NO_CHAIN, Chain, ChainCache
 from kvshuttle.router.cost import CostModel
@@ -50,9 +59,17 @@ from kvshuttle.router.node_directory import NodeDirectory
 from kvshuttle.router.placement import candidates, choose_decode, choose_prefill
 from kvshuttle.router.ports import RegistryPort
 from kvshuttle.router.timing import CallTimer
-from kvshuttle.router.turn_memory import TurnMemory
+from kvshuttle.router.turn_memory import TurnMemory, plan_fingerprint
 from kvshuttle.router.turns import TurnCodec, TurnState
-from kvshuttle.router.verify import VerifiedPrefix, first_turn_params, prefill_params, verify
+from kvshuttle.router.verify import (
+    VerifiedPrefix,
+    first_turn_params,
+    knows_side_channel,
+    prefill_params,
+    verify,
+)
+
+log = structlog.get_logger("kvshuttle.router")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +81,13 @@ class _Call:
     tokens: np.ndarray[Any, Any]
     conversation: str  # "" for a request without one
     parent: str  # the conversation this one forks from, or ""
+    # The root the prompt's chain starts from: its cache salt's (ROOT_HASH for none).
+    root: int
     timer: CallTimer
     span: trace.Span
+    # The request's fingerprint (b"" without a request id): a retry of it on another replica
+    # makes the same claim, another request with its id does not.
+    fingerprint: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +122,10 @@ class Verdict:
     reason: Reason
     prefix: VerifiedPrefix | None = None
     reuse_cost: Estimate | None = None
-    # Set only when reuse wins (REUSE_CHEAPER): the retention whose claim confirms it.
+    # Set only when reuse wins (REUSE_CHEAPER): the retention whose claim confirms it, and its
+    # node as the registry lists it (where prefill reads from).
     claim: RetentionInfo | None = None
+    holder: NodeInfo | None = None
 
 
 class Planner:
@@ -135,9 +159,6 @@ class Planner:
         policy = self._policy
         if req.request_id:
             check_id(req.request_id, "request_id", max_length=policy.max_id_length)
-            earlier = self._memory.earlier_plan(req.conversation, req.model, req.request_id)
-            if earlier is not None:
-                return earlier
         cost = checks.cost_model(self._costs, req.model)
         tokens = checks.token_ids(
             req.prompt_token_ids, "prompt_token_ids", max_tokens=policy.max_prompt_tokens
@@ -146,11 +167,22 @@ class Planner:
             req.conversation, req.parent_conversation, max_id_length=policy.max_id_length
         )
         checks.think_time(req.expected_think_time_s)
+        root = checks.chain_root(req.cache_salt_sha256)
+        fingerprint = b""
+        if req.request_id:
+            # A retry whose answer was lost gets the first plan; another request reusing the id
+            # is refused (REQUEST_ID_REUSED), never handed the first one's plan.
+            fingerprint = plan_fingerprint(req, tokens)
+            earlier = self._memory.earlier_plan(req.conversation, req.model, req.request_id, fingerprint)
+            if earlier is not None:
+                return earlier
 
         with self._tracer.start_as_current_span("plan") as span:
-            plan = await self._plan(_Call(req, cost, tokens, conversation, parent, timer, span))
+            plan = await self._plan(
+                _Call(req, cost, tokens, conversation, parent, root, timer, span, fingerprint=fingerprint)
+            )
         if req.request_id:
-            self._memory.remember_plan(req.conversation, req.model, req.request_id, plan)
+            self._memory.remember_plan(req.conversation, req.model, req.request_id, fingerprint, plan)
 
         self._metrics.plan_seconds.observe(timer.elapsed_s())
         self._metrics.own_seconds.labels("PlanTurn").observe(timer.own_cpu_s())
@@ -166,11 +198,24 @@ class Planner:
     async def _plan(self, call: _Call) -> Plan:
         use_hint = True
         while True:
-            ctx = await self._context(call, use_hint=use_hint)
+            try:
+                ctx = await self._context(call, use_hint=use_hint)
+            except Unavailable as err:
+                if err.reason != ErrorReason.REGISTRY_UNAVAILABLE:
+                    raise
+                return self._degraded(self._last_known_context(call, err), err)
             verdict = self._decide(ctx)
             reason, claim = verdict.reason, None
             if verdict.claim is not None:
-                claim, reason = await self._claim(ctx, verdict.claim)
+                try:
+                    claim, reason = await self._claim(ctx, verdict.claim)
+                except Unavailable as err:
+                    if err.reason != ErrorReason.REGISTRY_UNAVAILABLE:
+                        raise
+                    # The claim may have landed: the retention is then consumed when it lapses.
+                    if ctx.from_hint:
+                        self._memory.hints.forget(call.conversation)
+                    return self._degraded(ctx, err)
             if ctx.from_hint:
                 self._memory.hints.forget(call.conversation)  # claimed (consumed), or not confirmed
                 call.span.set_attribute("kvshuttle.retention_hint", "confirmed" if claim else "refused")
@@ -192,14 +237,18 @@ class Planner:
         # Prefill's own prefix-cache hits, asked only when a candidate has indexed blocks at all
         # (none do when prefill runs without prefix caching). The conversation's retention, from
         # this replica's hint or the registry, in the same round trip. A plain request with
-        # nothing to look up needs no chain.
+        # nothing to look up needs no chain. The chain starts from the cache salt's root, as the
+        # index keys blocks stored under that salt, so a lookup finds only the salt's own blocks.
         indexed = any(x.indexed_blocks for x in prefill_pool)
         chain = (
-            self._chains.chain(conversation, call.tokens, block_size) if conversation or indexed else NO_CHAIN
+            self._chains.chain(conversation, call.tokens, block_size, root=call.root)
+            if conversation or indexed
+            else NO_CHAIN
         )
         hint = self._hint(req, conversation, block_size) if use_hint else None
         hits, (fence, retention) = await self._registry_reads(
-            chain if len(chain) and indexed else None,
+            # The registry looks up at most MAX_BLOCK_HASHES (a prompt of tiny blocks has more).
+            chain[:MAX_BLOCK_HASHES] if len(chain) and indexed else None,
             conversation if conversation and hint is None else "",
             req.model,
             timer,
@@ -214,25 +263,13 @@ class Planner:
             # This prefill cannot read KV of another block size (MODEL_MISMATCH); the chain in
             # the retention's still lets verify() say how much matched.
             block_size = retention.block_size
-            chain = self._chains.chain(conversation, call.tokens, block_size, remember=False)
+            chain = self._chains.chain(conversation, call.tokens, block_size, root=call.root, remember=False)
         hits = {
             name: blocks
             for name, blocks in hits.items()
             if any(x.name == name and x.block_size == block_size for x in nodes)
         }
-        hint_p, hint_d = self._memory.last_nodes(conversation) if conversation else ("", "")
-        n = int(call.tokens.size)
-        weights = self._policy.weights
-        prefill, local_hits = choose_prefill(
-            nodes,
-            model=req.model,
-            prompt_tokens=n,
-            local_hit_blocks=hits,
-            cost=call.cost,
-            weights=weights,
-            hint=hint_p,
-        )
-        decode = choose_decode(nodes, model=req.model, weights=weights, avoid=prefill.name, hint=hint_d)
+        prefill, local_hits, decode = self._place(call, nodes, hits)
         return PlanContext(
             call=call,
             chain=chain,
@@ -245,9 +282,70 @@ class Planner:
             prefill=prefill,
             decode=decode,
             local_hits=local_hits,
-            recompute_cost=call.cost.recompute(n, local_hits),
+            recompute_cost=call.cost.recompute(int(call.tokens.size), local_hits),
             now=self._clock.now(),
         )
+
+    def _place(
+        self, call: _Call, nodes: Sequence[NodeInfo], hits: Mapping[str, int]
+    ) -> tuple[NodeInfo, int, NodeInfo]:
+        """Prefill (and its local hits in tokens) and decode; the conversation's last nodes
+        break ties."""
+        req, conversation = call.req, call.conversation
+        hint_p, hint_d = self._memory.last_nodes(conversation) if conversation else ("", "")
+        weights = self._policy.weights
+        prefill, local_hits = choose_prefill(
+            nodes,
+            model=req.model,
+            prompt_tokens=int(call.tokens.size),
+            local_hit_blocks=hits,
+            cost=call.cost,
+            weights=weights,
+            hint=hint_p,
+        )
+        decode = choose_decode(nodes, model=req.model, weights=weights, avoid=prefill.name, hint=hint_d)
+        return prefill, local_hits, decode
+
+    def _last_known_context(self, call: _Call, error: Unavailable) -> PlanContext:
+        """A plain P->D context on the last node list the registry gave (no retention, no local
+        hits); `error` again when there is none young enough to trust."""
+        req, conversation = call.req, call.conversation
+        known = self._nodes.last_known(req.model)
+        if known is None:
+            raise error
+        nodes, age = known
+        block_size = candidates(nodes, NodeRole.PREFILL, req.model)[0].block_size
+        # The commit checks its tokens against the prompt's chain (and stores the chain when
+        # the registry is back by then).
+        chain = (
+            self._chains.chain(conversation, call.tokens, block_size, root=call.root)
+            if conversation
+            else NO_CHAIN
+        )
+        hint = self._memory.hints.get(conversation) if conversation else None
+        prefill, local_hits, decode = self._place(call, nodes, {})
+        structlog.contextvars.bind_contextvars(nodes_age_s=round(age, 3))
+        return PlanContext(
+            call=call,
+            chain=chain,
+            block_size=block_size,
+            nodes=nodes,
+            fence=hint.generation if hint is not None else 0,
+            retention=None,
+            fork=False,
+            from_hint=False,
+            prefill=prefill,
+            decode=decode,
+            local_hits=local_hits,
+            recompute_cost=call.cost.recompute(int(call.tokens.size), local_hits),
+            now=self._clock.now(),
+        )
+
+    def _degraded(self, ctx: PlanContext, error: Unavailable) -> Plan:
+        """The registry did not answer: plain P->D on `ctx`'s nodes, nothing claimed."""
+        log.warning("plan.degraded", reason=error.reason, error=error.message[:300])
+        verdict = Verdict(Reason.REGISTRY_UNAVAILABLE)
+        return self._issue(ctx, Reason.REGISTRY_UNAVAILABLE, verdict, None)
 
     async def _registry_reads(
         self, chain: Chain | None, conversation: str, model: str, timer: CallTimer
@@ -288,11 +386,13 @@ class Planner:
         prefix = verify(ctx.chain, n, retention)
         reuse_cost = cost.reuse(n, prefix.tokens, ctx.local_hits) if prefix.blocks else None
         reason: Reason | None = None
+        # Prefill reads from the holder as registered; one the router cannot address is down.
+        holder = next((x for x in ctx.nodes if x.name == retention.node and x.healthy), None)
         if retention.claimed:
             reason = Reason.FORK_UNSAFE if ctx.fork else Reason.CLAIM_LOST
         elif retention.model != call.req.model or ctx.prefill.block_size != retention.block_size:
             reason = Reason.MODEL_MISMATCH
-        elif retention.node not in {x.name for x in ctx.nodes if x.healthy}:
+        elif holder is None or not knows_side_channel(holder):
             reason = Reason.NODE_DOWN
         elif retention.expire_at - ctx.now < self._policy.claim_headroom_s + (
             reuse_cost.transfer_ms / 1e3 if reuse_cost else 0.0
@@ -305,14 +405,18 @@ class Planner:
         elif reuse_cost is None or reuse_cost.total_ms >= ctx.recompute_cost.total_ms:
             reason = Reason.COST
         if reason is None:
-            return Verdict(Reason.REUSE_CHEAPER, prefix, reuse_cost, claim=retention)
+            return Verdict(Reason.REUSE_CHEAPER, prefix, reuse_cost, claim=retention, holder=holder)
         return Verdict(reason, prefix, reuse_cost)
 
     async def _claim(self, ctx: PlanContext, retention: RetentionInfo) -> tuple[ClaimInfo | None, Reason]:
         req = ctx.call.req
-        # The registry scopes claim ids by retention; a digest keeps the id within its bounds.
+        # The registry scopes claim ids by retention; a digest keeps the id within its bounds. The
+        # request's fingerprint is in it: another prompt planned under the same request id makes
+        # a claim of its own (and loses it), never shares the first plan's.
         request_id = (
-            hashlib.sha256(f"claim|{req.request_id}".encode()).hexdigest()[:32] if req.request_id else ""
+            hashlib.sha256(f"claim|{req.request_id}|{ctx.call.fingerprint.hex()}".encode()).hexdigest()[:32]
+            if req.request_id
+            else ""
         )
         with self._tracer.start_as_current_span("claim") as span:
             span.set_attribute("kvshuttle.retention.generation", retention.generation)
@@ -341,8 +445,8 @@ class Planner:
         prefix, reuse_cost = verdict.prefix, verdict.reuse_cost
         reusable = prefix.tokens if claim is not None and prefix is not None else 0
         decision = Decision.REUSE if claim is not None else Decision.RECOMPUTE
-        if claim is not None and prefix is not None:
-            params = prefill_params(claim.retention, prefix)
+        if claim is not None and prefix is not None and verdict.holder is not None:
+            params = prefill_params(claim.retention, prefix, verdict.holder)
         else:
             params = first_turn_params()
         cached = max(reusable, ctx.local_hits)
@@ -373,6 +477,9 @@ class Planner:
             expire_at=now + self._policy.turn_ttl_s,
             trace_id=format(span_context.trace_id, "032x"),
             span_id=format(span_context.span_id, "016x"),
+            chain_root=call.root,
+            decode_side_channel_host=decode.side_channel_host,
+            decode_side_channel_port=decode.side_channel_port,
         )
         plan = Plan(
             turn=self._codec.encode(state),
@@ -403,6 +510,7 @@ class Planner:
                 "kvshuttle.reused_tokens": reusable,
                 "kvshuttle.recomputed_tokens": n - cached,
                 "kvshuttle.local_hit_tokens": ctx.local_hits,
+                "kvshuttle.cache_salted": bool(req.cache_salt_sha256),
                 "kvshuttle.prefill_node": prefill.name,
                 "kvshuttle.decode_node": decode.name,
                 "kvshuttle.estimate.reuse_ms": reuse_cost.total_ms if reuse_cost else -1.0,

@@ -15,7 +15,10 @@ Error mapping (KvshuttleRpcError code -> what the router sees):
   the log keeps the details. The router bounds client input itself before calling.
 
 A claim answered with another retention than the one claimed (scoped claim ids rule that out)
-is Aborted (REGISTRY_ANSWER_MISMATCH): the plan recomputes and hands out no KV.
+is Aborted (REGISTRY_ANSWER_MISMATCH): the plan recomputes and hands out no KV. A put or claim
+whose request id the registry saw with another body (INVALID_ARGUMENT, REQUEST_ID_REUSED) is
+Aborted with that reason: the first request won (a commit of the turn stored something else, a
+plan of another prompt claimed the retention).
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ def node_info(node: pb.Node) -> NodeInfo | None:
         kv_cache_usage=node.load.kv_cache_usage,
         retained_bytes=node.retained_bytes,
         indexed_blocks=node.indexed_blocks,
+        side_channel_host=node.side_channel_host,
+        side_channel_port=node.side_channel_port,
     )
 
 
@@ -78,6 +83,14 @@ def retention_info(r: pb.Retention) -> RetentionInfo:
         expire_at=from_timestamp(r.expire_time),
         claimed=r.state == pb.RETENTION_STATE_CLAIMED,
     )
+
+
+def _refused(err: KvshuttleRpcError) -> Exception:
+    """The domain error of a failed put or claim: a reused request id is Aborted (the first
+    request with that id won), the rest as domain_error."""
+    if err.code == grpc.StatusCode.INVALID_ARGUMENT and err.reason == ErrorReason.REQUEST_ID_REUSED:
+        return Aborted(err.message, reason=ErrorReason.REQUEST_ID_REUSED, metadata=err.metadata)
+    return domain_error(err, "registry")
 
 
 class GrpcRegistryPort:
@@ -124,9 +137,10 @@ class GrpcRegistryPort:
         return {m.node: m.matched_blocks for m in response.matches}
 
     async def claim(self, name: str, *, holder: str, claim_ttl: float, request_id: str) -> ClaimInfo:
-        response = await as_domain(
-            self._client.claim_retention(name, holder, claim_ttl, request_id=request_id), "registry"
-        )
+        try:
+            response = await self._client.claim_retention(name, holder, claim_ttl, request_id=request_id)
+        except KvshuttleRpcError as err:
+            raise _refused(err) from err
         r = response.retention
         if r.name != name:  # cannot happen with scoped ids; never hand out another's KV if it does
             raise Aborted(
@@ -151,15 +165,12 @@ class GrpcRegistryPort:
             kv_bytes=new.kv_bytes,
             pin_expire_time=to_timestamp(new.pin_expire_at),
         )
-        response = await as_domain(
-            self._client.put_retention(
-                new.conversation,
-                retention,
-                ttl=max(new.ttl, 0.0),
-                request_id=new.request_id,
-            ),
-            "registry",
-        )
+        try:
+            response = await self._client.put_retention(
+                new.conversation, retention, ttl=max(new.ttl, 0.0), request_id=new.request_id
+            )
+        except KvshuttleRpcError as err:
+            raise _refused(err) from err
         return retention_info(response.retention)
 
     async def release(self, name: str, *, claim_id: str) -> None:

@@ -43,13 +43,24 @@ class Router:
     ) -> None:
         """`costs`: one cost model per served model; the router calibrates them as turns commit."""
         policy = policy or RouterPolicy()
+        # Verifies turn handles for the authorization of CommitTurn and AbortTurn too.
+        self.codec = codec
         # The process's global provider unless one is passed in (tests pass their own: OTel
         # lets the global be set only once per process).
         tracer = trace.get_tracer("kvshuttle.router", tracer_provider=tracer_provider)
         by_model = {c.profile.model: c for c in costs}
         metrics = metrics or RouterMetrics()
-        nodes = NodeDirectory(port, refresh_s=policy.node_refresh_s, max_age_s=policy.node_max_age_s)
-        memory = TurnMemory(remembered_turns=policy.remembered_turns, hint_bytes=policy.retention_hint_bytes)
+        nodes = NodeDirectory(
+            port,
+            refresh_s=policy.node_refresh_s,
+            max_age_s=policy.node_max_age_s,
+            degraded_max_age_s=policy.degraded_nodes_max_age_s,
+        )
+        memory = TurnMemory(
+            remembered_turns=policy.remembered_turns,
+            hint_bytes=policy.retention_hint_bytes,
+            plan_bytes=policy.remembered_plan_bytes,
+        )
         # The caches the planner and the committer share, exported as metrics.
         self.chains = ChainCache(policy.chain_cache_bytes)
         self.hints = memory.hints

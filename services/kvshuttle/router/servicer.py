@@ -2,9 +2,10 @@
 
 Domain errors propagate to the serving interceptor, which maps them to status codes with an
 ErrorInfo (domain "router.kvshuttle"). What is bound here lands in the RPC's one `rpc.done`
-line: the conversation (as the registry logs names) and `turn`, a short digest of the turn
-handle: the handle itself is a bearer credential for CommitTurn and AbortTurn and stays out of
-the logs, while the digest still ties a turn's plan, commit and abort lines together.
+line: the conversation, its id replaced by a digest (`log_name`, as the registry logs names:
+conversation ids are the tenant's data and never reach a log), and `turn`, a short digest of
+the turn handle: the handle itself is a bearer credential for CommitTurn and AbortTurn and stays
+out of the logs, while the digest still ties a turn's plan, commit and abort lines together.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import grpc
 from structlog.contextvars import bind_contextvars
 
-from kvshuttle.core.digest import log_digest
+from kvshuttle.core.digest import log_digest, log_name
 from kvshuttle.core.prototime import to_timestamp
 from kvshuttle.router import convert
 from kvshuttle.router.router import Router
@@ -29,7 +30,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         request: pb.PlanTurnRequest,
         context: grpc.aio.ServicerContext[pb.PlanTurnRequest, pb.PlanTurnResponse],
     ) -> pb.PlanTurnResponse:
-        bind_contextvars(conversation=request.conversation[:300], model=request.model[:200])
+        bind_contextvars(conversation=log_name(request.conversation[:300]), model=request.model[:200])
         plan = await self._router.plan_turn(convert.plan_request_from_pb(request))
         bind_contextvars(turn=log_digest(plan.turn), generation=plan.generation)
         return convert.plan_to_pb(plan)

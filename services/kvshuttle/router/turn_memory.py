@@ -4,69 +4,157 @@ registry's fence decides what was committed); it makes this replica's answers fa
 retries exact:
 
 * plans and commits by the caller's request id, so a retry whose answer was lost gets the first
-  answer again;
+  answer again, each with a fingerprint of its request: the same id with another request body is
+  refused (INVALID_ARGUMENT, REQUEST_ID_REUSED, AIP-155), never answered with another's plan;
 * the turns finished here (committed or aborted), so a second commit or abort is refused at once;
 * each conversation's last prefill and decode node, a tie-break for its next placement;
 * the retention each conversation's last commit here stored (`hints`, see hints.py);
 * the commits being stored right now, which a plan of the same conversation waits for.
 
-Each table keeps its last `remembered_turns` entries; hints are bounded by bytes.
+Each table keeps its last `remembered_turns` entries; plans (which hold prefill's block ids) and
+hints are bounded by bytes too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
+import struct
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Generic, TypeVar
+from dataclasses import astuple
+from typing import Any, Generic, TypeVar
 
+import numpy as np
+
+from kvshuttle.core.errors import InvalidArgument
+from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.router.hints import RetentionHints
-from kvshuttle.router.model import CommitResult, Plan
+from kvshuttle.router.model import CommitRequest, CommitResult, Plan, PlanRequest
+from kvshuttle.vllm.block_ids import block_groups
 
 T = TypeVar("T")
 
 
 class _Recent(Generic[T]):
-    """The last `limit` entries written, the oldest written first out."""
+    """The last `limit` entries written (and, given `size`, at most `max_bytes` of them by that
+    estimate), the oldest written first out."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, max_bytes: int = 0, size: Callable[[T], int] | None = None) -> None:
         self._limit = limit
-        self._entries: OrderedDict[str, T] = OrderedDict()
+        self._max_bytes = max_bytes
+        self._size = size
+        self._entries: OrderedDict[str, tuple[T, int]] = OrderedDict()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def get(self, key: str) -> T | None:
-        return self._entries.get(key)
+        hit = self._entries.get(key)
+        return None if hit is None else hit[0]
 
     def put(self, key: str, value: T) -> None:
-        self._entries[key] = value
-        self._entries.move_to_end(key)
-        while len(self._entries) > self._limit:
-            self._entries.popitem(last=False)
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.nbytes -= old[1]
+        size = self._size(value) if self._size is not None else 0
+        self._entries[key] = (value, size)
+        self.nbytes += size
+        while self._entries and (
+            len(self._entries) > self._limit or (self._size is not None and self.nbytes > self._max_bytes)
+        ):
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self.nbytes -= dropped
+
+
+def _plan_bytes(entry: tuple[bytes, Plan]) -> int:
+    """A remembered plan's estimated bytes: mostly prefill's block ids (a Python int and a list
+    slot each), the rest a few hundred bytes of fields and the turn handle."""
+    plan = entry[1]
+    ids = sum(len(g) for g in block_groups(plan.prefill_kv_transfer_params))
+    return 1024 + len(plan.turn) + 36 * ids
+
+
+def _fingerprint(person: bytes, parts: list[bytes]) -> bytes:
+    h = hashlib.blake2b(digest_size=16, person=person)
+    for part in parts:  # length-prefixed: no two requests hash alike by shifting bytes around
+        h.update(struct.pack("<Q", len(part)))
+        h.update(part)
+    return h.digest()
+
+
+def plan_fingerprint(req: PlanRequest, tokens: np.ndarray[Any, Any]) -> bytes:
+    """What identifies a PlanTurn request: every field of it (the checked token ids as uint32)."""
+    header = json.dumps(
+        [
+            req.model,
+            req.conversation,
+            req.parent_conversation,
+            req.expected_think_time_s,
+            req.disable_reuse,
+            req.cache_salt_sha256.hex(),
+        ]
+    ).encode()
+    return _fingerprint(b"kvs.plan", [header, np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()])
+
+
+def commit_fingerprint(req: CommitRequest, tokens: np.ndarray[Any, Any]) -> bytes:
+    """What identifies a CommitTurn request: the turn, decode's params, the tokens, the timings."""
+    header = json.dumps(
+        [req.turn, req.decode_kv_transfer_params, astuple(req.timings)], sort_keys=True, default=repr
+    ).encode()
+    return _fingerprint(b"kvs.commit", [header, np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()])
+
+
+def _reused() -> InvalidArgument:
+    return InvalidArgument(
+        "request_id", "was used before with another request body", reason=ErrorReason.REQUEST_ID_REUSED
+    )
 
 
 class TurnMemory:
-    def __init__(self, *, remembered_turns: int, hint_bytes: int) -> None:
+    def __init__(self, *, remembered_turns: int, hint_bytes: int, plan_bytes: int = 64 * 2**20) -> None:
         self.hints = RetentionHints(hint_bytes)
-        self._plans: _Recent[Plan] = _Recent(remembered_turns)
-        self._commits: _Recent[CommitResult] = _Recent(remembered_turns)
+        # A plan holds prefill's params, whose block ids can be tens of thousands: by bytes too.
+        self._plans: _Recent[tuple[bytes, Plan]] = _Recent(
+            remembered_turns, max_bytes=plan_bytes, size=_plan_bytes
+        )
+        self._commits: _Recent[tuple[bytes, CommitResult]] = _Recent(remembered_turns)
         self._finished: _Recent[str] = _Recent(remembered_turns)
         self._nodes: _Recent[tuple[str, str]] = _Recent(remembered_turns)
         self._storing: dict[str, asyncio.Future[None]] = {}
 
     # A request id is the caller's, unique only within its own turns: plans are scoped by
-    # conversation and model, commits by turn.
+    # conversation and model, commits by turn. A remembered answer is given only to a request of
+    # the same fingerprint; another body with the same id raises InvalidArgument
+    # (REQUEST_ID_REUSED).
 
-    def earlier_plan(self, conversation: str, model: str, request_id: str) -> Plan | None:
-        return self._plans.get(f"{conversation}|{model}|{request_id}")
+    def earlier_plan(self, conversation: str, model: str, request_id: str, fingerprint: bytes) -> Plan | None:
+        return self._earlier(self._plans.get(f"{conversation}|{model}|{request_id}"), fingerprint)
 
-    def remember_plan(self, conversation: str, model: str, request_id: str, plan: Plan) -> None:
-        self._plans.put(f"{conversation}|{model}|{request_id}", plan)
+    def remember_plan(
+        self, conversation: str, model: str, request_id: str, fingerprint: bytes, plan: Plan
+    ) -> None:
+        self._plans.put(f"{conversation}|{model}|{request_id}", (fingerprint, plan))
 
-    def earlier_commit(self, turn_id: str, request_id: str) -> CommitResult | None:
-        return self._commits.get(f"{turn_id}|{request_id}")
+    def earlier_commit(self, turn_id: str, request_id: str, fingerprint: bytes) -> CommitResult | None:
+        return self._earlier(self._commits.get(f"{turn_id}|{request_id}"), fingerprint)
 
-    def remember_commit(self, turn_id: str, request_id: str, result: CommitResult) -> None:
-        self._commits.put(f"{turn_id}|{request_id}", result)
+    def remember_commit(
+        self, turn_id: str, request_id: str, fingerprint: bytes, result: CommitResult
+    ) -> None:
+        self._commits.put(f"{turn_id}|{request_id}", (fingerprint, result))
+
+    @staticmethod
+    def _earlier(entry: tuple[bytes, T] | None, fingerprint: bytes) -> T | None:
+        if entry is None:
+            return None
+        if entry[0] != fingerprint:
+            raise _reused()
+        return entry[1]
 
     def finished(self, turn_id: str) -> str | None:
         """How the turn finished here ("committed", "aborted"); None if it did not."""

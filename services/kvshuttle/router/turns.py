@@ -1,10 +1,10 @@
 """Turn handles: everything CommitTurn and AbortTurn need, carried by the caller, signed.
 
 The router keeps no turn state that another replica would need: a handle names the
-conversation, generation, nodes, the claim it holds and a digest of the planned prompt, and
-is signed with a key the replicas share (HMAC-SHA256), so any replica can commit or abort it
-and nobody can forge one to write another conversation's retention. A handle that does not
-verify is NOT_FOUND: the router never issued it.
+conversation, generation, nodes, the claim it holds, a digest of the planned prompt and the root
+its chain started from (the cache salt's), and is signed with a key the replicas share
+(HMAC-SHA256), so any replica can commit or abort it and nobody can forge one to write another
+conversation's retention. A handle that does not verify is NOT_FOUND: the router never issued it.
 """
 
 from __future__ import annotations
@@ -49,6 +49,14 @@ class TurnState:
     expire_at: float
     trace_id: str
     span_id: str
+    # The root of the prompt's chain (its cache salt's): CommitTurn chains the retention from it.
+    # Defaulted, so handles issued before it existed still decode (they were all unsalted).
+    chain_root: int = 0
+    # The decode node's NIXL side channel as registered when planned: CommitTurn holds decode's
+    # params to it and to decode_engine_id. Defaulted ("": only the engine id is checked), so
+    # handles issued before it existed still decode.
+    decode_side_channel_host: str = ""
+    decode_side_channel_port: int = 0
 
 
 _FIELDS = tuple(f.name for f in fields(TurnState))

@@ -7,6 +7,10 @@ the retained tokens and never checks. An edited history (stripped reasoning, com
 re-rendered chat-template tail) would silently read KV of other tokens. So the router compares
 hash chains, keeps only full blocks of the longest identical run, and hands prefill params
 truncated to exactly those blocks.
+
+Where prefill reads from (remote_engine_id, remote_host, remote_port) comes from the node
+registry, the holder node as registered, never from the params a retention stored: KV is read
+only from nodes the registry knows.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvshuttle.core.hashing import common_prefix_blocks
-from kvshuttle.router.model import Hashes, RetentionInfo
+from kvshuttle.router.model import Hashes, NodeInfo, RetentionInfo
 from kvshuttle.vllm.block_ids import block_groups
 
 
@@ -48,9 +52,21 @@ def verify(prompt_chain: Hashes, prompt_tokens: int, retention: RetentionInfo) -
     return VerifiedPrefix(max(blocks, 0), bs)
 
 
-def prefill_params(retention: RetentionInfo, prefix: VerifiedPrefix) -> dict[str, Any]:
-    """Decode's params, truncated to the verified prefix, as prefill must receive them."""
+def knows_side_channel(node: NodeInfo) -> bool:
+    """Whether the router knows where to send a reader of the node's KV."""
+    return bool(node.engine_id and node.side_channel_host and 0 < node.side_channel_port < 65536)
+
+
+def prefill_params(retention: RetentionInfo, prefix: VerifiedPrefix, holder: NodeInfo) -> dict[str, Any]:
+    """Decode's params, truncated to the verified prefix, as prefill must receive them: read
+    from `holder` (the retention's node, as the registry lists it) at its registered engine id
+    and side channel."""
+    if holder.name != retention.node or not knows_side_channel(holder):
+        raise ValueError(f"{holder.name} cannot serve {retention.name} (held by {retention.node})")
     params = dict(retention.kv_transfer_params)
+    params["remote_engine_id"] = holder.engine_id
+    params["remote_host"] = holder.side_channel_host
+    params["remote_port"] = holder.side_channel_port
     params["remote_block_ids"] = [g[: prefix.blocks] for g in block_groups(params)]
     params["remote_num_tokens"] = prefix.tokens
     params["do_remote_decode"] = True

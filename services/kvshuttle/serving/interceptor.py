@@ -21,6 +21,13 @@ reflection) get the line and the metrics without a span: probes would flood the 
 
 Each RPC starts by clearing structlog's contextvars: fields meant for every line of the process
 belong on the logger (structlog.get_logger().bind(...)), not in contextvars.
+
+With an Authorizer (kvshuttle.serving.auth), every call but those of the `untraced` services
+(health, reflection) is authenticated and authorized before the servicer runs; the caller's
+identity goes into the call's line, and a refusal is UNAUTHENTICATED or PERMISSION_DENIED with
+its ErrorInfo, counted in kvshuttle_auth_denied_total. Requests are parsed here rather than by
+grpc: bytes that do not parse are INVALID_ARGUMENT (field "request") and a message over
+`max_request_bytes` is RESOURCE_EXHAUSTED (MESSAGE_TOO_LARGE), both with ErrorInfo and a line.
 """
 
 from __future__ import annotations
@@ -42,7 +49,9 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from structlog.typing import FilteringBoundLogger
 
-from kvshuttle.core.errors import KvshuttleError
+from kvshuttle.core.errors import InvalidArgument, KvshuttleError, ResourceExhausted
+from kvshuttle.core.reasons import ErrorReason
+from kvshuttle.serving.auth import Authorizer
 from kvshuttle.serving.metrics import RpcMetrics
 
 # All the client learns of an unexpected exception; the details are in the log and the span.
@@ -61,6 +70,8 @@ _SPAN_ERRORS = frozenset(
         grpc.StatusCode.DATA_LOSS,
     }
 )
+# Refusals of an identity: counted in kvshuttle_auth_denied_total.
+_AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 # The trace context headers the propagator reads; the rest of the metadata is not copied.
 _TRACE_HEADERS = frozenset({"traceparent", "tracestate", "baggage"})
 
@@ -75,6 +86,26 @@ _KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., _Handler]]] = {
     (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
     (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class _Unparsed:
+    """A request grpc received but that could not become the RPC's message."""
+
+    size: int
+    too_large: bool
+
+
+def _parsing(deserializer: Callable[[bytes], Any] | None, max_bytes: int) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        if len(data) > max_bytes:
+            return _Unparsed(len(data), too_large=True)
+        try:
+            return deserializer(data) if deserializer is not None else data
+        except Exception:  # DecodeError and friends: the caller's bytes, not our bug
+            return _Unparsed(len(data), too_large=False)
+
+    return parse
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +128,12 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         *,
         tracer_provider: trace.TracerProvider | None = None,
         untraced: frozenset[str] = frozenset(),
+        authorizer: Authorizer | None = None,
+        max_request_bytes: int = 4 * 1024 * 1024,
     ) -> None:
         self._domain = domain
+        self._authorizer = authorizer
+        self._max_request_bytes = max_request_bytes
         self._metrics = metrics
         self._logger: FilteringBoundLogger = logger or structlog.get_logger("kvshuttle.rpc")
         self._tracer = trace.get_tracer("kvshuttle.rpc", tracer_provider=tracer_provider)
@@ -124,9 +159,12 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         behavior: Callable[..., Any] = getattr(handler, attribute)
         # grpc.aio picks how to drive a handler by its kind, so the wrapper must be of the same kind.
         wrap = self._wrap_generator if inspect.isasyncgenfunction(behavior) else self._wrap_coroutine
+        request_deserializer = handler.request_deserializer
+        if not handler.request_streaming:
+            request_deserializer = _parsing(request_deserializer, self._max_request_bytes)
         wrapped = factory(
             wrap(behavior, service, method),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=request_deserializer,
             response_serializer=handler.response_serializer,
         )
         self._wrapped[full_method] = (handler, wrapped)
@@ -141,6 +179,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
                 call.span, end_on_exit=True, record_exception=False, set_status_on_exception=False
             ):
                 try:
+                    self._admit(call, request, context)
                     response = await behavior(request, context)
                 except BaseException as exc:
                     await self._fail(call, exc, context)
@@ -159,6 +198,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
                 call.span, end_on_exit=True, record_exception=False, set_status_on_exception=False
             ):
                 try:
+                    self._admit(call, request, context)
                     async for response in behavior(request, context):
                         yield response
                 except BaseException as exc:
@@ -192,6 +232,22 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
             ids["request_id"] = request_id
         structlog.contextvars.bind_contextvars(**ids)
         return _Call(service, method, started, span)
+
+    def _admit(self, call: _Call, request: Any, context: _Context) -> None:
+        """Raise unless the request parsed and its caller may make it."""
+        if isinstance(request, _Unparsed):
+            if request.too_large:
+                raise ResourceExhausted(
+                    f"request of {request.size} bytes; at most {self._max_request_bytes}",
+                    reason=ErrorReason.MESSAGE_TOO_LARGE,
+                    metadata={"limit": str(self._max_request_bytes)},
+                )
+            raise InvalidArgument("request", f"{request.size} bytes that are not a {call.method} request")
+        if self._authorizer is None or call.service in self._untraced:
+            return
+        caller = self._authorizer.authenticate(context.invocation_metadata() or (), context.auth_context())
+        structlog.contextvars.bind_contextvars(caller=caller.identity)
+        self._authorizer.authorize(caller, call.method, request)
 
     async def _fail(self, call: _Call, exc: BaseException, context: _Context) -> None:
         """Log and count a call that raised. A domain error or an unexpected exception becomes
@@ -238,6 +294,8 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
                     Status(StatusCode.ERROR, f"{code.name}: {details}" if details else code.name)
                 )
         self._metrics.observe(call.service, call.method, code.name, seconds, str(fields.get("reason") or ""))
+        if code in _AUTH_CODES:
+            self._metrics.denied(call.service, call.method, str(fields.get("reason") or code.name))
         log = self._logger.error if code in _SERVER_FAULTS else self._logger.info
         present = {key: value for key, value in fields.items() if value}
         log("rpc.done", method=call.method, code=code.name, ms=round(seconds * 1000, 2), **present)

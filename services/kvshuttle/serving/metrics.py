@@ -10,8 +10,9 @@ _DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
 
 
 class RpcMetrics:
-    """kvshuttle_rpc_total{service,method,code}, kvshuttle_rpc_duration_seconds{service,method} and
-    kvshuttle_rpc_rejections_total{service,method,reason}.
+    """kvshuttle_rpc_total{service,method,code}, kvshuttle_rpc_duration_seconds{service,method},
+    kvshuttle_rpc_rejections_total{service,method,reason} and
+    kvshuttle_auth_denied_total{service,method,reason}.
 
     Registers its collectors on `registry`: the process default in production, a fresh
     CollectorRegistry in tests (a registry refuses the same metric name twice).
@@ -38,6 +39,16 @@ class RpcMetrics:
             ["service", "method", "reason"],
             registry=registry,
         )
+
+        self._denied = Counter(
+            "kvshuttle_auth_denied",
+            "RPCs refused for their caller (UNAUTHENTICATED, PERMISSION_DENIED), by reason.",
+            ["service", "method", "reason"],
+            registry=registry,
+        )
+
+    def denied(self, service: str, method: str, reason: str) -> None:
+        self._denied.labels(service=service, method=method, reason=reason).inc()
 
     def observe(self, service: str, method: str, code: str, seconds: float, reason: str = "") -> None:
         """Record one finished RPC; `code` is a grpc.StatusCode name such as "NOT_FOUND", `reason`

@@ -15,9 +15,10 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
+from kvshuttle.serving.auth import Authorizer, MethodPolicy
 from kvshuttle.serving.interceptor import RpcInterceptor
 from kvshuttle.serving.metrics import RpcMetrics
-from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
+from kvshuttle.serving.settings import AuthSettings, ServerSettings, TelemetrySettings
 from kvshuttle.serving.telemetry import Telemetry
 
 _log = structlog.get_logger("kvshuttle.serving")
@@ -33,6 +34,10 @@ class GrpcServer:
     that provider down on stop; a provider passed in is only flushed. Without `registry` the
     metrics go to prometheus_client's default registry (so one GrpcServer per process then).
     `on_stopping` runs once health reports NOT_SERVING, before in-flight RPCs are drained.
+
+    `auth` with identities: every call is authenticated and authorized by `policy` (required
+    then). Without identities, or without TLS, the server binds only a loopback address unless
+    `auth.insecure` is set (warned at every start).
     """
 
     def __init__(
@@ -47,8 +52,14 @@ class GrpcServer:
         registry: CollectorRegistry | None = None,
         tracer_provider: TracerProvider | None = None,
         on_stopping: Callable[[], None] | None = None,
+        auth: AuthSettings | None = None,
+        policy: MethodPolicy | None = None,
     ) -> None:
         self._settings = settings
+        self._auth = auth or AuthSettings()
+        if self._auth.enabled and policy is None:
+            raise ValueError("a server with identities needs the service's policy")
+        self._authorizer = Authorizer(self._auth, policy) if self._auth.enabled and policy else None
         self._domain = domain
         self._register = register
         self._on_stopping = on_stopping
@@ -73,6 +84,7 @@ class GrpcServer:
 
     async def start(self) -> int:
         """Bind, start serving, report SERVING; returns the bound port."""
+        self._check_exposure()
         # Created here, not in __init__: a grpc.aio server belongs to the loop it is made on.
         server = grpc.aio.server(
             interceptors=[
@@ -81,10 +93,14 @@ class GrpcServer:
                     self._metrics,
                     tracer_provider=self._telemetry.provider,
                     untraced=frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME}),
+                    authorizer=self._authorizer,
+                    max_request_bytes=self._settings.max_receive_message_bytes,
                 )
             ],
             options=[
-                ("grpc.max_receive_message_length", self._settings.max_receive_message_bytes),
+                # The interceptor refuses what is over the limit with an ErrorInfo; grpc's own
+                # refusal (none) only past twice that, which bounds the memory of one request.
+                ("grpc.max_receive_message_length", 2 * self._settings.max_receive_message_bytes),
                 # grpc sets SO_REUSEPORT by default, which lets a second server bind a port that is
                 # in use and silently share its traffic; fail loudly instead.
                 ("grpc.so_reuseport", 0),
@@ -107,9 +123,25 @@ class GrpcServer:
             port=port,
             tls=self._settings.tls,
             mtls=self._settings.tls_client_ca_file is not None,
+            auth=self._authorizer is not None,
             metrics_port=self.metrics_port,
         )
         return port
+
+    def _check_exposure(self) -> None:
+        """Refuse to serve beyond loopback without identities and TLS client certificates, unless
+        told to; say so at every start when running without authentication."""
+        settings, auth = self._settings, self._auth
+        protected = auth.enabled and settings.tls  # identities, and their tokens never in clear
+        if not settings.loopback and not protected and not auth.insecure:
+            raise ValueError(
+                f"refusing to listen on {settings.listen} without TLS and configured identities "
+                "(set auth.identities and tls_*_file, or auth.insecure to accept the risk)"
+            )
+        if auth.insecure:
+            _log.warning("server.insecure", listen=settings.listen, auth=auth.enabled, tls=settings.tls)
+        elif not auth.enabled:
+            _log.warning("server.auth_off", listen=settings.listen, reason="no identities configured")
 
     def _bind(self, server: grpc.aio.Server) -> int:
         settings = self._settings

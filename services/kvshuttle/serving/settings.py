@@ -8,10 +8,13 @@ TelemetrySettings(metrics_listen=...)`) survive a partial environment override o
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal, Self
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+
+from kvshuttle.core.auth import ALL_TENANTS, Role
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
@@ -61,3 +64,56 @@ class ServerSettings(BaseModel):
     @property
     def tls(self) -> bool:
         return self.tls_cert_file is not None
+
+    @property
+    def loopback(self) -> bool:
+        """Whether `listen` binds only a loopback address (127.0.0.0/8, ::1, localhost)."""
+        host = self.listen.rsplit(":", 1)[0].strip("[]")
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a host name, "0.0.0.0", "[::]": not provably loopback
+            return False
+
+
+class Grant(BaseModel):
+    """What one identity may do: its role, and for a gateway the tenants it acts for ("*": all),
+    for an agent the node it acts for."""
+
+    role: Role
+    tenants: list[str] = Field(default_factory=list)
+    node: str | None = None
+
+    @model_validator(mode="after")
+    def _scoped(self) -> Self:
+        if self.role is Role.GATEWAY and not self.tenants:
+            raise ValueError(f"a gateway grant names its tenants (or {ALL_TENANTS!r} for all)")
+        if self.role is Role.AGENT and not self.node:
+            raise ValueError("an agent grant names its node (nodes/{node})")
+        if self.role is not Role.GATEWAY and self.tenants:
+            raise ValueError("only a gateway grant is scoped to tenants")
+        if self.role is not Role.AGENT and self.node:
+            raise ValueError("only an agent grant is scoped to a node")
+        return self
+
+
+class AuthSettings(BaseModel):
+    """Who may call this service. No identities: authentication is off, which the server allows
+    only on a loopback address (or with `insecure`, warned at every start).
+
+    identities: identity -> grant. An identity is a client certificate's URI or DNS SAN
+        ("spiffe://kvshuttle/router") or the name a bearer token stands for.
+    tokens: identity -> bearer token (e.g. KVSHUTTLE_REGISTRY_AUTH__TOKENS='{"router": "..."}').
+    tokens_file: a JSON file of the same shape (a mounted secret); merged over `tokens`.
+    insecure: serve a non-loopback address without TLS client certificates or identities.
+    """
+
+    identities: dict[str, Grant] = Field(default_factory=dict)
+    tokens: dict[str, SecretStr] = Field(default_factory=dict)
+    tokens_file: Path | None = None
+    insecure: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.identities)

@@ -13,6 +13,13 @@ Events are msgpack maps tagged by `"type"`:
     {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU", ...}
     {"type": "AllBlocksCleared"}
 
+Cache salts: a request's `cache_salt` is part of vLLM's hash of its first block, and 0.32 reports
+it in `extra_keys` (one entry per block, untagged: the LoRA name when `lora_name` is set, then
+`(mm_identifier, offset)` pairs, the salt string, prompt-embeds digests as bytes). The decoder
+keeps only the salt's SHA-256 (`BlockStored.cache_salt_sha256`), for a sequence's first block
+(no parent, where vLLM puts it): the salt itself never leaves the agent. An entry with more than
+one candidate string is malformed.
+
 vLLM adds fields over versions (`lora_name`, `extra_keys`, `group_idx`,
 `kv_cache_spec_kind`, `session_id`, ...) and omits fields left at their defaults, so the
 decoder reads the fields it needs, ignores every other key (and counts the ones it has never
@@ -49,6 +56,7 @@ from typing import Any, Final
 
 import msgpack
 
+from kvshuttle.core.hashing import cache_salt_digest
 from kvshuttle.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored, EventBatch
 
 __all__ = [
@@ -184,6 +192,28 @@ def _token_ids(value: object) -> tuple[int, ...]:
     return tokens
 
 
+def _first_block_salt(raw: Mapping[Any, Any]) -> str | None:
+    """The cache salt in a sequence's first block's `extra_keys` (see the module doc), or None."""
+    extra = raw.get("extra_keys")
+    if extra is None:
+        return None
+    if not isinstance(extra, list | tuple):
+        raise _Malformed
+    keys = extra[0] if extra else None
+    if keys is None:
+        return None
+    if not isinstance(keys, list | tuple):
+        raise _Malformed
+    items = list(keys)
+    lora_name = raw.get("lora_name")
+    if isinstance(lora_name, str) and items and items[0] == lora_name:
+        items = items[1:]  # the adapter's name comes first
+    salts = [k for k in items if isinstance(k, str)]
+    if len(salts) > 1:
+        raise _Malformed
+    return salts[0] if salts and salts[0] else None
+
+
 def _medium(value: object) -> str:
     # vLLM says "GPU" (even on the CPU build), "CPU" for offloaded blocks; None is possible.
     return value if isinstance(value, str) else ""
@@ -290,6 +320,7 @@ class KvEventDecoder:
             block_size = _int(raw["block_size"])
             if not 0 < block_size <= _U32:
                 raise _Malformed
+            salt = _first_block_salt(raw) if parent is None else None
             return BlockStored(
                 block_hashes=_hashes(raw["block_hashes"]),
                 parent_block_hash=None if parent is None else _hash(parent),
@@ -297,6 +328,7 @@ class KvEventDecoder:
                 block_size=block_size,
                 lora_id=lora_id,
                 medium=_medium(raw.get("medium")),
+                cache_salt_sha256=b"" if salt is None else cache_salt_digest(salt),
             )
         if kind == "BlockRemoved":
             return BlockRemoved(block_hashes=_hashes(raw["block_hashes"]), medium=_medium(raw.get("medium")))

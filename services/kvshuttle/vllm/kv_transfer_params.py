@@ -1,7 +1,8 @@
 """vLLM's `kv_transfer_params` JSON object <-> kvshuttle.vllm.v1.KvTransferParams.
 
 Known fields map one to one; every other key goes into `extra` and comes back out unchanged,
-so a newer vLLM's fields pass through kvshuttle untouched. vLLM reads every field with
+so a newer vLLM's fields pass through kvshuttle untouched, bounded in keys and bytes
+(`check_extra`, kvshuttle.core.limits). vLLM reads every field with
 `.get()`, so JSON null and an absent key are the same to it: null becomes an unset field,
 and an unset field is left out of the dict.
 """
@@ -13,6 +14,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from kvshuttle.core.errors import InvalidArgument
+from kvshuttle.core.limits import MAX_KV_TRANSFER_PARAMS_EXTRA_BYTES, MAX_KV_TRANSFER_PARAMS_EXTRA_KEYS
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import BlockIdList, KvTransferParams
 
 _BOOL = ("do_remote_prefill", "do_remote_decode")
@@ -79,11 +81,34 @@ def from_vllm(params: dict[str, Any], field: str = "kv_transfer_params") -> KvTr
             for group in _block_groups(value, path):
                 msg.remote_block_ids.append(BlockIdList(block_ids=group))
     if extra:
+        if len(extra) > MAX_KV_TRANSFER_PARAMS_EXTRA_KEYS:
+            raise InvalidArgument(
+                f"{field}.extra",
+                f"more than {MAX_KV_TRANSFER_PARAMS_EXTRA_KEYS} fields kvshuttle does not know",
+            )
         try:
             msg.extra.update(extra)
         except (ValueError, TypeError) as exc:
             raise InvalidArgument(field, f"unsupported value in an unknown field: {exc}") from exc
+        check_extra(msg, field)
     return msg
+
+
+def check_extra(msg: KvTransferParams, field: str) -> None:
+    """`extra` (the fields kvshuttle passes through unread) within its bounds: at most
+    MAX_KV_TRANSFER_PARAMS_EXTRA_KEYS keys and MAX_KV_TRANSFER_PARAMS_EXTRA_BYTES serialized.
+    InvalidArgument naming `{field}.extra` otherwise."""
+    if not msg.HasField("extra"):
+        return
+    if len(msg.extra.fields) > MAX_KV_TRANSFER_PARAMS_EXTRA_KEYS:
+        raise InvalidArgument(
+            f"{field}.extra", f"more than {MAX_KV_TRANSFER_PARAMS_EXTRA_KEYS} fields kvshuttle does not know"
+        )
+    if msg.extra.ByteSize() > MAX_KV_TRANSFER_PARAMS_EXTRA_BYTES:
+        raise InvalidArgument(
+            f"{field}.extra",
+            f"fields kvshuttle does not know take more than {MAX_KV_TRANSFER_PARAMS_EXTRA_BYTES} bytes",
+        )
 
 
 def to_vllm(msg: KvTransferParams) -> dict[str, Any]:

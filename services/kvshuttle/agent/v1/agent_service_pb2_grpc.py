@@ -30,8 +30,15 @@ class AgentServiceStub:
     events and load to the registry, and moves KV with NIXL READs when the router says so.
 
     Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle") whose reason is one of
-    (the table: kvshuttle.core.reasons): none yet. GetStatus takes no input; PullBlocks,
-    ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool lands.
+    (the table: kvshuttle.core.reasons):
+    UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
+    bearer token).
+    PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
+    TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
+    NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+    MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
+    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool
+    lands.
     """
 
     def __init__(self, channel):
@@ -67,8 +74,15 @@ class AgentServiceServicer:
     events and load to the registry, and moves KV with NIXL READs when the router says so.
 
     Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle") whose reason is one of
-    (the table: kvshuttle.core.reasons): none yet. GetStatus takes no input; PullBlocks,
-    ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool lands.
+    (the table: kvshuttle.core.reasons):
+    UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
+    bearer token).
+    PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
+    TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
+    NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+    MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
+    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool
+    lands.
     """
 
     def GetStatus(self, request, context):
@@ -139,8 +153,15 @@ class AgentService:
     events and load to the registry, and moves KV with NIXL READs when the router says so.
 
     Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle") whose reason is one of
-    (the table: kvshuttle.core.reasons): none yet. GetStatus takes no input; PullBlocks,
-    ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool lands.
+    (the table: kvshuttle.core.reasons):
+    UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
+    bearer token).
+    PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
+    TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
+    NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+    MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
+    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool
+    lands.
     """
 
     @staticmethod

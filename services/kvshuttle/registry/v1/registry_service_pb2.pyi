@@ -159,7 +159,9 @@ class Node(_message.Message):
     block_size: _builtins.int
     """Tokens per KV block in this engine."""
     kv_bytes_per_token: _builtins.int
-    """KV bytes per token across all layers (what a transfer of N tokens moves is N times this)."""
+    """KV bytes per token across all layers (what a transfer of N tokens moves is N times this);
+    1..2^24.
+    """
     incarnation: _builtins.int
     """Output only. Increases with every RegisterNode of this name."""
     retained_bytes: _builtins.int
@@ -515,7 +517,7 @@ class Retention(_message.Message):
     node: _builtins.str
     """`nodes/{node}` that holds the blocks."""
     generation: _builtins.int
-    """Fencing generation (the turn index); strictly increasing per conversation."""
+    """Fencing generation (the turn index); strictly increasing per conversation; 1..2^63-1."""
     model: _builtins.str
     """Served model name the KV belongs to."""
     block_size: _builtins.int
@@ -523,7 +525,7 @@ class Retention(_message.Message):
     num_tokens: _builtins.int
     """Tokens the retained KV covers (prompt plus output)."""
     kv_bytes: _builtins.int
-    """KV bytes the retention holds."""
+    """KV bytes the retention holds; at most 2^46."""
     state: Global___RetentionState.ValueType
     """Output only."""
     @_builtins.property
@@ -534,7 +536,10 @@ class Retention(_message.Message):
 
     @_builtins.property
     def kv_transfer_params(self) -> _kv_transfer_params_pb2.KvTransferParams:
-        """What a reader hands to its prefill engine to read the KV (decode's final params)."""
+        """What a reader hands to its prefill engine to read the KV (decode's final params). Its
+        remote_engine_id, remote_host and remote_port must be the node's engine_id,
+        side_channel_host and side_channel_port; `extra` holds at most 32 keys and 4 KiB.
+        """
 
     @_builtins.property
     def pin_expire_time(self) -> _timestamp_pb2.Timestamp:
@@ -624,7 +629,10 @@ class PutRetentionRequest(_message.Message):
     RETENTION_FIELD_NUMBER: _builtins.int
     TTL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Client-chosen id; a repeated request returns the first response unchanged."""
+    """Client-chosen id; a repeated request returns the first response unchanged. The same id
+    with another retention is INVALID_ARGUMENT (REQUEST_ID_REUSED); the lease it asks for (ttl,
+    pin_expire_time) is not compared: a retry may compute it again, and the first one stands.
+    """
     parent: _builtins.str
     """`tenants/{tenant}/conversations/{conversation}`."""
     @_builtins.property
@@ -842,7 +850,10 @@ class ClaimRetentionRequest(_message.Message):
     HOLDER_FIELD_NUMBER: _builtins.int
     CLAIM_TTL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Client-chosen id; a repeated request returns the first response unchanged."""
+    """Client-chosen id; a repeated request returns the claimed retention while it lives
+    (RETENTION_NOT_FOUND once it was released or lapsed: the claim ended). The same id with
+    another holder is INVALID_ARGUMENT (REQUEST_ID_REUSED); claim_ttl is not compared.
+    """
     name: _builtins.str
     """`tenants/{tenant}/conversations/{conversation}/retentions/{generation}`."""
     holder: _builtins.str
@@ -1054,12 +1065,19 @@ class BlockStored(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     LORA_ID_FIELD_NUMBER: _builtins.int
     MEDIUM_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_SHA256_FIELD_NUMBER: _builtins.int
     parent_block_hash: _builtins.int
     """vLLM hash of the block before the first one; absent for a sequence's first block."""
     block_size: _builtins.int
     lora_id: _builtins.int
     medium: _builtins.str
     """"GPU", "CPU", ... as vLLM reports it."""
+    cache_salt_sha256: _builtins.bytes
+    """SHA-256 of the `cache_salt` of the request that stored a sequence's first block (vLLM
+    reports the salt in `extra_keys`; the agent sends only its digest): 32 bytes, or empty for
+    no salt or a block that is not a sequence's first. The index chains the sequence from the
+    salt's root, as the router chains a salted prompt.
+    """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """vLLM's 64-bit block hashes, one per block, parent first."""
@@ -1077,10 +1095,11 @@ class BlockStored(_message.Message):
         block_size: _builtins.int = ...,
         lora_id: _builtins.int | None = ...,
         medium: _builtins.str = ...,
+        cache_salt_sha256: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_lora_id", b"_lora_id", "_parent_block_hash", b"_parent_block_hash", "lora_id", b"lora_id", "parent_block_hash", b"parent_block_hash"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lora_id", b"_lora_id", "_parent_block_hash", b"_parent_block_hash", "block_hashes", b"block_hashes", "block_size", b"block_size", "lora_id", b"lora_id", "medium", b"medium", "parent_block_hash", b"parent_block_hash", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lora_id", b"_lora_id", "_parent_block_hash", b"_parent_block_hash", "block_hashes", b"block_hashes", "block_size", b"block_size", "cache_salt_sha256", b"cache_salt_sha256", "lora_id", b"lora_id", "medium", b"medium", "parent_block_hash", b"parent_block_hash", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lora_id: _TypeAlias = _typing.Literal["lora_id"]  # noqa: Y015
     _WhichOneofArgType__lora_id: _TypeAlias = _typing.Literal["_lora_id", b"_lora_id"]  # noqa: Y015
@@ -1177,7 +1196,7 @@ class BlockEventBatch(_message.Message):
     ENGINE_TIME_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
-    """The publisher's sequence number; restarts at 0 when the engine restarts."""
+    """The publisher's sequence number; restarts at 0 when the engine restarts; below 2^63."""
     engine_time: _builtins.float
     """The engine's timestamp of the batch (seconds since the epoch)."""
     @_builtins.property

@@ -36,9 +36,14 @@ class RegistryServiceStub:
     Errors carry a google.rpc.ErrorInfo (domain "registry.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
     INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+    REQUEST_ID_REUSED: a request_id seen before with another request body (metadata "field":
+    "request_id"); nothing changes.
     NODE_NOT_FOUND: no live lease of that node.
     NODE_INCARNATION_MISMATCH: a newer registration of the node replaced this one.
-    NODE_MISMATCH: a retention's model or block size is not its node's.
+    NODE_MISMATCH: a retention's model, block size, engine id or side channel is not its
+    node's (kv_transfer_params' remote_engine_id, remote_host and remote_port must be the
+    node's engine_id, side_channel_host and side_channel_port as registered; metadata
+    "field" names the first that is not).
     RETENTION_NOT_FOUND, RETENTION_EXPIRED: no such retention, or its lease lapsed.
     RETENTION_ALREADY_CLAIMED: another reader claimed it first.
     RETENTION_CLAIMED: a claimed retention cannot be renewed.
@@ -49,6 +54,12 @@ class RegistryServiceStub:
     CAPACITY_EXCEEDED: a bounded table or a tenant's quota is full.
     WATCH_OVERFLOW: a watcher fell behind its buffer; watch again.
     SHUTTING_DOWN: the registry is draining.
+    UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
+    bearer token).
+    PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
+    TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
+    NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+    MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
     def __init__(self, channel):
@@ -145,9 +156,14 @@ class RegistryServiceServicer:
     Errors carry a google.rpc.ErrorInfo (domain "registry.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
     INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+    REQUEST_ID_REUSED: a request_id seen before with another request body (metadata "field":
+    "request_id"); nothing changes.
     NODE_NOT_FOUND: no live lease of that node.
     NODE_INCARNATION_MISMATCH: a newer registration of the node replaced this one.
-    NODE_MISMATCH: a retention's model or block size is not its node's.
+    NODE_MISMATCH: a retention's model, block size, engine id or side channel is not its
+    node's (kv_transfer_params' remote_engine_id, remote_host and remote_port must be the
+    node's engine_id, side_channel_host and side_channel_port as registered; metadata
+    "field" names the first that is not).
     RETENTION_NOT_FOUND, RETENTION_EXPIRED: no such retention, or its lease lapsed.
     RETENTION_ALREADY_CLAIMED: another reader claimed it first.
     RETENTION_CLAIMED: a claimed retention cannot be renewed.
@@ -158,6 +174,12 @@ class RegistryServiceServicer:
     CAPACITY_EXCEEDED: a bounded table or a tenant's quota is full.
     WATCH_OVERFLOW: a watcher fell behind its buffer; watch again.
     SHUTTING_DOWN: the registry is draining.
+    UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
+    bearer token).
+    PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
+    TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
+    NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+    MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
     def RegisterNode(self, request, context):
@@ -202,8 +224,10 @@ class RegistryServiceServicer:
     def PutRetention(self, request, context):
         """PutRetention records KV that a node keeps for a conversation's next turn. The generation
         must be higher than any the conversation has seen (ABORTED, FENCING_GENERATION_STALE
-        otherwise); a newer retention replaces the conversation's older one. Idempotent by
-        request_id: a repeated request returns the first response.
+        otherwise); a newer retention replaces the conversation's older one. Its
+        kv_transfer_params must name the node as registered (FAILED_PRECONDITION, NODE_MISMATCH
+        otherwise): readers are sent only to nodes the registry knows. Idempotent by request_id: a
+        repeated request returns the first response.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -379,9 +403,14 @@ class RegistryService:
     Errors carry a google.rpc.ErrorInfo (domain "registry.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
     INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+    REQUEST_ID_REUSED: a request_id seen before with another request body (metadata "field":
+    "request_id"); nothing changes.
     NODE_NOT_FOUND: no live lease of that node.
     NODE_INCARNATION_MISMATCH: a newer registration of the node replaced this one.
-    NODE_MISMATCH: a retention's model or block size is not its node's.
+    NODE_MISMATCH: a retention's model, block size, engine id or side channel is not its
+    node's (kv_transfer_params' remote_engine_id, remote_host and remote_port must be the
+    node's engine_id, side_channel_host and side_channel_port as registered; metadata
+    "field" names the first that is not).
     RETENTION_NOT_FOUND, RETENTION_EXPIRED: no such retention, or its lease lapsed.
     RETENTION_ALREADY_CLAIMED: another reader claimed it first.
     RETENTION_CLAIMED: a claimed retention cannot be renewed.
@@ -392,6 +421,12 @@ class RegistryService:
     CAPACITY_EXCEEDED: a bounded table or a tenant's quota is full.
     WATCH_OVERFLOW: a watcher fell behind its buffer; watch again.
     SHUTTING_DOWN: the registry is draining.
+    UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
+    bearer token).
+    PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
+    TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
+    NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+    MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
     @staticmethod

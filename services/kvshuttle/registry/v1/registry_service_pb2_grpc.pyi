@@ -37,9 +37,14 @@ class RegistryServiceStub:
     Errors carry a google.rpc.ErrorInfo (domain "registry.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
       INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+      REQUEST_ID_REUSED: a request_id seen before with another request body (metadata "field":
+        "request_id"); nothing changes.
       NODE_NOT_FOUND: no live lease of that node.
       NODE_INCARNATION_MISMATCH: a newer registration of the node replaced this one.
-      NODE_MISMATCH: a retention's model or block size is not its node's.
+      NODE_MISMATCH: a retention's model, block size, engine id or side channel is not its
+        node's (kv_transfer_params' remote_engine_id, remote_host and remote_port must be the
+        node's engine_id, side_channel_host and side_channel_port as registered; metadata
+        "field" names the first that is not).
       RETENTION_NOT_FOUND, RETENTION_EXPIRED: no such retention, or its lease lapsed.
       RETENTION_ALREADY_CLAIMED: another reader claimed it first.
       RETENTION_CLAIMED: a claimed retention cannot be renewed.
@@ -50,6 +55,12 @@ class RegistryServiceStub:
       CAPACITY_EXCEEDED: a bounded table or a tenant's quota is full.
       WATCH_OVERFLOW: a watcher fell behind its buffer; watch again.
       SHUTTING_DOWN: the registry is draining.
+      UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
+        bearer token).
+      PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
+      TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
+      NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+      MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
     @_typing.overload
@@ -75,8 +86,10 @@ class RegistryServiceStub:
     PutRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.PutRetentionRequest, _registry_service_pb2.PutRetentionResponse]
     """PutRetention records KV that a node keeps for a conversation's next turn. The generation
     must be higher than any the conversation has seen (ABORTED, FENCING_GENERATION_STALE
-    otherwise); a newer retention replaces the conversation's older one. Idempotent by
-    request_id: a repeated request returns the first response.
+    otherwise); a newer retention replaces the conversation's older one. Its
+    kv_transfer_params must name the node as registered (FAILED_PRECONDITION, NODE_MISMATCH
+    otherwise): readers are sent only to nodes the registry knows. Idempotent by request_id: a
+    repeated request returns the first response.
     """
     GetRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.GetRetentionRequest, _registry_service_pb2.GetRetentionResponse]
     """GetRetention returns one live retention."""
@@ -123,9 +136,14 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     Errors carry a google.rpc.ErrorInfo (domain "registry.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
       INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+      REQUEST_ID_REUSED: a request_id seen before with another request body (metadata "field":
+        "request_id"); nothing changes.
       NODE_NOT_FOUND: no live lease of that node.
       NODE_INCARNATION_MISMATCH: a newer registration of the node replaced this one.
-      NODE_MISMATCH: a retention's model or block size is not its node's.
+      NODE_MISMATCH: a retention's model, block size, engine id or side channel is not its
+        node's (kv_transfer_params' remote_engine_id, remote_host and remote_port must be the
+        node's engine_id, side_channel_host and side_channel_port as registered; metadata
+        "field" names the first that is not).
       RETENTION_NOT_FOUND, RETENTION_EXPIRED: no such retention, or its lease lapsed.
       RETENTION_ALREADY_CLAIMED: another reader claimed it first.
       RETENTION_CLAIMED: a claimed retention cannot be renewed.
@@ -136,6 +154,12 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
       CAPACITY_EXCEEDED: a bounded table or a tenant's quota is full.
       WATCH_OVERFLOW: a watcher fell behind its buffer; watch again.
       SHUTTING_DOWN: the registry is draining.
+      UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
+        bearer token).
+      PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
+      TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
+      NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+      MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -158,8 +182,10 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     PutRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.PutRetentionRequest, _registry_service_pb2.PutRetentionResponse]  # type: ignore[assignment]
     """PutRetention records KV that a node keeps for a conversation's next turn. The generation
     must be higher than any the conversation has seen (ABORTED, FENCING_GENERATION_STALE
-    otherwise); a newer retention replaces the conversation's older one. Idempotent by
-    request_id: a repeated request returns the first response.
+    otherwise); a newer retention replaces the conversation's older one. Its
+    kv_transfer_params must name the node as registered (FAILED_PRECONDITION, NODE_MISMATCH
+    otherwise): readers are sent only to nodes the registry knows. Idempotent by request_id: a
+    repeated request returns the first response.
     """
     GetRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.GetRetentionRequest, _registry_service_pb2.GetRetentionResponse]  # type: ignore[assignment]
     """GetRetention returns one live retention."""
@@ -205,9 +231,14 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
     Errors carry a google.rpc.ErrorInfo (domain "registry.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
       INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+      REQUEST_ID_REUSED: a request_id seen before with another request body (metadata "field":
+        "request_id"); nothing changes.
       NODE_NOT_FOUND: no live lease of that node.
       NODE_INCARNATION_MISMATCH: a newer registration of the node replaced this one.
-      NODE_MISMATCH: a retention's model or block size is not its node's.
+      NODE_MISMATCH: a retention's model, block size, engine id or side channel is not its
+        node's (kv_transfer_params' remote_engine_id, remote_host and remote_port must be the
+        node's engine_id, side_channel_host and side_channel_port as registered; metadata
+        "field" names the first that is not).
       RETENTION_NOT_FOUND, RETENTION_EXPIRED: no such retention, or its lease lapsed.
       RETENTION_ALREADY_CLAIMED: another reader claimed it first.
       RETENTION_CLAIMED: a claimed retention cannot be renewed.
@@ -218,6 +249,12 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
       CAPACITY_EXCEEDED: a bounded table or a tenant's quota is full.
       WATCH_OVERFLOW: a watcher fell behind its buffer; watch again.
       SHUTTING_DOWN: the registry is draining.
+      UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
+        bearer token).
+      PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
+      TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
+      NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+      MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
     @_abc_1.abstractmethod
@@ -274,8 +311,10 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_registry_service_pb2.PutRetentionResponse, _abc.Awaitable[_registry_service_pb2.PutRetentionResponse]]:
         """PutRetention records KV that a node keeps for a conversation's next turn. The generation
         must be higher than any the conversation has seen (ABORTED, FENCING_GENERATION_STALE
-        otherwise); a newer retention replaces the conversation's older one. Idempotent by
-        request_id: a repeated request returns the first response.
+        otherwise); a newer retention replaces the conversation's older one. Its
+        kv_transfer_params must name the node as registered (FAILED_PRECONDITION, NODE_MISMATCH
+        otherwise): readers are sent only to nodes the registry knows. Idempotent by request_id: a
+        repeated request returns the first response.
         """
 
     @_abc_1.abstractmethod

@@ -75,6 +75,10 @@ class _DecisionReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decisi
     """A fork whose parent's retention cannot safely serve a second reader."""
     DECISION_REASON_NO_CONVERSATION: _DecisionReason.ValueType  # 12
     """The request carried no conversation: plain P->D."""
+    DECISION_REASON_REGISTRY_UNAVAILABLE: _DecisionReason.ValueType  # 13
+    """The registry did not answer (unreachable, or past its deadline): plain P->D on the last
+    nodes it listed (at most the router's degraded_nodes_max_age_s old), nothing claimed.
+    """
 
 class DecisionReason(_DecisionReason, metaclass=_DecisionReasonEnumTypeWrapper):
     """DecisionReason says why a turn was planned the way it was."""
@@ -104,6 +108,10 @@ DECISION_REASON_FORK_UNSAFE: DecisionReason.ValueType  # 11
 """A fork whose parent's retention cannot safely serve a second reader."""
 DECISION_REASON_NO_CONVERSATION: DecisionReason.ValueType  # 12
 """The request carried no conversation: plain P->D."""
+DECISION_REASON_REGISTRY_UNAVAILABLE: DecisionReason.ValueType  # 13
+"""The registry did not answer (unreachable, or past its deadline): plain P->D on the last
+nodes it listed (at most the router's degraded_nodes_max_age_s old), nothing claimed.
+"""
 Global___DecisionReason: _TypeAlias = DecisionReason  # noqa: Y015
 
 @_typing.final
@@ -212,15 +220,27 @@ class PlanTurnRequest(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     HINTS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_SHA256_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Client-chosen id; a repeated request returns the first plan unchanged."""
+    """Client-chosen id; a repeated request returns the first plan unchanged (on the replica
+    that made it). The same id with another request body is INVALID_ARGUMENT
+    (REQUEST_ID_REUSED).
+    """
     conversation: _builtins.str
     """`tenants/{tenant}/conversations/{conversation}`; empty for a request without one."""
     model: _builtins.str
     """Served model name; must match a configured model profile."""
+    cache_salt_sha256: _builtins.bytes
+    """SHA-256 of the vLLM `cache_salt` the caller sends both engines with this prompt (32 bytes;
+    empty when it sends none). Never the salt itself. The prompt's hash chain starts from a root
+    derived from it (kvshuttle.core.hashing.salted_root), and so does the retention CommitTurn
+    stores: KV retained under one salt never verifies for a prompt under another salt or none,
+    as vLLM's own prefix cache never shares blocks across salts. A gateway derives one salt per
+    tenant, so tenants never share KV.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The new prompt's token ids exactly as the engine will see them."""
+        """The new prompt's token ids exactly as the engine will see them; at most 262,144."""
 
     @_builtins.property
     def hints(self) -> Global___PlanHints: ...
@@ -232,10 +252,11 @@ class PlanTurnRequest(_message.Message):
         model: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         hints: Global___PlanHints | None = ...,
+        cache_salt_sha256: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hints", b"hints"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation", b"conversation", "hints", b"hints", "model", b"model", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt_sha256", b"cache_salt_sha256", "conversation", b"conversation", "hints", b"hints", "model", b"model", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -379,7 +400,9 @@ class CommitTurnRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Client-chosen id; a repeated request returns the first response unchanged."""
+    """Client-chosen id; a repeated request returns the first response unchanged. The same id
+    with another request body is INVALID_ARGUMENT (REQUEST_ID_REUSED).
+    """
     turn: _builtins.str
     """`turns/{turn}` from PlanTurn."""
     @_builtins.property
@@ -390,7 +413,9 @@ class CommitTurnRequest(_message.Message):
 
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The finished sequence's token ids: prompt plus output."""
+        """The finished sequence's token ids: prompt plus output; at most 524,288 (a prompt at
+        PlanTurn's bound plus 262,144 tokens of output).
+        """
 
     @_builtins.property
     def timings(self) -> Global___TurnTimings: ...
@@ -418,7 +443,11 @@ class CommitTurnResponse(_message.Message):
     RETENTION_FIELD_NUMBER: _builtins.int
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
     retention: _builtins.str
-    """The new retention's name; empty when nothing was retained."""
+    """The new retention's name; empty when nothing was retained: decode kept nothing, its node
+    is gone, or the registry could not store it (unreachable, or past the router's
+    commit_registry_timeout_s; the router logs `commit.not_stored reason=REGISTRY_UNAVAILABLE`).
+    The turn is committed either way; the conversation's next turn recomputes.
+    """
     @_builtins.property
     def expire_time(self) -> _timestamp_pb2.Timestamp:
         """When it lapses."""

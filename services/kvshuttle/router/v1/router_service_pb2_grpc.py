@@ -34,13 +34,25 @@ class RouterServiceStub:
     Errors carry a google.rpc.ErrorInfo (domain "router.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
     INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+    REQUEST_ID_REUSED: a request_id this router saw before with another request body
+    (metadata "field": "request_id"); nothing changes.
+    NODE_MISMATCH: decode's kv_transfer_params name another engine or side channel than the
+    decode node the turn was planned on (metadata "field" names the param, "node" the node).
     TURN_NOT_FOUND: the turn handle was not issued by this router deployment (another
     signing key, a forged handle, another router version's format).
     TURN_EXPIRED: the turn's claim lapsed before CommitTurn.
     TURN_FINISHED: the turn was already committed or aborted, or a later turn committed.
     NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
-    REGISTRY_UNAVAILABLE: the registry did not answer in time; the turn may be retried.
+    REGISTRY_UNAVAILABLE: PlanTurn only: the registry did not answer in time and the last
+    node list it gave is older than the router's degraded_nodes_max_age_s (younger, the
+    turn is planned plain P->D on it instead); the turn may be retried.
     CAPACITY_EXCEEDED: the registry's, passed on: the tenant's retention quota is full.
+    UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
+    bearer token).
+    PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
+    TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
+    NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+    MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
     def __init__(self, channel):
@@ -75,19 +87,32 @@ class RouterServiceServicer:
     Errors carry a google.rpc.ErrorInfo (domain "router.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
     INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+    REQUEST_ID_REUSED: a request_id this router saw before with another request body
+    (metadata "field": "request_id"); nothing changes.
+    NODE_MISMATCH: decode's kv_transfer_params name another engine or side channel than the
+    decode node the turn was planned on (metadata "field" names the param, "node" the node).
     TURN_NOT_FOUND: the turn handle was not issued by this router deployment (another
     signing key, a forged handle, another router version's format).
     TURN_EXPIRED: the turn's claim lapsed before CommitTurn.
     TURN_FINISHED: the turn was already committed or aborted, or a later turn committed.
     NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
-    REGISTRY_UNAVAILABLE: the registry did not answer in time; the turn may be retried.
+    REGISTRY_UNAVAILABLE: PlanTurn only: the registry did not answer in time and the last
+    node list it gave is older than the router's degraded_nodes_max_age_s (younger, the
+    turn is planned plain P->D on it instead); the turn may be retried.
     CAPACITY_EXCEEDED: the registry's, passed on: the tenant's retention quota is full.
+    UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
+    bearer token).
+    PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
+    TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
+    NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+    MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
     def PlanTurn(self, request, context):
         """PlanTurn verifies how much of the new prompt the retained KV really covers (full blocks
         of an identical hash chain), prices reuse against recompute, places P and D, and claims
-        the retention when reuse wins. Anything uncertain plans a recompute.
+        the retention when reuse wins. Anything uncertain plans a recompute; a registry that does
+        not answer plans plain P->D on the last nodes it listed (DECISION_REASON_REGISTRY_UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -95,7 +120,10 @@ class RouterServiceServicer:
 
     def CommitTurn(self, request, context):
         """CommitTurn stores decode's retained KV as the conversation's new retention (fenced by
-        turn order) and feeds the turn's measured timings to the cost model.
+        turn order) and feeds the turn's measured timings to the cost model. Decode's params must
+        name the planned decode node's engine id and side channel as registered
+        (FAILED_PRECONDITION, NODE_MISMATCH otherwise; nothing changes). A registry that does not
+        answer never fails the commit: the retention is not stored (an empty `retention`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -103,7 +131,8 @@ class RouterServiceServicer:
 
     def AbortTurn(self, request, context):
         """AbortTurn releases what a planned turn holds. NOT_FOUND for an unknown turn,
-        FAILED_PRECONDITION for a finished one.
+        FAILED_PRECONDITION for a finished one. Best effort towards the registry: a release it
+        cannot deliver is logged, and the claim lapses on its own TTL.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,13 +173,25 @@ class RouterService:
     Errors carry a google.rpc.ErrorInfo (domain "router.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
     INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+    REQUEST_ID_REUSED: a request_id this router saw before with another request body
+    (metadata "field": "request_id"); nothing changes.
+    NODE_MISMATCH: decode's kv_transfer_params name another engine or side channel than the
+    decode node the turn was planned on (metadata "field" names the param, "node" the node).
     TURN_NOT_FOUND: the turn handle was not issued by this router deployment (another
     signing key, a forged handle, another router version's format).
     TURN_EXPIRED: the turn's claim lapsed before CommitTurn.
     TURN_FINISHED: the turn was already committed or aborted, or a later turn committed.
     NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
-    REGISTRY_UNAVAILABLE: the registry did not answer in time; the turn may be retried.
+    REGISTRY_UNAVAILABLE: PlanTurn only: the registry did not answer in time and the last
+    node list it gave is older than the router's degraded_nodes_max_age_s (younger, the
+    turn is planned plain P->D on it instead); the turn may be retried.
     CAPACITY_EXCEEDED: the registry's, passed on: the tenant's retention quota is full.
+    UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
+    bearer token).
+    PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
+    TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
+    NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+    MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
     @staticmethod

@@ -35,13 +35,25 @@ class RouterServiceStub:
     Errors carry a google.rpc.ErrorInfo (domain "router.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
       INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+      REQUEST_ID_REUSED: a request_id this router saw before with another request body
+        (metadata "field": "request_id"); nothing changes.
+      NODE_MISMATCH: decode's kv_transfer_params name another engine or side channel than the
+        decode node the turn was planned on (metadata "field" names the param, "node" the node).
       TURN_NOT_FOUND: the turn handle was not issued by this router deployment (another
         signing key, a forged handle, another router version's format).
       TURN_EXPIRED: the turn's claim lapsed before CommitTurn.
       TURN_FINISHED: the turn was already committed or aborted, or a later turn committed.
       NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
-      REGISTRY_UNAVAILABLE: the registry did not answer in time; the turn may be retried.
+      REGISTRY_UNAVAILABLE: PlanTurn only: the registry did not answer in time and the last
+        node list it gave is older than the router's degraded_nodes_max_age_s (younger, the
+        turn is planned plain P->D on it instead); the turn may be retried.
       CAPACITY_EXCEEDED: the registry's, passed on: the tenant's retention quota is full.
+      UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
+        bearer token).
+      PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
+      TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
+      NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+      MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
     @_typing.overload
@@ -51,15 +63,20 @@ class RouterServiceStub:
     PlanTurn: _grpc.UnaryUnaryMultiCallable[_router_service_pb2.PlanTurnRequest, _router_service_pb2.PlanTurnResponse]
     """PlanTurn verifies how much of the new prompt the retained KV really covers (full blocks
     of an identical hash chain), prices reuse against recompute, places P and D, and claims
-    the retention when reuse wins. Anything uncertain plans a recompute.
+    the retention when reuse wins. Anything uncertain plans a recompute; a registry that does
+    not answer plans plain P->D on the last nodes it listed (DECISION_REASON_REGISTRY_UNAVAILABLE).
     """
     CommitTurn: _grpc.UnaryUnaryMultiCallable[_router_service_pb2.CommitTurnRequest, _router_service_pb2.CommitTurnResponse]
     """CommitTurn stores decode's retained KV as the conversation's new retention (fenced by
-    turn order) and feeds the turn's measured timings to the cost model.
+    turn order) and feeds the turn's measured timings to the cost model. Decode's params must
+    name the planned decode node's engine id and side channel as registered
+    (FAILED_PRECONDITION, NODE_MISMATCH otherwise; nothing changes). A registry that does not
+    answer never fails the commit: the retention is not stored (an empty `retention`).
     """
     AbortTurn: _grpc.UnaryUnaryMultiCallable[_router_service_pb2.AbortTurnRequest, _router_service_pb2.AbortTurnResponse]
     """AbortTurn releases what a planned turn holds. NOT_FOUND for an unknown turn,
-    FAILED_PRECONDITION for a finished one.
+    FAILED_PRECONDITION for a finished one. Best effort towards the registry: a release it
+    cannot deliver is logged, and the claim lapses on its own TTL.
     """
 
 @_typing.type_check_only
@@ -72,28 +89,45 @@ class RouterServiceAsyncStub(RouterServiceStub):
     Errors carry a google.rpc.ErrorInfo (domain "router.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
       INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+      REQUEST_ID_REUSED: a request_id this router saw before with another request body
+        (metadata "field": "request_id"); nothing changes.
+      NODE_MISMATCH: decode's kv_transfer_params name another engine or side channel than the
+        decode node the turn was planned on (metadata "field" names the param, "node" the node).
       TURN_NOT_FOUND: the turn handle was not issued by this router deployment (another
         signing key, a forged handle, another router version's format).
       TURN_EXPIRED: the turn's claim lapsed before CommitTurn.
       TURN_FINISHED: the turn was already committed or aborted, or a later turn committed.
       NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
-      REGISTRY_UNAVAILABLE: the registry did not answer in time; the turn may be retried.
+      REGISTRY_UNAVAILABLE: PlanTurn only: the registry did not answer in time and the last
+        node list it gave is older than the router's degraded_nodes_max_age_s (younger, the
+        turn is planned plain P->D on it instead); the turn may be retried.
       CAPACITY_EXCEEDED: the registry's, passed on: the tenant's retention quota is full.
+      UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
+        bearer token).
+      PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
+      TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
+      NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+      MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     PlanTurn: _aio.UnaryUnaryMultiCallable[_router_service_pb2.PlanTurnRequest, _router_service_pb2.PlanTurnResponse]  # type: ignore[assignment]
     """PlanTurn verifies how much of the new prompt the retained KV really covers (full blocks
     of an identical hash chain), prices reuse against recompute, places P and D, and claims
-    the retention when reuse wins. Anything uncertain plans a recompute.
+    the retention when reuse wins. Anything uncertain plans a recompute; a registry that does
+    not answer plans plain P->D on the last nodes it listed (DECISION_REASON_REGISTRY_UNAVAILABLE).
     """
     CommitTurn: _aio.UnaryUnaryMultiCallable[_router_service_pb2.CommitTurnRequest, _router_service_pb2.CommitTurnResponse]  # type: ignore[assignment]
     """CommitTurn stores decode's retained KV as the conversation's new retention (fenced by
-    turn order) and feeds the turn's measured timings to the cost model.
+    turn order) and feeds the turn's measured timings to the cost model. Decode's params must
+    name the planned decode node's engine id and side channel as registered
+    (FAILED_PRECONDITION, NODE_MISMATCH otherwise; nothing changes). A registry that does not
+    answer never fails the commit: the retention is not stored (an empty `retention`).
     """
     AbortTurn: _aio.UnaryUnaryMultiCallable[_router_service_pb2.AbortTurnRequest, _router_service_pb2.AbortTurnResponse]  # type: ignore[assignment]
     """AbortTurn releases what a planned turn holds. NOT_FOUND for an unknown turn,
-    FAILED_PRECONDITION for a finished one.
+    FAILED_PRECONDITION for a finished one. Best effort towards the registry: a release it
+    cannot deliver is logged, and the claim lapses on its own TTL.
     """
 
 class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -105,13 +139,25 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
     Errors carry a google.rpc.ErrorInfo (domain "router.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
       INVALID_ARGUMENT: a request field is malformed or out of bounds (metadata "field").
+      REQUEST_ID_REUSED: a request_id this router saw before with another request body
+        (metadata "field": "request_id"); nothing changes.
+      NODE_MISMATCH: decode's kv_transfer_params name another engine or side channel than the
+        decode node the turn was planned on (metadata "field" names the param, "node" the node).
       TURN_NOT_FOUND: the turn handle was not issued by this router deployment (another
         signing key, a forged handle, another router version's format).
       TURN_EXPIRED: the turn's claim lapsed before CommitTurn.
       TURN_FINISHED: the turn was already committed or aborted, or a later turn committed.
       NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
-      REGISTRY_UNAVAILABLE: the registry did not answer in time; the turn may be retried.
+      REGISTRY_UNAVAILABLE: PlanTurn only: the registry did not answer in time and the last
+        node list it gave is older than the router's degraded_nodes_max_age_s (younger, the
+        turn is planned plain P->D on it instead); the turn may be retried.
       CAPACITY_EXCEEDED: the registry's, passed on: the tenant's retention quota is full.
+      UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
+        bearer token).
+      PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
+      TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
+      NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+      MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
     @_abc_1.abstractmethod
@@ -122,7 +168,8 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_router_service_pb2.PlanTurnResponse, _abc.Awaitable[_router_service_pb2.PlanTurnResponse]]:
         """PlanTurn verifies how much of the new prompt the retained KV really covers (full blocks
         of an identical hash chain), prices reuse against recompute, places P and D, and claims
-        the retention when reuse wins. Anything uncertain plans a recompute.
+        the retention when reuse wins. Anything uncertain plans a recompute; a registry that does
+        not answer plans plain P->D on the last nodes it listed (DECISION_REASON_REGISTRY_UNAVAILABLE).
         """
 
     @_abc_1.abstractmethod
@@ -132,7 +179,10 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_router_service_pb2.CommitTurnResponse, _abc.Awaitable[_router_service_pb2.CommitTurnResponse]]:
         """CommitTurn stores decode's retained KV as the conversation's new retention (fenced by
-        turn order) and feeds the turn's measured timings to the cost model.
+        turn order) and feeds the turn's measured timings to the cost model. Decode's params must
+        name the planned decode node's engine id and side channel as registered
+        (FAILED_PRECONDITION, NODE_MISMATCH otherwise; nothing changes). A registry that does not
+        answer never fails the commit: the retention is not stored (an empty `retention`).
         """
 
     @_abc_1.abstractmethod
@@ -142,7 +192,8 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_router_service_pb2.AbortTurnResponse, _abc.Awaitable[_router_service_pb2.AbortTurnResponse]]:
         """AbortTurn releases what a planned turn holds. NOT_FOUND for an unknown turn,
-        FAILED_PRECONDITION for a finished one.
+        FAILED_PRECONDITION for a finished one. Best effort towards the registry: a release it
+        cannot deliver is logged, and the claim lapses on its own TTL.
         """
 
 def add_RouterServiceServicer_to_server(servicer: RouterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
