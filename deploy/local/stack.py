@@ -43,7 +43,9 @@ def _quiet(_: str) -> None:
 
 
 class Service:
-    """One kvshuttle process: started with its environment, stopped with SIGTERM."""
+    """One kvshuttle process: started with its environment, stopped with SIGTERM; `kill` and
+    `restart` end it with SIGKILL (a crash), `restart` then starts it again as it was (the same
+    environment, so the same listen port; its log continues)."""
 
     def __init__(self, name: str, module: str, env: Mapping[str, str], log_dir: Path) -> None:
         self.name = name
@@ -62,6 +64,17 @@ class Service:
         if self.proc is not None and self.proc.poll() is not None:
             tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
             raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log tail:\n{tail}")
+
+    def kill(self) -> None:
+        """SIGKILL: no drain, nothing said to anyone, as a crash or an OOM kill ends it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def restart(self) -> None:
+        """SIGKILL, then start again with the same environment."""
+        self.kill()
+        self.start()
 
     def stop(self, timeout: float = 15.0) -> int | None:
         if self.proc is None or self.proc.poll() is not None:
@@ -184,6 +197,24 @@ class KvshuttleStack:
     @property
     def services(self) -> list[Service]:
         return [self.registry, self.router, *self.agents, self.gateway]
+
+    def service(self, name: str) -> Service:
+        """The service called `name`: "registry", "router", "gateway", "agent-prefill", ..."""
+        for service in self.services:
+            if service.name == name:
+                return service
+        raise KeyError(f"no service {name!r}: {[s.name for s in self.services]}")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one service (see Service.kill); it stays down until restarted."""
+        self.progress(f"killing {name}")
+        self.service(name).kill()
+
+    def restart(self, name: str) -> None:
+        """SIGKILL one service and start it again on the same port; returns at once (the
+        caller decides what ready means: wait_ready() for everything)."""
+        self.progress(f"restarting {name}")
+        self.service(name).restart()
 
     def start(self, timeout: float = 120.0) -> None:
         try:

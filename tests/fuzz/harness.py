@@ -113,31 +113,33 @@ def _outcome(call: Callable[[], Any]) -> grpc.StatusCode:
 
 # -- values -------------------------------------------------------------------------------------------
 
-SEGMENT = st.sampled_from(
-    # Non-ASCII digits on purpose: a name takes ASCII digits only.
-    ["acme", "c1", "d0", "p0", "t", "x" * 129, "", "a/b", "é", "²", "\u0661", "\uff11", "-x", "0"]
+
+def mostly(valid: st.SearchStrategy[T], hostile: st.SearchStrategy[T]) -> st.SearchStrategy[T]:
+    """Valid three times in four: a request with several fields still often gets past the first
+    check, to the ones behind it."""
+    return st.one_of(valid, valid, valid, hostile)
+
+
+# Non-ASCII digits on purpose: a name takes ASCII digits only.
+SEGMENT = mostly(
+    st.sampled_from(["acme", "c1", "d0", "p0", "t"]),
+    st.sampled_from(["x" * 129, "", "a/b", "é", "²", "\u0661", "\uff11", "-x"]),
+)
+GENERATION = mostly(
+    st.sampled_from(["1", "2", "3"]), st.sampled_from(["0", "²", "99999999999999999999999", "-1"])
 )
 NAME = st.one_of(
     st.builds(lambda a, b: f"tenants/{a}/conversations/{b}", SEGMENT, SEGMENT),
-    st.builds(
-        lambda a, b, g: f"tenants/{a}/conversations/{b}/retentions/{g}",
-        SEGMENT,
-        SEGMENT,
-        st.sampled_from(["1", "2", "0", "²", "99999999999999999999999", "-1"]),
-    ),
+    st.builds(lambda a, b, g: f"tenants/{a}/conversations/{b}/retentions/{g}", SEGMENT, SEGMENT, GENERATION),
     st.builds(lambda a: f"tenants/{a}", SEGMENT),
     st.builds(lambda a: f"nodes/{a}", SEGMENT),
     st.text(max_size=40),
 )
-UINT64 = st.one_of(
-    st.integers(0, 70_000), st.sampled_from([2**31 - 1, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1])
-)
-UINT32 = st.one_of(st.integers(0, 70_000), st.sampled_from([2**31 - 1, 2**32 - 1]))
-INT32 = st.one_of(st.integers(-5, 2000), st.sampled_from([-(2**31), 2**31 - 1]))
-SECONDS = st.one_of(
-    st.integers(-5, 4000), st.sampled_from([-(2**62), 2**40, 2**62, 315_537_897_599, 315_537_897_600])
-)
-NANOS = st.one_of(st.integers(0, 999_999_999), st.sampled_from([-1, 1_000_000_000, 2**31 - 1]))
-TEXT = st.one_of(
+UINT64 = mostly(st.integers(0, 70_000), st.sampled_from([2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1]))
+UINT32 = mostly(st.integers(0, 70_000), st.sampled_from([2**31 - 1, 2**32 - 1]))
+INT32 = mostly(st.integers(0, 200), st.sampled_from([-5, -(2**31), 2**31 - 1]))
+SECONDS = mostly(st.integers(1, 300), st.sampled_from([-5, 0, -(2**62), 2**40, 2**62, 315_537_897_600]))
+NANOS = mostly(st.just(0), st.sampled_from([-1, 1_000_000_000, 2**31 - 1, 999_999_999]))
+TEXT = mostly(
     st.sampled_from(["", "m", "engine-d0", "127.0.0.1", "http://127.0.0.1:8000"]), st.text(max_size=300)
 )

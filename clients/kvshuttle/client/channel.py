@@ -92,6 +92,16 @@ class ChannelOptions:
         return replace(options, **overrides) if overrides else options
 
 
+# A service back from a restart is reconnected to within ~1 s: gRPC's default reconnect backoff
+# grows by 1.6x per failed attempt up to 120 s, so a registry or router down for a minute would
+# otherwise be tried again only tens of seconds after it returned (and reuse resume that late).
+# `grpc_options` naming either key replaces it.
+_RECONNECT_BACKOFF: tuple[tuple[str, int], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
 def _read(path: str | Path | None) -> bytes | None:
     return None if path is None else Path(path).read_bytes()
 
@@ -101,7 +111,11 @@ def create_channel(options: ChannelOptions) -> grpc.aio.Channel:
 
     Certificate files are read here; a missing file raises OSError.
     """
-    channel_args: list[tuple[str, Any]] = list(options.grpc_options)
+    given = {key for key, _ in options.grpc_options}
+    channel_args: list[tuple[str, Any]] = [
+        *(arg for arg in _RECONNECT_BACKOFF if arg[0] not in given),
+        *options.grpc_options,
+    ]
     if options.tls_server_name:
         channel_args.append(("grpc.ssl_target_name_override", options.tls_server_name))
     interceptors = list(options.interceptors) or None

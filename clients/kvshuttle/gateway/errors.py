@@ -15,6 +15,9 @@ What reaches a client, by cause:
 | engine failed (5xx, connection, malformed answer) | 502 | server_error | engine_error |
 | router failed otherwise | 502 | server_error | router_error |
 | the gateway itself | 500 | server_error | internal_error |
+
+A router UNAVAILABLE or DEADLINE_EXCEEDED reaches the client only for a model no plan ever
+placed: otherwise the turn runner serves the turn plain P->D on the model's last placement.
 """
 
 from __future__ import annotations

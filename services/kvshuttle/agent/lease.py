@@ -134,7 +134,9 @@ class NodeLease:
         log.info("lease.registered", node=self._spec.name, incarnation=incarnation, epoch=state.epoch)
         for listener in self._listeners:
             listener(state.epoch)
-        return self._interval
+        # Heartbeat at once: a node registered without its load counts as unhealthy (no plan
+        # places a turn on it) until its first heartbeat reports the engine healthy.
+        return 0.0
 
     async def _heartbeat(self) -> float:
         state = self.state

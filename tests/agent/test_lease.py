@@ -1,0 +1,69 @@
+"""The node lease against a registry port in memory: no sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from kvshuttle.agent.lease import NodeLease
+from kvshuttle.agent.model import Backoff
+from kvshuttle.core.kv_events import ApplyResult, EventBatch
+from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
+
+SPEC = NodeSpec(
+    name="nodes/p0",
+    role=NodeRole.PREFILL,
+    engine_id="engine-p0",
+    http_endpoint="http://127.0.0.1:8000",
+    side_channel_host="127.0.0.1",
+    side_channel_port=5600,
+    agent_endpoint="",
+    model="m",
+    block_size=16,
+    kv_bytes_per_token=64,
+)
+
+
+class Port:
+    """Registers at once and records the heartbeats' loads."""
+
+    def __init__(self) -> None:
+        self.loads: list[NodeLoad] = []
+        self.beat = asyncio.Event()
+
+    async def register_node(self, spec: NodeSpec, ttl: float) -> int:
+        return 1
+
+    async def heartbeat_node(self, name: str, incarnation: int, ttl: float, load: NodeLoad) -> None:
+        self.loads.append(load)
+        self.beat.set()
+
+    async def deregister_node(self, name: str, incarnation: int, *, deadline_s: float) -> None:
+        return None
+
+    async def report_block_events(
+        self, node: str, incarnation: int, batches: Sequence[EventBatch]
+    ) -> ApplyResult:
+        raise AssertionError("the lease reports no events")
+
+
+async def test_a_registration_is_followed_at_once_by_a_heartbeat_with_the_engines_load() -> None:
+    # A node registers without its load, and the router places nothing on a node whose engine
+    # is not reported healthy: after a registry restart, waiting an interval for the first
+    # heartbeat would keep the node out of every plan that long.
+    port = Port()
+    lease = NodeLease(
+        port,
+        SPEC,
+        ttl=30,
+        heartbeat_interval=10,
+        load=lambda: NodeLoad(engine_healthy=True),
+        backoff=Backoff(0.01, 0.02),
+    )
+    task = asyncio.create_task(lease.run())
+    try:
+        async with asyncio.timeout(1.0):  # far less than the 10 s interval
+            await port.beat.wait()
+    finally:
+        task.cancel()
+    assert lease.state.registered and port.loads[0].engine_healthy
