@@ -17,24 +17,20 @@ REGISTRY_UNAVAILABLE, while that list is younger than `degraded_nodes_max_age_s`
 error goes to the caller. The turn's generation is then this replica's best guess (the
 conversation's hint's, else the first): its commit is fenced by the registry all the same.
 
-One module for one RPC's path, from the reads through the decision to the signed plan.
+One module for one RPC's path, from the reads through the decision; kvshuttle.router.plan_issue
+writes the decided plan down (its signed handle, params, counters and span).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 import structlog
 from opentelemetry import trace
 
 from kvshuttle.core.clock import Clock
-from kvshuttle.core.digest import log_digest
 from kvshuttle.core.errors import Aborted, FailedPrecondition, NotFound, Unavailable
 from kvshuttle.core.limits import MAX_BLOCK_HASHES
 from kvshuttle.core.names import check_id
@@ -46,8 +42,6 @@ from kvshuttle.router.cost import CostModel
 from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import (
     ClaimInfo,
-    Decision,
-    Estimate,
     NodeInfo,
     Plan,
     PlanRequest,
@@ -57,75 +51,17 @@ from kvshuttle.router.model import (
 )
 from kvshuttle.router.node_directory import NodeDirectory
 from kvshuttle.router.placement import candidates, choose_decode, choose_prefill
+from kvshuttle.router.plan_issue import PlanCall, PlanContext, PlanIssuer, Verdict
 from kvshuttle.router.ports import RegistryPort
 from kvshuttle.router.timing import CallTimer
 from kvshuttle.router.turn_memory import TurnMemory, plan_fingerprint
-from kvshuttle.router.turns import TurnCodec, TurnState
+from kvshuttle.router.turns import TurnCodec
 from kvshuttle.router.verify import (
-    VerifiedPrefix,
-    first_turn_params,
     knows_side_channel,
-    prefill_params,
     verify,
 )
 
 log = structlog.get_logger("kvshuttle.router")
-
-
-@dataclass(frozen=True, slots=True)
-class _Call:
-    """One PlanTurn call, its request checked."""
-
-    req: PlanRequest
-    cost: CostModel
-    tokens: np.ndarray[Any, Any]
-    conversation: str  # "" for a request without one
-    parent: str  # the conversation this one forks from, or ""
-    # The root the prompt's chain starts from: its cache salt's (ROOT_HASH for none).
-    root: int
-    timer: CallTimer
-    span: trace.Span
-    # The request's fingerprint (b"" without a request id): a retry of it on another replica
-    # makes the same claim, another request with its id does not.
-    fingerprint: bytes = b""
-
-
-@dataclass(frozen=True, slots=True)
-class PlanContext:
-    """What one attempt at a plan knows when it decides."""
-
-    call: _Call
-    # The prompt's chain in `block_size` (empty when nothing needed it).
-    chain: Chain
-    # The prefill nodes' block size, or the retention's where that differs (so that verify()
-    # can still tell how much matched: the mismatch is MODEL_MISMATCH).
-    block_size: int
-    nodes: Sequence[NodeInfo]
-    # The conversation's fence generation: this turn is fence + 1.
-    fence: int
-    # The conversation's live retention, or its parent's for a fork.
-    retention: RetentionInfo | None
-    fork: bool
-    # The retention is this replica's hint, not the registry's answer.
-    from_hint: bool
-    prefill: NodeInfo
-    decode: NodeInfo
-    local_hits: int
-    recompute_cost: Estimate
-    now: float
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """Why the turn reuses or recomputes, before any claim."""
-
-    reason: Reason
-    prefix: VerifiedPrefix | None = None
-    reuse_cost: Estimate | None = None
-    # Set only when reuse wins (REUSE_CHEAPER): the retention whose claim confirms it, and its
-    # node as the registry lists it (where prefill reads from).
-    claim: RetentionInfo | None = None
-    holder: NodeInfo | None = None
 
 
 class Planner:
@@ -146,13 +82,13 @@ class Planner:
         self._port = port
         self._clock = clock
         self._costs = costs
-        self._codec = codec
         self._policy = policy
         self._metrics = metrics
         self._tracer = tracer
         self._nodes = nodes
         self._memory = memory
         self._chains = chains
+        self._issuer = PlanIssuer(codec=codec, clock=clock, policy=policy, metrics=metrics, memory=memory)
 
     async def plan_turn(self, req: PlanRequest) -> Plan:
         timer = CallTimer()
@@ -179,7 +115,7 @@ class Planner:
 
         with self._tracer.start_as_current_span("plan") as span:
             plan = await self._plan(
-                _Call(req, cost, tokens, conversation, parent, root, timer, span, fingerprint=fingerprint)
+                PlanCall(req, cost, tokens, conversation, parent, root, timer, span, fingerprint=fingerprint)
             )
         if req.request_id:
             self._memory.remember_plan(req.conversation, req.model, req.request_id, fingerprint, plan)
@@ -195,7 +131,7 @@ class Planner:
         )
         return plan
 
-    async def _plan(self, call: _Call) -> Plan:
+    async def _plan(self, call: PlanCall) -> Plan:
         use_hint = True
         while True:
             try:
@@ -222,9 +158,9 @@ class Planner:
                 if claim is None:
                     use_hint = False
                     continue
-            return self._issue(ctx, reason, verdict, claim)
+            return self._issuer.issue(ctx, reason, verdict, claim)
 
-    async def _context(self, call: _Call, *, use_hint: bool) -> PlanContext:
+    async def _context(self, call: PlanCall, *, use_hint: bool) -> PlanContext:
         req, conversation, timer = call.req, call.conversation, call.timer
         storing = self._memory.commit_in_flight(conversation) if conversation else None
         if storing is not None:
@@ -287,7 +223,7 @@ class Planner:
         )
 
     def _place(
-        self, call: _Call, nodes: Sequence[NodeInfo], hits: Mapping[str, int]
+        self, call: PlanCall, nodes: Sequence[NodeInfo], hits: Mapping[str, int]
     ) -> tuple[NodeInfo, int, NodeInfo]:
         """Prefill (and its local hits in tokens) and decode; the conversation's last nodes
         break ties."""
@@ -306,7 +242,7 @@ class Planner:
         decode = choose_decode(nodes, model=req.model, weights=weights, avoid=prefill.name, hint=hint_d)
         return prefill, local_hits, decode
 
-    def _last_known_context(self, call: _Call, error: Unavailable) -> PlanContext:
+    def _last_known_context(self, call: PlanCall, error: Unavailable) -> PlanContext:
         """A plain P->D context on the last node list the registry gave (no retention, no local
         hits); `error` again when there is none young enough to trust."""
         req, conversation = call.req, call.conversation
@@ -345,7 +281,7 @@ class Planner:
         """The registry did not answer: plain P->D on `ctx`'s nodes, nothing claimed."""
         log.warning("plan.degraded", reason=error.reason, error=error.message[:300])
         verdict = Verdict(Reason.REGISTRY_UNAVAILABLE)
-        return self._issue(ctx, Reason.REGISTRY_UNAVAILABLE, verdict, None)
+        return self._issuer.issue(ctx, Reason.REGISTRY_UNAVAILABLE, verdict, None)
 
     async def _registry_reads(
         self, chain: Chain | None, conversation: str, model: str, timer: CallTimer
@@ -437,86 +373,3 @@ class Planner:
                 return None, Reason.EXPIRED
             span.set_attribute("kvshuttle.claim", "won")
             return claim, Reason.REUSE_CHEAPER
-
-    def _issue(self, ctx: PlanContext, reason: Reason, verdict: Verdict, claim: ClaimInfo | None) -> Plan:
-        """The plan and its signed turn handle; counted, and described on the plan's span."""
-        call, prefill, decode, chain = ctx.call, ctx.prefill, ctx.decode, ctx.chain
-        req, conversation, n = call.req, call.conversation, int(call.tokens.size)
-        prefix, reuse_cost = verdict.prefix, verdict.reuse_cost
-        reusable = prefix.tokens if claim is not None and prefix is not None else 0
-        decision = Decision.REUSE if claim is not None else Decision.RECOMPUTE
-        if claim is not None and prefix is not None and verdict.holder is not None:
-            params = prefill_params(claim.retention, prefix, verdict.holder)
-        else:
-            params = first_turn_params()
-        cached = max(reusable, ctx.local_hits)
-        span_context = call.span.get_span_context()
-        # CommitTurn checks its tokens against the prompt's chain, which is in decode's block
-        # size only when the prefill nodes' is decode's too.
-        same_blocks = decode.block_size == ctx.block_size
-        now = self._clock.now()
-        state = TurnState(
-            turn_id=uuid.uuid4().hex,
-            conversation=conversation,
-            generation=ctx.fence + 1,
-            model=req.model,
-            block_size=decode.block_size,
-            prefill_node=prefill.name,
-            decode_node=decode.name,
-            decode_engine_id=decode.engine_id,
-            prompt_tokens=n,
-            prompt_tail_hash=int(chain[-1]) if len(chain) and same_blocks else 0,
-            prompt_full_blocks=len(chain) if same_blocks else 0,
-            reusable_tokens=reusable,
-            local_hit_tokens=ctx.local_hits,
-            decision=decision.value,
-            reason=reason.value,
-            claimed=claim.retention.name if claim else "",
-            claim_id=claim.claim_id if claim else "",
-            issued_at=now,
-            expire_at=now + self._policy.turn_ttl_s,
-            trace_id=format(span_context.trace_id, "032x"),
-            span_id=format(span_context.span_id, "016x"),
-            chain_root=call.root,
-            decode_side_channel_host=decode.side_channel_host,
-            decode_side_channel_port=decode.side_channel_port,
-        )
-        plan = Plan(
-            turn=self._codec.encode(state),
-            generation=state.generation,
-            prefill=prefill,
-            decode=decode,
-            prefill_kv_transfer_params=params,
-            decision=decision,
-            reason=reason,
-            reusable_tokens=reusable,
-            tokens_to_compute=n - cached,
-            reuse_cost=reuse_cost,
-            recompute_cost=ctx.recompute_cost,
-            expire_at=state.expire_at,
-            claimed=state.claimed,
-        )
-        if conversation:
-            self._memory.placed(conversation, prefill.name, decode.name)
-        self._metrics.decided(decision, reason, reusable, n - cached)
-        call.span.set_attributes(
-            {
-                "kvshuttle.tenant": conversation.split("/")[1] if conversation else "",
-                "kvshuttle.conversation": log_digest(conversation) if conversation else "",
-                "kvshuttle.turn_index": state.generation,
-                "kvshuttle.decision": decision.value,
-                "kvshuttle.decision.reason": reason.value,
-                "kvshuttle.prompt_tokens": n,
-                "kvshuttle.reused_tokens": reusable,
-                "kvshuttle.recomputed_tokens": n - cached,
-                "kvshuttle.local_hit_tokens": ctx.local_hits,
-                "kvshuttle.cache_salted": bool(req.cache_salt_sha256),
-                "kvshuttle.prefill_node": prefill.name,
-                "kvshuttle.decode_node": decode.name,
-                "kvshuttle.estimate.reuse_ms": reuse_cost.total_ms if reuse_cost else -1.0,
-                "kvshuttle.estimate.recompute_ms": ctx.recompute_cost.total_ms,
-            }
-        )
-        if req.expected_think_time_s is not None:
-            call.span.set_attribute("kvshuttle.expected_think_time_s", req.expected_think_time_s)
-        return plan

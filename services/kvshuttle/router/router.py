@@ -2,7 +2,7 @@
 
 `Router` wires the parts one replica shares between its calls and hands each call to its owner:
 
-* planner.py: PlanTurn (verify, price, place, claim);
+* planner.py: PlanTurn (verify, price, place, claim); plan_issue.py writes the plan down;
 * committer.py: CommitTurn and AbortTurn;
 * node_directory.py: the node list per model, refreshed in the background;
 * turn_memory.py: what this replica remembers of its turns (retries, hints, commits in flight);

@@ -1,0 +1,193 @@
+"""What one PlanTurn attempt knows (PlanCall, PlanContext), why it decided (Verdict), and the
+plan it issues: the signed turn handle (TurnState), the params prefill gets, the counters and
+the attributes of the plan's span. The planner (kvshuttle.router.planner) decides; this writes
+the decision down."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from opentelemetry import trace
+
+from kvshuttle.core.clock import Clock
+from kvshuttle.core.digest import log_digest
+from kvshuttle.router.chains import Chain
+from kvshuttle.router.cost import CostModel
+from kvshuttle.router.metrics import RouterMetrics
+from kvshuttle.router.model import (
+    ClaimInfo,
+    Decision,
+    Estimate,
+    NodeInfo,
+    Plan,
+    PlanRequest,
+    Reason,
+    RetentionInfo,
+    RouterPolicy,
+)
+from kvshuttle.router.timing import CallTimer
+from kvshuttle.router.turn_memory import TurnMemory
+from kvshuttle.router.turns import TurnCodec, TurnState
+from kvshuttle.router.verify import VerifiedPrefix, first_turn_params, prefill_params
+
+__all__ = ["PlanCall", "PlanContext", "PlanIssuer", "Verdict"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanCall:
+    """One PlanTurn call, its request checked."""
+
+    req: PlanRequest
+    cost: CostModel
+    tokens: np.ndarray[Any, Any]
+    conversation: str  # "" for a request without one
+    parent: str  # the conversation this one forks from, or ""
+    # The root the prompt's chain starts from: its cache salt's (ROOT_HASH for none).
+    root: int
+    timer: CallTimer
+    span: trace.Span
+    # The request's fingerprint (b"" without a request id): a retry of it on another replica
+    # makes the same claim, another request with its id does not.
+    fingerprint: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanContext:
+    """What one attempt at a plan knows when it decides."""
+
+    call: PlanCall
+    # The prompt's chain in `block_size` (empty when nothing needed it).
+    chain: Chain
+    # The prefill nodes' block size, or the retention's where that differs (so that verify()
+    # can still tell how much matched: the mismatch is MODEL_MISMATCH).
+    block_size: int
+    nodes: Sequence[NodeInfo]
+    # The conversation's fence generation: this turn is fence + 1.
+    fence: int
+    # The conversation's live retention, or its parent's for a fork.
+    retention: RetentionInfo | None
+    fork: bool
+    # The retention is this replica's hint, not the registry's answer.
+    from_hint: bool
+    prefill: NodeInfo
+    decode: NodeInfo
+    local_hits: int
+    recompute_cost: Estimate
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Why the turn reuses or recomputes, before any claim."""
+
+    reason: Reason
+    prefix: VerifiedPrefix | None = None
+    reuse_cost: Estimate | None = None
+    # Set only when reuse wins (REUSE_CHEAPER): the retention whose claim confirms it, and its
+    # node as the registry lists it (where prefill reads from).
+    claim: RetentionInfo | None = None
+    holder: NodeInfo | None = None
+
+
+class PlanIssuer:
+    def __init__(
+        self,
+        *,
+        codec: TurnCodec,
+        clock: Clock,
+        policy: RouterPolicy,
+        metrics: RouterMetrics,
+        memory: TurnMemory,
+    ) -> None:
+        self._codec = codec
+        self._clock = clock
+        self._policy = policy
+        self._metrics = metrics
+        self._memory = memory
+
+    def issue(self, ctx: PlanContext, reason: Reason, verdict: Verdict, claim: ClaimInfo | None) -> Plan:
+        """The plan and its signed turn handle; counted, and described on the plan's span."""
+        call, prefill, decode, chain = ctx.call, ctx.prefill, ctx.decode, ctx.chain
+        req, conversation, n = call.req, call.conversation, int(call.tokens.size)
+        prefix, reuse_cost = verdict.prefix, verdict.reuse_cost
+        reusable = prefix.tokens if claim is not None and prefix is not None else 0
+        decision = Decision.REUSE if claim is not None else Decision.RECOMPUTE
+        if claim is not None and prefix is not None and verdict.holder is not None:
+            params = prefill_params(claim.retention, prefix, verdict.holder)
+        else:
+            params = first_turn_params()
+        cached = max(reusable, ctx.local_hits)
+        span_context = call.span.get_span_context()
+        # CommitTurn checks its tokens against the prompt's chain, which is in decode's block
+        # size only when the prefill nodes' is decode's too.
+        same_blocks = decode.block_size == ctx.block_size
+        now = self._clock.now()
+        state = TurnState(
+            turn_id=uuid.uuid4().hex,
+            conversation=conversation,
+            generation=ctx.fence + 1,
+            model=req.model,
+            block_size=decode.block_size,
+            prefill_node=prefill.name,
+            decode_node=decode.name,
+            decode_engine_id=decode.engine_id,
+            prompt_tokens=n,
+            prompt_tail_hash=int(chain[-1]) if len(chain) and same_blocks else 0,
+            prompt_full_blocks=len(chain) if same_blocks else 0,
+            reusable_tokens=reusable,
+            local_hit_tokens=ctx.local_hits,
+            decision=decision.value,
+            reason=reason.value,
+            claimed=claim.retention.name if claim else "",
+            claim_id=claim.claim_id if claim else "",
+            issued_at=now,
+            expire_at=now + self._policy.turn_ttl_s,
+            trace_id=format(span_context.trace_id, "032x"),
+            span_id=format(span_context.span_id, "016x"),
+            chain_root=call.root,
+            decode_side_channel_host=decode.side_channel_host,
+            decode_side_channel_port=decode.side_channel_port,
+        )
+        plan = Plan(
+            turn=self._codec.encode(state),
+            generation=state.generation,
+            prefill=prefill,
+            decode=decode,
+            prefill_kv_transfer_params=params,
+            decision=decision,
+            reason=reason,
+            reusable_tokens=reusable,
+            tokens_to_compute=n - cached,
+            reuse_cost=reuse_cost,
+            recompute_cost=ctx.recompute_cost,
+            expire_at=state.expire_at,
+            claimed=state.claimed,
+        )
+        if conversation:
+            self._memory.placed(conversation, prefill.name, decode.name)
+        self._metrics.decided(decision, reason, reusable, n - cached)
+        call.span.set_attributes(
+            {
+                "kvshuttle.tenant": conversation.split("/")[1] if conversation else "",
+                "kvshuttle.conversation": log_digest(conversation) if conversation else "",
+                "kvshuttle.turn_index": state.generation,
+                "kvshuttle.decision": decision.value,
+                "kvshuttle.decision.reason": reason.value,
+                "kvshuttle.prompt_tokens": n,
+                "kvshuttle.reused_tokens": reusable,
+                "kvshuttle.recomputed_tokens": n - cached,
+                "kvshuttle.local_hit_tokens": ctx.local_hits,
+                "kvshuttle.cache_salted": bool(req.cache_salt_sha256),
+                "kvshuttle.prefill_node": prefill.name,
+                "kvshuttle.decode_node": decode.name,
+                "kvshuttle.estimate.reuse_ms": reuse_cost.total_ms if reuse_cost else -1.0,
+                "kvshuttle.estimate.recompute_ms": ctx.recompute_cost.total_ms,
+            }
+        )
+        if req.expected_think_time_s is not None:
+            call.span.set_attribute("kvshuttle.expected_think_time_s", req.expected_think_time_s)
+        return plan
