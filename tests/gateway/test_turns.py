@@ -27,7 +27,8 @@ from kvshuttle.core.prototime import to_duration
 from kvshuttle.gateway.background import BackgroundTasks
 from kvshuttle.gateway.errors import GatewayError, RouterFailure, engine_error
 from kvshuttle.gateway.metrics import GatewayMetrics
-from kvshuttle.gateway.turns import ClientGone, Turn, TurnRunner
+from kvshuttle.gateway.turn_record import Turn
+from kvshuttle.gateway.turns import ClientGone, TurnRunner
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams

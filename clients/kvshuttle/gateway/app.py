@@ -52,7 +52,8 @@ from kvshuttle.gateway.responses import (
 from kvshuttle.gateway.router_port import GrpcRouterPort
 from kvshuttle.gateway.salts import CacheSalts
 from kvshuttle.gateway.tokenizer import ChatTokenizer
-from kvshuttle.gateway.turns import ClientGone, Turn, TurnRunner
+from kvshuttle.gateway.turn_record import Turn
+from kvshuttle.gateway.turns import ClientGone, TurnRunner
 
 __all__ = ["Gateway"]
 

@@ -38,11 +38,9 @@ together (the Turn record, the engines' request bodies and the CommitTurn timing
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager, asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
@@ -53,12 +51,12 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from kvshuttle.core.digest import log_name
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.hashing import cache_salt_digest
-from kvshuttle.core.prototime import to_duration
+from kvshuttle.gateway import turn_record as record
 from kvshuttle.gateway.background import BackgroundTasks
 from kvshuttle.gateway.errors import GatewayError, RouterFailure, engine_error, router_error
 from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.gateway.ports import EnginePort, RouterPort
-from kvshuttle.gateway.responses import DecodeOutput
+from kvshuttle.gateway.turn_record import Turn
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
@@ -73,12 +71,6 @@ ROUTER_UNAVAILABLE = "router_unavailable"
 _ROUTER_UNREACHABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-
-
-def _request_body(prompt_json: bytes, fields: Mapping[str, Any]) -> bytes:
-    """`{"prompt": [...], **fields}` with the prompt's JSON made once for both engines."""
-    rest = json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
-    return b'{"prompt":' + prompt_json + (b"," + rest[1:] if len(rest) > 2 else b"}")
 
 
 def _enum_name(value: str, prefix: str) -> str:
@@ -100,50 +92,6 @@ class DecodeSink(Protocol):
         """One decode chunk, as the client gets it; True when anything was written. Raises
         ClientGone."""
         ...
-
-
-@dataclass(slots=True)
-class Turn:
-    """One turn: what the runner is given, and what it planned, measured and got. Times are
-    seconds of time.perf_counter(); None where the turn did not get that far."""
-
-    request_id: str
-    # The served model name: the router's profile and the engines' `model`.
-    model: str
-    # `tenants/{tenant}/conversations/{id}`, or "" for a turn of no conversation.
-    conversation: str
-    prompt_ids: list[int]
-    prefill_params: dict[str, Any]
-    decode_params: dict[str, Any]
-    # When the request arrived: TTFT counts from here.
-    arrived: float
-    # vLLM's `cache_salt` for both engines (the tenant's); "" for none. The router gets its SHA-256.
-    cache_salt: str = ""
-    # The client sent text stop strings: decode retains nothing (said in the commit's log).
-    stop_strings: bool = False
-    # The plan's, once planned.
-    decision: str = ""
-    reason: str = ""
-    generation: int = 0
-    reused_tokens: int = 0
-    remote_cached_tokens: int | None = None
-    output: DecodeOutput = field(default_factory=DecodeOutput)
-    # Of a finished decode (the committed sequence's output).
-    output_tokens: int = 0
-    # Waiting for the conversation's previous commit (in flight when this turn arrived).
-    wait_s: float | None = None
-    plan_s: float | None = None
-    prefill_s: float | None = None
-    decode_s: float | None = None
-    # Decode's time to its first chunk (streaming) or to its whole answer.
-    decode_ttfb_s: float | None = None
-    # To the first output written to the client (streaming) or to decode's whole answer.
-    ttft_s: float | None = None
-    # What failed, when a router or engine call ended the turn: "router_error",
-    # "engine_error" or "error" (an engine's 429).
-    outcome: str = ""
-    # Committed, aborted, or handed to a commit in flight: nothing left to abort.
-    settled: bool = False
 
 
 class TurnRunner:
@@ -182,10 +130,10 @@ class TurnRunner:
         `turn.output`, its commit on its way)."""
         plan = await self._plan(turn)
         async with self._aborting(turn, plan):
-            prompt_json = _prompt_json(turn.prompt_ids)
+            prompt_json = record.prompt_json(turn.prompt_ids)
             decode_params = await self._prefill(turn, plan, prompt_json)
             answer = await self._decode(
-                turn, plan, _decode_body(turn, prompt_json, decode_params, stream=False)
+                turn, plan, record.decode_body(turn, prompt_json, decode_params, stream=False)
             )
             self._commit(turn, plan)
         return answer
@@ -194,9 +142,9 @@ class TurnRunner:
         """Run `turn` with decode's chunks streamed to `sink` as they come."""
         plan = await self._plan(turn)
         async with self._aborting(turn, plan):
-            prompt_json = _prompt_json(turn.prompt_ids)
+            prompt_json = record.prompt_json(turn.prompt_ids)
             decode_params = await self._prefill(turn, plan, prompt_json)
-            body = _decode_body(turn, prompt_json, decode_params, stream=True)
+            body = record.decode_body(turn, prompt_json, decode_params, stream=True)
             await self._decode_stream(turn, plan, body, sink)
             self._commit(turn, plan)
 
@@ -317,7 +265,7 @@ class TurnRunner:
                 body = await self._engines.complete(
                     "prefill",
                     plan.prefill.http_endpoint,
-                    _request_body(prompt_json, fields),
+                    record.request_body(prompt_json, fields),
                     self._headers(f"{turn.request_id}-p"),
                     timeout_s=self._prefill_timeout_s,
                 )
@@ -392,7 +340,7 @@ class TurnRunner:
         if not plan.turn:  # run without the router: nothing to commit, decode's KV lapses
             log.debug("turn.not_committed", reason=turn.reason, request_id=turn.request_id)
             return
-        call = self._commit_call(plan.turn, turn, _timings(turn))
+        call = self._commit_call(plan.turn, turn, record.timings(turn))
         task = self._background.spawn(call, "commit")
         if conversation := turn.conversation:
             self._commits[conversation] = task
@@ -457,36 +405,3 @@ class TurnRunner:
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1e3, 3)
-
-
-def _prompt_json(ids: list[int]) -> bytes:
-    return json.dumps(ids, separators=(",", ":")).encode()
-
-
-def _decode_body(
-    turn: Turn, prompt_json: bytes, prefill_params: dict[str, Any] | None, *, stream: bool
-) -> bytes:
-    fields: dict[str, Any] = {"model": turn.model, **turn.decode_params, "return_token_ids": True}
-    if turn.cache_salt:
-        fields["cache_salt"] = turn.cache_salt  # the same as prefill's: D's cache is salted alike
-    if prefill_params is not None:
-        fields["kv_transfer_params"] = prefill_params
-    if stream:
-        fields.update(stream=True, stream_options={"include_usage": True})
-    else:
-        fields["stream"] = False
-    return _request_body(prompt_json, fields)
-
-
-def _timings(turn: Turn) -> pb.TurnTimings:
-    """What CommitTurn reports of the turn, from the runner's own measurements."""
-    timings = pb.TurnTimings()
-    if turn.ttft_s is not None:
-        timings.ttft.CopyFrom(to_duration(turn.ttft_s))
-    if turn.prefill_s is not None:
-        timings.prefill.CopyFrom(to_duration(turn.prefill_s))
-    if turn.decode_s is not None:
-        timings.decode.CopyFrom(to_duration(turn.decode_s))
-    if turn.remote_cached_tokens is not None:
-        timings.remote_cached_tokens = turn.remote_cached_tokens
-    return timings

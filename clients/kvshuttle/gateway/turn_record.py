@@ -1,0 +1,98 @@
+"""A turn as the runner records it (kvshuttle.gateway.turns), and what is made from the record:
+the engines' request bodies and CommitTurn's timings."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvshuttle.core.prototime import to_duration
+from kvshuttle.gateway.responses import DecodeOutput
+from kvshuttle.router.v1 import router_service_pb2 as pb
+
+__all__ = ["Turn", "decode_body", "prompt_json", "request_body", "timings"]
+
+
+@dataclass(slots=True)
+class Turn:
+    """One turn: what the runner is given, and what it planned, measured and got. Times are
+    seconds of time.perf_counter(); None where the turn did not get that far."""
+
+    request_id: str
+    # The served model name: the router's profile and the engines' `model`.
+    model: str
+    # `tenants/{tenant}/conversations/{id}`, or "" for a turn of no conversation.
+    conversation: str
+    prompt_ids: list[int]
+    prefill_params: dict[str, Any]
+    decode_params: dict[str, Any]
+    # When the request arrived: TTFT counts from here.
+    arrived: float
+    # vLLM's `cache_salt` for both engines (the tenant's); "" for none. The router gets its SHA-256.
+    cache_salt: str = ""
+    # The client sent text stop strings: decode retains nothing (said in the commit's log).
+    stop_strings: bool = False
+    # The plan's, once planned.
+    decision: str = ""
+    reason: str = ""
+    generation: int = 0
+    reused_tokens: int = 0
+    remote_cached_tokens: int | None = None
+    output: DecodeOutput = field(default_factory=DecodeOutput)
+    # Of a finished decode (the committed sequence's output).
+    output_tokens: int = 0
+    # Waiting for the conversation's previous commit (in flight when this turn arrived).
+    wait_s: float | None = None
+    plan_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    # Decode's time to its first chunk (streaming) or to its whole answer.
+    decode_ttfb_s: float | None = None
+    # To the first output written to the client (streaming) or to decode's whole answer.
+    ttft_s: float | None = None
+    # What failed, when a router or engine call ended the turn: "router_error",
+    # "engine_error" or "error" (an engine's 429).
+    outcome: str = ""
+    # Committed, aborted, or handed to a commit in flight: nothing left to abort.
+    settled: bool = False
+
+
+def request_body(prompt_json: bytes, fields: Mapping[str, Any]) -> bytes:
+    """`{"prompt": [...], **fields}` with the prompt's JSON made once for both engines."""
+    rest = json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
+    return b'{"prompt":' + prompt_json + (b"," + rest[1:] if len(rest) > 2 else b"}")
+
+
+def prompt_json(ids: list[int]) -> bytes:
+    return json.dumps(ids, separators=(",", ":")).encode()
+
+
+def decode_body(
+    turn: Turn, prompt_json: bytes, prefill_params: dict[str, Any] | None, *, stream: bool
+) -> bytes:
+    fields: dict[str, Any] = {"model": turn.model, **turn.decode_params, "return_token_ids": True}
+    if turn.cache_salt:
+        fields["cache_salt"] = turn.cache_salt  # the same as prefill's: D's cache is salted alike
+    if prefill_params is not None:
+        fields["kv_transfer_params"] = prefill_params
+    if stream:
+        fields.update(stream=True, stream_options={"include_usage": True})
+    else:
+        fields["stream"] = False
+    return request_body(prompt_json, fields)
+
+
+def timings(turn: Turn) -> pb.TurnTimings:
+    """What CommitTurn reports of the turn, from the runner's own measurements."""
+    timings = pb.TurnTimings()
+    if turn.ttft_s is not None:
+        timings.ttft.CopyFrom(to_duration(turn.ttft_s))
+    if turn.prefill_s is not None:
+        timings.prefill.CopyFrom(to_duration(turn.prefill_s))
+    if turn.decode_s is not None:
+        timings.decode.CopyFrom(to_duration(turn.decode_s))
+    if turn.remote_cached_tokens is not None:
+        timings.remote_cached_tokens = turn.remote_cached_tokens
+    return timings
