@@ -732,3 +732,34 @@ async def test_registry_state_is_untouched_by_rejected_requests(c: Cluster) -> N
     assert await c.retentions() == before
     nodes = await c.registry.stub.ListNodes(reg_pb.ListNodesRequest(page_size=10))
     assert len(nodes.nodes) == 2
+
+
+async def test_usage_reports_the_prompt_tokens_prefill_did_not_compute(c: Cluster) -> None:
+    """usage.prompt_tokens_details.cached_tokens, as agent SDKs read it: 0 on a first turn, the
+    tokens prefill read from decode's retained KV on the next, streamed and not, chat and
+    completions alike."""
+    messages = first_messages()
+    status, body = await c.post(CHAT, chat(messages, conversation_id="conv-u"))
+    assert status == 200
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    messages += [
+        {"role": "assistant", "content": body["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And after that?"},
+    ]
+    status, events = await c.stream(
+        CHAT, chat(messages, conversation_id="conv-u", stream_options={"include_usage": True})
+    )
+    assert status == 200
+    read = c.prefill.answers[1]["kv_transfer_params"]["remote_prefill_cached_tokens"]
+    assert read > 0
+    (usage,) = [e["usage"] for e in events[:-1] if e.get("usage")]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == read
+    assert usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
+
+    prompt = c.prefill.requests[1].body["prompt"] + c.decode.answers[1]["token_ids"] + [5, 6, 7]
+    status, body = await c.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8,
+                                                     "conversation_id": "conv-u"})  # fmt: skip
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == (
+        c.prefill.answers[2]["kv_transfer_params"]["remote_prefill_cached_tokens"]
+    ) > 0

@@ -48,6 +48,7 @@ from kvshuttle.gateway.responses import (
     completion,
     dumps,
     sse,
+    with_cached_tokens,
 )
 from kvshuttle.gateway.router_port import GrpcRouterPort
 from kvshuttle.gateway.salts import CacheSalts
@@ -308,10 +309,15 @@ class Gateway:
                 out=turn.output,
                 prompt_ids=turn.prompt_ids,
                 token_ids=treq.return_token_ids,
+                cached_tokens=turn.remote_cached_tokens,
             )
         else:
             payload = completion(
-                answer, response_id=response_id, model=treq.model, token_ids=treq.return_token_ids
+                answer,
+                response_id=response_id,
+                model=treq.model,
+                token_ids=treq.return_token_ids,
+                cached_tokens=turn.remote_cached_tokens,
             )
         return web.Response(body=dumps(payload), content_type="application/json", headers=turn_headers(turn))
 
@@ -378,6 +384,8 @@ class _EventStream:
             raise ClientGone from None
 
     async def send(self, chunk: dict[str, Any]) -> bool:
+        if "usage" in chunk:  # known by now: prefill answered before decode streamed
+            chunk["usage"] = with_cached_tokens(chunk["usage"], self._turn.remote_cached_tokens)
         data = self._translator.events(chunk)
         if data:
             await self.write(data)

@@ -78,8 +78,30 @@ class DecodeOutput:
             self.stop_reason = choice.get("stop_reason")
 
 
+def with_cached_tokens(usage: Any, cached_tokens: int | None) -> Any:
+    """`usage` with `prompt_tokens_details.cached_tokens`: the prompt tokens prefill did not
+    compute (read from decode's retained KV, or its own prefix cache), as prefill reported them
+    (`remote_prefill_cached_tokens`). What agent SDKs read for cache hits; decode's own figure
+    would say nothing (it computes no prompt). Unchanged when either is unknown."""
+    if not isinstance(usage, dict) or cached_tokens is None:
+        return usage
+    details = usage.get("prompt_tokens_details")
+    details = dict(details) if isinstance(details, dict) else {}
+    prompt_tokens = usage.get("prompt_tokens")
+    bound = prompt_tokens if isinstance(prompt_tokens, int) and not isinstance(prompt_tokens, bool) else None
+    details["cached_tokens"] = cached_tokens if bound is None else min(cached_tokens, bound)
+    return {**usage, "prompt_tokens_details": details}
+
+
 def chat_completion(
-    *, response_id: str, created: int, model: str, out: DecodeOutput, prompt_ids: list[int], token_ids: bool
+    *,
+    response_id: str,
+    created: int,
+    model: str,
+    out: DecodeOutput,
+    prompt_ids: list[int],
+    token_ids: bool,
+    cached_tokens: int | None = None,
 ) -> dict[str, Any]:
     """A chat.completion from decode's (non-streaming) completion."""
     choice: dict[str, Any] = {
@@ -95,7 +117,7 @@ def chat_completion(
         "created": created,
         "model": model,
         "choices": [choice],
-        "usage": out.usage,
+        "usage": with_cached_tokens(out.usage, cached_tokens),
     }
     if token_ids:
         choice["token_ids"] = out.token_ids
@@ -103,9 +125,13 @@ def chat_completion(
     return response
 
 
-def completion(body: dict[str, Any], *, response_id: str, model: str, token_ids: bool) -> dict[str, Any]:
+def completion(
+    body: dict[str, Any], *, response_id: str, model: str, token_ids: bool, cached_tokens: int | None = None
+) -> dict[str, Any]:
     """Decode's completion as the client's: the gateway's id and model name, no KV params."""
     body.pop("kv_transfer_params", None)
+    if "usage" in body:
+        body["usage"] = with_cached_tokens(body["usage"], cached_tokens)
     body["id"] = response_id
     body["model"] = model
     if not token_ids:
