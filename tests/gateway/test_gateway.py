@@ -760,6 +760,8 @@ async def test_usage_reports_the_prompt_tokens_prefill_did_not_compute(c: Cluste
     status, body = await c.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8,
                                                      "conversation_id": "conv-u"})  # fmt: skip
     assert status == 200, body
-    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == (
-        c.prefill.answers[2]["kv_transfer_params"]["remote_prefill_cached_tokens"]
-    ) > 0
+    assert (
+        body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        == (c.prefill.answers[2]["kv_transfer_params"]["remote_prefill_cached_tokens"])
+        > 0
+    )
