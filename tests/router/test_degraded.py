@@ -233,7 +233,7 @@ async def test_a_registry_that_does_not_answer_gets_plain_pd_on_the_last_nodes_a
     assert plan2.generation == 2  # the replica's hint knew the conversation's generation
     assert "claim" not in port.attempts
     # The commit succeeds with nothing stored, and says so.
-    assert result2 == CommitResult("", None)
+    assert result2 == CommitResult("", None, not_stored="registry_unavailable")
     assert any(
         e["event"] == "commit.not_stored" and e["reason"] == ErrorReason.REGISTRY_UNAVAILABLE for e in logs
     )

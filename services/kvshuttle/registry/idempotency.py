@@ -14,14 +14,12 @@ commit derives them from its clock), and the first request's lease stands.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from kvshuttle.core.errors import InvalidArgument
-from kvshuttle.core.reasons import ErrorReason
+from kvshuttle.core.fingerprint import fingerprint
 from kvshuttle.registry.model import Retention
 
 __all__ = [
@@ -32,10 +30,8 @@ __all__ = [
     "PutAnswer",
     "claim_fingerprint",
     "put_fingerprint",
-    "reused",
 ]
 
-_DIGEST = 16
 # Bytes one entry costs beyond its strings' characters: the key tuple, the answer object, the
 # fingerprint, the floats, the OrderedDict's node, and 49 bytes per string object (measured with
 # tracemalloc on CPython 3.11: 910 bytes a put entry, 643 a claim entry, with uuid-based names).
@@ -83,43 +79,28 @@ def _size(key: Key, answer: Answer) -> int:
     return base + sum(_STR_OVERHEAD + len(x) for x in strings)
 
 
-def _text(h: hashlib.blake2b, value: str) -> None:
-    data = value.encode()
-    h.update(struct.pack("<Q", len(data)))
-    h.update(data)
-
-
 def put_fingerprint(retention: Retention) -> bytes:
     """What identifies a put: the retention as given (node, generation, model, block size, tokens,
-    chain, params, bytes); not its lease. Fields are length-prefixed, so no two differ alike."""
-    h = hashlib.blake2b(digest_size=_DIGEST, person=b"kvs.put")
-    _text(h, retention.node)
-    _text(h, retention.model)
+    chain, params, bytes); not its lease."""
     # Bounded below 2**64 by the facade's checks before the store sees them.
-    h.update(
-        struct.pack(
-            "<QQQQ", retention.generation, retention.block_size, retention.num_tokens, retention.kv_bytes
-        )
+    numbers = struct.pack(
+        "<QQQQ", retention.generation, retention.block_size, retention.num_tokens, retention.kv_bytes
     )
-    hashes = retention.block_hashes.tobytes()
-    h.update(struct.pack("<Q", len(hashes)))
-    h.update(hashes)
-    h.update(struct.pack("<Q", len(retention.kv_transfer_params)))
-    h.update(retention.kv_transfer_params)
-    return h.digest()
+    return fingerprint(
+        b"kvs.put",
+        [
+            retention.node,
+            retention.model,
+            numbers,
+            retention.block_hashes.tobytes(),
+            retention.kv_transfer_params,
+        ],
+    )
 
 
 def claim_fingerprint(holder: str) -> bytes:
     """What identifies a claim of a retention (the name is in the key): who claims it."""
-    h = hashlib.blake2b(digest_size=_DIGEST, person=b"kvs.claim")
-    _text(h, holder)
-    return h.digest()
-
-
-def reused() -> InvalidArgument:
-    return InvalidArgument(
-        "request_id", "was used before with another request body", reason=ErrorReason.REQUEST_ID_REUSED
-    )
+    return fingerprint(b"kvs.claim", [holder])
 
 
 class IdempotencyCache:

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvshuttle.core.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted
+from kvshuttle.core.fingerprint import request_id_reused
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.idempotency import (
@@ -32,7 +33,6 @@ from kvshuttle.registry.idempotency import (
     PutAnswer,
     claim_fingerprint,
     put_fingerprint,
-    reused,
 )
 from kvshuttle.registry.model import (
     ChangeKind,
@@ -225,7 +225,7 @@ class InMemoryStore:
             first = self._idempotency.get(key, now)
             if first is not None:
                 if not isinstance(first, PutAnswer) or first.fingerprint != fingerprint:
-                    raise reused()
+                    raise request_id_reused()
                 return self._first_put(retention, first), []
         node = self._holding_node(retention)
         conversation = retention.conversation
@@ -391,7 +391,7 @@ class InMemoryStore:
             first = self._idempotency.get(key, now)
             if first is not None:
                 if not isinstance(first, ClaimAnswer) or first.fingerprint != fingerprint:
-                    raise reused()
+                    raise request_id_reused()
                 return self._first_claim(name, request_id, first), []
         record = self._retention(name)
         self._check_claimable(record, now)

@@ -54,8 +54,7 @@ log = structlog.get_logger("kvshuttle.router")
 T = TypeVar("T")
 
 _NOTHING_STORED = CommitResult("", None)
-# Nothing stored because the registry did not answer (told apart by identity, for the metric).
-_REGISTRY_UNAVAILABLE = CommitResult("", None)
+_REGISTRY_UNAVAILABLE = CommitResult("", None, not_stored="registry_unavailable")
 
 
 class Committer:
@@ -149,9 +148,7 @@ class Committer:
             self._memory.finish(state.turn_id, "committed")
             if req.request_id:
                 self._memory.remember_commit(state.turn_id, req.request_id, fingerprint, result)
-            outcome = "stored" if result.retention else "nothing_retained"
-            if result is _REGISTRY_UNAVAILABLE:
-                outcome = "registry_unavailable"
+            outcome = result.not_stored or ("stored" if result.retention else "nothing_retained")
             self._metrics.commits.labels(outcome).inc()
             t = req.timings
             span.set_attributes(

@@ -226,3 +226,6 @@ class CommitResult:
     # registry unreachable: the turn is committed all the same, and the next turn recomputes).
     retention: str
     expire_at: float | None
+    # Why nothing was retained when the reason is an outage ("registry_unavailable"), not the
+    # turn itself: the commits metric tells the two apart.
+    not_stored: str = ""

@@ -18,9 +18,7 @@ hints are bounded by bytes too.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,8 +27,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from kvshuttle.core.errors import InvalidArgument
-from kvshuttle.core.reasons import ErrorReason
+from kvshuttle.core.fingerprint import fingerprint, request_id_reused
 from kvshuttle.router.hints import RetentionHints
 from kvshuttle.router.model import CommitRequest, CommitResult, Plan, PlanRequest
 from kvshuttle.vllm.block_ids import block_groups
@@ -78,14 +75,6 @@ def _plan_bytes(entry: tuple[bytes, Plan]) -> int:
     return 1024 + len(plan.turn) + 36 * ids
 
 
-def _fingerprint(person: bytes, parts: list[bytes]) -> bytes:
-    h = hashlib.blake2b(digest_size=16, person=person)
-    for part in parts:  # length-prefixed: no two requests hash alike by shifting bytes around
-        h.update(struct.pack("<Q", len(part)))
-        h.update(part)
-    return h.digest()
-
-
 def plan_fingerprint(req: PlanRequest, tokens: np.ndarray[Any, Any]) -> bytes:
     """What identifies a PlanTurn request: every field of it (the checked token ids as uint32)."""
     header = json.dumps(
@@ -98,7 +87,7 @@ def plan_fingerprint(req: PlanRequest, tokens: np.ndarray[Any, Any]) -> bytes:
             req.cache_salt_sha256.hex(),
         ]
     ).encode()
-    return _fingerprint(b"kvs.plan", [header, np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()])
+    return fingerprint(b"kvs.plan", [header, np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()])
 
 
 def commit_fingerprint(req: CommitRequest, tokens: np.ndarray[Any, Any]) -> bytes:
@@ -106,13 +95,7 @@ def commit_fingerprint(req: CommitRequest, tokens: np.ndarray[Any, Any]) -> byte
     header = json.dumps(
         [req.turn, req.decode_kv_transfer_params, astuple(req.timings)], sort_keys=True, default=repr
     ).encode()
-    return _fingerprint(b"kvs.commit", [header, np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()])
-
-
-def _reused() -> InvalidArgument:
-    return InvalidArgument(
-        "request_id", "was used before with another request body", reason=ErrorReason.REQUEST_ID_REUSED
-    )
+    return fingerprint(b"kvs.commit", [header, np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()])
 
 
 class TurnMemory:
@@ -153,7 +136,7 @@ class TurnMemory:
         if entry is None:
             return None
         if entry[0] != fingerprint:
-            raise _reused()
+            raise request_id_reused()
         return entry[1]
 
     def finished(self, turn_id: str) -> str | None:
