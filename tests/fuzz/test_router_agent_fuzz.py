@@ -90,7 +90,7 @@ class RouterServed:
             )
 
     def state(self) -> Any:
-        return (self.registry.state(), self.thread.call(lambda: state_of(self.router._planner._memory)))
+        return (self.registry.state(), self.thread.call(lambda: state_of(self.router._planner._parts.memory)))
 
     def close(self) -> None:
         self.channel.close()

@@ -28,6 +28,7 @@ from kvshuttle.router.model import (
     RouterPolicy,
 )
 from kvshuttle.router.node_directory import NodeDirectory
+from kvshuttle.router.parts import RouterParts
 from kvshuttle.router.planner import Planner
 from kvshuttle.router.turn_memory import TurnMemory
 from kvshuttle.router.turns import TurnCodec
@@ -114,16 +115,18 @@ class ScriptedPort:
 def planner(port: ScriptedPort, clock: FakeClock, memory: TurnMemory) -> Planner:
     policy = RouterPolicy()
     return Planner(
-        port,
-        clock=clock,
-        costs={CPU.model: CostModel(CPU)},
-        codec=TurnCodec(b"k" * 32),
-        policy=policy,
-        metrics=RouterMetrics(CollectorRegistry()),
-        tracer=trace.get_tracer("test"),
-        nodes=NodeDirectory(port, refresh_s=60, max_age_s=60),
-        memory=memory,
-        chains=ChainCache(1 << 20),
+        RouterParts(
+            port=port,
+            clock=clock,
+            costs={CPU.model: CostModel(CPU)},
+            codec=TurnCodec(b"k" * 32),
+            policy=policy,
+            metrics=RouterMetrics(CollectorRegistry()),
+            tracer=trace.get_tracer("test"),
+            nodes=NodeDirectory(port, refresh_s=60, max_age_s=60),
+            memory=memory,
+            chains=ChainCache(1 << 20),
+        )
     )
 
 

@@ -16,37 +16,32 @@ claim lapses on its own TTL, and the retention with it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import numpy as np
 import structlog
 from opentelemetry import trace
 
-from kvshuttle.core.clock import Clock
 from kvshuttle.core.digest import log_name
 from kvshuttle.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from kvshuttle.core.limits import MAX_BLOCK_HASHES, MAX_GENERATION
 from kvshuttle.core.names import check_id
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.router import checks
-from kvshuttle.router.chains import NO_CHAIN, Chain, ChainCache
-from kvshuttle.router.cost import CostModel
-from kvshuttle.router.metrics import RouterMetrics
+from kvshuttle.router.chains import NO_CHAIN, Chain
 from kvshuttle.router.model import (
     CommitRequest,
     CommitResult,
     Decision,
     NewRetention,
     Reason,
-    RouterPolicy,
     TurnTimings,
 )
-from kvshuttle.router.node_directory import NodeDirectory
-from kvshuttle.router.ports import RegistryPort
+from kvshuttle.router.parts import RouterParts
 from kvshuttle.router.timing import CallTimer
-from kvshuttle.router.turn_memory import TurnMemory, commit_fingerprint
-from kvshuttle.router.turns import TurnCodec, TurnState
+from kvshuttle.router.turn_memory import commit_fingerprint
+from kvshuttle.router.turns import TurnState
 from kvshuttle.vllm.block_ids import block_groups
 
 log = structlog.get_logger("kvshuttle.router")
@@ -58,39 +53,17 @@ _REGISTRY_UNAVAILABLE = CommitResult("", None, not_stored="registry_unavailable"
 
 
 class Committer:
-    def __init__(
-        self,
-        port: RegistryPort,
-        *,
-        clock: Clock,
-        costs: Mapping[str, CostModel],
-        codec: TurnCodec,
-        policy: RouterPolicy,
-        metrics: RouterMetrics,
-        tracer: trace.Tracer,
-        nodes: NodeDirectory,
-        memory: TurnMemory,
-        chains: ChainCache,
-    ) -> None:
-        self._port = port
-        self._clock = clock
-        self._costs = costs
-        self._codec = codec
-        self._policy = policy
-        self._metrics = metrics
-        self._tracer = tracer
-        self._nodes = nodes
-        self._memory = memory
-        self._chains = chains
+    def __init__(self, parts: RouterParts) -> None:
+        self._parts = parts
 
     def _unfinished(self, handle: str) -> TurnState:
         """The turn of `handle`; FailedPrecondition when it was committed or aborted here."""
-        state = self._codec.decode(handle)
+        state = self._parts.codec.decode(handle)
         self._check_unfinished(state)
         return state
 
     def _check_unfinished(self, state: TurnState) -> None:
-        finished = self._memory.finished(state.turn_id)
+        finished = self._parts.memory.finished(state.turn_id)
         if finished is not None:
             raise FailedPrecondition(f"turn already {finished}", reason=ErrorReason.TURN_FINISHED)
 
@@ -98,10 +71,10 @@ class Committer:
 
     async def commit_turn(self, req: CommitRequest) -> CommitResult:
         timer = CallTimer()
-        policy = self._policy
+        policy = self._parts.policy
         if req.request_id:
             check_id(req.request_id, "request_id", max_length=policy.max_id_length)
-        state = self._codec.decode(req.turn)
+        state = self._parts.codec.decode(req.turn)
         # The whole sequence: a prompt at PlanTurn's bound plus the answer stays committable.
         tokens = checks.token_ids(
             req.token_ids, "token_ids", max_tokens=policy.max_prompt_tokens + policy.max_output_tokens
@@ -111,11 +84,11 @@ class Committer:
         if req.request_id:
             fingerprint = commit_fingerprint(req, tokens)
             # A retry whose first answer was lost; another body under the id is REQUEST_ID_REUSED.
-            earlier = self._memory.earlier_commit(state.turn_id, req.request_id, fingerprint)
+            earlier = self._parts.memory.earlier_commit(state.turn_id, req.request_id, fingerprint)
             if earlier is not None:
                 return earlier
         self._check_unfinished(state)
-        if self._clock.now() >= state.expire_at:
+        if self._parts.clock.now() >= state.expire_at:
             raise FailedPrecondition("turn expired; its claim is gone", reason=ErrorReason.TURN_EXPIRED)
         if tokens.size < state.prompt_tokens:
             raise InvalidArgument("token_ids", "shorter than the planned prompt")
@@ -123,10 +96,10 @@ class Committer:
         retains = bool(params and params.get("do_remote_decode") and block_groups(params)[0])
         if retains and params is not None:
             _check_decode_node(params, state)
-        with self._tracer.start_as_current_span("commit", context=_trace_parent(state)) as span:
+        with self._parts.tracer.start_as_current_span("commit", context=_trace_parent(state)) as span:
             chain: Chain = NO_CHAIN
             if state.conversation and state.prompt_full_blocks:
-                chain = self._chains.chain(
+                chain = self._parts.chains.chain(
                     state.conversation, tokens, state.block_size, root=state.chain_root
                 )
                 if (
@@ -139,17 +112,17 @@ class Committer:
             # conversation holds), so the commit waits for one round trip, not two.
             release = asyncio.ensure_future(self._release(state, "commit")) if state.claimed else None
             try:
-                with self._memory.storing(state.conversation):
+                with self._parts.memory.storing(state.conversation):
                     result = await self._store(state, tokens, chain, params if retains else None, timer)
             finally:
                 if release is not None:
                     await timer.registry(release)
             self._observe(state, req.timings)
-            self._memory.finish(state.turn_id, "committed")
+            self._parts.memory.finish(state.turn_id, "committed")
             if req.request_id:
-                self._memory.remember_commit(state.turn_id, req.request_id, fingerprint, result)
+                self._parts.memory.remember_commit(state.turn_id, req.request_id, fingerprint, result)
             outcome = result.not_stored or ("stored" if result.retention else "nothing_retained")
-            self._metrics.commits.labels(outcome).inc()
+            self._parts.metrics.commits.labels(outcome).inc()
             t = req.timings
             span.set_attributes(
                 {
@@ -167,7 +140,7 @@ class Committer:
                     ),
                 }
             )
-        self._metrics.own_seconds.labels("CommitTurn").observe(timer.own_cpu_s())
+        self._parts.metrics.own_seconds.labels("CommitTurn").observe(timer.own_cpu_s())
         structlog.contextvars.bind_contextvars(retention=log_name(result.retention), **timer.log_fields())
         return result
 
@@ -190,7 +163,7 @@ class Committer:
             return _NOTHING_STORED
         bs = state.block_size
         if not len(chain):
-            chain = self._chains.chain(state.conversation, tokens, bs, root=state.chain_root)
+            chain = self._parts.chains.chain(state.conversation, tokens, bs, root=state.chain_root)
         num_tokens = int(tokens.size)
         if isinstance(params.get("remote_num_tokens"), int):
             num_tokens = min(num_tokens, int(params["remote_num_tokens"]))
@@ -199,15 +172,15 @@ class Committer:
         if num_tokens <= 0:
             return _NOTHING_STORED
         try:
-            nodes = {x.name: x for x in await self._registry(self._nodes.nodes(state.model), timer)}
+            nodes = {x.name: x for x in await self._registry(self._parts.nodes.nodes(state.model), timer)}
         except Unavailable as err:
             return _not_stored(err, state.decode_node)
         node = nodes.get(state.decode_node)
         if node is None:
             log.warning("commit.decode_node_gone", node=state.decode_node)
             return _NOTHING_STORED
-        now = self._clock.now()
-        pin = now + self._policy.decoder_kv_blocks_ttl_s - self._policy.retention_margin_s
+        now = self._parts.clock.now()
+        pin = now + self._parts.policy.decoder_kv_blocks_ttl_s - self._parts.policy.retention_margin_s
         new = NewRetention(
             request_id=f"{state.turn_id}-commit",
             conversation=state.conversation,
@@ -223,7 +196,7 @@ class Committer:
             pin_expire_at=pin,
         )
         try:
-            stored = await self._registry(self._port.put_retention(new), timer)
+            stored = await self._registry(self._parts.port.put_retention(new), timer)
         except Unavailable as err:
             return _not_stored(err, node.name)
         except Aborted as err:
@@ -237,12 +210,12 @@ class Committer:
         except (FailedPrecondition, NotFound) as err:
             log.warning("commit.not_stored", reason=err.reason, node=node.name)
             return _NOTHING_STORED
-        self._memory.hints.put(state.conversation, stored)
+        self._parts.memory.hints.put(state.conversation, stored)
         return CommitResult(stored.name, stored.expire_at)
 
     def _observe(self, state: TurnState, t: TurnTimings) -> None:
         """The turn's measured prefill (and KV read) times, into the model's cost estimates."""
-        cost = self._costs.get(state.model)
+        cost = self._parts.costs.get(state.model)
         if cost is None or t.prefill_ms is None:
             return
         reused = state.reusable_tokens
@@ -267,7 +240,7 @@ class Committer:
         # A turn planned without the registry holds nothing there, and its generation is a guess.
         if state.conversation and state.reason != Reason.REGISTRY_UNAVAILABLE.value:
             try:
-                fence, _ = await self._registry(self._port.get_conversation(state.conversation), timer)
+                fence, _ = await self._registry(self._parts.port.get_conversation(state.conversation), timer)
             except Unavailable as err:
                 if err.reason != ErrorReason.REGISTRY_UNAVAILABLE:
                     raise
@@ -277,18 +250,18 @@ class Committer:
                     raise FailedPrecondition("turn already committed", reason=ErrorReason.TURN_FINISHED)
         if state.claimed:
             await timer.registry(self._release(state, "abort"))
-        self._memory.finish(state.turn_id, "aborted")
+        self._parts.memory.finish(state.turn_id, "aborted")
         log.info("turn.aborted", reason=reason[:200], claimed=log_name(state.claimed))
-        self._metrics.own_seconds.labels("AbortTurn").observe(timer.own_cpu_s())
+        self._parts.metrics.own_seconds.labels("AbortTurn").observe(timer.own_cpu_s())
 
     async def _registry(self, call: Awaitable[T], timer: CallTimer) -> T:
         """A registry call of a commit or an abort, given up after commit_registry_timeout_s
         (Unavailable, REGISTRY_UNAVAILABLE, as when the registry cannot be reached)."""
         try:
-            return await timer.registry(asyncio.wait_for(call, self._policy.commit_registry_timeout_s))
+            return await timer.registry(asyncio.wait_for(call, self._parts.policy.commit_registry_timeout_s))
         except TimeoutError as err:
             raise Unavailable(
-                f"the registry did not answer within {self._policy.commit_registry_timeout_s} s",
+                f"the registry did not answer within {self._parts.policy.commit_registry_timeout_s} s",
                 reason=ErrorReason.REGISTRY_UNAVAILABLE,
             ) from err
 
@@ -297,7 +270,9 @@ class Committer:
         logged, and the claim lapses on its own TTL (removing the retention: a claim is never
         handed back)."""
         try:
-            await self._registry(self._port.release(state.claimed, claim_id=state.claim_id), CallTimer())
+            await self._registry(
+                self._parts.port.release(state.claimed, claim_id=state.claim_id), CallTimer()
+            )
         except Unavailable as err:
             if err.reason != ErrorReason.REGISTRY_UNAVAILABLE:
                 raise

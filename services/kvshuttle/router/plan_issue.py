@@ -13,11 +13,9 @@ from typing import Any
 import numpy as np
 from opentelemetry import trace
 
-from kvshuttle.core.clock import Clock
 from kvshuttle.core.digest import log_digest
 from kvshuttle.router.chains import Chain
 from kvshuttle.router.cost import CostModel
-from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import (
     ClaimInfo,
     Decision,
@@ -27,11 +25,10 @@ from kvshuttle.router.model import (
     PlanRequest,
     Reason,
     RetentionInfo,
-    RouterPolicy,
 )
+from kvshuttle.router.parts import RouterParts
 from kvshuttle.router.timing import CallTimer
-from kvshuttle.router.turn_memory import TurnMemory
-from kvshuttle.router.turns import TurnCodec, TurnState
+from kvshuttle.router.turns import TurnState
 from kvshuttle.router.verify import VerifiedPrefix, first_turn_params, prefill_params
 
 __all__ = ["PlanCall", "PlanContext", "PlanIssuer", "Verdict"]
@@ -94,20 +91,8 @@ class Verdict:
 
 
 class PlanIssuer:
-    def __init__(
-        self,
-        *,
-        codec: TurnCodec,
-        clock: Clock,
-        policy: RouterPolicy,
-        metrics: RouterMetrics,
-        memory: TurnMemory,
-    ) -> None:
-        self._codec = codec
-        self._clock = clock
-        self._policy = policy
-        self._metrics = metrics
-        self._memory = memory
+    def __init__(self, parts: RouterParts) -> None:
+        self._parts = parts
 
     def issue(self, ctx: PlanContext, reason: Reason, verdict: Verdict, claim: ClaimInfo | None) -> Plan:
         """The plan and its signed turn handle; counted, and described on the plan's span."""
@@ -125,7 +110,7 @@ class PlanIssuer:
         # CommitTurn checks its tokens against the prompt's chain, which is in decode's block
         # size only when the prefill nodes' is decode's too.
         same_blocks = decode.block_size == ctx.block_size
-        now = self._clock.now()
+        now = self._parts.clock.now()
         state = TurnState(
             turn_id=uuid.uuid4().hex,
             conversation=conversation,
@@ -145,7 +130,7 @@ class PlanIssuer:
             claimed=claim.retention.name if claim else "",
             claim_id=claim.claim_id if claim else "",
             issued_at=now,
-            expire_at=now + self._policy.turn_ttl_s,
+            expire_at=now + self._parts.policy.turn_ttl_s,
             trace_id=format(span_context.trace_id, "032x"),
             span_id=format(span_context.span_id, "016x"),
             chain_root=call.root,
@@ -153,7 +138,7 @@ class PlanIssuer:
             decode_side_channel_port=decode.side_channel_port,
         )
         plan = Plan(
-            turn=self._codec.encode(state),
+            turn=self._parts.codec.encode(state),
             generation=state.generation,
             prefill=prefill,
             decode=decode,
@@ -168,8 +153,8 @@ class PlanIssuer:
             claimed=state.claimed,
         )
         if conversation:
-            self._memory.placed(conversation, prefill.name, decode.name)
-        self._metrics.decided(decision, reason, reusable, n - cached)
+            self._parts.memory.placed(conversation, prefill.name, decode.name)
+        self._parts.metrics.decided(decision, reason, reusable, n - cached)
         call.span.set_attributes(
             {
                 "kvshuttle.tenant": conversation.split("/")[1] if conversation else "",

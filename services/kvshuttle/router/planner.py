@@ -28,18 +28,14 @@ import hashlib
 from collections.abc import Mapping, Sequence
 
 import structlog
-from opentelemetry import trace
 
-from kvshuttle.core.clock import Clock
 from kvshuttle.core.errors import Aborted, FailedPrecondition, NotFound, Unavailable
 from kvshuttle.core.limits import MAX_BLOCK_HASHES
 from kvshuttle.core.names import check_id
 from kvshuttle.core.nodes import NodeRole
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.router import checks
-from kvshuttle.router.chains import NO_CHAIN, Chain, ChainCache
-from kvshuttle.router.cost import CostModel
-from kvshuttle.router.metrics import RouterMetrics
+from kvshuttle.router.chains import NO_CHAIN, Chain
 from kvshuttle.router.model import (
     ClaimInfo,
     NodeInfo,
@@ -47,15 +43,12 @@ from kvshuttle.router.model import (
     PlanRequest,
     Reason,
     RetentionInfo,
-    RouterPolicy,
 )
-from kvshuttle.router.node_directory import NodeDirectory
+from kvshuttle.router.parts import RouterParts
 from kvshuttle.router.placement import candidates, choose_decode, choose_prefill
 from kvshuttle.router.plan_issue import PlanCall, PlanContext, PlanIssuer, Verdict
-from kvshuttle.router.ports import RegistryPort
 from kvshuttle.router.timing import CallTimer
-from kvshuttle.router.turn_memory import TurnMemory, plan_fingerprint
-from kvshuttle.router.turns import TurnCodec
+from kvshuttle.router.turn_memory import plan_fingerprint
 from kvshuttle.router.verify import (
     knows_side_channel,
     verify,
@@ -65,37 +58,16 @@ log = structlog.get_logger("kvshuttle.router")
 
 
 class Planner:
-    def __init__(
-        self,
-        port: RegistryPort,
-        *,
-        clock: Clock,
-        costs: Mapping[str, CostModel],
-        codec: TurnCodec,
-        policy: RouterPolicy,
-        metrics: RouterMetrics,
-        tracer: trace.Tracer,
-        nodes: NodeDirectory,
-        memory: TurnMemory,
-        chains: ChainCache,
-    ) -> None:
-        self._port = port
-        self._clock = clock
-        self._costs = costs
-        self._policy = policy
-        self._metrics = metrics
-        self._tracer = tracer
-        self._nodes = nodes
-        self._memory = memory
-        self._chains = chains
-        self._issuer = PlanIssuer(codec=codec, clock=clock, policy=policy, metrics=metrics, memory=memory)
+    def __init__(self, parts: RouterParts) -> None:
+        self._parts = parts
+        self._issuer = PlanIssuer(parts)
 
     async def plan_turn(self, req: PlanRequest) -> Plan:
         timer = CallTimer()
-        policy = self._policy
+        policy = self._parts.policy
         if req.request_id:
             check_id(req.request_id, "request_id", max_length=policy.max_id_length)
-        cost = checks.cost_model(self._costs, req.model)
+        cost = checks.cost_model(self._parts.costs, req.model)
         tokens = checks.token_ids(
             req.prompt_token_ids, "prompt_token_ids", max_tokens=policy.max_prompt_tokens
         )
@@ -109,19 +81,21 @@ class Planner:
             # A retry whose answer was lost gets the first plan; another request reusing the id
             # is refused (REQUEST_ID_REUSED), never handed the first one's plan.
             fingerprint = plan_fingerprint(req, tokens)
-            earlier = self._memory.earlier_plan(req.conversation, req.model, req.request_id, fingerprint)
+            earlier = self._parts.memory.earlier_plan(
+                req.conversation, req.model, req.request_id, fingerprint
+            )
             if earlier is not None:
                 return earlier
 
-        with self._tracer.start_as_current_span("plan") as span:
+        with self._parts.tracer.start_as_current_span("plan") as span:
             plan = await self._plan(
                 PlanCall(req, cost, tokens, conversation, parent, root, timer, span, fingerprint=fingerprint)
             )
         if req.request_id:
-            self._memory.remember_plan(req.conversation, req.model, req.request_id, fingerprint, plan)
+            self._parts.memory.remember_plan(req.conversation, req.model, req.request_id, fingerprint, plan)
 
-        self._metrics.plan_seconds.observe(timer.elapsed_s())
-        self._metrics.own_seconds.labels("PlanTurn").observe(timer.own_cpu_s())
+        self._parts.metrics.plan_seconds.observe(timer.elapsed_s())
+        self._parts.metrics.own_seconds.labels("PlanTurn").observe(timer.own_cpu_s())
         structlog.contextvars.bind_contextvars(
             decision=plan.decision.value,
             reason=plan.reason.value,
@@ -150,10 +124,10 @@ class Planner:
                         raise
                     # The claim may have landed: the retention is then consumed when it lapses.
                     if ctx.from_hint:
-                        self._memory.hints.forget(call.conversation)
+                        self._parts.memory.hints.forget(call.conversation)
                     return self._degraded(ctx, err)
             if ctx.from_hint:
-                self._memory.hints.forget(call.conversation)  # claimed (consumed), or not confirmed
+                self._parts.memory.hints.forget(call.conversation)  # claimed (consumed), or not confirmed
                 call.span.set_attribute("kvshuttle.retention_hint", "confirmed" if claim else "refused")
                 if claim is None:
                     use_hint = False
@@ -162,12 +136,12 @@ class Planner:
 
     async def _context(self, call: PlanCall, *, use_hint: bool) -> PlanContext:
         req, conversation, timer = call.req, call.conversation, call.timer
-        storing = self._memory.commit_in_flight(conversation) if conversation else None
+        storing = self._parts.memory.commit_in_flight(conversation) if conversation else None
         if storing is not None:
             # The previous turn's commit is being stored here (it came through another gateway,
             # or this one did not wait): what this turn may read is what it stores.
-            await timer.registry(asyncio.wait({storing}, timeout=self._policy.commit_wait_s))
-        nodes = await timer.registry(self._nodes.nodes(req.model))  # cached: usually no round trip
+            await timer.registry(asyncio.wait({storing}, timeout=self._parts.policy.commit_wait_s))
+        nodes = await timer.registry(self._parts.nodes.nodes(req.model))  # cached: usually no round trip
         prefill_pool = candidates(nodes, NodeRole.PREFILL, req.model)
         block_size = prefill_pool[0].block_size
         # Prefill's own prefix-cache hits, asked only when a candidate has indexed blocks at all
@@ -177,7 +151,7 @@ class Planner:
         # index keys blocks stored under that salt, so a lookup finds only the salt's own blocks.
         indexed = any(x.indexed_blocks for x in prefill_pool)
         chain = (
-            self._chains.chain(conversation, call.tokens, block_size, root=call.root)
+            self._parts.chains.chain(conversation, call.tokens, block_size, root=call.root)
             if conversation or indexed
             else NO_CHAIN
         )
@@ -193,13 +167,15 @@ class Planner:
             fence, retention = hint.generation, hint
         fork = False
         if retention is None and call.parent:
-            _, retention = await timer.registry(self._port.get_conversation(call.parent))
+            _, retention = await timer.registry(self._parts.port.get_conversation(call.parent))
             fork = retention is not None
         if retention is not None and retention.block_size != block_size:
             # This prefill cannot read KV of another block size (MODEL_MISMATCH); the chain in
             # the retention's still lets verify() say how much matched.
             block_size = retention.block_size
-            chain = self._chains.chain(conversation, call.tokens, block_size, root=call.root, remember=False)
+            chain = self._parts.chains.chain(
+                conversation, call.tokens, block_size, root=call.root, remember=False
+            )
         hits = {
             name: blocks
             for name, blocks in hits.items()
@@ -219,7 +195,7 @@ class Planner:
             decode=decode,
             local_hits=local_hits,
             recompute_cost=call.cost.recompute(int(call.tokens.size), local_hits),
-            now=self._clock.now(),
+            now=self._parts.clock.now(),
         )
 
     def _place(
@@ -228,8 +204,8 @@ class Planner:
         """Prefill (and its local hits in tokens) and decode; the conversation's last nodes
         break ties."""
         req, conversation = call.req, call.conversation
-        hint_p, hint_d = self._memory.last_nodes(conversation) if conversation else ("", "")
-        weights = self._policy.weights
+        hint_p, hint_d = self._parts.memory.last_nodes(conversation) if conversation else ("", "")
+        weights = self._parts.policy.weights
         prefill, local_hits = choose_prefill(
             nodes,
             model=req.model,
@@ -246,7 +222,7 @@ class Planner:
         """A plain P->D context on the last node list the registry gave (no retention, no local
         hits); `error` again when there is none young enough to trust."""
         req, conversation = call.req, call.conversation
-        known = self._nodes.last_known(req.model)
+        known = self._parts.nodes.last_known(req.model)
         if known is None:
             raise error
         nodes, age = known
@@ -254,11 +230,11 @@ class Planner:
         # The commit checks its tokens against the prompt's chain (and stores the chain when
         # the registry is back by then).
         chain = (
-            self._chains.chain(conversation, call.tokens, block_size, root=call.root)
+            self._parts.chains.chain(conversation, call.tokens, block_size, root=call.root)
             if conversation
             else NO_CHAIN
         )
-        hint = self._memory.hints.get(conversation) if conversation else None
+        hint = self._parts.memory.hints.get(conversation) if conversation else None
         prefill, local_hits, decode = self._place(call, nodes, {})
         structlog.contextvars.bind_contextvars(nodes_age_s=round(age, 3))
         return PlanContext(
@@ -274,7 +250,7 @@ class Planner:
             decode=decode,
             local_hits=local_hits,
             recompute_cost=call.cost.recompute(int(call.tokens.size), local_hits),
-            now=self._clock.now(),
+            now=self._parts.clock.now(),
         )
 
     def _degraded(self, ctx: PlanContext, error: Unavailable) -> Plan:
@@ -288,8 +264,8 @@ class Planner:
     ) -> tuple[dict[str, int], tuple[int, RetentionInfo | None]]:
         """Prefill's local hits on `chain` and the conversation's retention: the reads asked
         for (None, "": not asked), both in one round trip."""
-        lookup = None if chain is None else self._port.lookup_blocks(chain, model, NodeRole.PREFILL)
-        current = self._port.get_conversation(conversation) if conversation else None
+        lookup = None if chain is None else self._parts.port.lookup_blocks(chain, model, NodeRole.PREFILL)
+        current = self._parts.port.get_conversation(conversation) if conversation else None
         if lookup is not None and current is not None:
             return await timer.registry(asyncio.gather(lookup, current))
         if lookup is not None:
@@ -299,13 +275,13 @@ class Planner:
         return {}, (0, None)
 
     def _reuse_allowed(self, req: PlanRequest) -> bool:
-        return self._policy.reuse_enabled and not req.disable_reuse
+        return self._parts.policy.reuse_enabled and not req.disable_reuse
 
     def _hint(self, req: PlanRequest, conversation: str, block_size: int) -> RetentionInfo | None:
         """The retention this replica last stored for the conversation, when reuse is on."""
         if not conversation or not self._reuse_allowed(req):
             return None
-        hint = self._memory.hints.get(conversation)
+        hint = self._parts.memory.hints.get(conversation)
         return hint if hint is not None and hint.block_size == block_size else None
 
     def _decide(self, ctx: PlanContext) -> Verdict:
@@ -330,7 +306,7 @@ class Planner:
             reason = Reason.MODEL_MISMATCH
         elif holder is None or not knows_side_channel(holder):
             reason = Reason.NODE_DOWN
-        elif retention.expire_at - ctx.now < self._policy.claim_headroom_s + (
+        elif retention.expire_at - ctx.now < self._parts.policy.claim_headroom_s + (
             reuse_cost.transfer_ms / 1e3 if reuse_cost else 0.0
         ):
             reason = Reason.EXPIRED
@@ -354,14 +330,14 @@ class Planner:
             if req.request_id
             else ""
         )
-        with self._tracer.start_as_current_span("claim") as span:
+        with self._parts.tracer.start_as_current_span("claim") as span:
             span.set_attribute("kvshuttle.retention.generation", retention.generation)
             try:
                 claim = await ctx.call.timer.registry(
-                    self._port.claim(
+                    self._parts.port.claim(
                         retention.name,
                         holder=f"router:{req.request_id or 'plan'}",
-                        claim_ttl=self._policy.claim_ttl_s,
+                        claim_ttl=self._parts.policy.claim_ttl_s,
                         request_id=request_id,
                     )
                 )

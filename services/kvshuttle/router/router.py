@@ -22,6 +22,7 @@ from kvshuttle.router.cost import CostModel
 from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import CommitRequest, CommitResult, Plan, PlanRequest, RouterPolicy
 from kvshuttle.router.node_directory import NodeDirectory
+from kvshuttle.router.parts import RouterParts
 from kvshuttle.router.planner import Planner
 from kvshuttle.router.ports import RegistryPort
 from kvshuttle.router.turn_memory import TurnMemory
@@ -65,8 +66,8 @@ class Router:
         self.chains = ChainCache(policy.chain_cache_bytes)
         self.hints = memory.hints
         metrics.watch_caches(self.chains, self.hints)
-        self._planner = Planner(
-            port,
+        parts = RouterParts(
+            port=port,
             clock=clock,
             costs=by_model,
             codec=codec,
@@ -77,18 +78,8 @@ class Router:
             memory=memory,
             chains=self.chains,
         )
-        self._committer = Committer(
-            port,
-            clock=clock,
-            costs=by_model,
-            codec=codec,
-            policy=policy,
-            metrics=metrics,
-            tracer=tracer,
-            nodes=nodes,
-            memory=memory,
-            chains=self.chains,
-        )
+        self._planner = Planner(parts)
+        self._committer = Committer(parts)
 
     async def plan_turn(self, req: PlanRequest) -> Plan:
         return await self._planner.plan_turn(req)

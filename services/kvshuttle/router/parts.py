@@ -1,0 +1,36 @@
+"""What one router replica's planner and committer share: its registry port, clock, cost models,
+turn codec, policy, metrics, tracer and caches. `Router` makes one and hands it to both."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from kvshuttle.core.clock import Clock
+from kvshuttle.router.chains import ChainCache
+from kvshuttle.router.cost import CostModel
+from kvshuttle.router.metrics import RouterMetrics
+from kvshuttle.router.model import RouterPolicy
+from kvshuttle.router.node_directory import NodeDirectory
+from kvshuttle.router.ports import RegistryPort
+from kvshuttle.router.turn_memory import TurnMemory
+from kvshuttle.router.turns import TurnCodec
+
+__all__ = ["RouterParts"]
+
+
+@dataclass(frozen=True, slots=True)
+class RouterParts:
+    port: RegistryPort
+    clock: Clock
+    # One cost model per served model, by model name; calibrated as turns commit.
+    costs: Mapping[str, CostModel]
+    codec: TurnCodec
+    policy: RouterPolicy
+    metrics: RouterMetrics
+    tracer: trace.Tracer
+    nodes: NodeDirectory
+    memory: TurnMemory
+    chains: ChainCache
