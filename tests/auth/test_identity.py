@@ -4,7 +4,6 @@ without protection."""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -13,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from tests.agent.helpers import agent_settings
 from tests.auth.helpers import auth_settings, bearer, denial
 from tests.clock import FakeClock
-from tests.tls import needs_openssl
+from tests.tls import make_certs, needs_openssl
 
 from kvshuttle.agent.agent import Agent
 from kvshuttle.agent.main import build_server as build_agent_server
@@ -32,30 +31,13 @@ from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as pb_grpc
 from kvshuttle.serving.settings import AuthSettings, Grant, ServerSettings
 
-
-def make_certs(directory: Path) -> None:
-    """ca.pem; a server certificate for 127.0.0.1; client certificates: `router` (URI and DNS
-    SANs), `dns-viewer` (a DNS SAN only), `stranger` (a SAN no grant names)."""
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
-
-    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
-    openssl("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca")
-    sans = {
-        "server": "IP:127.0.0.1",
-        "router": "URI:spiffe://kvshuttle/router,DNS:router.kvshuttle.svc",
-        "dns-viewer": "DNS:viewer.kvshuttle.svc",
-        "stranger": "URI:spiffe://elsewhere/intruder",
-    }
-    for name, san in sans.items():
-        usage = "" if name == "server" else "extendedKeyUsage=clientAuth\n"
-        (directory / f"{name}.ext").write_text(f"{usage}subjectAltName={san}\n")
-        openssl("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        openssl(
-            *("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial"),
-            *("-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext"),
-        )
+# Client certificates: `router` (URI and DNS SANs), `dns-viewer` (a DNS SAN only), `stranger`
+# (a SAN no grant names).
+CLIENTS = {
+    "router": "URI:spiffe://kvshuttle/router,DNS:router.kvshuttle.svc",
+    "dns-viewer": "DNS:viewer.kvshuttle.svc",
+    "stranger": "URI:spiffe://elsewhere/intruder",
+}
 
 
 def registry_settings(listen: str, auth: AuthSettings, tls: Path | None = None) -> RegistrySettings:
@@ -76,7 +58,7 @@ def registry() -> Registry:
 
 @needs_openssl
 async def test_client_certificates_name_the_caller(tmp_path: Path) -> None:
-    make_certs(tmp_path)
+    make_certs(tmp_path, CLIENTS)
     auth = AuthSettings(
         identities={
             "spiffe://kvshuttle/router": Grant(role=Role.ROUTER),
