@@ -89,7 +89,7 @@ def state_of(value: Any, _seen: set[int] | None = None) -> Any:
     return (type(value).__name__, sorted((k, state_of(v, seen)) for k, v in fields.items()))
 
 
-# Calls made and their codes, over the session (read by bench-style summaries and the note).
+# Calls made and their codes, over the session (printed at its end by tests/fuzz/conftest.py).
 CALLS: dict[str, int] = {}
 
 
