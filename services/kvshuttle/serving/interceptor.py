@@ -16,13 +16,13 @@ propagator, as OpenTelemetry's gRPC instrumentation does), is named `/package.Se
 carries rpc.system, rpc.service, rpc.method and rpc.grpc.status_code, and is an error only for
 the codes the semantic conventions call server errors. It is made here rather than by a second
 interceptor: on a host whose cores are busy every wrapper layer costs a cold hop more (measured
-in bench/e2e_vllm.py), and one layer per call is enough. Services in `untraced` (health checks,
+in bench/e2e_vllm.py), and one layer per call is enough. Services in `probes` (health checks,
 reflection) get the line and the metrics without a span: probes would flood the traces.
 
 Each RPC starts by clearing structlog's contextvars: fields meant for every line of the process
 belong on the logger (structlog.get_logger().bind(...)), not in contextvars.
 
-With an Authorizer (kvshuttle.serving.auth), every call but those of the `untraced` services
+With an Authorizer (kvshuttle.serving.auth), every call but those of the `probes` services
 (health, reflection) is authenticated and authorized before the servicer runs; the caller's
 identity goes into the call's line, and a refusal is UNAUTHENTICATED or PERMISSION_DENIED with
 its ErrorInfo, counted in kvshuttle_auth_denied_total. Requests are parsed here rather than by
@@ -127,7 +127,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         logger: FilteringBoundLogger | None = None,
         *,
         tracer_provider: trace.TracerProvider | None = None,
-        untraced: frozenset[str] = frozenset(),
+        probes: frozenset[str] = frozenset(),
         authorizer: Authorizer | None = None,
         max_request_bytes: int = 4 * 1024 * 1024,
     ) -> None:
@@ -137,7 +137,8 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         self._metrics = metrics
         self._logger: FilteringBoundLogger = logger or structlog.get_logger("kvshuttle.rpc")
         self._tracer = trace.get_tracer("kvshuttle.rpc", tracer_provider=tracer_provider)
-        self._untraced = untraced
+        # Health checks and reflection: logged and counted, never traced, no identity needed.
+        self._probes = probes
         # Method -> (the server's handler, its wrapper): wrapped once, not on every call.
         self._wrapped: dict[str, tuple[_Handler, _Handler]] = {}
 
@@ -215,7 +216,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         structlog.contextvars.clear_contextvars()
         ids: dict[str, str] = {"rpc_service": service, "rpc_method": method, "peer": context.peer()}
         span: trace.Span = trace.INVALID_SPAN
-        if service not in self._untraced:
+        if service not in self._probes:
             carrier = {k: v for k, v in context.invocation_metadata() or () if k in _TRACE_HEADERS}
             span = self._tracer.start_span(
                 f"/{service}/{method}",
@@ -243,7 +244,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
                     metadata={"limit": str(self._max_request_bytes)},
                 )
             raise InvalidArgument("request", f"{request.size} bytes that are not a {call.method} request")
-        if self._authorizer is None or call.service in self._untraced:
+        if self._authorizer is None or call.service in self._probes:
             return
         caller = self._authorizer.authenticate(context.invocation_metadata() or (), context.auth_context())
         structlog.contextvars.bind_contextvars(caller=caller.identity)

@@ -92,7 +92,7 @@ class GrpcServer:
                     self._domain,
                     self._metrics,
                     tracer_provider=self._telemetry.provider,
-                    untraced=frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME}),
+                    probes=frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME}),
                     authorizer=self._authorizer,
                     max_request_bytes=self._settings.max_receive_message_bytes,
                 )
