@@ -4,7 +4,8 @@ while the registry is SIGKILLed and started again, and then the router is.
 Every turn must answer 200 with the greedy output of a from-scratch run (reused or recomputed,
 wrong KV is never served). The test counts the turns served and reused and the seconds from each
 restart until a turn reused KV again, prints them and keeps them in
-bench/results/failover-<utc>.json.
+.run/results/failover-<utc>.json, or under $KVSHUTTLE_RESULTS_DIR (bench/results to keep a
+run's figures with the benchmarks'), so that a test run leaves the work tree clean.
 
 The registry keeps its state in memory: after its restart the agents register again (lease
 retry: heartbeat every second here), the retentions it held are gone, so turns recompute until
@@ -32,7 +33,8 @@ from tests.e2e.test_turns import PROFILE, reference, tokens, turn
 
 pytestmark = pytest.mark.vllm
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = Path(os.environ.get("KVSHUTTLE_RESULTS_DIR") or ROOT / ".run" / "results")
 FIRST = 128  # tokens of the first prompt
 ADDED = 16  # tokens each later turn adds after the previous answer
 OUTPUT = 8  # tokens per answer
@@ -193,7 +195,7 @@ def test_turns_are_served_while_the_registry_and_then_the_router_restart(
         "test_s": round(time.monotonic() - started, 1),
         "turns": [asdict(t) for t in s.turns],
     }
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"failover-{figures['time']}.json"
     out.write_text(json.dumps(figures, indent=2) + "\n")
     print(
