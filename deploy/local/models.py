@@ -14,7 +14,7 @@ from typing import Any, Final
 
 # Bump when the generated files would change (weights, tokenizer, template, config): cached
 # models with another recipe version are rebuilt.
-RECIPE_VERSION: Final = 1
+RECIPE_VERSION: Final = 2
 STAMP_FILE: Final = "kvshuttle-model.json"
 
 

@@ -50,28 +50,57 @@ from deploy.local.models import (  # noqa: E402
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<pad>"]
 BOS_ID, EOS_ID, PAD_ID = 1, 2, 5
 
-# ChatML-like. Roles are rendered as given (system, user, assistant, tool: tool results are
-# plain turns of role "tool"); an assistant turn's tool calls follow its content as
-# <tool_call>{"name": ..., "arguments": ...}</tool_call> lines (HF renders with trim_blocks, so
-# newlines are written as expressions); `tools`, when given, become a
-# leading system turn. Content is always a string here: the template never loops over
-# m['content'], so vLLM detects the "string" content format and flattens text parts for it.
+# Hermes-style (the shape Qwen2.5 and Hermes 2 Pro use, written for these models): ChatML turns;
+# `tools`, when given, are listed one JSON object per line inside <tools></tools> in the first
+# system turn, with the <tool_call> instruction; an assistant turn's tool calls follow its
+# content as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call> blocks; consecutive
+# `tool` results become one user turn of <tool_response> blocks. Content is always a string here:
+# the template never loops over m['content'], so vLLM detects the "string" content format.
 CHAT_TEMPLATE = "".join(
     [
-        "{%- if tools %}<|im_start|>system\n# Tools\n{{ tools | tojson }}<|im_end|>\n{% endif %}",
-        "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n",
-        "{% if m['content'] is not none %}{{ m['content'] }}{% endif %}",
-        "{% if m['tool_calls'] is defined and m['tool_calls'] %}{% for tc in m['tool_calls'] %}",
-        "{% set f = tc['function'] if tc['function'] is defined else tc %}",
-        "{% if m['content'] or not loop.first %}{{ '\\n' }}{% endif %}",
-        '<tool_call>{"name": {{ f[\'name\'] | tojson }}, "arguments": ',
-        "{% if f['arguments'] is string %}{{ f['arguments'] }}",
-        "{% else %}{{ f['arguments'] | tojson }}{% endif %}",
-        "}</tool_call>{% endfor %}{% endif %}",
-        "<|im_end|>\n{% endfor %}",
-        "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        "{%- set ns = namespace(system_done=false) %}",
+        "{%- if tools %}{{- '<|im_start|>system\\n' }}",
+        "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}",
+        "{%- set ns.system_done = true %}{%- endif %}",
+        "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}",
+        "{{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}",
+        "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}",
+        "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and ' }}",
+        "{{- 'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n' }}",
+        "{{- '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}",
+        "{%- endif %}",
+        "{%- for m in messages %}",
+        "{%- if m['role'] == 'system' and loop.first and ns.system_done %}",
+        "{%- elif m['role'] == 'tool' %}",
+        "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}",
+        "{{- '<|im_start|>user' }}{%- endif %}",
+        "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}",
+        "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}",
+        "{{- '<|im_end|>\\n' }}{%- endif %}",
+        "{%- elif m['role'] == 'assistant' and m['tool_calls'] is defined and m['tool_calls'] %}",
+        "{{- '<|im_start|>assistant' }}",
+        "{%- if m['content'] %}{{- '\\n' + m['content'] }}{%- endif %}",
+        "{%- for tc in m['tool_calls'] %}",
+        "{%- set f = tc['function'] if tc['function'] is defined else tc %}",
+        "{{- '\\n<tool_call>\\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}",
+        "{%- if f['arguments'] is string %}{{- f['arguments'] }}",
+        "{%- else %}{{- f['arguments'] | tojson }}{%- endif %}",
+        "{{- '}\\n</tool_call>' }}",
+        "{%- endfor %}",
+        "{{- '<|im_end|>\\n' }}",
+        "{%- else %}",
+        "{{- '<|im_start|>' + m['role'] + '\\n' }}",
+        "{%- if m['content'] is not none %}{{- m['content'] }}{%- endif %}",
+        "{{- '<|im_end|>\\n' }}",
+        "{%- endif %}",
+        "{%- endfor %}",
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
     ]
 )
+# Added after training, not special (as in Qwen's tokenizers): the hermes tool parser and the
+# deepseek_r1/qwen3 reasoning parsers look these up in the vocabulary. Appended, so the BPE ids
+# before them do not move.
+ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
 
 _WORDS = (  # noqa: SIM905 - a word list is easier to read as one string
     "the of and to in is was for on that with as by at from an be are have it not this which or "
@@ -98,6 +127,7 @@ def _corpus(seed: int = 0) -> list[str]:
 
 def _build_tokenizer(size: ModelSize, out: Path) -> int:
     from tokenizers import (  # type: ignore[import-not-found,unused-ignore]  # noqa: PLC0415
+        AddedToken,
         Tokenizer,
         decoders,
         models,
@@ -116,6 +146,7 @@ def _build_tokenizer(size: ModelSize, out: Path) -> int:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
     )
