@@ -31,7 +31,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display here
 import matplotlib.pyplot as plt
 
-from deploy.local.launch import VllmPair, ensure_model
+from deploy.local.launch import EngineDied, VllmPair, ensure_model
 from deploy.local.stack import KvshuttleStack
 
 RUN_DIR = Path(".run/demo")
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         log_dir=RUN_DIR / "vllm",
         block_size=32,
         prefill_prefix_caching=False,
-        progress=lambda name, elapsed, line: print(f"  [{elapsed:3.0f} s] {name}: {line[-90:]}", flush=True),
+        progress=lambda name, elapsed, step: print(f"  [{elapsed:3.0f} s] {name:<7} {step}", flush=True),
     )
     stack: KvshuttleStack | None = None
     try:
@@ -256,6 +256,9 @@ def main() -> None:
     except KeyboardInterrupt:
         print("\ninterrupted; everything the demo started has been stopped", flush=True)
         sys.exit(130)
+    except EngineDied as exc:  # the message names the engine's log and ends with its tail
+        print(f"\nvLLM did not start: {exc}", flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

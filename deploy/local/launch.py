@@ -7,7 +7,8 @@ Importable from the main venv (it needs neither vLLM nor torch: vLLM runs in its
     python deploy/local/launch.py model --size small
 
 `pair` starts P (core 0) and D (core 1), prints every endpoint as one JSON object on stdout, waits
-for Ctrl-C/SIGTERM and stops both (their whole process groups). Progress goes to stderr.
+for Ctrl-C/SIGTERM and stops both (their whole process groups). Start-up milestones (weights
+loaded, KV cache sized, NIXL ready, ready; deploy/local/milestones.py) go to stderr.
 
 From Python::
 
@@ -28,6 +29,7 @@ import ctypes
 import json
 import os
 import random
+import resource
 import signal
 import socket
 import subprocess
@@ -46,6 +48,7 @@ from typing import Any, Final, Literal, Self
 if __package__ in (None, ""):  # run as a script: make `deploy.local` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from deploy.local.milestones import Milestone, MilestoneReader
 from deploy.local.models import SIZES, is_built, model_facts
 
 REPO_ROOT: Final = Path(__file__).resolve().parents[2]
@@ -58,8 +61,11 @@ KV_EVENTS_TOPIC: Final = "kv-events"
 HOST: Final = "127.0.0.1"
 
 Role = Literal["prefill", "decode"]
-# (engine name, seconds since start, last line of its log)
+# (engine name, seconds since its start, start-up milestone): each milestone once, as it is reached
 Progress = Callable[[str, float, str], None]
+# vLLM's API server asks for this many open files (vllm.utils.system_utils.set_ulimit) and, when
+# the hard limit is lower, warns and keeps the soft limit where it was.
+VLLM_NOFILE_TARGET: Final = 65535
 
 
 class VllmNotInstalled(RuntimeError):
@@ -250,6 +256,24 @@ class EngineSpec:
         return env
 
 
+def raise_fd_limit(target: int = VLLM_NOFILE_TARGET) -> int:
+    """Raise this process's open-file limit for the engines it starts (they inherit it); the soft.
+
+    Only a hard limit below vLLM's target needs help: vLLM then leaves the soft limit as it was
+    (1024 on many systems). Raising the hard limit needs CAP_SYS_RESOURCE; without it, the soft
+    limit goes up to the hard one, and vLLM's ulimit warning remains (harmless at that limit).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard >= target:
+        return soft  # vLLM raises its soft limit itself
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, target))
+        return target
+    except (ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return hard
+
+
 def _die_with_parent() -> None:
     """preexec_fn: SIGTERM the server when the thread that started it dies (Linux prctl)."""
     with contextlib.suppress(Exception):
@@ -305,6 +329,8 @@ class VllmEngine:
         self._started_at = 0.0
         self._log_scanned = 0
         self.ready_after_s: float | None = None
+        self._milestones = MilestoneReader(spec.block_size)
+        self._new_milestones: list[Milestone] = []
 
     # endpoints
     @property
@@ -376,6 +402,7 @@ class VllmEngine:
             raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         argv = self.spec.argv(vllm_python())
+        raise_fd_limit()
         # PDEATHSIG fires when the starting *thread* ends: arm it only from the main thread.
         on_main_thread = threading.current_thread() is threading.main_thread()
         with self.log_path.open("ab") as log:
@@ -394,21 +421,31 @@ class VllmEngine:
             )
         self._started_at = time.monotonic()
         self.ready_after_s = None
+        self._milestones = MilestoneReader(self.spec.block_size)
+        self._new_milestones = self._milestones.started(self._proc.pid, str(self.log_path))
 
-    def _fatal_log_line(self) -> str | None:
-        """The first fatal marker line logged since the last call (reads only new bytes)."""
-        start = max(0, self._log_scanned - 256)  # a line may straddle two reads
+    def take_milestones(self) -> list[Milestone]:
+        """Start-up milestones reached since the last call (`poll_ready` reads them from the log)."""
+        taken, self._new_milestones = self._new_milestones, []
+        return taken
+
+    def _scan_log(self) -> str | None:
+        """Reads the lines completed since the last call: notes milestones; the first fatal line."""
         try:
             with self.log_path.open("rb") as fh:
-                fh.seek(start)
+                fh.seek(self._log_scanned)
                 new = fh.read()
         except OSError:
             return None
-        self._log_scanned = start + len(new)
-        for line in new.decode(errors="replace").splitlines():
-            if any(marker in line for marker in FATAL_LOG_MARKERS):
-                return line
-        return None
+        complete = new[: new.rfind(b"\n") + 1]  # a partial last line waits for the next call
+        self._log_scanned += len(complete)
+        elapsed = time.monotonic() - self._started_at
+        fatal = None
+        for line in complete.decode(errors="replace").splitlines():
+            self._new_milestones += self._milestones.feed(line, elapsed)
+            if fatal is None and any(marker in line for marker in FATAL_LOG_MARKERS):
+                fatal = line
+        return fatal
 
     def poll_ready(self) -> bool:
         """One /health probe. True when ready; `EngineDied` (with the log tail) when it exited."""
@@ -419,7 +456,7 @@ class VllmEngine:
         rc = self._proc.poll()
         if rc is not None:
             raise EngineDied(f"{self.name} exited with {rc}; {self.log_path}:\n{_log_tail(self.log_path)}")
-        fatal = self._fatal_log_line()
+        fatal = self._scan_log()
         if fatal is not None:
             raise EngineDied(
                 f"{self.name} failed ({fatal.strip()}); {self.log_path}:\n{_log_tail(self.log_path)}"
@@ -431,6 +468,7 @@ class VllmEngine:
             ok = False  # the port opens only once the engine is ready
         if ok:
             self.ready_after_s = time.monotonic() - self._started_at
+            self._new_milestones += self._milestones.ready(self.url, self.ready_after_s)
         return ok
 
     def wait_ready(
@@ -438,15 +476,16 @@ class VllmEngine:
     ) -> float:
         """Block until /health answers 200; returns seconds since start. Raises `EngineDied`."""
         deadline = time.monotonic() + timeout
-        last_report = time.monotonic()
-        while not self.poll_ready():
-            now = time.monotonic()
-            if now > deadline:
+        while True:
+            ready = self.poll_ready()
+            if progress is not None:
+                for milestone in self.take_milestones():
+                    progress(self.name, milestone.elapsed_s, milestone.text)
+            if ready:
+                break
+            if time.monotonic() > deadline:
                 tail = _log_tail(self.log_path)
                 raise EngineDied(f"{self.name} not ready after {timeout:.0f} s; {self.log_path}:\n{tail}")
-            if progress is not None and now - last_report >= 5:
-                last_report = now
-                progress(self.name, now - self._started_at, _log_tail(self.log_path, 1))
             time.sleep(interval)
         assert self.ready_after_s is not None
         return self.ready_after_s
@@ -617,23 +656,20 @@ class VllmPair:
             for engine in self.engines:
                 engine.start()
             deadline = began + self.start_timeout
-            last_report = began
             while True:
                 ready = [engine.poll_ready() for engine in self.engines]
+                for engine in self.engines:
+                    for milestone in engine.take_milestones():
+                        if self.progress is not None:
+                            self.progress(engine.name, milestone.elapsed_s, milestone.text)
                 if all(ready):
                     break
-                now = time.monotonic()
-                if now > deadline:
+                if time.monotonic() > deadline:
                     slow = [e for e, r in zip(self.engines, ready, strict=True) if not r]
                     raise EngineDied(
                         f"{', '.join(e.name for e in slow)} not ready after {self.start_timeout:.0f} s:\n"
                         + "\n".join(f"{e.log_path}:\n{_log_tail(e.log_path)}" for e in slow)
                     )
-                if self.progress is not None and now - last_report >= 5:
-                    last_report = now
-                    for engine, is_ready in zip(self.engines, ready, strict=True):
-                        tail = "ready" if is_ready else _log_tail(engine.log_path, 1)
-                        self.progress(engine.name, now - began, tail)
                 time.sleep(0.5)
         except BaseException:
             self.stop()
@@ -689,8 +725,8 @@ class VllmPair:
 # --- CLI --------------------------------------------------------------------------------------
 
 
-def _stderr_progress(name: str, elapsed: float, line: str) -> None:
-    print(f"[{elapsed:5.0f} s] {name}: {line[-160:]}", file=sys.stderr, flush=True)
+def _stderr_progress(name: str, elapsed: float, milestone: str) -> None:
+    print(f"[{elapsed:5.0f} s] {name}: {milestone}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

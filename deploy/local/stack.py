@@ -166,7 +166,11 @@ class KvshuttleStack:
         self.gateway = Service("gateway", "kvshuttle.gateway.main", _prefixed("KVSHUTTLE_GATEWAY_", {
             **log, "LISTEN": f"{HOST}:{ports[2]}", "ROUTER__ADDRESS": self.router_addr,
             "ROUTER__TOKEN_FILE": str(self._tokens.file("gateway")), "CACHE_SALT_KEY": self.cache_salt_key,
-            "MODELS": json.dumps({served_model_name: str(pair.model_dir)}), **extra.get("gateway", {})}),
+            # The test models' template and added tokens are Hermes-style (deploy/vllm/make_model.py).
+            "MODELS": json.dumps(
+                {served_model_name: {"tokenizer": str(pair.model_dir), "tool_call_parser": "hermes"}}
+            ),
+            **extra.get("gateway", {})}),
             self.work_dir)  # fmt: skip
         self.agents = self._agents(extra.get("agent", {}))
 

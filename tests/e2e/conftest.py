@@ -22,8 +22,8 @@ from deploy.local.launch import VllmNotInstalled, VllmPair, ensure_model, vllm_p
 E2E_BLOCKS = 1024
 
 
-def _progress(name: str, elapsed: float, line: str) -> None:
-    print(f"[vllm pair {elapsed:4.0f} s] {name}: {line[-120:]}", file=sys.stderr, flush=True)
+def _progress(name: str, elapsed: float, milestone: str) -> None:
+    print(f"[vllm pair {elapsed:4.0f} s] {name}: {milestone}", file=sys.stderr, flush=True)
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +53,14 @@ def vllm_pair(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         block_size=32,
         progress=_progress,
         prefill_prefix_caching=False,
-        extra_args=("--num-gpu-blocks-override", str(E2E_BLOCKS)),
+        # The tool parser serves the single-server chat references of tool-calling turns.
+        extra_args=(
+            "--num-gpu-blocks-override",
+            str(E2E_BLOCKS),
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+        ),
     )
     pair.start()  # stops both itself when the start fails
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import random
 import string
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from tests.conftest import RegistryEnv, start_registry
 from tests.gateway.fake_engine import FakeEngine
 from tests.router.helpers import MODEL, RouterEnv, heartbeat, node, seconds, start_router
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.gateway.config import GatewaySettings, ModelSettings
@@ -48,9 +48,12 @@ WORDS = [
 ]  # fmt: skip
 
 
-def make_tokenizer(directory: Path, *, vocab: int = 1024, bos_post_processor: bool = True) -> Path:
+def make_tokenizer(
+    directory: Path, *, vocab: int = 1024, bos_post_processor: bool = True, added_tokens: Sequence[str] = ()
+) -> Path:
     """A byte-level BPE trained on a small corpus, with the ChatML template, saved as a model
-    directory (tokenizer.json + tokenizer_config.json) the way transformers saves one."""
+    directory (tokenizer.json + tokenizer_config.json) the way transformers saves one;
+    `added_tokens` are appended as plain (not special) added tokens, as Qwen's <think>."""
     rnd = random.Random(0)
     corpus = [" ".join(rnd.choice(WORDS) for _ in range(rnd.randint(5, 40))) for _ in range(2000)]
     corpus += ["".join(rnd.choice(string.printable[:95]) for _ in range(200)) for _ in range(500)]
@@ -64,6 +67,7 @@ def make_tokenizer(directory: Path, *, vocab: int = 1024, bos_post_processor: bo
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     if bos_post_processor:  # a text prompt with add_special_tokens=True starts with <s>
         tok.post_processor = processors.TemplateProcessing(
             single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
@@ -143,6 +147,8 @@ async def start_cluster(
     nodes: bool = True,
     router_timeout: float = 5.0,
     grace_seconds: float = 2.0,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
     **overrides: Any,
 ) -> Cluster:
     exporter = InMemorySpanExporter()
@@ -164,7 +170,11 @@ async def start_cluster(
     settings = GatewaySettings(
         listen="127.0.0.1:0",
         router=ServiceConnection(address=f"127.0.0.1:{router.server.port}", timeout=router_timeout),
-        models={MODEL: ModelSettings(tokenizer=model_dir)},
+        models={
+            MODEL: ModelSettings(
+                tokenizer=model_dir, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser
+            )
+        },
         grace_seconds=grace_seconds,
         **overrides,
     )

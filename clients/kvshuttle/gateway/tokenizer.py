@@ -341,16 +341,18 @@ class ChatTokenizer:
         *,
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """The prompt text, as apply_chat_template(tokenize=False) renders it. Raises
-        TemplateError when the template refuses the conversation, LookupError without one."""
+        """The prompt text, as apply_chat_template(tokenize=False) renders it, `tools` as the
+        template's `tools` variable (the request's tool definitions, as vLLM passes them).
+        Raises TemplateError when the template refuses the conversation, LookupError without one."""
         if self._template is None:
             raise LookupError(f"model {self.name!r} has no chat template")
         kwargs = {**self.special_tokens, **self.template_kwargs, **(template_kwargs or {})}
         try:
             return self._template.render(
                 messages=messages,
-                tools=None,
+                tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **kwargs,
