@@ -74,12 +74,27 @@ def chat(
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
+        "return_token_ids": True,
         "stream": True,
     }
     if conversation:
         body["conversation_id"] = conversation
+    return streamed(f"{url}/v1/chat/completions", body)
+
+
+def plain_turn(url: str, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
+    """The same token ids as one plain turn (no conversation: plain P->D, the whole prompt
+    recomputed): with exact-token history a conversation's prompt carries decode's generated
+    ids, which re-tokenizing its messages would not give back."""
+    body = {"model": "m", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True}  # fmt: skip
+    return streamed(f"{url}/v1/completions", body)
+
+
+def streamed(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """TTFT (first output byte), the text, prompt and output ids and kvshuttle's headers."""
     req = urllib.request.Request(
-        f"{url}/v1/chat/completions",
+        url,
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
         method="POST",
@@ -87,6 +102,8 @@ def chat(
     start = time.perf_counter()
     ttft = None
     text: list[str] = []
+    ids: list[int] = []
+    prompt: list[int] = []
     try:
         response = urllib.request.urlopen(req, timeout=600)
     except urllib.error.HTTPError as err:
@@ -102,12 +119,16 @@ def chat(
             event = json.loads(line[6:])
             if "error" in event:
                 raise RuntimeError(event["error"])
+            prompt = event.get("prompt_token_ids") or prompt
             for choice in event.get("choices", []):
-                piece = choice.get("delta", {}).get("content")
+                piece = choice.get("delta", {}).get("content") or choice.get("text")
+                prompt = choice.get("prompt_token_ids") or prompt
                 if piece:
                     ttft = ttft if ttft is not None else time.perf_counter() - start
                     text.append(piece)
-    return {"ttft_ms": round((ttft or 0.0) * 1e3, 1), "text": "".join(text), "headers": headers}
+                ids.extend(choice.get("token_ids") or [])
+    return {"ttft_ms": round((ttft or 0.0) * 1e3, 1), "text": "".join(text), "ids": ids,
+            "prompt_ids": prompt, "headers": headers}  # fmt: skip
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> None:
@@ -181,7 +202,7 @@ def session(gateway: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     for turn in range(1, args.turns + 1):
         shuttle = chat(gateway, messages, conversation, args.max_tokens)
-        plain = chat(gateway, messages, None, args.max_tokens)
+        plain = plain_turn(gateway, shuttle["prompt_ids"], args.max_tokens)
         h = shuttle["headers"]
         row = {
             "turn": turn,
@@ -192,7 +213,7 @@ def session(gateway: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             "reason": h.get("x-kvshuttle-reason", "?"),
             "ttft_kvshuttle_ms": shuttle["ttft_ms"],
             "ttft_recompute_ms": plain["ttft_ms"],
-            "output_identical": shuttle["text"] == plain["text"],
+            "output_identical": shuttle["ids"] == plain["ids"] and shuttle["text"] == plain["text"],
         }
         rows.append(row)
         speedup = row["ttft_recompute_ms"] / max(row["ttft_kvshuttle_ms"], 1e-3)

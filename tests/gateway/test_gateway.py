@@ -191,13 +191,13 @@ async def test_the_next_turn_reads_the_retained_kv_truncated_to_the_verified_pre
     assert params["remote_engine_id"] == "engine-d0"
     assert params["remote_request_id"] == held["remote_request_id"]
     reused = params["remote_num_tokens"]
-    assert reused % BS == 0 and 0 < reused < len(prompt)
-    # Only full blocks whose tokens match token for token, and the block list cut to them.
-    assert params["remote_block_ids"] == [held["remote_block_ids"][0][: reused // BS]]
-    assert len(params["remote_block_ids"][0]) < len(held["remote_block_ids"][0])
+    assert 0 < reused < len(prompt)
+    # The tokens that match token for token (the router's hint knows the partly filled last
+    # block's), and the block list cut to the blocks that hold them.
+    assert params["remote_block_ids"] == [held["remote_block_ids"][0][: -(-reused // BS)]]
     assert prompt[:reused] == first[:reused]
     common = next(i for i, (a, b) in enumerate(zip(prompt, first, strict=False)) if a != b)
-    assert reused == common // BS * BS
+    assert reused == min(common, held["remote_num_tokens"])
     # Decode gets what prefill answered on this turn, unchanged.
     assert c.decode.requests[1].body["kv_transfer_params"] == c.prefill.answers[1]["kv_transfer_params"]
 
@@ -410,7 +410,8 @@ async def test_a_token_id_prompt_must_be_uint32_ids(c: Cluster, prompt: list[Any
         ({"conversation_id": "x" * 129}, "conversation_id"),
         ({"conversation_id": "-starts-with-dash"}, "conversation_id"),
         ({"n": 2}, "n"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        # tool_choice "auto" (the default with tools) needs the model's tool_call_parser.
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"messages": []}, "messages"),

@@ -247,7 +247,7 @@ async def test_a_registry_that_does_not_answer_gets_plain_pd_on_the_last_nodes_a
     prompt3 = seq2 + cluster.tokens(40)
     plan3 = await cluster.plan(router, prompt3)
     assert (plan3.decision, plan3.reason) == (Decision.REUSE, Reason.REUSE_CHEAPER)
-    assert plan3.reusable_tokens == (len(seq1) - 1) // BS * BS
+    assert plan3.reusable_tokens == len(seq1)  # turn 1's retention, to its last token
     stored3, _ = await cluster.commit(router, plan3, prompt3)
     assert stored3.retention.endswith("/retentions/2")  # the fence counts stored turns
 

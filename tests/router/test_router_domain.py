@@ -171,11 +171,12 @@ async def test_first_turn_recomputes_then_the_next_reuses_the_verified_prefix(cl
     second = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV))
     assert (second.decision, second.reason) == (Decision.REUSE, Reason.REUSE_CHEAPER)
     full_blocks = len(seq) // BS
-    assert second.reusable_tokens == full_blocks * BS
-    assert second.tokens_to_compute == len(prompt) - full_blocks * BS
+    # Token granular: the full blocks and the partly filled last one (its tail is on the hint).
+    assert second.reusable_tokens == len(seq) > full_blocks * BS
+    assert second.tokens_to_compute == len(prompt) - len(seq)
     params = second.prefill_kv_transfer_params
-    assert params["remote_num_tokens"] == full_blocks * BS
-    assert len(params["remote_block_ids"][0]) == full_blocks  # type: ignore[index]
+    assert params["remote_num_tokens"] == len(seq)
+    assert len(params["remote_block_ids"][0]) == full_blocks + 1  # type: ignore[index]
     assert params["remote_engine_id"] == "engine-d0"
     assert (params["do_remote_decode"], params["do_remote_prefill"]) == (True, False)
     assert (await cluster.registry.get_retention(f"{CONV}/retentions/1")).claim is not None
@@ -192,41 +193,45 @@ def edited(seq: list[int], at: int, *, remove: int = 0, insert: list[int] | None
 
 
 @pytest.mark.parametrize(
-    ("case", "edit", "expected_blocks"),
+    ("case", "edit", "expected_tokens"),
     [
         ("edit at the start", lambda s, c: edited(s, 0, remove=1, insert=[7]), None),
-        ("edit in the middle", lambda s, c: edited(s, 500, remove=1, insert=[7]), 500 // BS),
+        # An edit inside a full block: the cut is that block's start.
+        ("edit in the middle", lambda s, c: edited(s, 500, remove=1, insert=[7]), 500 // BS * BS),
+        # An edit in the retention's partly filled last block: the cut is the edit itself.
         (
             "edit at the end",
             lambda s, c: edited(s, len(s) - 3, remove=3, insert=[7, 7, 7]),
-            (len_seq() - 3) // BS,
+            len_seq() - 3,
         ),
         (
             "chat-template tail re-rendered",
             lambda s, c: [*s[:-5], 3, 9, 4, *c.tokens(40)],
-            (len_seq() - 5) // BS,
+            len_seq() - 5,
         ),
-        ("reasoning stripped", lambda s, c: edited(s, 1010, remove=40) + c.tokens(30), 1010 // BS),
+        ("reasoning stripped", lambda s, c: edited(s, 1010, remove=40) + c.tokens(30), 1010 // BS * BS),
         ("history compacted", lambda s, c: c.tokens(300) + s[800:], None),
     ],
 )
 async def test_edited_history_reuses_only_the_verified_prefix(
-    cluster: Cluster, case: str, edit: Any, expected_blocks: int | None
+    cluster: Cluster, case: str, edit: Any, expected_tokens: int | None
 ) -> None:
     router = cluster.router()
     _, seq = await run_turn(router, cluster, cluster.tokens(1000))
     assert len(seq) == len_seq()
     prompt = edit(seq, cluster) + cluster.tokens(100)
     plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV))
-    if expected_blocks is None:
+    if expected_tokens is None:
         assert (plan.decision, plan.reason) == (Decision.RECOMPUTE, Reason.PREFIX_MISMATCH), case
         return
     assert plan.decision is Decision.REUSE, case
-    assert plan.reusable_tokens == expected_blocks * BS, case
-    # What prefill is told to read is exactly what verified: never a token past the edit.
-    assert plan.prefill_kv_transfer_params["remote_num_tokens"] == expected_blocks * BS
-    assert len(plan.prefill_kv_transfer_params["remote_block_ids"][0]) == expected_blocks  # type: ignore[index]
-    assert prompt[: expected_blocks * BS] == seq[: expected_blocks * BS]
+    assert plan.reusable_tokens == expected_tokens, case
+    # What prefill is told to read is exactly what verified: never a token past the edit (a
+    # partly verified block is read whole; prefill computes from remote_num_tokens on).
+    assert plan.prefill_kv_transfer_params["remote_num_tokens"] == expected_tokens
+    blocks = -(-expected_tokens // BS)
+    assert len(plan.prefill_kv_transfer_params["remote_block_ids"][0]) == blocks  # type: ignore[index]
+    assert prompt[:expected_tokens] == seq[:expected_tokens]
 
 
 async def test_a_short_verified_prefix_is_below_the_floor(cluster: Cluster) -> None:

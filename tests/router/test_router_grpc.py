@@ -180,14 +180,14 @@ async def test_first_turn_recomputes_its_commit_is_retained_and_the_next_turn_re
     second = await c.plan(sequence + c.tokens(200))
     assert (second.decision, second.reason) == (pb.DECISION_REUSE, pb.DECISION_REASON_REUSE_CHEAPER)
     assert second.generation == 2
-    verified_blocks = len(sequence) // BS  # 254 of the 255 blocks decode holds: the last is partial
-    assert second.reusable_tokens == verified_blocks * BS
-    assert second.tokens_to_compute == len(sequence) + 200 - verified_blocks * BS
+    # All 255 blocks decode holds, the last partly filled (its tokens verified one by one).
+    assert second.reusable_tokens == len(sequence)
+    assert second.tokens_to_compute == 200
     params = second.prefill_kv_transfer_params
     held = stored.kv_transfer_params.remote_block_ids[0].block_ids
-    assert len(held) == verified_blocks + 1
-    assert list(params.remote_block_ids[0].block_ids) == list(held[:verified_blocks])
-    assert params.remote_num_tokens == verified_blocks * BS
+    assert len(held) == len(sequence) // BS + 1
+    assert list(params.remote_block_ids[0].block_ids) == list(held)
+    assert params.remote_num_tokens == len(sequence)
     assert (params.do_remote_decode, params.do_remote_prefill) == (True, False)
     assert (params.remote_engine_id, params.remote_request_id, params.remote_port) == (
         "engine-d0",
@@ -672,15 +672,9 @@ async def test_two_tenants_sending_one_request_id_never_share_a_claim(c: Cluster
     second = await c.b.client.plan_turn(MODEL, theirs, conversation=OTHER_TENANT, request_id="same")
 
     assert first.decision == second.decision == pb.DECISION_REUSE
-    n = len(first.prefill_kv_transfer_params.remote_block_ids[0].block_ids)
-    assert (
-        list(first.prefill_kv_transfer_params.remote_block_ids[0].block_ids)
-        == held[f"{CONV}/retentions/1"][:n]
-    )
-    assert (
-        list(second.prefill_kv_transfer_params.remote_block_ids[0].block_ids)
-        == held[f"{OTHER_TENANT}/retentions/1"][:n]
-    )
+    for plan, conversation in ((first, CONV), (second, OTHER_TENANT)):
+        ids = list(plan.prefill_kv_transfer_params.remote_block_ids[0].block_ids)
+        assert ids == held[f"{conversation}/retentions/1"][: len(ids)]
 
 
 async def test_one_replica_does_not_answer_a_request_id_with_another_tenants_plan(c: Cluster) -> None:

@@ -100,3 +100,33 @@ def test_no_params_name_a_holder_the_router_cannot_address(holder: NodeInfo) -> 
     held = retention([list(range(10))])
     with pytest.raises(ValueError):
         prefill_params(held, verify(chain_hashes([*TOKENS, 1], BS), len(TOKENS) + 1, held), holder)
+
+
+def test_a_known_tail_verifies_token_by_token() -> None:
+    held = replace(retention([list(range(10))]), num_tokens=6 * BS + 5)
+    held = replace(held, block_hashes=held.block_hashes[:6], tail_tokens=tuple(TOKENS[6 * BS : 6 * BS + 5]))
+    prompt = [*TOKENS[: 6 * BS + 3], 9999, *TOKENS[6 * BS + 4 :]]  # differs at the tail's 4th token
+    chain = chain_hashes(prompt, BS)
+    arr = np.array(prompt, dtype=np.uint32)
+    prefix = verify(chain, len(prompt), held, prompt=arr)
+    assert (prefix.blocks, prefix.tail, prefix.tokens, prefix.read_blocks) == (6, 3, 6 * BS + 3, 7)
+    params = prefill_params(held, prefix, HOLDER)
+    assert (params["remote_num_tokens"], params["remote_block_ids"]) == (6 * BS + 3, [list(range(7))])
+    # Without the prompt's ids (or the tail), only full blocks.
+    assert verify(chain, len(prompt), held).tokens == 6 * BS
+    assert verify(chain, len(prompt), replace(held, tail_tokens=()), prompt=arr).tokens == 6 * BS
+    # Never the prompt's last token: prefill computes at least one.
+    short = arr[: 6 * BS + 2]
+    assert verify(chain_hashes(short, BS), len(short), held, prompt=short).tokens == 6 * BS + 1
+
+
+def test_a_tail_is_not_read_past_an_earlier_mismatch() -> None:
+    held = replace(retention([list(range(10))]), num_tokens=6 * BS + 5)
+    held = replace(held, block_hashes=held.block_hashes[:6], tail_tokens=tuple(TOKENS[6 * BS : 6 * BS + 5]))
+    prompt = [*TOKENS[: 2 * BS], 9999, *TOKENS[2 * BS + 1 :]]  # an edit in block 2
+    prefix = verify(chain_hashes(prompt, BS), len(prompt), held, prompt=np.array(prompt, dtype=np.uint32))
+    assert (prefix.blocks, prefix.tail) == (2, 0)
+    # A tail of the wrong length (not num_tokens % block_size tokens) is ignored.
+    bad = replace(held, tail_tokens=tuple(TOKENS[6 * BS : 6 * BS + 2]))
+    ok = np.array(TOKENS, dtype=np.uint32)
+    assert verify(chain_hashes(TOKENS, BS), len(TOKENS), bad, prompt=ok).tail == 0

@@ -36,8 +36,10 @@ from kvshuttle.gateway.background import BackgroundTasks
 from kvshuttle.gateway.config import DEFAULT_TENANT, GatewaySettings
 from kvshuttle.gateway.engines import EngineClient
 from kvshuttle.gateway.errors import GatewayError
+from kvshuttle.gateway.history import ExactHistory
 from kvshuttle.gateway.metrics import GatewayMetrics
-from kvshuttle.gateway.prompts import prompt_ids
+from kvshuttle.gateway.parsing import OutputParser, check_parsers, reasoning_decode_params
+from kvshuttle.gateway.prompts import prompt_ids, remember_turn
 from kvshuttle.gateway.protocol import CONVERSATION_HEADER, Kind, TurnRequest, parse_request
 from kvshuttle.gateway.request_log import RequestLog
 from kvshuttle.gateway.responses import (
@@ -99,6 +101,13 @@ class Gateway:
             }
         )
         self._content_format = {name: m.content_format for name, m in settings.models.items()}
+        self._tool_parsers = {name: m.tool_call_parser for name, m in settings.models.items()}
+        for name, m in settings.models.items():  # a parser whose tokens the model lacks: fail now
+            check_parsers(m.tool_call_parser, m.reasoning_parser, self.tokenizers[name].tokenizer.token_to_id)
+        # Per model in history mode exact_tokens: its conversations' last turns as token ids.
+        self._histories = {
+            n: ExactHistory() for n, m in settings.models.items() if m.history == "exact_tokens"
+        }
         self._keys = {_key_digest(key): tenant for key, tenant in settings.tenant_keys().items()}
         key = settings.cache_salt_key
         self._salts = CacheSalts.from_key(None if key is None else key.get_secret_value().encode())
@@ -260,7 +269,12 @@ class Gateway:
             default_max_tokens=self.settings.default_max_tokens,
             content_format=self._content_format,
             conversation_header=request.headers.get(CONVERSATION_HEADER),
+            tool_parsers=self._tool_parsers,
         )
+        if treq.kind == "chat":  # e.g. qwen3 reads its markers with special tokens kept
+            treq.decode_params.update(
+                reasoning_decode_params(self.settings.models[treq.model].reasoning_parser)
+            )
         rec.model, rec.stream, rec.stop_strings = treq.model, treq.stream, treq.stop_strings
         if treq.ignored:
             log.debug("request.ignored_fields", fields=treq.ignored)
@@ -269,12 +283,16 @@ class Gateway:
         )
         rec.conversation = log_digest(conversation) if conversation else ""
         tokenizing = time.perf_counter()
-        ids = await prompt_ids(
+        history = self._histories.get(treq.model) if conversation else None
+        prompt = await prompt_ids(
             self.tokenizers[treq.model],
             treq,
             max_tokens=self.settings.max_prompt_tokens,
             background=self._background,
+            history=history,
+            conversation=conversation,
         )
+        ids = prompt.ids
         rec.tokenize_ms = round((time.perf_counter() - tokenizing) * 1e3, 3)
         rec.prompt_tokens = len(ids)
         turn = Turn(
@@ -290,8 +308,12 @@ class Gateway:
         )
         try:
             if treq.stream:
-                return await self._stream(request, treq, turn, rec)
-            return await self._complete(treq, turn)
+                response = await self._stream(request, treq, turn, rec)
+            else:
+                response = await self._complete(treq, turn)
+            if history is not None:
+                remember_turn(history, self.tokenizers[treq.model], conversation, prompt, turn.output)
+            return response
         finally:
             rec.add_turn(turn)
 
@@ -310,6 +332,7 @@ class Gateway:
                 prompt_ids=turn.prompt_ids,
                 token_ids=treq.return_token_ids,
                 cached_tokens=turn.remote_cached_tokens,
+                parser=self._output_parser(treq),
             )
         else:
             payload = completion(
@@ -320,6 +343,20 @@ class Gateway:
                 cached_tokens=turn.remote_cached_tokens,
             )
         return web.Response(body=dumps(payload), content_type="application/json", headers=turn_headers(turn))
+
+    def _output_parser(self, treq: TurnRequest) -> OutputParser | None:
+        """What splits a chat answer into content, reasoning and tool calls; None when it is
+        all content (no tools, no reasoning parser)."""
+        model = self.settings.models[treq.model]
+        if treq.tools is None and model.reasoning_parser is None:
+            return None
+        return OutputParser(
+            tool_request=treq.tools,
+            tool_parser=model.tool_call_parser,
+            reasoning_parser=model.reasoning_parser,
+            vocab=self.tokenizers[treq.model].tokenizer.token_to_id,
+            include_reasoning=treq.include_reasoning,
+        )
 
     async def _stream(
         self, request: web.Request, treq: TurnRequest, turn: Turn, rec: RequestLog
@@ -333,6 +370,7 @@ class Gateway:
                 prompt_ids=turn.prompt_ids,
                 token_ids=treq.return_token_ids,
                 include_usage=treq.include_usage,
+                parser=self._output_parser(treq),
             )
             if treq.kind == "chat"
             else CompletionStream(

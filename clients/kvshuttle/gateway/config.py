@@ -4,7 +4,8 @@
     KVSHUTTLE_GATEWAY_LISTEN=0.0.0.0:8080
     KVSHUTTLE_GATEWAY_ROUTER__ADDRESS=router:50061
     KVSHUTTLE_GATEWAY_MODELS='{"Qwen/Qwen3-32B": "/models/qwen3-32b"}'
-    KVSHUTTLE_GATEWAY_MODELS='{"qwen": {"tokenizer": "/models/qwen3-32b", "served_name": "Qwen/Qwen3-32B"}}'
+    KVSHUTTLE_GATEWAY_MODELS='{"qwen": {"tokenizer": "/models/qwen3-32b", "served_name": "Qwen/Qwen3-32B",
+                               "tool_call_parser": "hermes", "reasoning_parser": "qwen3"}}'
     KVSHUTTLE_GATEWAY_API_KEYS='{"sk-...": "acme", "sk-...": "globex"}'    (key -> tenant; secret)
     KVSHUTTLE_GATEWAY_API_KEYS_FILE=/etc/kvshuttle/api-keys.json          (the same map, from a file)
     KVSHUTTLE_GATEWAY_ENGINES__PREFILL_TIMEOUT_S=120
@@ -36,6 +37,7 @@ from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.limits import MAX_PROMPT_TOKENS
 from kvshuttle.core.names import check_id
+from kvshuttle.gateway.parsing import REASONING_PARSERS, TOOL_PARSERS
 from kvshuttle.serving.settings import TelemetrySettings
 
 DEFAULT_TENANT = "default"
@@ -59,6 +61,34 @@ class ModelSettings(BaseModel):
     # Template variables every request gets (vLLM's --default-chat-template-kwargs); a
     # request's chat_template_kwargs override them.
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # How a chat's earlier turns become token ids (gateway README, "History mode"):
+    # "exact_tokens": an assistant message whose text is exactly the answer decode gave the
+    # conversation's last turn carries decode's generated ids (the KV decode retained then
+    # verifies whole); "retokenize": the whole chat is tokenized from its text every turn.
+    history: Literal["exact_tokens", "retokenize"] = "exact_tokens"
+    # How decode's output is parsed for tool calls, by vLLM's --tool-call-parser name
+    # ("hermes", "llama3_json"); set, tool_choice "auto" works (vLLM's
+    # --enable-auto-tool-choice). None: only "none", "required" and named tool choices.
+    tool_call_parser: str | None = None
+    # How decode's output is split into reasoning and content, by vLLM's --reasoning-parser
+    # name ("deepseek_r1", "qwen3"); None: the whole output is content.
+    reasoning_parser: str | None = None
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_parser(cls, value: str | None) -> str | None:
+        if value is not None and value not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool_call_parser {value!r}; known: {', '.join(sorted(TOOL_PARSERS))}")
+        return value
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, value: str | None) -> str | None:
+        if value is not None and value not in REASONING_PARSERS:
+            raise ValueError(
+                f"unknown reasoning_parser {value!r}; known: {', '.join(sorted(REASONING_PARSERS))}"
+            )
+        return value
 
 
 class EngineSettings(BaseModel):

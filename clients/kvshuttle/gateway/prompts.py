@@ -2,25 +2,51 @@
 exactly as the engine would (kvshuttle.gateway.tokenizer): a token-id prompt as it is, a text
 prompt with the tokenizer's default special tokens, a chat through its template and the
 segment cache. Tokenizing that would hold the event loop up runs in a thread.
+
+With exact-token history (kvshuttle.gateway.history, the model's `history: exact_tokens`), a
+chat that extends its conversation's last turn exactly gets that turn's prompt ids and decode's
+output ids, and only the rest of the text is tokenized; each finished turn is remembered for the
+next (remember_turn).
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from kvshuttle.gateway.background import BackgroundTasks
 from kvshuttle.gateway.errors import GatewayError
+from kvshuttle.gateway.history import ExactHistory
 from kvshuttle.gateway.protocol import TurnRequest
+from kvshuttle.gateway.responses import DecodeOutput
 from kvshuttle.gateway.tokenizer import ChatTokenizer, TemplateError
 
-__all__ = ["prompt_ids"]
+__all__ = ["Prompt", "prompt_ids", "remember_turn"]
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    ids: list[int]
+    # The rendered chat (None for a completions prompt).
+    text: str | None = None
+    # Leading ids taken from the conversation's exact-token history (0: none).
+    history_tokens: int = 0
 
 
 async def prompt_ids(
-    tok: ChatTokenizer, treq: TurnRequest, *, max_tokens: int, background: BackgroundTasks
-) -> list[int]:
+    tok: ChatTokenizer,
+    treq: TurnRequest,
+    *,
+    max_tokens: int,
+    background: BackgroundTasks,
+    history: ExactHistory | None = None,
+    conversation: str = "",
+) -> Prompt:
     """The prompt's ids; GatewayError (400) for an empty or too long prompt or a template that
-    refuses the messages. A sampled cached tokenization is re-checked in `background`."""
+    refuses the messages. A sampled cached tokenization is re-checked in `background`. With
+    `history`, a chat of `conversation` that extends its last turn exactly is spliced onto it."""
+    text: str | None = None
+    spliced = 0
     if treq.kind == "completions":
         if treq.prompt_ids is not None:
             ids = treq.prompt_ids
@@ -36,22 +62,24 @@ async def prompt_ids(
                 treq.messages,
                 add_generation_prompt=treq.add_generation_prompt,
                 template_kwargs=treq.template_kwargs,
+                tools=treq.tools.template_tools() if treq.tools else None,
             )
         except TemplateError as exc:
             raise GatewayError.invalid(
                 f"chat template: {exc}", "messages", code="chat_template_error"
             ) from None
-        if treq.add_special_tokens or not tok.cached:
-            ids = await _encode_exact(tok, text, treq.add_special_tokens)
+        splice = (
+            history.splice(conversation, text)
+            if history is not None and conversation and not treq.add_special_tokens
+            else None
+        )
+        if splice is not None:
+            rest = await _encode_chat(tok, splice.rest, background) if splice.rest else []
+            ids, spliced = [*splice.ids, *rest], len(splice.ids)
+        elif treq.add_special_tokens:
+            ids = await _encode_exact(tok, text, True)
         else:
-            parts, missing = tok.pieces(text)
-            if tok.needs_thread(missing):
-                encoded = await asyncio.to_thread(tok.encode_missing, missing)
-            else:
-                encoded = tok.encode_missing(missing)
-            ids = tok.assemble(parts, missing, encoded)
-            if tok.should_verify():
-                background.spawn(_verify(tok, text, ids), "tokenizer.verify")
+            ids = await _encode_chat(tok, text, background)
     if not ids:
         raise GatewayError.invalid(
             "the prompt is empty", "prompt" if treq.kind == "completions" else "messages"
@@ -60,6 +88,40 @@ async def prompt_ids(
         raise GatewayError.invalid(
             f"the prompt has {len(ids)} tokens, more than {max_tokens}", code="context_length_exceeded"
         )
+    # A chat with add_special_tokens has ids its text lacks (BOS): never remembered.
+    return Prompt(ids, None if treq.add_special_tokens else text, spliced)
+
+
+def remember_turn(
+    history: ExactHistory, tok: ChatTokenizer, conversation: str, prompt: Prompt, out: DecodeOutput
+) -> None:
+    """After a chat turn of `conversation`: remember it when decode finished with complete
+    token ids; anything else forgets the conversation (its next turn is tokenized as usual)."""
+    if prompt.text is None or out.finish_reason is None or not out.ids_complete:
+        history.forget(conversation)
+        return
+    history.remember(
+        conversation,
+        prompt_ids=prompt.ids,
+        text=prompt.text,
+        output_ids=out.token_ids,
+        output_text=out.text,
+        decode=lambda ids: tok.tokenizer.decode(list(ids), skip_special_tokens=False),
+    )
+
+
+async def _encode_chat(tok: ChatTokenizer, text: str, background: BackgroundTasks) -> list[int]:
+    """Rendered chat text (add_special_tokens=False) through the segment cache when it is on."""
+    if not tok.cached:
+        return await _encode_exact(tok, text, False)
+    parts, missing = tok.pieces(text)
+    if tok.needs_thread(missing):
+        encoded = await asyncio.to_thread(tok.encode_missing, missing)
+    else:
+        encoded = tok.encode_missing(missing)
+    ids = tok.assemble(parts, missing, encoded)
+    if tok.should_verify():
+        background.spawn(_verify(tok, text, ids), "tokenizer.verify")
     return ids
 
 

@@ -4,8 +4,10 @@ engines (kvshuttle.gateway.responses translates decode's answer back).
 The engines only ever see `/v1/completions` with a token-id prompt, so parameters are copied
 by allow-list: a client can never smuggle `kv_transfer_params` (or anything else that steers
 the KV transfer) to an engine. What the gateway cannot honour faithfully through a
-token-id completion (tools, several choices, beam search, chat logprobs, prompt logprobs,
-truncation, echo) is refused with a 400 naming the parameter, not silently changed.
+token-id completion (several choices, beam search, chat logprobs, prompt logprobs,
+truncation, echo) is refused with a 400 naming the parameter, not silently changed. Tools are
+the gateway's: rendered into the prompt by the chat template, forced calls constrained by the
+JSON schema vLLM would use, and decode's output parsed (kvshuttle.gateway.parsing).
 
 `cache_salt` is never forwarded as sent: the engines get the tenant's salt, which folds the
 client's in (kvshuttle.gateway.salts), so a client can partition its own tenant's cache but never
@@ -28,6 +30,7 @@ from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.limits import MAX_ID_LENGTH
 from kvshuttle.core.names import check_id
 from kvshuttle.gateway.errors import GatewayError
+from kvshuttle.gateway.parsing import ToolRequest, parse_tool_request
 from kvshuttle.gateway.salts import client_salt_problem
 from kvshuttle.gateway.tokenizer import RESERVED_TEMPLATE_KWARGS
 
@@ -132,6 +135,10 @@ class TurnRequest:
     stop_strings: bool = False
     # The client's own `cache_salt` (checked as vLLM checks it): folded into the tenant's salt.
     cache_salt: str | None = None
+    # chat: the request's tools and tool_choice; None without tools.
+    tools: ToolRequest | None = None
+    # chat: whether the answer carries the reasoning a reasoning parser split out (vLLM's).
+    include_reasoning: bool = True
     # Body fields the gateway neither uses nor forwards (logged, not refused: OpenAI clients
     # send many that mean nothing to vLLM).
     ignored: list[str] = field(default_factory=list)
@@ -305,20 +312,24 @@ def _check_supported(body: Mapping[str, Any]) -> None:
     _refuse(body, "chat_template", None, "templates are configured per model")
     _refuse(body, "documents", None, "documents are not rendered")
     _refuse(body, "continue_final_message", False, "not implemented")
-    tools = body.get("tools")
-    if tools and body.get("tool_choice") != "none":
-        raise GatewayError.invalid(
-            "'tools' is not supported by the kvshuttle gateway: decode output is not parsed for tool calls",
-            "tools",
-        )
 
 
-def _chat_fields(request: TurnRequest, body: Mapping[str, Any], content_format: str) -> None:
+def _chat_fields(
+    request: TurnRequest, body: Mapping[str, Any], content_format: str, tool_parser: str | None
+) -> None:
     if body.get("logprobs") or body.get("top_logprobs"):
         raise GatewayError.invalid(
             "'logprobs' is not supported for chat by the kvshuttle gateway", "logprobs"
         )
     request.messages = normalize_messages(body.get("messages"), content_format)
+    request.include_reasoning = _bool(body, "include_reasoning", True)
+    request.tools = parse_tool_request(body, tool_parser=tool_parser)
+    if request.tools is not None:
+        extra = request.tools.decode_params()
+        if "structured_outputs" in extra:
+            # As vLLM: a forced call's JSON schema replaces the client's structured output.
+            request.decode_params.pop("response_format", None)
+        request.decode_params.update(extra)
     request.add_generation_prompt = _bool(body, "add_generation_prompt", True)
     request.add_special_tokens = _bool(body, "add_special_tokens", False)
     kwargs = body.get("chat_template_kwargs")
@@ -341,6 +352,7 @@ def parse_request(
     default_max_tokens: int | None,
     content_format: Mapping[str, str],
     conversation_header: str | None = None,
+    tool_parsers: Mapping[str, str | None] | None = None,
 ) -> TurnRequest:
     """Validate a /v1/chat/completions or /v1/completions body. Raises GatewayError (400, 404)."""
     if not isinstance(body, dict):
@@ -394,7 +406,7 @@ def parse_request(
             raise GatewayError.invalid(f"'cache_salt' {problem}", "cache_salt")
         request.cache_salt = salt
     if kind == "chat":
-        _chat_fields(request, body, content_format.get(model, "string"))
+        _chat_fields(request, body, content_format.get(model, "string"), (tool_parsers or {}).get(model))
     else:
         logprobs = body.get("logprobs")
         if logprobs is not None:

@@ -2,8 +2,10 @@
 OpenAI objects made from it (chat.completion, text_completion, and their stream chunks).
 
 Decode always runs a token-id `/v1/completions`; chat clients get its output translated into
-chat.completion(.chunk) objects, completions clients get it as it is, with the gateway's id
-and model name and without `kv_transfer_params` (never shown to a client).
+chat.completion(.chunk) objects (tool calls and reasoning split out of its text by the
+request's OutputParser, kvshuttle.gateway.parsing, where it has one), completions clients get
+it as it is, with the gateway's id and model name and without `kv_transfer_params` (never shown
+to a client).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvshuttle.gateway.parsing import OutputParser
 
 __all__ = [
     "SSE_DONE",
@@ -102,13 +106,19 @@ def chat_completion(
     prompt_ids: list[int],
     token_ids: bool,
     cached_tokens: int | None = None,
+    parser: OutputParser | None = None,
 ) -> dict[str, Any]:
     """A chat.completion from decode's (non-streaming) completion."""
+    message: dict[str, Any]
+    if parser is None:
+        message, finish = {"role": "assistant", "content": out.text}, out.finish_reason
+    else:
+        message, finish = parser.message(out.text, out.token_ids, out.finish_reason)
     choice: dict[str, Any] = {
         "index": 0,
-        "message": {"role": "assistant", "content": out.text},
+        "message": message,
         "logprobs": None,
-        "finish_reason": out.finish_reason,
+        "finish_reason": finish,
         "stop_reason": out.stop_reason,
     }
     response: dict[str, Any] = {
@@ -155,9 +165,11 @@ class ChatStream:
         prompt_ids: list[int],
         token_ids: bool,
         include_usage: bool,
+        parser: OutputParser | None = None,
     ) -> None:
         self._id = response_id
         self._created = created
+        self._parser = parser
         self._model = model
         self._prompt_ids = prompt_ids
         self._token_ids = token_ids
@@ -193,17 +205,25 @@ class ChatStream:
             text = choice.get("text") or ""
             finish = choice.get("finish_reason")
             ids = choice.get("token_ids")
-            if text or finish is not None or (self._token_ids and ids):
-                delta = {
+            deltas: list[dict[str, Any]]
+            if self._parser is None:
+                deltas = [{"content": text}] if text else []
+            else:
+                deltas, finish = self._parser.delta(text, ids or [], finish)
+            if not deltas and (finish is not None or (self._token_ids and ids)):
+                deltas = [{}]
+            for i, body in enumerate(deltas):
+                last = i == len(deltas) - 1
+                delta: dict[str, Any] = {
                     "index": 0,
-                    "delta": {"content": text} if text else {},
+                    "delta": body,
                     "logprobs": None,
-                    "finish_reason": finish,
+                    "finish_reason": finish if last else None,
                 }
-                if finish is not None:
+                if last and finish is not None:
                     delta["stop_reason"] = choice.get("stop_reason")
                 if self._token_ids:
-                    delta["token_ids"] = ids or []
+                    delta["token_ids"] = (ids or []) if i == 0 else []
                 out += sse(self._chunk([delta]))
         elif self._usage and chunk.get("usage"):
             out += sse(self._chunk([], usage=chunk["usage"]))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -210,6 +211,10 @@ class Committer:
         except (FailedPrecondition, NotFound) as err:
             log.warning("commit.not_stored", reason=err.reason, node=node.name)
             return _NOTHING_STORED
+        if self._parts.policy.token_granular_reuse and stored.num_tokens == num_tokens:
+            # The partly filled last block's tokens, for the next plan's token-granular cut.
+            tail = tokens[(num_tokens // bs) * bs : num_tokens]
+            stored = replace(stored, tail_tokens=tuple(int(t) for t in tail))
         self._parts.memory.hints.put(state.conversation, stored)
         return CommitResult(stored.name, stored.expire_at)
 

@@ -28,7 +28,7 @@ def _nbytes(retention: RetentionInfo) -> int:
     hashes = retention.block_hashes
     hash_bytes = hashes.nbytes if isinstance(hashes, np.ndarray) else 8 * len(hashes)
     ids = sum(len(group) for group in block_groups(retention.kv_transfer_params))
-    return int(hash_bytes) + _BLOCK_ID_BYTES * ids + _FIXED_BYTES
+    return int(hash_bytes) + _BLOCK_ID_BYTES * (ids + len(retention.tail_tokens)) + _FIXED_BYTES
 
 
 class RetentionHints:

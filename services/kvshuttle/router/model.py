@@ -78,6 +78,9 @@ class RouterPolicy:
     # A plan waits at most this long for its conversation's commit in flight on this replica.
     commit_wait_s: float = 2.0
     reuse_enabled: bool = True
+    # Cut the verified prefix at its last verified token (the retention's partial last block
+    # included), not at its last full block; where the retention's tail tokens are known.
+    token_granular_reuse: bool = True
     max_prompt_tokens: int = MAX_PROMPT_TOKENS
     # CommitTurn takes prompt plus output: at most max_prompt_tokens + max_output_tokens tokens.
     max_output_tokens: int = MAX_OUTPUT_TOKENS
@@ -130,6 +133,10 @@ class RetentionInfo:
     kv_transfer_params: dict[str, object]
     expire_at: float
     claimed: bool
+    # The retained tokens past its last full block (num_tokens % block_size of them), as this
+    # replica's commit stored them: known only on its hint, () from the registry. They let a
+    # plan verify, and reuse, a partly filled last block token by token.
+    tail_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -295,8 +295,9 @@ class Planner:
             return Verdict(Reason.NO_RETENTION)
         n, cost = int(call.tokens.size), call.cost
         # ctx.block_size is the retention's (see PlanContext), so the chains compare.
-        prefix = verify(ctx.chain, n, retention)
-        reuse_cost = cost.reuse(n, prefix.tokens, ctx.local_hits) if prefix.blocks else None
+        tokens = call.tokens if self._parts.policy.token_granular_reuse else None
+        prefix = verify(ctx.chain, n, retention, prompt=tokens)
+        reuse_cost = cost.reuse(n, prefix.tokens, ctx.local_hits) if prefix.tokens else None
         reason: Reason | None = None
         # Prefill reads from the holder as registered; one the router cannot address is down.
         holder = next((x for x in ctx.nodes if x.name == retention.node and x.healthy), None)
@@ -310,7 +311,7 @@ class Planner:
             reuse_cost.transfer_ms / 1e3 if reuse_cost else 0.0
         ):
             reason = Reason.EXPIRED
-        elif prefix.blocks == 0:
+        elif prefix.tokens == 0:
             reason = Reason.PREFIX_MISMATCH
         elif prefix.tokens - ctx.local_hits < cost.profile.min_reuse_tokens:
             reason = Reason.BELOW_THRESHOLD

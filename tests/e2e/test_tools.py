@@ -1,0 +1,339 @@
+"""Tool calling through the gateway on real vLLM (CPU build, tiny model with a Hermes-style
+template): the gateway's prompt ids for chats with tools equal vLLM's own /tokenize, and an agent
+loop of tool call -> tool result turns reuses decode's KV every turn while each answer equals the
+same request on one vLLM server started with its tool parser (`--tool-call-parser hermes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from deploy.local.launch import VllmPair
+from deploy.local.stack import KvshuttleStack
+
+from kvshuttle.gateway.background import BackgroundTasks
+from kvshuttle.gateway.config import ModelSettings
+from kvshuttle.gateway.prompts import prompt_ids
+from kvshuttle.gateway.protocol import parse_request
+from kvshuttle.gateway.tokenizer import ChatTokenizer
+
+pytestmark = pytest.mark.vllm
+PROFILE = {
+    "model": "m",
+    "kv_bytes_per_token": 1024,
+    "min_reuse_tokens": 64,
+    "prefill": {"fixed_ms": 5.0, "per_token_ms": 0.2},
+    "link": {"bandwidth_gb_s": 2.0, "fixed_ms": 1.0},
+}
+# Strict, with small argument spaces (enums, booleans): vLLM then holds the arguments to the
+# schema, and a random-weight model ends its call quickly instead of filling a free string up
+# to max_tokens.
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "strict": True,
+            "description": "Read one file of the repository — UTF-8, ≤ 1 MiB.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {
+                        "type": "string",
+                        "enum": ["src/cache.py", "src/router.py", "tests/test_cache.py"],
+                    },
+                    "whole": {"type": "boolean"},
+                },
+                "required": ["path", "whole"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "strict": True,
+            "description": "Run the test suite.",
+            "parameters": {
+                "type": "object",
+                "properties": {"suite": {"type": "string", "enum": ["unit", "e2e"]}},
+                "required": ["suite"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+CALL = {
+    "id": "call-1",
+    "type": "function",
+    "function": {"name": "read_file", "arguments": '{"path": "src/cache.py", "whole": true}'},
+}
+
+
+def post(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=180) as response:
+            return json.loads(response.read()), {k.lower(): v for k, v in response.headers.items()}
+    except urllib.error.HTTPError as err:
+        raise AssertionError(f"{url}: {err.code} {err.read()[:800]!r}") from None
+
+
+def post_sse(url: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
+    events: list[dict[str, Any]] = []
+    with urllib.request.urlopen(req, timeout=180) as response:
+        headers = {k.lower(): v for k, v in response.headers.items()}
+        for raw in response:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events, headers
+
+
+# ---- conformance: the gateway's ids are vLLM's ----------------------------------------------
+
+CHATS: dict[str, dict[str, Any]] = {
+    "tools_and_system": {
+        "messages": [
+            {"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Find the bug in the cache — and fix it."},
+        ],
+        "tools": TOOLS,
+    },
+    "tools_without_system": {
+        "messages": [{"role": "user", "content": "run the tests"}],
+        "tools": TOOLS[1:],
+    },
+    "call_and_result": {
+        "messages": [
+            {"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": "Read the cache module."},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call-1", "content": "def get(key):\n    return None\n"},
+        ],
+        "tools": TOOLS,
+    },
+    "content_then_parallel_calls_and_results": {
+        "messages": [
+            {"role": "user", "content": "Look at both."},
+            {
+                "role": "assistant",
+                "content": "Reading both files.",
+                "tool_calls": [
+                    CALL,
+                    {
+                        "id": "call-2",
+                        "type": "function",
+                        "function": {
+                            "name": "read_file",
+                            "arguments": '{"path": "src/router.py", "whole": false}',
+                        },
+                    },
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call-1", "content": "x = 1"},
+            {"role": "tool", "tool_call_id": "call-2", "content": "y = «2»"},
+            {"role": "assistant", "content": "Both read."},
+            {"role": "user", "content": "Now run the unit tests."},
+        ],
+        "tools": TOOLS,
+    },
+    "nested_arguments": {
+        "messages": [
+            {"role": "user", "content": "go"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "c",
+                        "type": "function",
+                        "function": {
+                            "name": "run_tests",
+                            "arguments": json.dumps({"suite": "unit", "env": {"A": [1, 2.5, None, "ü"]}}),
+                        },
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c", "content": "3 passed"},
+        ],
+        "tools": TOOLS,
+    },
+    "history_with_calls_but_no_tools": {
+        "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call-1", "content": "ok"},
+        ],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(vllm_model: Path) -> ChatTokenizer:
+    return ChatTokenizer.load("m", ModelSettings(tokenizer=vllm_model), verify_fraction=0.0)
+
+
+def gateway_ids(tok: ChatTokenizer, chat: dict[str, Any]) -> list[int]:
+    body = {"model": "m", **chat}
+    treq = parse_request(
+        "chat",
+        body,
+        models={"m"},
+        default_max_tokens=None,
+        content_format={"m": "string"},
+        tool_parsers={"m": "hermes"},
+    )
+    return asyncio.run(prompt_ids(tok, treq, max_tokens=100_000, background=BackgroundTasks())).ids
+
+
+@pytest.mark.parametrize("case", sorted(CHATS))
+def test_prompt_ids_of_chats_with_tools_equal_vllm_tokenize(
+    case: str, tokenizer: ChatTokenizer, vllm_pair: VllmPair
+) -> None:
+    chat = CHATS[case]
+    body = {"model": "m", "add_generation_prompt": True, **chat}
+    vllm, _ = post(f"{vllm_pair.decode.url}/tokenize", body)
+    ids = gateway_ids(tokenizer, chat)
+    assert ids == vllm["tokens"]
+    # Twice: the second time the earlier messages' pieces come from the segment cache.
+    assert gateway_ids(tokenizer, chat) == vllm["tokens"]
+
+
+# ---- the agent loop ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stack(vllm_pair: VllmPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvshuttleStack]:
+    s = KvshuttleStack(vllm_pair, work_dir=tmp_path_factory.mktemp("kvshuttle-tools"), profile=PROFILE)
+    s.start()
+    try:
+        yield s
+    finally:
+        codes = s.stop()
+        assert all(code == 0 for code in codes.values()), (codes, s.work_dir)
+
+
+def _calls(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in message.get("tool_calls") or ()
+    ]
+
+
+def _streamed_message(events: list[dict[str, Any]]) -> tuple[dict[str, Any], str | None]:
+    """The message a client assembles from chat.completion.chunk deltas."""
+    content: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
+    finish = None
+    for event in events:
+        for choice in event.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                content.append(delta["content"])
+            for tc in delta.get("tool_calls") or ():
+                call = calls.setdefault(tc["index"], {"id": None, "function": {"name": "", "arguments": ""}})
+                call["id"] = tc.get("id") or call["id"]
+                function = tc.get("function") or {}
+                call["function"]["name"] += function.get("name") or ""
+                call["function"]["arguments"] += function.get("arguments") or ""
+            finish = choice.get("finish_reason") or finish
+    message = {
+        "role": "assistant",
+        "content": "".join(content),
+        "tool_calls": [calls[i] for i in sorted(calls)],
+    }
+    return message, finish
+
+
+def _no_free_whitespace(tok: ChatTokenizer) -> dict[str, float]:
+    """logit_bias against the whitespace-only tokens: JSON allows whitespace anywhere, and a
+    random-weight model left free to choose fills its call with it up to max_tokens. Where the
+    call format needs a newline or a space, the constraint still forces it."""
+    vocab = tok.tokenizer.get_vocab_size()
+    blank = [i for i in range(vocab) if (text := tok.tokenizer.decode([i])) and not text.strip()]
+    assert blank, "the tokenizer has no whitespace tokens?"
+    return {str(i): -100.0 for i in blank}
+
+
+def test_an_agent_loop_reuses_decodes_kv_and_answers_as_vllm_does(
+    stack: KvshuttleStack, vllm_pair: VllmPair, tokenizer: ChatTokenizer
+) -> None:
+    conversation = f"agent-{uuid.uuid4().hex[:8]}"
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent. Call one tool at a time."},
+        {"role": "user", "content": "The cache tests fail after the block-size change; find out why."},
+    ]
+    choices: list[Any] = [
+        {"type": "function", "function": {"name": "read_file"}},
+        "required",
+        {"type": "function", "function": {"name": "run_tests"}},
+        "required",
+        {"type": "function", "function": {"name": "read_file"}},
+    ]
+    no_whitespace = _no_free_whitespace(tokenizer)
+    previous_prompt = 0
+    for turn, tool_choice in enumerate(choices, start=1):
+        body = {
+            "model": "m",
+            "messages": messages,
+            "tools": TOOLS,
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": False,
+            "max_tokens": 96,
+            "temperature": 0,
+            "logit_bias": no_whitespace,
+        }
+        # The reference: one server from scratch (a fresh cache salt) answering as vLLM does with
+        # its tool parser; a streamed turn against a streamed reference.
+        ref_body = {**body, "cache_salt": uuid.uuid4().hex}
+        shuttle_body = {**body, "conversation_id": conversation}
+        chat = "/v1/chat/completions"
+        if turn % 2 == 0:
+            ref_events, _ = post_sse(vllm_pair.decode.url + chat, {**ref_body, "stream": True})
+            ref_message, ref_finish = _streamed_message(ref_events)
+            events, headers = post_sse(stack.gateway_url + chat, {**shuttle_body, "stream": True})
+            message, finish = _streamed_message(events)
+        else:
+            ref = post(vllm_pair.decode.url + chat, ref_body)[0]["choices"][0]
+            ref_message, ref_finish = ref["message"], ref["finish_reason"]
+            answer, headers = post(stack.gateway_url + chat, shuttle_body)
+            message, finish = answer["choices"][0]["message"], answer["choices"][0]["finish_reason"]
+        assert _calls(message) == _calls(ref_message), (turn, message, ref_message)
+        assert len(_calls(message)) == 1, (turn, message)
+        assert (message.get("content") or "") == (ref_message.get("content") or ""), turn
+        assert finish == ref_finish, turn
+        for call in message["tool_calls"]:
+            assert call["id"], call
+        prompt = int(headers["x-kvshuttle-prompt-tokens"])
+        reused = int(headers["x-kvshuttle-reused-tokens"])
+        if turn > 1:
+            # The history up to the previous answer verifies against decode's KV (the answer's
+            # re-rendered call differs from decode's text, so that part is computed again).
+            assert headers["x-kvshuttle-decision"] == "reuse", (turn, headers)
+            assert reused >= previous_prompt - 32, (turn, reused, previous_prompt)
+        previous_prompt = prompt
+        call = message["tool_calls"][0]
+        messages.append(
+            {
+                "role": "assistant",
+                "content": message.get("content") or None,
+                "tool_calls": [{"id": call["id"], "type": "function", "function": call["function"]}],
+            }
+        )
+        messages.append(
+            {"role": "tool", "tool_call_id": call["id"], "content": f"result {turn}: " + "ok " * 40}
+        )
