@@ -3,8 +3,9 @@
 Starts a prefill and a decode vLLM server (CPU build, the `small` model, NixlConnector both
 ways, prefix caching off on prefill as in vLLM's published benchmark), then kvshuttle beside
 them: registry, router, one agent per engine, the gateway. Runs a scripted agent session through
-the gateway's OpenAI chat API (system prompt, tool calls and tool results, growing to several
-thousand tokens over ten turns). Every turn runs twice: through kvshuttle (the conversation's
+the gateway's OpenAI chat API with real tool calls (`tools`, a named `tool_choice` per turn,
+the call parsed from decode's output; tool results sent back as `tool` messages), growing to
+several thousand tokens over ten turns. Every turn runs twice: through kvshuttle (the conversation's
 retained KV reused where it verifies) and with reuse disabled (no conversation: plain P->D, the
 whole prompt recomputed). Prints a per-turn table, writes the run's JSON and a PNG of TTFT
 against context length under .run/demo/, and stops everything it started, also on Ctrl-C.
@@ -30,6 +31,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display here
 import matplotlib.pyplot as plt
+from tokenizers import Tokenizer
 
 from deploy.local.launch import EngineDied, VllmPair, ensure_model
 from deploy.local.stack import KvshuttleStack
@@ -64,35 +66,56 @@ def tool_result(rng: random.Random, turn: int) -> str:
     return "\n".join(lines)
 
 
-def chat(
-    url: str, messages: list[dict[str, str]], conversation: str | None, max_tokens: int
-) -> dict[str, Any]:
-    """One streamed chat turn; returns TTFT (first content byte), the text and kvshuttle's headers."""
-    body: dict[str, Any] = {
-        "model": "m",
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream": True,
+def tool_specs() -> list[dict[str, Any]]:
+    """The agent's tools, OpenAI-style. Strict with small argument spaces (enums): vLLM then
+    holds a call's arguments to the schema, and the demo's random-weight model ends each call
+    in a few dozen tokens."""
+    files = [f"src/module_{i}.py" for i in range(1, 7)] + ["tests/test_cache.py"]
+    params = {
+        "read_file": {"path": {"type": "string", "enum": files}},
+        "run_tests": {"suite": {"type": "string", "enum": ["unit", "e2e", "all"]}},
+        "grep": {"pattern": {"type": "string", "enum": ["block_size", "BLOCK", "evict"]}},
     }
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "description": f"{name.replace('_', ' ')} in the repository",
+                "strict": True,
+                "parameters": {
+                    "type": "object",
+                    "properties": props,
+                    "required": list(props),
+                    "additionalProperties": False,
+                },
+            },
+        }
+        for name, props in params.items()
+    ]
+
+
+def no_free_whitespace(model: Path) -> dict[str, float]:
+    """logit_bias against whitespace-only tokens: JSON allows whitespace anywhere, and a random
+    model left free fills its calls with it. Where the call format needs a space or a newline,
+    the constraint still forces it."""
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    blank = [i for i in range(tok.get_vocab_size()) if (t := tok.decode([i])) and not t.strip()]
+    return {str(i): -100.0 for i in blank}
+
+
+def chat(url: str, body: dict[str, Any], conversation: str | None) -> dict[str, Any]:
+    """One streamed chat turn through the gateway (with `conversation`: kvshuttle's reuse;
+    without: plain P->D, the whole prompt recomputed)."""
+    body = {**body, "temperature": 0, "return_token_ids": True, "stream": True}
     if conversation:
         body["conversation_id"] = conversation
     return streamed(f"{url}/v1/chat/completions", body)
 
 
-def plain_turn(url: str, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
-    """The same token ids as one plain turn (no conversation: plain P->D, the whole prompt
-    recomputed): with exact-token history a conversation's prompt carries decode's generated
-    ids, which re-tokenizing its messages would not give back."""
-    body = {"model": "m", "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, "stream": True}  # fmt: skip
-    return streamed(f"{url}/v1/completions", body)
-
-
 def streamed(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """TTFT (first output byte), the text, prompt and output ids and kvshuttle's headers."""
+    """TTFT (the first chunk: decode's first token), the content, the tool calls, prompt and
+    output ids and kvshuttle's headers."""
     req = urllib.request.Request(
         url,
         data=json.dumps(body).encode(),
@@ -104,6 +127,7 @@ def streamed(url: str, body: dict[str, Any]) -> dict[str, Any]:
     text: list[str] = []
     ids: list[int] = []
     prompt: list[int] = []
+    calls: dict[int, dict[str, Any]] = {}
     try:
         response = urllib.request.urlopen(req, timeout=600)
     except urllib.error.HTTPError as err:
@@ -121,14 +145,24 @@ def streamed(url: str, body: dict[str, Any]) -> dict[str, Any]:
                 raise RuntimeError(event["error"])
             prompt = event.get("prompt_token_ids") or prompt
             for choice in event.get("choices", []):
-                piece = choice.get("delta", {}).get("content") or choice.get("text")
-                prompt = choice.get("prompt_token_ids") or prompt
-                if piece:
-                    ttft = ttft if ttft is not None else time.perf_counter() - start
-                    text.append(piece)
+                ttft = ttft if ttft is not None else time.perf_counter() - start
+                delta = choice.get("delta", {})
+                if delta.get("content"):
+                    text.append(delta["content"])
+                for tc in delta.get("tool_calls") or ():
+                    call = calls.setdefault(tc["index"], {"id": "", "name": "", "arguments": ""})
+                    call["id"] = tc.get("id") or call["id"]
+                    call["name"] += (tc.get("function") or {}).get("name") or ""
+                    call["arguments"] += (tc.get("function") or {}).get("arguments") or ""
                 ids.extend(choice.get("token_ids") or [])
-    return {"ttft_ms": round((ttft or 0.0) * 1e3, 1), "text": "".join(text), "ids": ids,
-            "prompt_ids": prompt, "headers": headers}  # fmt: skip
+    return {
+        "ttft_ms": round((ttft or 0.0) * 1e3, 1),
+        "text": "".join(text),
+        "calls": [calls[i] for i in sorted(calls)],
+        "ids": ids,
+        "prompt_ids": prompt,
+        "headers": headers,
+    }
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> None:
@@ -170,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
             progress=lambda m: print(f"  {m}", flush=True),
         )
         stack.start()
-        rows = session(stack.gateway_url, args)
+        rows = session(stack.gateway_url, model, args)
         report(rows, stamp, pair, stack)
     finally:
         say("stopping everything the demo started")
@@ -182,10 +216,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def session(gateway: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def session(gateway: str, model: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     rng = random.Random(7)
     conversation = f"demo-{int(time.time())}"
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {
             "role": "user",
@@ -193,17 +227,33 @@ def session(gateway: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             "it; run the tests when you are done.",
         },
     ]
+    tools, bias = tool_specs(), no_free_whitespace(model)
     rows: list[dict[str, Any]] = []
     say(f"agent session: {args.turns} turns through the gateway (conversation {conversation})")
     print(
-        f"{'turn':>4} {'context':>8} {'reused':>7}  {'decision':<10} {'reason':<16} "
+        f"{'turn':>4} {'context':>8} {'reused':>7}  {'decision':<10} {'tool call':<34} "
         f"{'TTFT kvshuttle':>15} {'TTFT recompute':>15} {'speedup':>8}  same output",
         flush=True,
     )
     for turn in range(1, args.turns + 1):
-        shuttle = chat(gateway, messages, conversation, args.max_tokens)
-        plain = plain_turn(gateway, shuttle["prompt_ids"], args.max_tokens)
+        # Every turn calls a tool (a named tool_choice: the model is random, so the call is
+        # forced), but the last, which answers in words.
+        last = turn == args.turns
+        name = TOOLS[(turn - 1) % len(TOOLS)]
+        body: dict[str, Any] = {
+            "model": "m",
+            "messages": messages,
+            "tools": tools,
+            "tool_choice": "none" if last else {"type": "function", "function": {"name": name}},
+            "max_tokens": args.max_tokens if last else 64,
+            "logit_bias": bias,
+        }
+        if last:
+            body["ignore_eos"] = True
+        shuttle = chat(gateway, body, conversation)
+        plain = chat(gateway, body, None)
         h = shuttle["headers"]
+        call = shuttle["calls"][0] if shuttle["calls"] else None
         row = {
             "turn": turn,
             "context_tokens": int(h.get("x-kvshuttle-prompt-tokens", 0)),
@@ -211,27 +261,40 @@ def session(gateway: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             "prefill_cached_tokens": int(h.get("x-kvshuttle-prefill-cached-tokens", 0) or 0),
             "decision": h.get("x-kvshuttle-decision", "?"),
             "reason": h.get("x-kvshuttle-reason", "?"),
+            "tool_call": f"{call['name']}({call['arguments']})" if call else None,
             "ttft_kvshuttle_ms": shuttle["ttft_ms"],
             "ttft_recompute_ms": plain["ttft_ms"],
-            "output_identical": shuttle["ids"] == plain["ids"] and shuttle["text"] == plain["text"],
+            # The same prompt ids, the same output ids, the same call: reuse changed nothing.
+            "output_identical": shuttle["prompt_ids"] == plain["prompt_ids"]
+            and shuttle["ids"] == plain["ids"]
+            and [(c["name"], c["arguments"]) for c in shuttle["calls"]]
+            == [(c["name"], c["arguments"]) for c in plain["calls"]],
         }
         rows.append(row)
         speedup = row["ttft_recompute_ms"] / max(row["ttft_kvshuttle_ms"], 1e-3)
+        shown = (row["tool_call"] or "(answer) " + shuttle["text"][:24].replace("\n", " "))[:34]
         print(
             f"{turn:>4} {row['context_tokens']:>8} {row['reused_tokens']:>7}  {row['decision']:<10} "
-            f"{row['reason']:<16} {row['ttft_kvshuttle_ms']:>12.0f} ms {row['ttft_recompute_ms']:>12.0f} ms "
+            f"{shown:<34} {row['ttft_kvshuttle_ms']:>12.0f} ms {row['ttft_recompute_ms']:>12.0f} ms "
             f"{speedup:>7.1f}x  {'yes' if row['output_identical'] else 'NO'}",
             flush=True,
         )
-        tool = TOOLS[turn % len(TOOLS)]
+        if call is None:
+            break
         messages.append(
             {
                 "role": "assistant",
-                "content": shuttle["text"] + f'\n<tool_call>{{"name": "{tool}", "arguments": '
-                f'{{"path": "src/module_{turn}.py"}}}}</tool_call>',
+                "content": shuttle["text"] or None,
+                "tool_calls": [
+                    {
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": call["name"], "arguments": call["arguments"]},
+                    }
+                ],
             }
         )
-        messages.append({"role": "tool", "content": tool_result(rng, turn)})
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": tool_result(rng, turn)})
     return rows
 
 
