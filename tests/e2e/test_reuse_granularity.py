@@ -4,7 +4,9 @@ recompute of the same ids on one server:
 - a chat whose previous answer comes back unchanged is spliced onto decode's generated ids
   (exact-token history), so decode's whole KV verifies and is reused up to its last token;
 - a verified prefix that ends inside a block is cut there: prefill reads that block whole and
-  computes from `remote_num_tokens` on, overwriting the block's unverified slots.
+  computes from `remote_num_tokens` on, overwriting the block's unverified slots;
+- a history that departs from the previous answer inside one of its full blocks (a re-rendered
+  tool call) is cut at the departure too: that block's later slots hold KV of decode's tokens.
 """
 
 from __future__ import annotations
@@ -126,4 +128,27 @@ def test_a_prefix_verified_inside_a_block_is_cut_at_its_last_token(
     assert headers["X-Kvshuttle-Decision"] == "reuse"
     assert int(headers["X-Kvshuttle-Reused-Tokens"]) == cut
     assert int(headers["X-Kvshuttle-Prefill-Cached-Tokens"]) == cut  # prefill read exactly that
+    assert body["choices"][0]["token_ids"] == reference(vllm_pair, prompt, 24)
+
+
+@pytest.mark.parametrize(
+    "at", [1003, 1040, 1056], ids=["prompt-end-block", "mid-full-answer-block", "full-block-start"]
+)
+def test_a_history_departing_inside_a_full_answer_block_is_cut_at_the_departure(
+    stack: KvshuttleStack, vllm_pair: VllmPair, at: int
+) -> None:
+    rng = random.Random(at)
+    first = [rng.randrange(10, 2000) for _ in range(1000)]
+    conv = f"c-{uuid.uuid4().hex[:8]}"
+    url = f"{stack.gateway_url}/v1/completions"
+    body, _ = post(url, {**GREEDY, "prompt": first, "max_tokens": 100, "conversation_id": conv})
+    held = first + body["choices"][0]["token_ids"]  # decode holds KV of held[:-1]: 1099 tokens
+    # Blocks 992..1023, 1024..1055 and 1056..1087 are full, and hold the answer (the first of
+    # them also the prompt's end): one token of the answer edited there, the rest as it was.
+    edit = held[at] + 1 if held[at] < 2000 else held[at] - 1
+    prompt = [*held[:at], edit, *held[at + 1 :], *(rng.randrange(10, 2000) for _ in range(40))]
+    body, headers = post(url, {**GREEDY, "prompt": prompt, "max_tokens": 24, "conversation_id": conv})
+    assert headers["X-Kvshuttle-Decision"] == "reuse"
+    assert int(headers["X-Kvshuttle-Reused-Tokens"]) == at
+    assert int(headers["X-Kvshuttle-Prefill-Cached-Tokens"]) == at  # prefill read exactly that
     assert body["choices"][0]["token_ids"] == reference(vllm_pair, prompt, 24)

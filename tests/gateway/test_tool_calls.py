@@ -217,3 +217,36 @@ def test_a_reasoning_parser_whose_tokens_the_model_lacks_fails_at_start(model_di
     tok = ChatTokenizer.load(MODEL, ModelSettings(tokenizer=model_dir))
     with pytest.raises(ValueError, match="think"):
         check_parsers(None, "deepseek_r1", tok.tokenizer.token_to_id)
+
+
+async def test_a_history_without_its_reasoning_still_reuses_the_prompt_before_it(thinking_dir: Path) -> None:
+    tok = ChatTokenizer.load(MODEL, ModelSettings(tokenizer=thinking_dir))
+    async for c in cluster_fixture(thinking_dir, tok, reasoning_parser="deepseek_r1"):
+        c.decode.answer = "the block moved</think>It is in decode."
+        # Long enough that reading it back beats computing it (the router's min_reuse_tokens).
+        question = [{"role": "user", "content": "where is the cache block of the request " * 150}]
+        body = {"model": MODEL, "messages": question, "conversation_id": "think-1"}
+        status, first = await c.post("/v1/chat/completions", body)
+        assert status == 200, first
+        first_prompt = c.prefill.requests[0].body["prompt"]
+        # Agent SDKs send the answer back without its reasoning: the text decode generated is
+        # not in the history any more, the prompt before it is.
+        messages = [
+            *question,
+            {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "and then?"},
+        ]
+        status, second = await c.post("/v1/chat/completions", {**body, "messages": messages})
+        assert status == 200, second
+        params = c.prefill.requests[1].body["kv_transfer_params"]
+        assert params["do_remote_decode"] is True
+        prompt = c.prefill.requests[1].body["prompt"]
+        reused = params["remote_num_tokens"]
+        assert prompt[:reused] == first_prompt[:reused]
+        # Every token of the first prompt the new one repeats (its last may merge with the
+        # answer's first characters when re-tokenized).
+        common = next(
+            (i for i, (a, b) in enumerate(zip(prompt, first_prompt, strict=False)) if a != b),
+            len(first_prompt),
+        )
+        assert reused == common >= len(first_prompt) - 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 from prometheus_client import CollectorRegistry
 
@@ -75,3 +77,16 @@ def test_the_caches_are_exported_as_metrics() -> None:
     assert sample("kvshuttle_router_cache_entries", cache="hints") == 1
     assert sample("kvshuttle_router_cache_bytes", cache="hints") == hints.nbytes > 0
     assert sample("kvshuttle_router_cache_bytes", cache="chains") == chains.nbytes > 0
+
+
+def test_the_bound_counts_a_retentions_known_tokens() -> None:
+    hints = RetentionHints(1 << 20)
+    hints.put("c1", retention("c1", 1, 100))
+    plain = hints.nbytes
+    known = np.arange(2048, dtype=np.uint32)
+    hints.put("c1", replace(retention("c1", 1, 100), known_from_block=36, known_tokens=known))
+    assert hints.nbytes == plain + known.nbytes
+    # Enough of them and the retention is not kept at all.
+    small = RetentionHints(plain + 1024)
+    small.put("c1", replace(retention("c1", 1, 100), known_tokens=np.arange(512, dtype=np.uint32)))
+    assert small.get("c1") is None and small.nbytes == 0

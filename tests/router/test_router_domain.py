@@ -22,6 +22,7 @@ from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.memory_store import InMemoryStore
 from kvshuttle.registry.registry import Registry
+from kvshuttle.router.committer import MAX_KNOWN_BLOCKS
 from kvshuttle.router.cost import CostModel, LinkModel, ModelProfile, PrefillModel, load_profiles
 from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import (
@@ -36,6 +37,7 @@ from kvshuttle.router.model import (
 )
 from kvshuttle.router.router import Router
 from kvshuttle.router.turns import TurnCodec
+from kvshuttle.router.verify import verify
 
 QWEN = load_profiles(Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "qwen3-32b-h200.toml")[0]
 # A CPU-class model: prefill is dear, moving KV cheap, so reuse wins wherever it is safe.
@@ -209,7 +211,11 @@ def edited(seq: list[int], at: int, *, remove: int = 0, insert: list[int] | None
             lambda s, c: [*s[:-5], 3, 9, 4, *c.tokens(40)],
             len_seq() - 5,
         ),
-        ("reasoning stripped", lambda s, c: edited(s, 1010, remove=40) + c.tokens(30), 1010 // BS * BS),
+        # Departures in the answer's blocks (from the one holding the prompt's end, 992..): cut
+        # at the departure, full blocks or not.
+        ("reasoning stripped", lambda s, c: edited(s, 1010, remove=40) + c.tokens(30), 1010),
+        ("tool call re-rendered", lambda s, c: edited(s, 1001, insert=[7, 7]), 1001),
+        ("answer edited mid-block", lambda s, c: edited(s, 1030, remove=1, insert=[7]), 1030),
         ("history compacted", lambda s, c: c.tokens(300) + s[800:], None),
     ],
 )
@@ -232,6 +238,35 @@ async def test_edited_history_reuses_only_the_verified_prefix(
     blocks = -(-expected_tokens // BS)
     assert len(plan.prefill_kv_transfer_params["remote_block_ids"][0]) == blocks  # type: ignore[index]
     assert prompt[:expected_tokens] == seq[:expected_tokens]
+
+
+async def test_a_hint_keeps_the_tokens_of_the_answers_last_blocks(cluster: Cluster) -> None:
+    router = cluster.router()
+    _, seq = await run_turn(router, cluster, cluster.tokens(200), output=80 * BS + 5)
+    hint = router.hints.get(CONV)
+    assert hint is not None and hint.num_tokens == len(seq)
+    # The answer spans blocks 12..92; the hint keeps the last MAX_KNOWN_BLOCKS of them.
+    first = -(-len(seq) // BS) - MAX_KNOWN_BLOCKS
+    assert first > 200 // BS
+    assert hint.known_from_block == first
+    assert list(hint.known_tokens) == seq[first * BS :]
+    # Its own copy (not a view of the commit's ids): the hint's byte bound counts what it holds.
+    assert hint.known_tokens.base is None and hint.known_tokens.size <= MAX_KNOWN_BLOCKS * BS
+    # A departure in a kept block is cut there; in an earlier one, at its block.
+    for at, expected in [(first * BS + 5, first * BS + 5), (first * BS - 5, (first - 1) * BS)]:
+        prompt = np.array(edited(seq, at, remove=1, insert=[7]), dtype=np.uint32)
+        assert verify(chain_hashes(prompt, BS), prompt.size, hint, prompt=prompt).tokens == expected, at
+
+
+async def test_block_granular_reuse_keeps_no_tokens(cluster: Cluster) -> None:
+    router = cluster.router(token_granular_reuse=False)
+    _, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    hint = router.hints.get(CONV)
+    assert hint is not None and hint.known_tokens.size == 0
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=edited(seq, 1030, remove=1, insert=[7]), conversation=CONV)
+    )
+    assert plan.reusable_tokens == 1030 // BS * BS
 
 
 async def test_a_short_verified_prefix_is_below_the_floor(cluster: Cluster) -> None:

@@ -102,31 +102,82 @@ def test_no_params_name_a_holder_the_router_cannot_address(holder: NodeInfo) -> 
         prefill_params(held, verify(chain_hashes([*TOKENS, 1], BS), len(TOKENS) + 1, held), holder)
 
 
+def known(held: RetentionInfo, num_tokens: int, from_block: int) -> RetentionInfo:
+    """`held` cut to `num_tokens`, its tokens known from block `from_block` on."""
+    return replace(
+        held,
+        num_tokens=num_tokens,
+        block_hashes=held.block_hashes[: num_tokens // BS],
+        known_from_block=from_block,
+        known_tokens=np.array(TOKENS[from_block * BS : num_tokens], dtype=np.uint32),
+    )
+
+
 def test_a_known_tail_verifies_token_by_token() -> None:
-    held = replace(retention([list(range(10))]), num_tokens=6 * BS + 5)
-    held = replace(held, block_hashes=held.block_hashes[:6], tail_tokens=tuple(TOKENS[6 * BS : 6 * BS + 5]))
+    held = known(retention([list(range(10))]), 6 * BS + 5, 6)
     prompt = [*TOKENS[: 6 * BS + 3], 9999, *TOKENS[6 * BS + 4 :]]  # differs at the tail's 4th token
     chain = chain_hashes(prompt, BS)
     arr = np.array(prompt, dtype=np.uint32)
     prefix = verify(chain, len(prompt), held, prompt=arr)
-    assert (prefix.blocks, prefix.tail, prefix.tokens, prefix.read_blocks) == (6, 3, 6 * BS + 3, 7)
+    assert (prefix.blocks, prefix.partial, prefix.tokens, prefix.read_blocks) == (6, 3, 6 * BS + 3, 7)
     params = prefill_params(held, prefix, HOLDER)
     assert (params["remote_num_tokens"], params["remote_block_ids"]) == (6 * BS + 3, [list(range(7))])
-    # Without the prompt's ids (or the tail), only full blocks.
+    # Without the prompt's ids (or the known tokens), only full blocks.
     assert verify(chain, len(prompt), held).tokens == 6 * BS
-    assert verify(chain, len(prompt), replace(held, tail_tokens=()), prompt=arr).tokens == 6 * BS
+    unknown = replace(held, known_tokens=np.zeros(0, dtype=np.uint32))
+    assert verify(chain, len(prompt), unknown, prompt=arr).tokens == 6 * BS
     # Never the prompt's last token: prefill computes at least one.
     short = arr[: 6 * BS + 2]
     assert verify(chain_hashes(short, BS), len(short), held, prompt=short).tokens == 6 * BS + 1
 
 
-def test_a_tail_is_not_read_past_an_earlier_mismatch() -> None:
-    held = replace(retention([list(range(10))]), num_tokens=6 * BS + 5)
-    held = replace(held, block_hashes=held.block_hashes[:6], tail_tokens=tuple(TOKENS[6 * BS : 6 * BS + 5]))
+@pytest.mark.parametrize("at", [4 * BS, 4 * BS + 1, 5 * BS + 7, 6 * BS - 1, 8 * BS + 3])
+def test_a_departure_inside_a_known_full_block_is_cut_at_its_last_equal_token(at: int) -> None:
+    # Known from block 4 (the block holding the turn's prompt end) to the retention's end.
+    held = known(retention([list(range(10))]), 9 * BS + 5, 4)
+    prompt = [*TOKENS[:at], 9999, *TOKENS[at + 1 :]]  # e.g. a re-rendered tool call
+    arr = np.array(prompt, dtype=np.uint32)
+    prefix = verify(chain_hashes(prompt, BS), len(prompt), held, prompt=arr)
+    assert (prefix.blocks, prefix.tokens) == (at // BS, at)
+    assert prefix.read_blocks == at // BS + (1 if at % BS else 0)
+    params = prefill_params(held, prefix, HOLDER)
+    assert params["remote_num_tokens"] == at
+    assert params["remote_block_ids"] == [list(range(prefix.read_blocks))]
+
+
+def test_a_departure_before_the_known_blocks_is_cut_at_its_block() -> None:
+    held = known(retention([list(range(10))]), 9 * BS + 5, 4)
+    prompt = [*TOKENS[: 3 * BS + 5], 9999, *TOKENS[3 * BS + 6 :]]  # in the turn's prompt: unknown
+    prefix = verify(chain_hashes(prompt, BS), len(prompt), held, prompt=np.array(prompt, dtype=np.uint32))
+    assert (prefix.blocks, prefix.partial) == (3, 0)
+
+
+def test_the_cut_is_capped_by_the_block_ids_and_the_prompt() -> None:
+    held = known(retention([list(range(10))]), 9 * BS + 5, 4)
+    prompt = [*TOKENS[: 5 * BS + 7], 9999, *TOKENS[5 * BS + 8 :]]
+    arr = np.array(prompt, dtype=np.uint32)
+    chain = chain_hashes(prompt, BS)
+    # Block 5's id is not in decode's params: nothing of it is read.
+    fewer = replace(held, kv_transfer_params={"remote_block_ids": [list(range(5))]})
+    assert verify(chain, len(prompt), fewer, prompt=arr).tokens == 5 * BS
+    # A prompt ending inside the matching run keeps its last token to compute.
+    short = arr[: 5 * BS + 4]
+    assert verify(chain_hashes(short, BS), len(short), held, prompt=short).tokens == 5 * BS + 3
+
+
+def test_several_kv_cache_groups_stay_block_granular() -> None:
+    held = known(retention([list(range(10)), list(range(20, 30))]), 9 * BS + 5, 4)
+    prompt = [*TOKENS[: 5 * BS + 7], 9999, *TOKENS[5 * BS + 8 :]]
+    prefix = verify(chain_hashes(prompt, BS), len(prompt), held, prompt=np.array(prompt, dtype=np.uint32))
+    assert (prefix.blocks, prefix.partial) == (5, 0)
+
+
+def test_known_tokens_are_not_read_past_an_earlier_mismatch() -> None:
+    held = known(retention([list(range(10))]), 6 * BS + 5, 6)
     prompt = [*TOKENS[: 2 * BS], 9999, *TOKENS[2 * BS + 1 :]]  # an edit in block 2
     prefix = verify(chain_hashes(prompt, BS), len(prompt), held, prompt=np.array(prompt, dtype=np.uint32))
-    assert (prefix.blocks, prefix.tail) == (2, 0)
-    # A tail of the wrong length (not num_tokens % block_size tokens) is ignored.
-    bad = replace(held, tail_tokens=tuple(TOKENS[6 * BS : 6 * BS + 2]))
+    assert (prefix.blocks, prefix.partial) == (2, 0)
+    # Known tokens of the wrong length (not up to num_tokens) are ignored.
+    bad = replace(held, known_tokens=held.known_tokens[:2])
     ok = np.array(TOKENS, dtype=np.uint32)
-    assert verify(chain_hashes(TOKENS, BS), len(TOKENS), bad, prompt=ok).tail == 0
+    assert verify(chain_hashes(TOKENS, BS), len(TOKENS), bad, prompt=ok).partial == 0

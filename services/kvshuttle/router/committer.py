@@ -21,6 +21,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import structlog
 from opentelemetry import trace
 
@@ -37,6 +38,7 @@ from kvshuttle.router.model import (
     Decision,
     NewRetention,
     Reason,
+    RetentionInfo,
     TurnTimings,
 )
 from kvshuttle.router.parts import RouterParts
@@ -48,6 +50,9 @@ from kvshuttle.vllm.block_ids import block_groups
 log = structlog.get_logger("kvshuttle.router")
 
 T = TypeVar("T")
+
+# Blocks of tokens a hint keeps per retention (MAX_KNOWN_BLOCKS * block_size uint32s).
+MAX_KNOWN_BLOCKS = 64
 
 _NOTHING_STORED = CommitResult("", None)
 _REGISTRY_UNAVAILABLE = CommitResult("", None, not_stored="registry_unavailable")
@@ -212,9 +217,7 @@ class Committer:
             log.warning("commit.not_stored", reason=err.reason, node=node.name)
             return _NOTHING_STORED
         if self._parts.policy.token_granular_reuse and stored.num_tokens == num_tokens:
-            # The partly filled last block's tokens, for the next plan's token-granular cut.
-            tail = tokens[(num_tokens // bs) * bs : num_tokens]
-            stored = replace(stored, tail_tokens=tuple(int(t) for t in tail))
+            stored = _with_answer_tokens(stored, tokens, state.prompt_tokens)
         self._parts.memory.hints.put(state.conversation, stored)
         return CommitResult(stored.name, stored.expire_at)
 
@@ -282,6 +285,19 @@ class Committer:
             if err.reason != ErrorReason.REGISTRY_UNAVAILABLE:
                 raise
             log.warning(f"{rpc}.release_failed", reason=err.reason, retention=log_name(state.claimed))
+
+
+def _with_answer_tokens(
+    retention: RetentionInfo, tokens: npt.NDArray[np.uint32], prompt_tokens: int
+) -> RetentionInfo:
+    """The retention with the tokens of its answer's blocks, for the next plan's token-granular
+    cut: from the block holding the prompt's end (the first with generated tokens) to the
+    retention's end, at most MAX_KNOWN_BLOCKS blocks. A longer answer keeps its last blocks:
+    a tool call ends it, and an unchanged history goes on past its last token."""
+    bs, n = retention.block_size, retention.num_tokens
+    first = max(min(prompt_tokens, n) // bs, -(-n // bs) - MAX_KNOWN_BLOCKS)
+    # A copy: a view would keep the whole commit's array alive past the hint's byte bound.
+    return replace(retention, known_from_block=first, known_tokens=tokens[first * bs : n].copy())
 
 
 def _not_stored(err: Unavailable, node: str) -> CommitResult:

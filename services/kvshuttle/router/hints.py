@@ -18,7 +18,7 @@ import numpy as np
 from kvshuttle.router.model import RetentionInfo
 from kvshuttle.vllm.block_ids import block_groups
 
-# A retention's fields, names and dict beyond its hashes and block ids.
+# A retention's fields, names and dict beyond its hashes, block ids and known tokens.
 _FIXED_BYTES = 1024
 # A block id in the params' lists (a Python int and its list slot).
 _BLOCK_ID_BYTES = 36
@@ -28,7 +28,8 @@ def _nbytes(retention: RetentionInfo) -> int:
     hashes = retention.block_hashes
     hash_bytes = hashes.nbytes if isinstance(hashes, np.ndarray) else 8 * len(hashes)
     ids = sum(len(group) for group in block_groups(retention.kv_transfer_params))
-    return int(hash_bytes) + _BLOCK_ID_BYTES * (ids + len(retention.tail_tokens)) + _FIXED_BYTES
+    known = retention.known_tokens.nbytes
+    return int(hash_bytes) + int(known) + _BLOCK_ID_BYTES * ids + _FIXED_BYTES
 
 
 class RetentionHints:

@@ -78,8 +78,8 @@ class RouterPolicy:
     # A plan waits at most this long for its conversation's commit in flight on this replica.
     commit_wait_s: float = 2.0
     reuse_enabled: bool = True
-    # Cut the verified prefix at its last verified token (the retention's partial last block
-    # included), not at its last full block; where the retention's tail tokens are known.
+    # Cut the verified prefix at its last verified token, not at its last full block, where the
+    # retention's tokens there are known (its commit's answer blocks, on this replica's hint).
     token_granular_reuse: bool = True
     max_prompt_tokens: int = MAX_PROMPT_TOKENS
     # CommitTurn takes prompt plus output: at most max_prompt_tokens + max_output_tokens tokens.
@@ -133,10 +133,11 @@ class RetentionInfo:
     kv_transfer_params: dict[str, object]
     expire_at: float
     claimed: bool
-    # The retained tokens past its last full block (num_tokens % block_size of them), as this
-    # replica's commit stored them: known only on its hint, () from the registry. They let a
-    # plan verify, and reuse, a partly filled last block token by token.
-    tail_tokens: tuple[int, ...] = ()
+    # The retained tokens from block known_from_block to num_tokens, as this replica's commit
+    # stored them (the turn's answer blocks): known only on its hint, none from the registry.
+    # They let a plan cut a prefix that departs inside one of those blocks at its last equal token.
+    known_from_block: int = 0
+    known_tokens: npt.NDArray[np.uint32] = field(default_factory=lambda: np.zeros(0, dtype=np.uint32))
 
 
 @dataclass(frozen=True, slots=True)

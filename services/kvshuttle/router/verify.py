@@ -8,14 +8,21 @@ re-rendered chat-template tail) would silently read KV of other tokens. So the r
 hash chains, keeps the full blocks of the longest identical run, and hands prefill params
 truncated to exactly those blocks.
 
-Token granular: when every full block of the retention verified and its tail tokens (those of
-its partly filled last block) are known, the prompt is compared with them token by token, and
-the prefix ends at the last equal token. Prefill then reads that last block whole (its block id
-is in the list, `remote_num_tokens` says where the verified tokens end): vLLM's scheduler sets
-the request's computed tokens to exactly `remote_num_tokens`, prefill computes from there on and
-writes those positions of the block before attention reads them, so the block's unverified
-slots are overwritten, never attended (vLLM 0.32 CPU, nixl pull_scheduler / scheduler;
-tests/e2e/test_reuse_granularity.py compares outputs).
+Token granular: the tokens of a retention's answer blocks (from the block holding its turn's
+prompt end to its end, at most committer.MAX_KNOWN_BLOCKS, kept on the committing replica's
+hint) are known. When the chain verifies the full blocks before block b and b is one of those,
+the prompt is compared with the known tokens from b's start, and the prefix ends at the last
+equal token: an answer re-rendered from a tool call or a reasoning parser departs a token or two
+after the previous prompt, often inside a full block. Prefill then reads block b whole (its
+block id is in the list, `remote_num_tokens` says where the verified tokens end), although its
+slots from the departure on hold KV of the retention's own tokens, or none: vLLM's scheduler
+sets the request's computed tokens to exactly `remote_num_tokens` and caches only the blocks
+full below it, prefill computes from there on and writes those positions of the block, in every
+layer, before attention reads them, so the unverified slots are overwritten, never attended, and
+the block enters prefill's prefix cache only when a step computes its last slots, under the
+prompt's own hash (vLLM 0.32 CPU, nixl pull_scheduler, scheduler._update_waiting_for_remote_kv,
+cache_blocks; tests/e2e/test_reuse_granularity.py compares outputs). Retentions of several
+KV-cache groups (hybrid models) stay block granular.
 
 Where prefill reads from (remote_engine_id, remote_host, remote_port) comes from the node
 registry, the holder node as registered, never from the params a retention stored: KV is read
@@ -40,16 +47,16 @@ class VerifiedPrefix:
     # Full blocks verified, and tokens verified in the block after them (0: none).
     blocks: int
     block_size: int
-    tail: int = 0
+    partial: int = 0
 
     @property
     def tokens(self) -> int:
-        return self.blocks * self.block_size + self.tail
+        return self.blocks * self.block_size + self.partial
 
     @property
     def read_blocks(self) -> int:
         """Blocks prefill reads: the full ones, and the partly verified one."""
-        return self.blocks + (1 if self.tail else 0)
+        return self.blocks + (1 if self.partial else 0)
 
 
 def verify(
@@ -60,8 +67,8 @@ def verify(
     prompt: npt.NDArray[np.uint32] | None = None,
 ) -> VerifiedPrefix:
     """The prefix of the prompt that the retention holds, token for token: full blocks, and with
-    `prompt` (its token ids) the tokens of the retention's partly filled last block that equal
-    the prompt's.
+    `prompt` (its token ids) the leading tokens of the next block that equal the retention's
+    known tokens.
 
     Capped by the retention's token count and by the block ids its params carry, and kept
     below the prompt's length: prefill must compute at least one token to produce logits.
@@ -77,23 +84,24 @@ def verify(
         whole = min(len(g) for g in groups)
         blocks = blocks if blocks == whole == retention.num_tokens // bs else 0
     blocks = max(blocks, 0)
-    tail = 0
+    partial = 0
     if prompt is not None and len(groups) == 1 and len(groups[0]) > blocks:
-        tail = _tail_match(prompt, prompt_tokens, retention, blocks)
-    return VerifiedPrefix(blocks, bs, tail)
+        partial = _known_match(prompt, prompt_tokens, retention, blocks)
+    return VerifiedPrefix(blocks, bs, partial)
 
 
-def _tail_match(
+def _known_match(
     prompt: npt.NDArray[np.uint32], prompt_tokens: int, retention: RetentionInfo, blocks: int
 ) -> int:
-    """Leading tokens of the retention's last, partly filled block that the prompt repeats
-    (0 unless every full block verified and the tail is known)."""
-    bs, tail = retention.block_size, retention.tail_tokens
-    start = blocks * bs
-    if not tail or blocks != retention.num_tokens // bs or len(tail) != retention.num_tokens - start:
+    """Leading tokens of block `blocks` that the prompt and the retention's known tokens share
+    (0 unless that block's tokens are known)."""
+    bs, known = retention.block_size, retention.known_tokens
+    offset = (blocks - retention.known_from_block) * bs
+    if offset < 0 or len(known) != retention.num_tokens - retention.known_from_block * bs:
         return 0
-    n = max(0, min(len(tail), prompt_tokens - 1 - start, int(prompt.size) - start))
-    differ = np.flatnonzero(prompt[start : start + n] != np.asarray(tail[:n], dtype=np.uint32))
+    start = blocks * bs
+    n = max(0, min(bs, len(known) - offset, prompt_tokens - 1 - start, int(prompt.size) - start))
+    differ = np.flatnonzero(prompt[start : start + n] != known[offset : offset + n])
     return int(differ[0]) if differ.size else n
 
 
