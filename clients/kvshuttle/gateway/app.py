@@ -106,7 +106,9 @@ class Gateway:
             check_parsers(m.tool_call_parser, m.reasoning_parser, self.tokenizers[name].tokenizer.token_to_id)
         # Per model in history mode exact_tokens: its conversations' last turns as token ids.
         self._histories = {
-            n: ExactHistory() for n, m in settings.models.items() if m.history == "exact_tokens"
+            n: ExactHistory(settings.history_bytes)
+            for n, m in settings.models.items()
+            if m.history == "exact_tokens"
         }
         self._keys = {_key_digest(key): tenant for key, tenant in settings.tenant_keys().items()}
         key = settings.cache_salt_key

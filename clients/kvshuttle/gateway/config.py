@@ -37,6 +37,7 @@ from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.limits import MAX_PROMPT_TOKENS
 from kvshuttle.core.names import check_id
+from kvshuttle.gateway.history import DEFAULT_HISTORY_BYTES
 from kvshuttle.gateway.parsing import REASONING_PARSERS, TOOL_PARSERS
 from kvshuttle.serving.settings import TelemetrySettings
 
@@ -146,6 +147,9 @@ class GatewaySettings(BaseSettings):
     # Fraction of cached tokenizations re-checked against a full tokenization off the request
     # path; a mismatch turns the cache off for that model and is logged as an error.
     tokenizer_verify_fraction: float = Field(default=0.01, ge=0, le=1)
+    # Exact-token history (models in history mode exact_tokens): bytes of remembered turns per
+    # model (ids, answer text, digests), least recently used conversation out.
+    history_bytes: int = Field(default=DEFAULT_HISTORY_BYTES, ge=0)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
 
     @field_validator("models", mode="before")
