@@ -27,8 +27,14 @@ venv: $(BIN)/.installed
 vllm:
 	bash deploy/vllm/install.sh
 
-$(BIN)/.installed: $(BIN)/python pyproject.toml
+# NIXL for the agent's block pool, as deploy/vllm/install.sh does for vLLM's venv: both wheels
+# --no-deps (else several GB of torch/CUDA); `nixl` is the meta wheel that provides `nixl._api`.
+NIXL_SPECS := nixl-cu12==1.5.1 nixl==1.5.1
+
+$(BIN)/.installed: $(BIN)/python pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps $(NIXL_SPECS)
+	$(BIN)/python -c 'import nixl._api'
 	touch $@
 
 # Python messages, grpc stubs and .pyi stubs, all from grpcio-tools + mypy-protobuf (pinned in

@@ -1,6 +1,7 @@
 """`kvshuttle`: the command line of the kvshuttle control plane.
 
     kvshuttle [--registry ADDR] [--timeout S] [--json] [--tls --ca F --cert F --key F] registry COMMAND ...
+    kvshuttle [...] agent status [--agent ADDR]
 
 Global options may also follow the command (`kvshuttle registry nodes --json`). Exit status:
 0 on success, 1 when an RPC fails (one line `error: ...` on stderr, no traceback), 2 for usage
@@ -21,10 +22,10 @@ from typing import Any, NoReturn, TextIO
 
 import grpc
 
-from kvshuttle.cli import registry_commands
+from kvshuttle.cli import agent_commands, registry_commands
 from kvshuttle.cli.common import Command, UsageError, positive_float
 from kvshuttle.cli.output import Printer
-from kvshuttle.client import ChannelOptions, KvshuttleRpcError, RegistryClient
+from kvshuttle.client import AgentClient, ChannelOptions, KvshuttleRpcError, RegistryClient
 
 __all__ = ["DEFAULT_REGISTRY", "REGISTRY_ENV", "main", "run"]
 
@@ -136,13 +137,18 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     _add_global_options(leaf_options, None)
     groups = parser.add_subparsers(dest="group", metavar="GROUP", required=True)
     registry_commands.add_commands(groups, parents=[leaf_options])
+    agent_commands.add_commands(
+        groups,
+        parents=[leaf_options],
+        agent=environ.get(agent_commands.AGENT_ENV) or agent_commands.DEFAULT_AGENT,
+    )
     return parser
 
 
-def _channel_options(args: argparse.Namespace) -> ChannelOptions:
+def _channel_options(args: argparse.Namespace, target: str) -> ChannelOptions:
     try:
         return ChannelOptions(
-            target=args.registry,
+            target=target,
             default_timeout=args.timeout,
             tls=args.tls,
             root_certificates=args.ca,
@@ -155,18 +161,28 @@ def _channel_options(args: argparse.Namespace) -> ChannelOptions:
         raise UsageError(str(exc)) from exc
 
 
-async def _dispatch(command: Command, args: argparse.Namespace, printer: Printer) -> int:
-    options = _channel_options(args)
-    async with RegistryClient.connect(options) as client:
+def _service(args: argparse.Namespace) -> tuple[str, str]:
+    """The service a command talks to, and its address."""
+    return ("agent", args.agent) if hasattr(args, "agent_command") else ("registry", args.registry)
+
+
+async def _dispatch(args: argparse.Namespace, printer: Printer) -> int:
+    if hasattr(args, "agent_command"):
+        agent_command: agent_commands.AgentCommand = args.agent_command
+        async with AgentClient.connect(_channel_options(args, args.agent)) as agent:
+            return await agent_command(agent, args, printer)
+    command: Command = args.command
+    async with RegistryClient.connect(_channel_options(args, args.registry)) as client:
         return await command(client, args, printer)
 
 
 def _describe_failure(error: KvshuttleRpcError, args: argparse.Namespace) -> str:
     """The line for a failed RPC; transport failures (no ErrorInfo) name the address."""
+    service, address = _service(args)
     if error.reason is None and error.code == grpc.StatusCode.UNAVAILABLE:
-        return f"cannot reach the registry at {args.registry} ({error.code_name})"
+        return f"cannot reach the {service} at {address} ({error.code_name})"
     if error.reason is None and error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return f"the registry at {args.registry} did not answer within {args.timeout}s ({error.code_name})"
+        return f"the {service} at {address} did not answer within {args.timeout}s ({error.code_name})"
     return str(error)
 
 
@@ -194,7 +210,7 @@ def run(
             return exc.status
         printer = Printer(out=out, err=err, json=args.json)
         try:
-            return asyncio.run(_dispatch(args.command, args, printer))
+            return asyncio.run(_dispatch(args, printer))
         except UsageError as exc:
             sub: argparse.ArgumentParser = args.parser
             err.write(f"{sub.format_usage()}{sub.prog}: error: {exc}\n")

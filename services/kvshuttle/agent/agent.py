@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import time
+import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import structlog
 import zmq.asyncio
 
+from kvshuttle.agent.block_pool import BlockPool
 from kvshuttle.agent.config import AgentSettings
 from kvshuttle.agent.engine import EnginePoller
 from kvshuttle.agent.events import EventReceiver, ZmqReplayer
 from kvshuttle.agent.forwarder import EventForwarder
 from kvshuttle.agent.lease import NodeLease
 from kvshuttle.agent.model import AgentStatus, Backoff, EventStreamStats, LiveBatch
+from kvshuttle.agent.nixl_memory import NixlPoolMemory
 from kvshuttle.agent.ports import RegistryPort, ReplayPort
 from kvshuttle.core.nodes import NodeRole, NodeSpec
 from kvshuttle.vllm.kv_events import KvEventDecoder
@@ -114,6 +119,10 @@ class Agent:
                 max_request_bytes=events_cfg.max_report_bytes,
                 backoff=Backoff(lease_cfg.retry_initial, lease_cfg.retry_max),
             )
+        layout = settings.pool_layout()
+        self.pool = BlockPool(layout) if layout is not None else None
+        # Registered with NIXL at start(), released at shutdown().
+        self.pool_memory: NixlPoolMemory | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     async def start(self, *, agent_endpoint: str = "") -> None:
@@ -121,6 +130,13 @@ class Agent:
         if self._tasks:
             raise RuntimeError("the agent is already started")
         self.lease.spec.agent_endpoint = agent_endpoint
+        if self.pool is not None:
+            # A fresh NIXL name per start: peers cache remote agents by name.
+            node = self.lease.spec.name.removeprefix("nodes/")
+            self.pool_memory = NixlPoolMemory(
+                self.pool.layout, agent_name=f"kvshuttle-{node}-{uuid.uuid4().hex[:12]}"
+            )
+            self._spawn("pool.expire", functools.partial(self._expire_pool, self.pool))
         self._spawn("lease", self.lease.run)
         self._spawn("engine", self.poller.run)
         if self.receiver is not None and self.forwarder is not None:
@@ -133,7 +149,14 @@ class Agent:
             events=self.settings.events.endpoint,
             replay=self.settings.events.replay_endpoint,
             agent_endpoint=agent_endpoint,
+            pool_bytes=self.pool.layout.total_bytes if self.pool is not None else 0,
         )
+
+    async def _expire_pool(self, pool: BlockPool) -> None:
+        while True:
+            for allocation in pool.expire(time.monotonic()):
+                log.info("agent.pool.expired", retention=allocation.name, blocks=allocation.blocks)
+            await asyncio.sleep(self.settings.pool.expire_interval)
 
     def _spawn(self, name: str, loop: Callable[[], Coroutine[Any, Any, None]]) -> None:
         self._tasks[name] = asyncio.create_task(self._supervise(name, loop), name=f"agent.{name}")
@@ -161,7 +184,7 @@ class Agent:
     async def shutdown(self) -> None:
         """Stop receiving and polling, forward what is queued (within
         shutdown_flush_timeout), stop heartbeating, deregister. Never raises."""
-        await self._cancel("events.receive", "engine")
+        await self._cancel("events.receive", "engine", "pool.expire")
         forward = self._tasks.pop("events.forward", None)
         if forward is not None and self.forwarder is not None:
             self.forwarder.stop()
@@ -176,6 +199,8 @@ class Agent:
         await self.lease.deregister(deadline_s=self.settings.lease.deregister_timeout)
         if self._owns_context and self._context is not None:
             self._context.destroy(linger=0)
+        if self.pool_memory is not None:
+            self.pool_memory.close()
         log.info("agent.stopped", node=self.lease.spec.name)
 
     def status(self) -> AgentStatus:
@@ -185,4 +210,5 @@ class Agent:
             engine_id=self.settings.node.engine_id,
             engine=self.poller.state,
             events=self.events,
+            pool=self.pool.stats() if self.pool is not None else None,
         )

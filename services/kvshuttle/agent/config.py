@@ -20,6 +20,8 @@ with "__"), e.g. for the decode worker of a P/D pair:
     KVSHUTTLE_AGENT_EVENTS__TOPIC=kv-events
     KVSHUTTLE_AGENT_LEASE__TTL=10
     KVSHUTTLE_AGENT_ENGINE__POLL_INTERVAL=1
+    KVSHUTTLE_AGENT_POOL__SIZE_BYTES=8589934592          (host memory for parked KV; 0: no pool)
+    KVSHUTTLE_AGENT_POOL__REGIONS=128                    (the engine's NIXL regions: one per layer)
 
 vLLM binds its PUB and replay sockets when their endpoints hold `*` (`tcp://*:5557`); the agent
 connects to the same ports on the engine's host.
@@ -32,6 +34,7 @@ from typing import Literal, Self
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvshuttle.agent.block_pool import PoolLayout
 from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.limits import MAX_EVENT_BATCHES
@@ -44,6 +47,7 @@ __all__ = [
     "EventsSettings",
     "LeaseSettings",
     "NodeSettings",
+    "PoolSettings",
 ]
 
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
@@ -146,6 +150,21 @@ class EngineSettings(BaseModel):
     poll_timeout: float = Field(default=1.0, gt=0)
 
 
+class PoolSettings(BaseModel):
+    """The DRAM block pool parked KV lives in: host memory registered with NIXL (UCX)."""
+
+    # Bytes of host memory; 0: no pool (nothing registered with NIXL, nothing parked). Rounded
+    # down to whole slots.
+    size_bytes: int = Field(default=0, ge=0)
+    # The engine's KV layout, which slots mirror so blocks move one for one: vLLM registers one
+    # region per attention layer (block_lens / region_names in its NIXL handshake).
+    regions: int = Field(default=1, gt=0)
+    # Bytes of one block in one region; None: node.block_size * node.kv_bytes_per_token / regions.
+    block_bytes: int | None = Field(default=None, gt=0)
+    # Seconds between expiry sweeps of parked retentions.
+    expire_interval: float = Field(default=1.0, gt=0)
+
+
 class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVSHUTTLE_AGENT_",
@@ -163,8 +182,33 @@ class AgentSettings(BaseSettings):
     lease: LeaseSettings = Field(default_factory=LeaseSettings)
     events: EventsSettings = Field(default_factory=EventsSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    pool: PoolSettings = Field(default_factory=PoolSettings)
     # On shutdown: seconds to forward the batches still queued before deregistering.
     shutdown_flush_timeout: float = Field(default=1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_pool(self) -> Self:
+        self.pool_layout()
+        return self
+
+    def pool_layout(self) -> PoolLayout | None:
+        """The pool's layout, or None without a pool. Raises ValueError when the sizes disagree."""
+        pool = self.pool
+        if pool.size_bytes == 0:
+            return None
+        block_bytes = pool.block_bytes
+        if block_bytes is None:
+            engine_block = self.node.block_size * self.node.kv_bytes_per_token
+            if engine_block % pool.regions:
+                raise ValueError(
+                    f"pool.regions ({pool.regions}) does not divide one engine block "
+                    f"({engine_block} bytes): set pool.block_bytes"
+                )
+            block_bytes = engine_block // pool.regions
+        blocks = pool.size_bytes // (pool.regions * block_bytes)
+        if blocks == 0:
+            raise ValueError(f"pool.size_bytes holds no slot of {pool.regions * block_bytes} bytes")
+        return PoolLayout(regions=pool.regions, blocks=blocks, block_bytes=block_bytes)
 
     def advertised_endpoint(self, port: int | None = None) -> str:
         """The agent endpoint to register: node.agent_endpoint, or the listen address (with the

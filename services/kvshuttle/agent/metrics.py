@@ -8,6 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvshuttle.agent.agent import Agent
+from kvshuttle.agent.block_pool import PoolStats
 
 
 class AgentCollector(Collector):
@@ -96,3 +97,38 @@ class AgentCollector(Collector):
         yield GaugeMetricFamily(
             "kvshuttle_agent_event_queue", "Batches waiting to be forwarded.", value=agent.queue.qsize()
         )
+        if agent.pool is not None:
+            yield from _pool_metrics(agent.pool.stats())
+
+
+def _pool_metrics(pool: PoolStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    yield GaugeMetricFamily(
+        "kvshuttle_agent_pool_capacity_bytes",
+        "Host memory of the block pool, registered with NIXL.",
+        value=pool.capacity_bytes,
+    )
+    blocks = GaugeMetricFamily("kvshuttle_agent_pool_blocks", "Pool slots by state.", labels=["state"])
+    blocks.add_metric(["used"], pool.used_blocks)
+    blocks.add_metric(["free"], pool.free_blocks)
+    yield blocks
+    pool_bytes = GaugeMetricFamily("kvshuttle_agent_pool_bytes", "Pool bytes by state.", labels=["state"])
+    pool_bytes.add_metric(["used"], pool.used_bytes)
+    pool_bytes.add_metric(["free"], pool.free_bytes)
+    yield pool_bytes
+    retentions = GaugeMetricFamily(
+        "kvshuttle_agent_pool_retentions", "Retentions holding pool slots, by state.", labels=["state"]
+    )
+    retentions.add_metric(["filling"], pool.filling_retentions)
+    retentions.add_metric(["parked"], pool.parked_retentions)
+    retentions.add_metric(["claimed"], pool.claimed_retentions)
+    yield retentions
+    yield CounterMetricFamily(
+        "kvshuttle_agent_pool_expired_retentions",
+        "Retentions whose pool slots expiry freed.",
+        value=pool.expired_retentions,
+    )
+    yield CounterMetricFamily(
+        "kvshuttle_agent_pool_failed_allocations",
+        "Allocations refused for want of free slots.",
+        value=pool.failed_allocations,
+    )

@@ -7,6 +7,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvshuttle.agent.block_pool import PoolStats
 from kvshuttle.core.kv_events import EventBatch
 
 __all__ = [
@@ -91,6 +92,7 @@ class AgentStatus:
     engine_id: str
     engine: EngineState
     events: EventStreamStats
+    pool: PoolStats | None = None  # None: the agent has no block pool
 
 
 class Backoff:

@@ -1,7 +1,7 @@
 """AgentService over gRPC: translates the agent's status to protobuf, nothing more.
 
-Only GetStatus is implemented. PullBlocks, ParkRetention and Prefetch (the NIXL moves) wait for
-the block pool: the generated base answers them UNIMPLEMENTED.
+Only GetStatus is implemented (the block pool's accounting included). PullBlocks, ParkRetention
+and Prefetch (the NIXL moves) are not yet: the generated base answers them UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -10,12 +10,32 @@ from collections.abc import Callable
 
 import grpc
 
+from kvshuttle.agent.block_pool import PoolStats
 from kvshuttle.agent.model import AgentStatus
 from kvshuttle.agent.v1 import agent_service_pb2 as pb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as pb_grpc
 from kvshuttle.core.prototime import to_timestamp
 
-__all__ = ["AgentServicer", "add_to_server", "status_to_pb"]
+__all__ = ["AgentServicer", "add_to_server", "pool_to_pb", "status_to_pb"]
+
+
+def pool_to_pb(pool: PoolStats | None) -> pb.PoolStatus:
+    if pool is None:
+        return pb.PoolStatus()
+    return pb.PoolStatus(
+        capacity_bytes=pool.capacity_bytes,
+        used_bytes=pool.used_bytes,
+        parked_retentions=pool.parked_retentions,
+        total_blocks=pool.total_blocks,
+        used_blocks=pool.used_blocks,
+        free_blocks=pool.free_blocks,
+        block_bytes=pool.slot_bytes,
+        regions=pool.regions,
+        claimed_retentions=pool.claimed_retentions,
+        filling_retentions=pool.filling_retentions,
+        expired_retentions=pool.expired_retentions,
+        failed_allocations=pool.failed_allocations,
+    )
 
 
 def status_to_pb(status: AgentStatus) -> pb.GetStatusResponse:
@@ -45,7 +65,7 @@ def status_to_pb(status: AgentStatus) -> pb.GetStatusResponse:
             gaps_filled=events.gaps_filled,
             engine_restarts=events.engine_restarts,
         ),
-        pool=pb.PoolStatus(),  # no block pool yet
+        pool=pool_to_pb(status.pool),
     )
 
 

@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from kvshuttle.vllm.v1 import kv_transfer_params_pb2 as kvshuttle_dot_vllm_dot_v1_dot_kv__transfer__params__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&kvshuttle/agent/v1/agent_service.proto\x12\x12kvshuttle.agent.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a*kvshuttle/vllm/v1/kv_transfer_params.proto\"\x12\n\x10GetStatusRequest\"\xc9\x01\n\x0c\x45ngineStatus\x12\x15\n\rhttp_endpoint\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x18\n\x10waiting_requests\x18\x05 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x06 \x01(\x01\x12\x32\n\x0elast_poll_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xca\x01\n\x11\x45ventStreamStatus\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\x12\x18\n\x10\x62\x61tches_received\x18\x03 \x01(\x04\x12\x19\n\x11\x62\x61tches_forwarded\x18\x04 \x01(\x04\x12\x17\n\x0f\x62\x61tches_dropped\x18\x05 \x01(\x04\x12\x15\n\rgaps_detected\x18\x06 \x01(\x04\x12\x13\n\x0bgaps_filled\x18\x07 \x01(\x04\x12\x17\n\x0f\x65ngine_restarts\x18\x08 \x01(\x04\"S\n\nPoolStatus\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x19\n\x11parked_retentions\x18\x03 \x01(\r\"\xe1\x01\n\x11GetStatusResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x12\n\nregistered\x18\x03 \x01(\x08\x12\x30\n\x06\x65ngine\x18\x04 \x01(\x0b\x32 .kvshuttle.agent.v1.EngineStatus\x12\x35\n\x06\x65vents\x18\x05 \x01(\x0b\x32%.kvshuttle.agent.v1.EventStreamStatus\x12,\n\x04pool\x18\x06 \x01(\x0b\x32\x1e.kvshuttle.agent.v1.PoolStatus\"s\n\x11PullBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x06source\x18\x02 \x01(\x0b\x32#.kvshuttle.vllm.v1.KvTransferParams\x12\x15\n\rnotify_holder\x18\x03 \x01(\x08\"\x85\x01\n\x12PullBlocksResponse\x12\x33\n\x06pooled\x18\x01 \x01(\x0b\x32#.kvshuttle.vllm.v1.KvTransferParams\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12+\n\x08\x64uration\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"e\n\x14ParkRetentionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tretention\x18\x02 \x01(\t\x12&\n\x03ttl\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"j\n\x15ParkRetentionResponse\x12\x11\n\tretention\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12/\n\x0b\x65xpire_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"M\n\x0fPrefetchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tretention\x18\x02 \x01(\t\x12\x13\n\x0btarget_node\x18\x03 \x01(\t\"a\n\x10PrefetchResponse\x12\x11\n\tretention\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12+\n\x08\x64uration\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration2\x82\x03\n\x0c\x41gentService\x12X\n\tGetStatus\x12$.kvshuttle.agent.v1.GetStatusRequest\x1a%.kvshuttle.agent.v1.GetStatusResponse\x12[\n\nPullBlocks\x12%.kvshuttle.agent.v1.PullBlocksRequest\x1a&.kvshuttle.agent.v1.PullBlocksResponse\x12\x64\n\rParkRetention\x12(.kvshuttle.agent.v1.ParkRetentionRequest\x1a).kvshuttle.agent.v1.ParkRetentionResponse\x12U\n\x08Prefetch\x12#.kvshuttle.agent.v1.PrefetchRequest\x1a$.kvshuttle.agent.v1.PrefetchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&kvshuttle/agent/v1/agent_service.proto\x12\x12kvshuttle.agent.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a*kvshuttle/vllm/v1/kv_transfer_params.proto\"\x12\n\x10GetStatusRequest\"\xc9\x01\n\x0c\x45ngineStatus\x12\x15\n\rhttp_endpoint\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x18\n\x10waiting_requests\x18\x05 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x06 \x01(\x01\x12\x32\n\x0elast_poll_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xca\x01\n\x11\x45ventStreamStatus\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x10\n\x08last_seq\x18\x02 \x01(\x04\x12\x18\n\x10\x62\x61tches_received\x18\x03 \x01(\x04\x12\x19\n\x11\x62\x61tches_forwarded\x18\x04 \x01(\x04\x12\x17\n\x0f\x62\x61tches_dropped\x18\x05 \x01(\x04\x12\x15\n\rgaps_detected\x18\x06 \x01(\x04\x12\x13\n\x0bgaps_filled\x18\x07 \x01(\x04\x12\x17\n\x0f\x65ngine_restarts\x18\x08 \x01(\x04\"\xa9\x02\n\nPoolStatus\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x19\n\x11parked_retentions\x18\x03 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x04 \x01(\x04\x12\x13\n\x0bused_blocks\x18\x05 \x01(\x04\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07regions\x18\x08 \x01(\r\x12\x1a\n\x12\x63laimed_retentions\x18\t \x01(\r\x12\x1a\n\x12\x66illing_retentions\x18\n \x01(\r\x12\x1a\n\x12\x65xpired_retentions\x18\x0b \x01(\x04\x12\x1a\n\x12\x66\x61iled_allocations\x18\x0c \x01(\x04\"\xe1\x01\n\x11GetStatusResponse\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x12\n\nregistered\x18\x03 \x01(\x08\x12\x30\n\x06\x65ngine\x18\x04 \x01(\x0b\x32 .kvshuttle.agent.v1.EngineStatus\x12\x35\n\x06\x65vents\x18\x05 \x01(\x0b\x32%.kvshuttle.agent.v1.EventStreamStatus\x12,\n\x04pool\x18\x06 \x01(\x0b\x32\x1e.kvshuttle.agent.v1.PoolStatus\"s\n\x11PullBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x06source\x18\x02 \x01(\x0b\x32#.kvshuttle.vllm.v1.KvTransferParams\x12\x15\n\rnotify_holder\x18\x03 \x01(\x08\"\x85\x01\n\x12PullBlocksResponse\x12\x33\n\x06pooled\x18\x01 \x01(\x0b\x32#.kvshuttle.vllm.v1.KvTransferParams\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12+\n\x08\x64uration\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"e\n\x14ParkRetentionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tretention\x18\x02 \x01(\t\x12&\n\x03ttl\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"j\n\x15ParkRetentionResponse\x12\x11\n\tretention\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12/\n\x0b\x65xpire_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"M\n\x0fPrefetchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tretention\x18\x02 \x01(\t\x12\x13\n\x0btarget_node\x18\x03 \x01(\t\"a\n\x10PrefetchResponse\x12\x11\n\tretention\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12+\n\x08\x64uration\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration2\x82\x03\n\x0c\x41gentService\x12X\n\tGetStatus\x12$.kvshuttle.agent.v1.GetStatusRequest\x1a%.kvshuttle.agent.v1.GetStatusResponse\x12[\n\nPullBlocks\x12%.kvshuttle.agent.v1.PullBlocksRequest\x1a&.kvshuttle.agent.v1.PullBlocksResponse\x12\x64\n\rParkRetention\x12(.kvshuttle.agent.v1.ParkRetentionRequest\x1a).kvshuttle.agent.v1.ParkRetentionResponse\x12U\n\x08Prefetch\x12#.kvshuttle.agent.v1.PrefetchRequest\x1a$.kvshuttle.agent.v1.PrefetchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,22 +40,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINESTATUS']._serialized_end=393
   _globals['_EVENTSTREAMSTATUS']._serialized_start=396
   _globals['_EVENTSTREAMSTATUS']._serialized_end=598
-  _globals['_POOLSTATUS']._serialized_start=600
-  _globals['_POOLSTATUS']._serialized_end=683
-  _globals['_GETSTATUSRESPONSE']._serialized_start=686
-  _globals['_GETSTATUSRESPONSE']._serialized_end=911
-  _globals['_PULLBLOCKSREQUEST']._serialized_start=913
-  _globals['_PULLBLOCKSREQUEST']._serialized_end=1028
-  _globals['_PULLBLOCKSRESPONSE']._serialized_start=1031
-  _globals['_PULLBLOCKSRESPONSE']._serialized_end=1164
-  _globals['_PARKRETENTIONREQUEST']._serialized_start=1166
-  _globals['_PARKRETENTIONREQUEST']._serialized_end=1267
-  _globals['_PARKRETENTIONRESPONSE']._serialized_start=1269
-  _globals['_PARKRETENTIONRESPONSE']._serialized_end=1375
-  _globals['_PREFETCHREQUEST']._serialized_start=1377
-  _globals['_PREFETCHREQUEST']._serialized_end=1454
-  _globals['_PREFETCHRESPONSE']._serialized_start=1456
-  _globals['_PREFETCHRESPONSE']._serialized_end=1553
-  _globals['_AGENTSERVICE']._serialized_start=1556
-  _globals['_AGENTSERVICE']._serialized_end=1942
+  _globals['_POOLSTATUS']._serialized_start=601
+  _globals['_POOLSTATUS']._serialized_end=898
+  _globals['_GETSTATUSRESPONSE']._serialized_start=901
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1126
+  _globals['_PULLBLOCKSREQUEST']._serialized_start=1128
+  _globals['_PULLBLOCKSREQUEST']._serialized_end=1243
+  _globals['_PULLBLOCKSRESPONSE']._serialized_start=1246
+  _globals['_PULLBLOCKSRESPONSE']._serialized_end=1379
+  _globals['_PARKRETENTIONREQUEST']._serialized_start=1381
+  _globals['_PARKRETENTIONREQUEST']._serialized_end=1482
+  _globals['_PARKRETENTIONRESPONSE']._serialized_start=1484
+  _globals['_PARKRETENTIONRESPONSE']._serialized_end=1590
+  _globals['_PREFETCHREQUEST']._serialized_start=1592
+  _globals['_PREFETCHREQUEST']._serialized_end=1669
+  _globals['_PREFETCHRESPONSE']._serialized_start=1671
+  _globals['_PREFETCHRESPONSE']._serialized_end=1768
+  _globals['_AGENTSERVICE']._serialized_start=1771
+  _globals['_AGENTSERVICE']._serialized_end=2157
 # @@protoc_insertion_point(module_scope)

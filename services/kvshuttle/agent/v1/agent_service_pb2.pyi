@@ -122,26 +122,68 @@ Global___EventStreamStatus: _TypeAlias = EventStreamStatus  # noqa: Y015
 
 @_typing.final
 class PoolStatus(_message.Message):
-    """PoolStatus is the agent's DRAM block pool."""
+    """PoolStatus is the agent's DRAM block pool: host memory registered with NIXL, cut into slots
+    of one engine block each (every region, i.e. layer, of it). All zero when the agent has no pool.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
     USED_BYTES_FIELD_NUMBER: _builtins.int
     PARKED_RETENTIONS_FIELD_NUMBER: _builtins.int
+    TOTAL_BLOCKS_FIELD_NUMBER: _builtins.int
+    USED_BLOCKS_FIELD_NUMBER: _builtins.int
+    FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    BLOCK_BYTES_FIELD_NUMBER: _builtins.int
+    REGIONS_FIELD_NUMBER: _builtins.int
+    CLAIMED_RETENTIONS_FIELD_NUMBER: _builtins.int
+    FILLING_RETENTIONS_FIELD_NUMBER: _builtins.int
+    EXPIRED_RETENTIONS_FIELD_NUMBER: _builtins.int
+    FAILED_ALLOCATIONS_FIELD_NUMBER: _builtins.int
     capacity_bytes: _builtins.int
+    """total_blocks * block_bytes."""
     used_bytes: _builtins.int
+    """used_blocks * block_bytes."""
     parked_retentions: _builtins.int
+    """Retentions whose KV is sealed in the pool and waits for a reader (not claimed)."""
+    total_blocks: _builtins.int
+    used_blocks: _builtins.int
+    """Slots that retentions hold, in any state; a held slot is never handed out again until
+    its retention is released or expires.
+    """
+    free_blocks: _builtins.int
+    block_bytes: _builtins.int
+    """Bytes of one slot: regions * bytes of one block in one region."""
+    regions: _builtins.int
+    """The engine's KV layout the slots mirror: one region per attention layer."""
+    claimed_retentions: _builtins.int
+    """Retentions a reader claimed: pinned against expiry until released."""
+    filling_retentions: _builtins.int
+    """Retentions whose slots are still being written (a park in progress)."""
+    expired_retentions: _builtins.int
+    """Since the agent started: retentions freed by expiry, and allocations refused for want of
+    free slots.
+    """
+    failed_allocations: _builtins.int
     def __init__(
         self,
         *,
         capacity_bytes: _builtins.int = ...,
         used_bytes: _builtins.int = ...,
         parked_retentions: _builtins.int = ...,
+        total_blocks: _builtins.int = ...,
+        used_blocks: _builtins.int = ...,
+        free_blocks: _builtins.int = ...,
+        block_bytes: _builtins.int = ...,
+        regions: _builtins.int = ...,
+        claimed_retentions: _builtins.int = ...,
+        filling_retentions: _builtins.int = ...,
+        expired_retentions: _builtins.int = ...,
+        failed_allocations: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "parked_retentions", b"parked_retentions", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "capacity_bytes", b"capacity_bytes", "claimed_retentions", b"claimed_retentions", "expired_retentions", b"expired_retentions", "failed_allocations", b"failed_allocations", "filling_retentions", b"filling_retentions", "free_blocks", b"free_blocks", "parked_retentions", b"parked_retentions", "regions", b"regions", "total_blocks", b"total_blocks", "used_blocks", b"used_blocks", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -37,8 +37,8 @@ class AgentServiceStub:
     TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
     NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
     MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
-    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool
-    lands.
+    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's NIXL moves
+    land (its block pool is there: GetStatus reports it).
     """
 
     def __init__(self, channel):
@@ -81,8 +81,8 @@ class AgentServiceServicer:
     TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
     NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
     MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
-    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool
-    lands.
+    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's NIXL moves
+    land (its block pool is there: GetStatus reports it).
     """
 
     def GetStatus(self, request, context):
@@ -160,8 +160,8 @@ class AgentService:
     TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
     NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
     MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
-    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool
-    lands.
+    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's NIXL moves
+    land (its block pool is there: GetStatus reports it).
     """
 
     @staticmethod

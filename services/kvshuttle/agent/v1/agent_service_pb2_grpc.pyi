@@ -38,8 +38,8 @@ class AgentServiceStub:
       TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
       NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
       MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
-    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool
-    lands.
+    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's NIXL moves
+    land (its block pool is there: GetStatus reports it).
     """
 
     @_typing.overload
@@ -75,8 +75,8 @@ class AgentServiceAsyncStub(AgentServiceStub):
       TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
       NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
       MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
-    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool
-    lands.
+    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's NIXL moves
+    land (its block pool is there: GetStatus reports it).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -108,8 +108,8 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
       TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
       NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
       MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
-    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's block pool
-    lands.
+    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's NIXL moves
+    land (its block pool is there: GetStatus reports it).
     """
 
     @_abc_1.abstractmethod

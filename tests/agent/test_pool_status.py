@@ -1,0 +1,111 @@
+"""The block pool as users see it: settings, GetStatus, metrics and `kvshuttle agent status`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from prometheus_client import generate_latest
+from pydantic import ValidationError
+from tests.agent.helpers import AgentEnv, FakeEngineHttp, agent_settings, eventually, start_agent
+from tests.client.cli_runner import arun_cli
+from tests.conftest import RegistryEnv
+
+from kvshuttle.agent.block_pool import PoolLayout
+from kvshuttle.agent.config import AgentSettings, PoolSettings
+
+MIB = 1024 * 1024
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[FakeEngineHttp]:
+    server = FakeEngineHttp()
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def pooled(registry_env: RegistryEnv, engine: FakeEngineHttp) -> AsyncIterator[AgentEnv]:
+    settings = agent_settings(registry_env.address, engine.url)
+    # The fixture's engine block: 32 tokens x 4096 bytes = 128 KiB, in 4 regions of 32 KiB.
+    settings = AgentSettings.model_validate(
+        {**settings.model_dump(), "pool": {"size_bytes": MIB + 1, "regions": 4, "expire_interval": 0.05}}
+    )
+    env = await start_agent(settings)
+    yield env
+    await env.stop()
+
+
+def test_pool_layout_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {
+        "NODE__NAME": "decode-0",
+        "NODE__ROLE": "decode",
+        "NODE__ENGINE_ID": "e",
+        "NODE__HTTP_ENDPOINT": "http://127.0.0.1:8000",
+        "NODE__MODEL": "m",
+        "NODE__BLOCK_SIZE": "16",
+        "NODE__KV_BYTES_PER_TOKEN": "1024",
+    }.items():
+        monkeypatch.setenv(f"KVSHUTTLE_AGENT_{key}", value)
+    assert AgentSettings().pool_layout() is None  # type: ignore[call-arg]  # off by default
+    monkeypatch.setenv("KVSHUTTLE_AGENT_POOL__SIZE_BYTES", str(4 * MIB))
+    monkeypatch.setenv("KVSHUTTLE_AGENT_POOL__REGIONS", "8")
+    layout = AgentSettings().pool_layout()  # type: ignore[call-arg]
+    assert layout == PoolLayout(regions=8, blocks=256, block_bytes=2048)
+    monkeypatch.setenv("KVSHUTTLE_AGENT_POOL__REGIONS", "3")  # 16 KiB blocks do not split in 3
+    with pytest.raises(ValidationError, match=r"set pool\.block_bytes"):
+        AgentSettings()  # type: ignore[call-arg]
+    monkeypatch.setenv("KVSHUTTLE_AGENT_POOL__BLOCK_BYTES", "4096")
+    assert AgentSettings().pool_layout() == PoolLayout(3, 341, 4096)  # type: ignore[call-arg]
+    monkeypatch.setenv("KVSHUTTLE_AGENT_POOL__SIZE_BYTES", "100")
+    with pytest.raises(ValidationError, match="holds no slot"):
+        AgentSettings()  # type: ignore[call-arg]
+    assert PoolSettings().size_bytes == 0
+
+
+async def test_status_metrics_and_cli_report_the_pool(pooled: AgentEnv) -> None:
+    pool = pooled.agent.pool
+    assert pool is not None and pooled.agent.pool_memory is not None
+    assert pooled.agent.pool_memory.base_address % 4096 == 0
+    pool.allocate("tenants/t/conversations/c/retentions/1", 3, expire_at=1e18)
+    pool.seal("tenants/t/conversations/c/retentions/1")
+    pool.allocate("tenants/t/conversations/c/retentions/2", 1, expire_at=1e18)
+
+    status = (await pooled.client.get_status()).pool
+    assert (status.capacity_bytes, status.total_blocks, status.block_bytes, status.regions) == (
+        MIB,
+        8,
+        128 * 1024,
+        4,
+    )
+    assert (status.used_blocks, status.free_blocks, status.used_bytes) == (4, 4, 4 * 128 * 1024)
+    assert (status.parked_retentions, status.filling_retentions, status.claimed_retentions) == (1, 1, 0)
+
+    text = generate_latest(pooled.metrics).decode()
+    assert "kvshuttle_agent_pool_capacity_bytes 1.048576e+06" in text
+    assert 'kvshuttle_agent_pool_blocks{state="used"} 4.0' in text
+    assert 'kvshuttle_agent_pool_blocks{state="free"} 4.0' in text
+    assert 'kvshuttle_agent_pool_retentions{state="parked"} 1.0' in text
+
+    result = await arun_cli(["agent", "status", "--agent", pooled.address])
+    assert result.exit_code == 0, result.stderr
+    assert "1.0 MiB in 8 blocks" in result.stdout
+    assert "4 blocks, 512.0 KiB" in result.stdout
+    assert "1 parked, 0 claimed, 1 filling" in result.stdout
+    doc = (await arun_cli(["agent", "status", "--agent", pooled.address, "--json"])).json()
+    assert (doc["pool"]["used_blocks"], doc["pool"]["parked_retentions"]) == ("4", 1)
+
+
+async def test_expiry_runs_on_a_timer(pooled: AgentEnv) -> None:
+    pool = pooled.agent.pool
+    assert pool is not None
+    pool.allocate("tenants/t/conversations/c/retentions/1", 2, expire_at=0.0)
+    await eventually(lambda: pool.stats().expired_retentions == 1, what="the expiry sweep")
+    assert (pool.stats().used_blocks, pool.stats().expired_retentions) == (0, 1)
+
+
+async def test_cli_names_an_unreachable_agent() -> None:
+    result = await arun_cli(["agent", "status", "--agent", "127.0.0.1:1", "--timeout", "0.5"])
+    assert result.exit_code == 1
+    assert "the agent at 127.0.0.1:1" in result.stderr
