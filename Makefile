@@ -85,6 +85,7 @@ bench: venv
 	$(BIN)/python bench/registry_memory.py
 	$(BIN)/python bench/router_bench.py
 	$(BIN)/python bench/gateway_added_latency.py
+	$(BIN)/python -m bench.nixl_read
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

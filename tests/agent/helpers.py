@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import inspect
 import socket
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from tests.conftest import RegistryEnv
 from tests.fixtures_vllm import FIXTURE_TOPIC, live_batches
 
 from kvshuttle.agent.agent import Agent
+from kvshuttle.agent.block_pool import PoolLayout
 from kvshuttle.agent.config import (
     AgentSettings,
     EngineSettings,
@@ -45,6 +47,13 @@ from kvshuttle.registry.v1 import registry_service_pb2_grpc as rpb_grpc
 from kvshuttle.serving.server import GrpcServer
 from kvshuttle.serving.settings import ServerSettings
 from kvshuttle.vllm.kv_events import END_OF_REPLAY, decode_seq, encode_message
+from kvshuttle.vllm.nixl_wire import (
+    NixlAgentMetadata,
+    NixlHandshakePayload,
+    encode_agent_metadata,
+    encode_handshake_payload,
+    encode_handshake_reply,
+)
 
 NODE = "nodes/agent-0"
 BLOCK_SIZE = 32  # the fixture's engine ran with --block-size 32
@@ -356,3 +365,62 @@ def expected_view(batches: Sequence[EventBatch]) -> tuple[int, list[list[tuple[s
     index = BlockIndex(10_000)
     index.apply(NODE, batches)
     return index_view(index)
+
+
+# -- the engine's NIXL side channel ---------------------------------------------------------------
+
+
+def engine_metadata(
+    layout: PoolLayout, *, engine_id: str = "engine-a", agent_metadata: bytes = b"", base: int = 1 << 32
+) -> NixlAgentMetadata:
+    """What vLLM's CPU build advertises for a KV cache shaped like `layout` at `base` (one region
+    per layer, blocks of `layout.block_bytes` back to back, LBHNC, DRAM)."""
+    return NixlAgentMetadata(
+        engine_id=engine_id,
+        agent_metadata=agent_metadata,
+        kv_caches_base_addr=tuple(base + r * layout.region_bytes for r in range(layout.regions)),
+        device_id=0,
+        num_blocks=layout.blocks,
+        block_lens=(layout.block_bytes,) * layout.regions,
+        block_strides=(layout.block_bytes,) * layout.regions,
+        kv_cache_layout="LBHNC",
+        block_size=BLOCK_SIZE,
+        ssm_sizes=(0, 0),
+        attn_backend_name="CPU_ATTN",
+        physical_blocks_per_logical_kv_block=1,
+        region_num_blocks=(layout.blocks,) * layout.regions,
+        region_group_ids=(0,) * layout.regions,
+        region_names=tuple(f"model.layers.{r}.self_attn.attn" for r in range(layout.regions)),
+        region_mem_types=("DRAM",) * layout.regions,
+    )
+
+
+class FakeSideChannel:
+    """vLLM's handshake listener (a ZMQ ROUTER) answering with `metadata`, or silent while
+    `metadata` is None."""
+
+    def __init__(self, context: zmq.asyncio.Context, metadata: NixlAgentMetadata | None) -> None:
+        self.metadata = metadata
+        self.requests = 0
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self._task = asyncio.create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            identity, _, _request = await self.socket.recv_multipart()
+            self.requests += 1
+            if self.metadata is not None:
+                payload = encode_handshake_payload(
+                    NixlHandshakePayload("ab" * 32, encode_agent_metadata(self.metadata))
+                )
+                await self.socket.send_multipart(
+                    [identity, b"", *encode_handshake_reply(payload, time.perf_counter())]
+                )
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.socket.close(linger=0)

@@ -1,18 +1,37 @@
-"""The block pool as users see it: settings, GetStatus, metrics and `kvshuttle agent status`."""
+"""The block pool as users see it: settings, the engine check at start, GetStatus, metrics and
+`kvshuttle agent status`."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
+import re
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
+import zmq.asyncio
 from prometheus_client import generate_latest
 from pydantic import ValidationError
-from tests.agent.helpers import AgentEnv, FakeEngineHttp, agent_settings, eventually, start_agent
+from tests.agent.helpers import (
+    AgentEnv,
+    FakeEngineHttp,
+    FakeSideChannel,
+    agent_settings,
+    engine_metadata,
+    eventually,
+    start_agent,
+)
 from tests.client.cli_runner import arun_cli
 from tests.conftest import RegistryEnv
 
+from kvshuttle.agent.agent import Agent
 from kvshuttle.agent.block_pool import PoolLayout
 from kvshuttle.agent.config import AgentSettings, PoolSettings
+from kvshuttle.agent.main import connect_registry
+from kvshuttle.agent.registry_port import GrpcRegistryPort
+from kvshuttle.core.errors import FailedPrecondition
 
 MIB = 1024 * 1024
 
@@ -26,13 +45,26 @@ async def engine() -> AsyncIterator[FakeEngineHttp]:
 
 
 @pytest.fixture
-async def pooled(registry_env: RegistryEnv, engine: FakeEngineHttp) -> AsyncIterator[AgentEnv]:
-    settings = agent_settings(registry_env.address, engine.url)
+async def side_channel() -> AsyncIterator[FakeSideChannel]:
     # The fixture's engine block: 32 tokens x 4096 bytes = 128 KiB, in 4 regions of 32 KiB.
-    settings = AgentSettings.model_validate(
-        {**settings.model_dump(), "pool": {"size_bytes": MIB + 1, "regions": 4, "expire_interval": 0.05}}
+    channel = FakeSideChannel(zmq.asyncio.Context.instance(), engine_metadata(PoolLayout(4, 64, 32 * 1024)))
+    yield channel
+    await channel.close()
+
+
+def pooled_settings(registry_address: str, engine_url: str, side_channel_port: int) -> AgentSettings:
+    settings = agent_settings(registry_address, engine_url).model_dump()
+    settings["node"]["side_channel_port"] = side_channel_port
+    return AgentSettings.model_validate(
+        {**settings, "pool": {"size_bytes": MIB + 1, "regions": 4, "expire_interval": 0.05}}
     )
-    env = await start_agent(settings)
+
+
+@pytest.fixture
+async def pooled(
+    registry_env: RegistryEnv, engine: FakeEngineHttp, side_channel: FakeSideChannel
+) -> AsyncIterator[AgentEnv]:
+    env = await start_agent(pooled_settings(registry_env.address, engine.url, side_channel.port))
     yield env
     await env.stop()
 
@@ -109,3 +141,64 @@ async def test_cli_names_an_unreachable_agent() -> None:
     result = await arun_cli(["agent", "status", "--agent", "127.0.0.1:1", "--timeout", "0.5"])
     assert result.exit_code == 1
     assert "the agent at 127.0.0.1:1" in result.stderr
+
+
+@contextlib.asynccontextmanager
+async def started(settings: AgentSettings) -> AsyncIterator[Agent]:
+    """An agent past start() (which raises what start raised), shut down after."""
+    client = connect_registry(settings)
+    agent = Agent(settings, GrpcRegistryPort(client))
+    try:
+        await agent.start()
+        yield agent
+    finally:
+        await agent.shutdown()
+        await client.close()
+
+
+async def test_the_agent_waits_for_an_engine_that_does_not_answer_yet(
+    registry_env: RegistryEnv, engine: FakeEngineHttp, side_channel: FakeSideChannel
+) -> None:
+    answer, side_channel.metadata = side_channel.metadata, None  # still starting
+    settings = pooled_settings(registry_env.address, engine.url, side_channel.port)
+    settings.engine.poll_timeout = 0.1
+    ready = asyncio.Event()
+
+    async def run() -> None:
+        async with started(settings) as agent:
+            assert agent.engine_nixl is not None and agent.engine_nixl.metadata.engine_id == "engine-a"
+            assert agent.parker is not None and agent.pool_memory is not None
+            ready.set()
+
+    start = asyncio.create_task(run())
+    await eventually(lambda: side_channel.requests >= 3, what="handshake retries")
+    assert not start.done()
+    side_channel.metadata = answer
+    await asyncio.wait_for(start, 10)
+    assert ready.is_set()
+
+
+@pytest.mark.parametrize(
+    ("engine_side", "refused"),
+    [
+        ({"engine_id": "engine-b"}, "engine_id: expected engine-a, got engine-b"),
+        ({"block_size": 16}, "block_size: expected 32, got 16"),
+        ({"kv_cache_layout": "NHD"}, "kv_cache_layout"),
+        ({"layout": PoolLayout(2, 64, 64 * 1024)}, "2 KV regions, the pool 4: set pool.regions"),
+        ({"layout": PoolLayout(4, 64, 16 * 1024)}, "16384 bytes in a region, the pool's 32768"),
+    ],
+)
+async def test_the_agent_refuses_an_engine_it_cannot_read(
+    registry_env: RegistryEnv,
+    engine: FakeEngineHttp,
+    side_channel: FakeSideChannel,
+    engine_side: dict[str, Any],
+    refused: str,
+) -> None:
+    layout = engine_side.pop("layout", PoolLayout(4, 64, 32 * 1024))
+    side_channel.metadata = dataclasses.replace(engine_metadata(layout), **engine_side)
+    settings = pooled_settings(registry_env.address, engine.url, side_channel.port)
+    with pytest.raises(FailedPrecondition, match=re.escape(refused)):
+        async with started(settings):
+            pass
+    assert side_channel.requests == 1  # refused at once, not retried

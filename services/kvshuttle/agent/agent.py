@@ -3,6 +3,9 @@ on one event loop, and the status GetStatus reports. No grpc here: the registry 
 
 Every loop is supervised: an unexpected exception is logged and the loop restarts after a
 pause, so a bug in one part never takes the sidecar (and the node's lease) down with it.
+
+With a block pool, `start()` first checks the engine over its NIXL side channel: it waits (with
+backoff) for an engine that does not answer yet, and raises for one it cannot read from.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.metadata
 import time
 import uuid
 from collections.abc import Callable, Coroutine
@@ -26,9 +30,13 @@ from kvshuttle.agent.forwarder import EventForwarder
 from kvshuttle.agent.lease import NodeLease
 from kvshuttle.agent.model import AgentStatus, Backoff, EventStreamStats, LiveBatch
 from kvshuttle.agent.nixl_memory import NixlPoolMemory
+from kvshuttle.agent.park import Parker
 from kvshuttle.agent.ports import RegistryPort, ReplayPort
+from kvshuttle.agent.side_channel import Handshake, side_channel_endpoint, verify_engine
+from kvshuttle.core.errors import KvshuttleError, Unavailable
 from kvshuttle.core.nodes import NodeRole, NodeSpec
 from kvshuttle.vllm.kv_events import KvEventDecoder
+from kvshuttle.vllm.nixl_compat import Expected
 
 __all__ = ["Agent", "node_spec"]
 
@@ -36,6 +44,8 @@ log = structlog.get_logger("kvshuttle.agent")
 
 # Pause before a crashed loop starts again.
 _RESTART_PAUSE = 1.0
+# Seconds between warnings while the engine's side channel does not answer.
+_UNREACHABLE_LOG_EVERY = 30.0
 
 
 def node_spec(settings: AgentSettings, agent_endpoint: str = "") -> NodeSpec:
@@ -86,8 +96,11 @@ class Agent:
         self.events = EventStreamStats(endpoint=events_cfg.endpoint or "")
         self.decoder = KvEventDecoder(group=events_cfg.kv_cache_group)
         self.queue: asyncio.Queue[LiveBatch | None] = asyncio.Queue(maxsize=events_cfg.queue_size)
-        self._owns_context = zmq_context is None and events_cfg.endpoint is not None
-        self._context = zmq_context or (zmq.asyncio.Context() if events_cfg.endpoint is not None else None)
+        layout = settings.pool_layout()
+        # ZMQ for the event stream, and for the NIXL side channel when there is a pool.
+        needs_zmq = events_cfg.endpoint is not None or layout is not None
+        self._owns_context = zmq_context is None and needs_zmq
+        self._context = zmq_context or (zmq.asyncio.Context() if needs_zmq else None)
         self.receiver: EventReceiver | None = None
         self.forwarder: EventForwarder | None = None
         if events_cfg.endpoint is not None and self._context is not None:
@@ -119,10 +132,11 @@ class Agent:
                 max_request_bytes=events_cfg.max_report_bytes,
                 backoff=Backoff(lease_cfg.retry_initial, lease_cfg.retry_max),
             )
-        layout = settings.pool_layout()
         self.pool = BlockPool(layout) if layout is not None else None
-        # Registered with NIXL at start(), released at shutdown().
+        # Set by start() once the engine passed the check; released at shutdown().
+        self.engine_nixl: Handshake | None = None
         self.pool_memory: NixlPoolMemory | None = None
+        self.parker: Parker | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     async def start(self, *, agent_endpoint: str = "") -> None:
@@ -131,11 +145,13 @@ class Agent:
             raise RuntimeError("the agent is already started")
         self.lease.spec.agent_endpoint = agent_endpoint
         if self.pool is not None:
+            self.engine_nixl = await self._verify_engine(self.pool)
             # A fresh NIXL name per start: peers cache remote agents by name.
             node = self.lease.spec.name.removeprefix("nodes/")
             self.pool_memory = NixlPoolMemory(
                 self.pool.layout, agent_name=f"kvshuttle-{node}-{uuid.uuid4().hex[:12]}"
             )
+            self.parker = Parker(self.pool, self.pool_memory, timeout=self.settings.pool.park_timeout)
             self._spawn("pool.expire", functools.partial(self._expire_pool, self.pool))
         self._spawn("lease", self.lease.run)
         self._spawn("engine", self.poller.run)
@@ -151,6 +167,57 @@ class Agent:
             agent_endpoint=agent_endpoint,
             pool_bytes=self.pool.layout.total_bytes if self.pool is not None else 0,
         )
+
+    async def _verify_engine(self, pool: BlockPool) -> Handshake:
+        """The engine's NIXL handshake, checked against the pin and the pool's layout. Retries
+        while the side channel does not answer (the engine may still be starting); raises
+        NixlIncompatible, FailedPrecondition (the pool does not mirror the engine's blocks) or
+        InvalidArgument (what answers is no vLLM side channel), logged as agent.engine_refused."""
+        node = self.settings.node
+        where = side_channel_endpoint(node.side_channel_host, node.side_channel_port)
+        expected = Expected(
+            block_size=node.block_size,
+            engine_id=node.engine_id,
+            nixl_version=importlib.metadata.version("nixl"),
+        )
+        backoff = Backoff(self.settings.lease.retry_initial, self.settings.lease.retry_max)
+        attempts, warned_at = 0, -_UNREACHABLE_LOG_EVERY
+        assert self._context is not None  # made for the pool in __init__
+        while True:
+            try:
+                handshake = await verify_engine(
+                    self._context,
+                    node.side_channel_host,
+                    node.side_channel_port,
+                    expected,
+                    reply_timeout=self.settings.engine.poll_timeout,
+                )
+                pool.layout.check_mirrors([r.block_len for r in handshake.layout.regions])
+            except Unavailable as exc:
+                attempts += 1
+                delay = backoff.next()
+                if time.monotonic() - warned_at >= _UNREACHABLE_LOG_EVERY:
+                    warned_at = time.monotonic()
+                    log.warning(
+                        "agent.engine_unreachable",
+                        side_channel=where,
+                        attempts=attempts,
+                        error=exc.message,
+                        retrying="with backoff until it answers",
+                    )
+                await asyncio.sleep(delay)
+                continue
+            except KvshuttleError as exc:
+                log.error("agent.engine_refused", side_channel=where, reason=exc.message, **exc.metadata)
+                raise
+            log.info(
+                "agent.engine_verified",
+                side_channel=where,
+                engine_id=handshake.metadata.engine_id,
+                regions=len(handshake.layout.regions),
+                attempts=attempts + 1,
+            )
+            return handshake
 
     async def _expire_pool(self, pool: BlockPool) -> None:
         while True:
@@ -199,6 +266,8 @@ class Agent:
         await self.lease.deregister(deadline_s=self.settings.lease.deregister_timeout)
         if self._owns_context and self._context is not None:
             self._context.destroy(linger=0)
+        if self.parker is not None:
+            await self.parker.close()  # no READ may still write into the memory
         if self.pool_memory is not None:
             self.pool_memory.close()
         log.info("agent.stopped", node=self.lease.spec.name)

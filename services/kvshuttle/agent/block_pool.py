@@ -14,6 +14,7 @@ retention names cannot happen: the free stack never holds it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -47,6 +48,23 @@ class PoolLayout:
     @property
     def total_bytes(self) -> int:
         return self.regions * self.region_bytes
+
+    def check_mirrors(self, block_lens: Sequence[int]) -> None:
+        """Raises FailedPrecondition (metadata "differs": "regions" or "block_bytes") unless an
+        engine block of `block_lens` (bytes in each of its regions, as its NIXL handshake
+        advertises them) fills one slot exactly: as many regions, each of block_bytes."""
+        if len(block_lens) != self.regions:
+            raise FailedPrecondition(
+                f"the engine has {len(block_lens)} KV regions, the pool {self.regions}: set pool.regions",
+                metadata={"differs": "regions"},
+            )
+        other = sorted({n for n in block_lens if n != self.block_bytes})
+        if other:
+            raise FailedPrecondition(
+                f"the engine's blocks are {other[0]} bytes in a region, the pool's {self.block_bytes}: "
+                "set pool.block_bytes",
+                metadata={"differs": "block_bytes"},
+            )
 
     def offset(self, region: int, slot: int) -> int:
         """Byte offset of `slot`'s block in `region` from the start of the pool."""

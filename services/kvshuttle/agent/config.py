@@ -23,6 +23,9 @@ with "__"), e.g. for the decode worker of a P/D pair:
     KVSHUTTLE_AGENT_POOL__SIZE_BYTES=8589934592          (host memory for parked KV; 0: no pool)
     KVSHUTTLE_AGENT_POOL__REGIONS=128                    (the engine's NIXL regions: one per layer)
 
+With a pool, the agent checks its engine at start (NIXL handshake on the side channel): it
+waits for an engine that does not answer yet, and refuses to start beside one it cannot read.
+
 vLLM binds its PUB and replay sockets when their endpoints hold `*` (`tcp://*:5557`); the agent
 connects to the same ports on the engine's host.
 """
@@ -163,6 +166,8 @@ class PoolSettings(BaseModel):
     block_bytes: int | None = Field(default=None, gt=0)
     # Seconds between expiry sweeps of parked retentions.
     expire_interval: float = Field(default=1.0, gt=0)
+    # Deadline of one park's NIXL READ (seconds); the engine's pin on the blocks must outlast it.
+    park_timeout: float = Field(default=10.0, gt=0)
 
 
 class AgentSettings(BaseSettings):

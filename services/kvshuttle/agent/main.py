@@ -1,7 +1,8 @@
 """`kvshuttle-agent`: the sidecar of one vLLM worker.
 
 Builds its settings, logs them, connects to the registry, serves AgentService, then starts the
-agent's loops (register + heartbeat, engine polling, KV events). On SIGTERM or SIGINT: stop
+agent's loops (register + heartbeat, engine polling, KV events); with a block pool, only once
+the engine passed its NIXL check (an incompatible engine: exit with the reason). On SIGTERM or SIGINT: stop
 receiving, forward what is queued (shutdown_flush_timeout), deregister the node, stop the
 server (health NOT_SERVING, in-flight RPCs drained).
 """
@@ -22,6 +23,7 @@ from kvshuttle.agent.registry_port import GrpcRegistryPort
 from kvshuttle.agent.servicer import AgentServicer, add_to_server
 from kvshuttle.agent.v1 import agent_service_pb2
 from kvshuttle.client.registry import RegistryClient
+from kvshuttle.core.errors import KvshuttleError
 from kvshuttle.serving.logging import configure_logging
 from kvshuttle.serving.server import GrpcServer, wait_for_signal
 
@@ -85,7 +87,10 @@ def main() -> None:
     settings = AgentSettings()  # type: ignore[call-arg]  # node comes from the environment
     configure_logging(settings.telemetry)
     log.info("agent.config", **settings.model_dump(mode="json"))
-    asyncio.run(serve(settings))
+    try:
+        asyncio.run(serve(settings))
+    except KvshuttleError as exc:  # start refused: the engine check (logged as agent.engine_refused)
+        raise SystemExit(f"kvshuttle-agent: refusing to start: {exc.message}") from None
 
 
 if __name__ == "__main__":

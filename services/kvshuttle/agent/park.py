@@ -1,0 +1,233 @@
+"""Park: move one retention's blocks out of the local vLLM engine into the agent's block pool.
+
+One NIXL READ from the engine (its handshake from kvshuttle.agent.side_channel.verify_engine)
+into freshly allocated pool slots, carrying the notification that frees the blocks on the
+engine (`read_done_message(remote_request_id, 1)`), then `seal`. Anything short of a complete
+READ releases the slots and raises, so the pool never holds a half-moved retention.
+
+NIXL calls block, and the pool's NIXL agent runs without thread synchronisation or a progress
+thread (kvshuttle.agent.nixl_memory): every READ runs on one dedicated thread, polled to its
+deadline there. Pool bookkeeping stays on the event loop, beside the expiry sweep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from kvshuttle.agent.block_pool import Allocation, BlockPool
+from kvshuttle.agent.nixl_memory import NixlPoolMemory
+from kvshuttle.agent.side_channel import Handshake
+from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, Unavailable
+from kvshuttle.core.reasons import ErrorReason
+from kvshuttle.vllm.nixl_wire import read_done_message
+from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
+
+__all__ = ["Parked", "Parker", "RetainedBlocks"]
+
+log = structlog.get_logger("kvshuttle.agent")
+
+# FILLING slots outlive a READ's deadline by this much before the expiry sweep may free them:
+# a READ NIXL could not cancel may still write into them meanwhile.
+QUARANTINE: Final = 60.0
+_MIN_POLL: Final = 20e-6
+_MAX_POLL: Final = 1e-3
+_REQUIRED: Final = ("remote_engine_id", "remote_request_id", "remote_num_tokens", "remote_blocks_expiry_time")
+
+
+@dataclass(frozen=True, slots=True)
+class RetainedBlocks:
+    """What decode's kv_transfer_params say it retains: one KV-cache group's block ids."""
+
+    engine_id: str
+    request_id: str  # exactly as returned: the notification names it
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    expiry_time: float  # the engine's perf_counter; its blocks may be reused after it
+
+    @classmethod
+    def of(cls, params: KvTransferParams, field: str = "kv_transfer_params") -> RetainedBlocks:
+        """Raises InvalidArgument naming the missing or unusable field."""
+        for name in _REQUIRED:
+            if not params.HasField(name):
+                raise InvalidArgument(f"{field}.{name}", "missing")
+        if len(params.remote_block_ids) != 1 or not params.remote_block_ids[0].block_ids:
+            raise InvalidArgument(f"{field}.remote_block_ids", "must hold one non-empty KV-cache group")
+        return cls(
+            engine_id=params.remote_engine_id,
+            request_id=params.remote_request_id,
+            block_ids=tuple(params.remote_block_ids[0].block_ids),
+            num_tokens=params.remote_num_tokens,
+            expiry_time=params.remote_blocks_expiry_time,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Parked:
+    allocation: Allocation  # SEALED: slot i holds the engine's block_ids[i]
+    num_tokens: int
+    bytes: int  # moved by the READ
+    read_seconds: float  # from posting the READ to its completion
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    engine: Handshake
+    local: npt.NDArray[np.uint64]
+    remote: list[tuple[int, int, int]]
+    notification: bytes
+    deadline: float  # time.monotonic()
+
+
+class _StillRunning(Unavailable):
+    """NIXL could not cancel a timed-out READ: its slots stay FILLING (quarantined) until expiry."""
+
+
+class Parker:
+    """Parks retentions from one engine into `pool`/`memory`. `close()` once, before the memory."""
+
+    def __init__(
+        self, pool: BlockPool, memory: NixlPoolMemory, *, timeout: float = 10.0, expiry_margin: float = 1.0
+    ) -> None:
+        if timeout <= 0 or expiry_margin < 0:
+            raise ValueError("timeout must be positive and expiry_margin not negative")
+        self._pool = pool
+        self._memory = memory
+        self._timeout = timeout
+        self._expiry_margin = expiry_margin
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshuttle-nixl")
+        self._remote: Any = None  # the engine's NIXL agent name, once added
+
+    async def park(
+        self, name: str, retained: RetainedBlocks, engine: Handshake, *, expire_at: float
+    ) -> Parked:
+        """Read `retained`'s blocks from `engine` into slots held as `name`, sealed with
+        `expire_at` (time.monotonic()). Raises, changing nothing in the pool: FailedPrecondition
+        (another engine: NODE_MISMATCH; the engine's pin ends before the READ's deadline:
+        PIN_EXPIRED; a pool layout that does not mirror the engine's), InvalidArgument (block ids
+        outside the engine's layout), ResourceExhausted (not enough free slots), Unavailable (the
+        READ failed or timed out; the engine keeps its blocks until its own expiry)."""
+        self._check(retained, engine)
+        remote = engine.layout.descriptors(retained.block_ids)  # InvalidArgument when out of range
+        deadline = time.monotonic() + self._timeout
+        allocation = self._pool.allocate(name, len(retained.block_ids), expire_at=deadline + QUARANTINE)
+        read = _Read(
+            engine,
+            self._memory.write_descriptors(allocation),
+            remote,
+            read_done_message(retained.request_id, 1),
+            deadline,
+        )
+        future = asyncio.get_running_loop().run_in_executor(self._thread, self._read, read)
+        try:
+            seconds = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # The READ goes on in its thread: its slots are freed only once it stopped.
+            future.add_done_callback(lambda _: self._discard(name, future.exception()))
+            raise
+        except Exception as exc:
+            self._discard(name, exc)
+            raise
+        sealed = self._pool.seal(name, expire_at=expire_at)
+        log.info(
+            "agent.parked",
+            retention=name,
+            engine=retained.engine_id,
+            blocks=sealed.blocks,
+            bytes=sealed.bytes,
+            ms=round(seconds * 1000, 3),
+        )
+        return Parked(sealed, retained.num_tokens, sealed.bytes, seconds)
+
+    async def close(self) -> None:
+        """Wait for the READ in flight (bounded by its deadline), then stop the thread."""
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.shutdown)
+
+    def _check(self, retained: RetainedBlocks, engine: Handshake) -> None:
+        meta = engine.metadata
+        if retained.engine_id != meta.engine_id:
+            raise FailedPrecondition(
+                f"the retention's blocks are on engine {retained.engine_id}, not {meta.engine_id}",
+                reason=ErrorReason.NODE_MISMATCH,
+            )
+        self._pool.layout.check_mirrors([r.block_len for r in engine.layout.regions])
+        if len(retained.block_ids) < math.ceil(retained.num_tokens / meta.block_size):
+            raise InvalidArgument(
+                "kv_transfer_params.remote_block_ids", f"too few blocks for {retained.num_tokens} tokens"
+            )
+        # The engine may reuse the blocks once its pin ends: a READ must finish well before.
+        left = engine.clock.to_local(retained.expiry_time) - time.perf_counter()
+        if left < self._timeout + self._expiry_margin:
+            raise FailedPrecondition(
+                f"the engine's pin on the blocks ends in {left:.1f} s, within a READ's "
+                f"{self._timeout:g} s deadline",
+                reason=ErrorReason.PIN_EXPIRED,
+            )
+
+    def _discard(self, name: str, exc: BaseException | None) -> None:
+        if isinstance(exc, _StillRunning):
+            log.error("agent.park_stuck", retention=name, quarantine_s=QUARANTINE)
+            return
+        self._pool.release(name)
+        log.warning("agent.park_failed", retention=name, error=str(exc) if exc else "cancelled")
+
+    # -- on the NIXL thread ---------------------------------------------------------------------
+
+    def _read(self, read: _Read) -> float:
+        agent = self._memory.agent
+        held: list[Any] = []  # NIXL handles, released last first
+        try:
+            if time.monotonic() >= read.deadline:
+                raise Unavailable("the park waited past its deadline for the NIXL thread")
+            try:
+                remote = self._remote_agent(read.engine)
+                held.append(agent.prep_xfer_dlist("NIXL_INIT_AGENT", read.local, "DRAM"))
+                held.append(agent.prep_xfer_dlist(remote, read.remote, read.engine.layout.mem_type))
+                rows = list(range(len(read.remote)))
+                held.append(agent.make_prepped_xfer("READ", held[0], rows, held[1], rows, read.notification))
+                started = time.monotonic()
+                state = self._wait(agent, held[2], agent.transfer(held[2]), read.deadline)
+            except Exception as exc:  # NIXL's bindings raise a dozen types with no common base
+                raise Unavailable(f"NIXL READ failed: {type(exc).__name__}: {exc}") from None
+            if state != "DONE":
+                raise Unavailable("NIXL READ failed" if state == "ERR" else "NIXL READ timed out")
+            return time.monotonic() - started
+        finally:
+            self._release(held)
+
+    def _wait(self, agent: Any, handle: Any, state: str, deadline: float) -> str:
+        delay = _MIN_POLL
+        while state == "PROC" and time.monotonic() < deadline:
+            # No progress thread: UCX moves only while the agent is called.
+            stray = self._memory.progress()
+            if stray:  # nothing reads from the pool yet: no peer should notify it
+                log.warning("agent.park_stray_notifications", peers=sorted(map(str, stray)))
+            time.sleep(delay)
+            delay = min(delay * 2, _MAX_POLL)
+            state = agent.check_xfer_state(handle)
+        return str(state)
+
+    def _remote_agent(self, engine: Handshake) -> Any:
+        agent = self._memory.agent
+        name = agent.add_remote_agent(engine.metadata.agent_metadata)  # idempotent for one agent
+        if self._remote is not None and self._remote != name:
+            agent.remove_remote_agent(self._remote)  # the engine restarted: its old agent is gone
+        self._remote = name
+        return name
+
+    @staticmethod
+    def _release(held: Sequence[Any]) -> None:
+        for handle in reversed(held):
+            try:
+                handle.release()  # a transfer in flight is cancelled
+            except Exception as exc:
+                raise _StillRunning(f"NIXL could not cancel the READ: {type(exc).__name__}: {exc}") from None
