@@ -94,3 +94,22 @@ def test_nixl_read_copies_slots_bit_for_bit(holder: NixlPoolMemory, reader: Nixl
         assert all(not reader.block(region, slot).any() for slot in untouched)
     local_side.release()
     remote_side.release()
+
+
+async def test_pumped_notifications_are_kept_bounded_on_the_nixl_thread(reader: NixlPoolMemory) -> None:
+    holder = NixlPoolMemory(LAYOUT, agent_name=f"test-{uuid.uuid4().hex[:8]}", max_pending_notifications=2)
+    try:
+        remote = reader.agent.add_remote_agent(holder.metadata())
+        for i in range(3):
+            reader.agent.send_notif(remote, f"n{i}".encode())
+        deadline = time.monotonic() + 10
+        # Both sides move only while polled (no progress threads); the holder's on its thread.
+        while holder.dropped_notifications == 0 and time.monotonic() < deadline:
+            reader.progress()
+            await holder.run(holder.pump)
+        # Nothing taken meanwhile: of three, the oldest was dropped.
+        assert holder.dropped_notifications == 1
+        assert holder.take_notifications() == [(reader.agent_name, b"n1"), (reader.agent_name, b"n2")]
+        assert holder.take_notifications() == []
+    finally:
+        holder.close()

@@ -99,23 +99,20 @@ async def test_park_moves_the_blocks_bit_for_bit_and_frees_them_on_the_engine(
 ) -> None:
     pool = BlockPool(POOL)
     parker = Parker(pool, memory)
-    try:
-        for request, blocks in (("cmpl-1-0", (5, 2, 7)), ("cmpl-2-0", (0,))):
-            name = f"{NAME}{request}"
-            parked = await parker.park(
-                name, retained(blocks, remote_request_id=request), engine.handshake(), expire_at=1e9
-            )
-            assert parked.allocation.state is SlotState.PARKED and parked.allocation.expire_at == 1e9
-            assert parked.bytes == len(blocks) * ENGINE.regions * ENGINE.block_bytes
-            assert parked.num_tokens == 32 * len(blocks) - 5 and parked.read_seconds > 0
-            for region in range(ENGINE.regions):
-                for slot, block in zip(parked.allocation.slots, blocks, strict=True):
-                    assert np.array_equal(memory.block(region, slot), engine.memory.block(region, block))
-            note = (memory.agent_name, f"{request}:1".encode())
-            await eventually(lambda n=note: n in engine.notifications, what="the engine's notification")  # type: ignore[misc]
-        assert pool.stats().parked_retentions == 2
-    finally:
-        await parker.close()
+    for request, blocks in (("cmpl-1-0", (5, 2, 7)), ("cmpl-2-0", (0,))):
+        name = f"{NAME}{request}"
+        parked = await parker.park(
+            name, retained(blocks, remote_request_id=request), engine.handshake(), expire_at=1e9
+        )
+        assert parked.allocation.state is SlotState.PARKED and parked.allocation.expire_at == 1e9
+        assert parked.bytes == len(blocks) * ENGINE.regions * ENGINE.block_bytes
+        assert parked.num_tokens == 32 * len(blocks) - 5 and parked.read_seconds > 0
+        for region in range(ENGINE.regions):
+            for slot, block in zip(parked.allocation.slots, blocks, strict=True):
+                assert np.array_equal(memory.block(region, slot), engine.memory.block(region, block))
+        note = (memory.agent_name, f"{request}:1".encode())
+        await eventually(lambda n=note: n in engine.notifications, what="the engine's notification")  # type: ignore[misc]
+    assert pool.stats().parked_retentions == 2
 
 
 @pytest.mark.parametrize(
@@ -142,14 +139,11 @@ async def test_refusals_change_nothing(
 ) -> None:
     pool = BlockPool(POOL)
     parker = Parker(pool, memory, timeout=10.0, expiry_margin=1.0)
-    try:
-        blocks, handshake = make(engine)
-        with pytest.raises(error) as caught:
-            await parker.park(NAME, blocks, handshake, expire_at=1e9)
-        assert getattr(caught.value, "reason", None) == ErrorReason(reason)
-        assert pool.stats().used_blocks == 0 and not pool.allocations()
-    finally:
-        await parker.close()
+    blocks, handshake = make(engine)
+    with pytest.raises(error) as caught:
+        await parker.park(NAME, blocks, handshake, expire_at=1e9)
+    assert getattr(caught.value, "reason", None) == ErrorReason(reason)
+    assert pool.stats().used_blocks == 0 and not pool.allocations()
 
 
 def test_retained_blocks_need_every_field() -> None:
@@ -165,7 +159,6 @@ async def _fails(parker: Parker, pool: BlockPool, engine: Engine, match: str) ->
     with pytest.raises(Unavailable, match=match):
         await parker.park(NAME, retained(), engine.handshake(), expire_at=1e9)
     assert pool.stats().used_blocks == 0 and not pool.allocations()
-    await parker.close()
 
 
 async def test_a_timed_out_read_releases_its_slots(
@@ -197,7 +190,6 @@ async def test_nixl_refusing_the_engines_memory_releases_the_slots(
     with pytest.raises(Unavailable, match="nixlNotFoundError"):
         await parker.park(NAME, retained(), wrong, expire_at=1e9)
     assert pool.stats().used_blocks == 0
-    await parker.close()
 
 
 class _Uncancellable:
@@ -232,7 +224,6 @@ async def test_a_read_nixl_cannot_cancel_keeps_its_slots_until_expiry(
     (stuck,) = pool.allocations()
     assert stuck.state is SlotState.FILLING and stuck.blocks == 3
     assert before + 0.2 + QUARANTINE <= stuck.expire_at <= time.monotonic() + QUARANTINE
-    await parker.close()
     handles[0].handle.release()
 
 
@@ -249,4 +240,3 @@ async def test_a_cancelled_park_frees_its_slots_once_the_read_stopped(
         await task
     assert pool.stats().filling_retentions == 1  # the READ still runs in its thread
     await eventually(lambda: pool.stats().used_blocks == 0, what="the slots freed")
-    await parker.close()

@@ -31,6 +31,7 @@ from kvshuttle.agent.block_pool import PoolLayout
 from kvshuttle.agent.config import AgentSettings, PoolSettings
 from kvshuttle.agent.main import connect_registry
 from kvshuttle.agent.registry_port import GrpcRegistryPort
+from kvshuttle.agent.side_channel import fetch_handshake
 from kvshuttle.core.errors import FailedPrecondition
 
 MIB = 1024 * 1024
@@ -202,3 +203,35 @@ async def test_the_agent_refuses_an_engine_it_cannot_read(
         async with started(settings):
             pass
     assert side_channel.requests == 1  # refused at once, not retried
+
+
+async def test_the_agent_serves_its_pool_on_a_side_channel_of_its_own(
+    pooled: AgentEnv, side_channel: FakeSideChannel
+) -> None:
+    server, memory = pooled.agent.server, pooled.agent.pool_memory
+    assert server is not None and memory is not None and server.port > 0
+    got = await fetch_handshake(zmq.asyncio.Context.instance(), "127.0.0.1", server.port, reply_timeout=5)
+    assert side_channel.metadata is not None
+    assert got.payload.compatibility_hash == "ab" * 32  # the engine's, copied
+    assert got.metadata.engine_id == server.engine_id != side_channel.metadata.engine_id
+    assert got.metadata.kv_caches_base_addr[0] == memory.base_address
+
+
+def test_serving_settings() -> None:
+    assert PoolSettings().serve_port == 0  # with a pool: served, on any free port
+    with pytest.raises(ValidationError, match="serve_host"):
+        PoolSettings(serve_host="0.0.0.0")
+    with pytest.raises(ValidationError, match="serve_lease"):
+        PoolSettings(serve_lease=5.0)
+
+
+async def test_an_agent_configured_not_to_serve_has_no_side_channel(
+    registry_env: RegistryEnv, engine: FakeEngineHttp, side_channel: FakeSideChannel
+) -> None:
+    settings = pooled_settings(registry_env.address, engine.url, side_channel.port)
+    settings.pool.serve_port = None
+    env = await start_agent(settings)
+    try:
+        assert env.agent.pool_memory is not None and env.agent.server is None
+    finally:
+        await env.stop()

@@ -108,5 +108,4 @@ async def test_park_reads_decodes_retained_blocks_bit_for_bit(vllm_pair: VllmPai
         assert first == second
         assert after <= before - freed
     finally:
-        await parker.close()
         memory.close()

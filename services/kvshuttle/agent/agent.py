@@ -5,7 +5,8 @@ Every loop is supervised: an unexpected exception is logged and the loop restart
 pause, so a bug in one part never takes the sidecar (and the node's lease) down with it.
 
 With a block pool, `start()` first checks the engine over its NIXL side channel: it waits (with
-backoff) for an engine that does not answer yet, and raises for one it cannot read from.
+backoff) for an engine that does not answer yet, and raises for one it cannot read from; then
+it serves the pool on a side channel of its own (kvshuttle.agent.serve) unless configured off.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvshuttle.agent.model import AgentStatus, Backoff, EventStreamStats, LiveBa
 from kvshuttle.agent.nixl_memory import NixlPoolMemory
 from kvshuttle.agent.park import Parker
 from kvshuttle.agent.ports import RegistryPort, ReplayPort
+from kvshuttle.agent.serve import PoolServer
 from kvshuttle.agent.side_channel import Handshake, side_channel_endpoint, verify_engine
 from kvshuttle.core.errors import KvshuttleError, Unavailable
 from kvshuttle.core.nodes import NodeRole, NodeSpec
@@ -137,6 +139,7 @@ class Agent:
         self.engine_nixl: Handshake | None = None
         self.pool_memory: NixlPoolMemory | None = None
         self.parker: Parker | None = None
+        self.server: PoolServer | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     async def start(self, *, agent_endpoint: str = "") -> None:
@@ -151,7 +154,21 @@ class Agent:
             self.pool_memory = NixlPoolMemory(
                 self.pool.layout, agent_name=f"kvshuttle-{node}-{uuid.uuid4().hex[:12]}"
             )
-            self.parker = Parker(self.pool, self.pool_memory, timeout=self.settings.pool.park_timeout)
+            pool_cfg = self.settings.pool
+            self.parker = Parker(self.pool, self.pool_memory, timeout=pool_cfg.park_timeout)
+            if pool_cfg.serve_port is not None:
+                assert self._context is not None  # made for the pool in __init__
+                self.server = PoolServer(
+                    self.pool,
+                    self.pool_memory,
+                    self.engine_nixl,
+                    self._context,
+                    host=pool_cfg.serve_host,
+                    port=pool_cfg.serve_port,
+                    lease=pool_cfg.serve_lease,
+                    grace=pool_cfg.serve_grace,
+                )
+                await self.server.start()
             self._spawn("pool.expire", functools.partial(self._expire_pool, self.pool))
         self._spawn("lease", self.lease.run)
         self._spawn("engine", self.poller.run)
@@ -264,12 +281,13 @@ class Agent:
                 await forward
         await self._cancel("lease")
         await self.lease.deregister(deadline_s=self.settings.lease.deregister_timeout)
+        if self.server is not None:
+            await self.server.close()
         if self._owns_context and self._context is not None:
             self._context.destroy(linger=0)
-        if self.parker is not None:
-            await self.parker.close()  # no READ may still write into the memory
         if self.pool_memory is not None:
-            self.pool_memory.close()
+            # Waits for a READ in flight: none may still write into the memory.
+            await asyncio.to_thread(self.pool_memory.close)
         log.info("agent.stopped", node=self.lease.spec.name)
 
     def status(self) -> AgentStatus:

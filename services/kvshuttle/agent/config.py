@@ -22,6 +22,8 @@ with "__"), e.g. for the decode worker of a P/D pair:
     KVSHUTTLE_AGENT_ENGINE__POLL_INTERVAL=1
     KVSHUTTLE_AGENT_POOL__SIZE_BYTES=8589934592          (host memory for parked KV; 0: no pool)
     KVSHUTTLE_AGENT_POOL__REGIONS=128                    (the engine's NIXL regions: one per layer)
+    KVSHUTTLE_AGENT_POOL__SERVE_HOST=10.0.0.7            (the side channel prefill reads parked KV
+    KVSHUTTLE_AGENT_POOL__SERVE_PORT=5660                 through; port 0: any free one)
 
 With a pool, the agent checks its engine at start (NIXL handshake on the side channel): it
 waits for an engine that does not answer yet, and refuses to start beside one it cannot read.
@@ -168,6 +170,22 @@ class PoolSettings(BaseModel):
     expire_interval: float = Field(default=1.0, gt=0)
     # Deadline of one park's NIXL READ (seconds); the engine's pin on the blocks must outlast it.
     park_timeout: float = Field(default=10.0, gt=0)
+    # The side channel prefill engines read parked KV through (kvshuttle.agent.serve): bound and
+    # advertised as is, so a host they reach, never a wildcard. Port 0: any free port; None:
+    # parked KV is not served.
+    serve_host: str = "127.0.0.1"
+    serve_port: int | None = Field(default=0, ge=0, lt=65536)
+    # Seconds a served retention is advertised for (prefill declines reads within 5 s of its
+    # end), and held past that for a read prefill started just inside it.
+    serve_lease: float = Field(default=30.0, gt=5.0)
+    serve_grace: float = Field(default=10.0, ge=0)
+
+    @field_validator("serve_host")
+    @classmethod
+    def _reachable(cls, host: str) -> str:
+        if host in _WILDCARD_HOSTS:
+            raise ValueError("serve_host is advertised to prefill engines: give a host they reach")
+        return host
 
 
 class AgentSettings(BaseSettings):

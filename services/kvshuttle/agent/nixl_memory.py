@@ -6,6 +6,10 @@ sides of a transfer. A reader polls its transfer with `check_xfer_state`; the ho
 memory must keep calling `progress()` (NIXL's get_new_notifs) while others read from it, or a
 remote READ, its connection set-up included, never completes.
 
+NIXL's agent is not thread-safe here (no progress thread, no synchronisation): every call into
+it goes through `run`, one dedicated thread shared by parks and serving. `pump()` (on that
+thread) drives UCX and keeps the notifications that arrived, bounded, for `take_notifications`.
+
 Descriptors are vLLM's: one per (region, slot), region-major, `(address, block_bytes, 0)`, so a
 peer indexes block b of region i as `i * blocks + b`, as vLLM's NixlConnector does with
 `cumsum([0] + region_num_blocks)[i] + b`.
@@ -13,9 +17,14 @@ peer indexes block b of region i as `i * blocks + b`, as vLLM's NixlConnector do
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import mmap
-from collections.abc import Sequence
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -24,7 +33,12 @@ from nixl._api import nixl_agent, nixl_agent_config
 from kvshuttle.agent.block_pool import Allocation, PoolLayout, SlotState
 from kvshuttle.core.errors import FailedPrecondition
 
-__all__ = ["NixlPoolMemory"]
+__all__ = ["MAX_PENDING_NOTIFICATIONS", "NixlPoolMemory"]
+
+# Notifications kept between two take_notifications(); older ones are dropped (and counted)
+# past it, so a flood from a peer costs bounded memory.
+MAX_PENDING_NOTIFICATIONS: Final = 4096
+_T = TypeVar("_T")
 
 _DRAM = "DRAM"
 _DEVICE_ID = 0  # host memory: NIXL wants device 0 for DRAM
@@ -35,8 +49,20 @@ class NixlPoolMemory:
     its own named `agent_name` (give a restarted agent a fresh name: peers cache by name).
     `close()` once."""
 
-    def __init__(self, layout: PoolLayout, *, agent_name: str, backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(
+        self,
+        layout: PoolLayout,
+        *,
+        agent_name: str,
+        backends: Sequence[str] = ("UCX",),
+        max_pending_notifications: int = MAX_PENDING_NOTIFICATIONS,
+    ) -> None:
         self.layout = layout
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshuttle-nixl")
+        self._pending: deque[tuple[str, bytes]] = deque()
+        self._max_pending = max_pending_notifications
+        self._pending_lock = threading.Lock()
+        self.dropped_notifications = 0
         # An anonymous mapping is page-aligned and zero-filled, and its pages are committed
         # only when touched: a large pool costs nothing until it is used.
         self._mmap = mmap.mmap(-1, layout.total_bytes)
@@ -86,16 +112,42 @@ class NixlPoolMemory:
             raise FailedPrecondition(f"{allocation.name} is {allocation.state}: its slots are sealed")
         return self.descriptors(allocation.slots)
 
+    def run(self, call: Callable[[], _T]) -> asyncio.Future[_T]:
+        """`call()` on the NIXL thread, after whatever NIXL work was queued before it (from a
+        running event loop). Cancelling the future does not stop a call already started."""
+        return asyncio.get_running_loop().run_in_executor(self._thread, call)
+
     def progress(self) -> dict[str, list[bytes]]:
         """Drive UCX once (no progress thread) and return the notifications that arrived, by
-        remote agent name."""
+        remote agent name. Only where nothing else takes this agent's notifications."""
         notifs: dict[str, list[bytes]] = self.agent.get_new_notifs()
         return notifs
 
+    def pump(self) -> None:
+        """On the NIXL thread: drive UCX once and keep what arrived for take_notifications()."""
+        arrived = [(str(peer), bytes(m)) for peer, messages in self.progress().items() for m in messages]
+        if not arrived:
+            return
+        with self._pending_lock:
+            self._pending.extend(arrived)
+            while len(self._pending) > self._max_pending:
+                self._pending.popleft()
+                self.dropped_notifications += 1
+
+    def take_notifications(self) -> list[tuple[str, bytes]]:
+        """(remote agent name, message) of every notification pump() kept since the last call."""
+        with self._pending_lock:
+            taken = list(self._pending)
+            self._pending.clear()
+        return taken
+
     def close(self) -> None:
+        """Waits for the NIXL work in flight (a READ, bounded by its deadline), then frees the
+        memory. Blocking: call it off the event loop where that matters."""
         if self._closed:
             return
         self._closed = True
+        self._thread.shutdown(wait=True)
         self.agent.deregister_memory(self._registered)
         del self._array
         with contextlib.suppress(BufferError):  # a block() view is still held

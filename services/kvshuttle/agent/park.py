@@ -6,8 +6,9 @@ engine (`read_done_message(remote_request_id, 1)`), then `seal`. Anything short 
 READ releases the slots and raises, so the pool never holds a half-moved retention.
 
 NIXL calls block, and the pool's NIXL agent runs without thread synchronisation or a progress
-thread (kvshuttle.agent.nixl_memory): every READ runs on one dedicated thread, polled to its
-deadline there. Pool bookkeeping stays on the event loop, beside the expiry sweep.
+thread (kvshuttle.agent.nixl_memory): every READ runs on the memory's one NIXL thread, polled to
+its deadline there (pumping the notifications serving waits for meanwhile). Pool bookkeeping
+stays on the event loop, beside the expiry sweep.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import asyncio
 import math
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -93,7 +93,8 @@ class _StillRunning(Unavailable):
 
 
 class Parker:
-    """Parks retentions from one engine into `pool`/`memory`. `close()` once, before the memory."""
+    """Parks retentions from one engine into `pool`/`memory` (whose close() waits for a READ in
+    flight)."""
 
     def __init__(
         self, pool: BlockPool, memory: NixlPoolMemory, *, timeout: float = 10.0, expiry_margin: float = 1.0
@@ -104,7 +105,6 @@ class Parker:
         self._memory = memory
         self._timeout = timeout
         self._expiry_margin = expiry_margin
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvshuttle-nixl")
         self._remote: Any = None  # the engine's NIXL agent name, once added
 
     async def park(
@@ -127,7 +127,7 @@ class Parker:
             read_done_message(retained.request_id, 1),
             deadline,
         )
-        future = asyncio.get_running_loop().run_in_executor(self._thread, self._read, read)
+        future = self._memory.run(lambda: self._read(read))
         try:
             seconds = await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -147,10 +147,6 @@ class Parker:
             ms=round(seconds * 1000, 3),
         )
         return Parked(sealed, retained.num_tokens, sealed.bytes, seconds)
-
-    async def close(self) -> None:
-        """Wait for the READ in flight (bounded by its deadline), then stop the thread."""
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.shutdown)
 
     def _check(self, retained: RetainedBlocks, engine: Handshake) -> None:
         meta = engine.metadata
@@ -208,9 +204,7 @@ class Parker:
         delay = _MIN_POLL
         while state == "PROC" and time.monotonic() < deadline:
             # No progress thread: UCX moves only while the agent is called.
-            stray = self._memory.progress()
-            if stray:  # nothing reads from the pool yet: no peer should notify it
-                log.warning("agent.park_stray_notifications", peers=sorted(map(str, stray)))
+            self._memory.pump()
             time.sleep(delay)
             delay = min(delay * 2, _MAX_POLL)
             state = agent.check_xfer_state(handle)
