@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 
 import grpc
@@ -150,3 +151,16 @@ async def test_the_process_registers_and_deregisters_on_sigterm(registry_env: Re
             process.kill()
             await process.wait()
         await engine.stop()
+
+
+def test_an_agent_without_a_pool_needs_no_nixl() -> None:
+    """NIXL's wheels are installed apart (--no-deps); an agent that parks nothing must not
+    need them: NIXL is imported only where a pool is configured."""
+    code = (
+        "import sys; sys.modules['nixl'] = sys.modules['nixl._api'] = None\n"
+        "import kvshuttle.agent.main, kvshuttle.agent.agent, kvshuttle.agent.servicer\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr

@@ -18,7 +18,7 @@ import importlib.metadata
 import time
 import uuid
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import zmq.asyncio
@@ -30,15 +30,17 @@ from kvshuttle.agent.events import EventReceiver, ZmqReplayer
 from kvshuttle.agent.forwarder import EventForwarder
 from kvshuttle.agent.lease import NodeLease
 from kvshuttle.agent.model import AgentStatus, Backoff, EventStreamStats, LiveBatch
-from kvshuttle.agent.nixl_memory import NixlPoolMemory
-from kvshuttle.agent.park import Parker
 from kvshuttle.agent.ports import RegistryPort, ReplayPort
-from kvshuttle.agent.serve import PoolServer
 from kvshuttle.agent.side_channel import Handshake, side_channel_endpoint, verify_engine
 from kvshuttle.core.errors import KvshuttleError, Unavailable
 from kvshuttle.core.nodes import NodeRole, NodeSpec
 from kvshuttle.vllm.kv_events import KvEventDecoder
 from kvshuttle.vllm.nixl_compat import Expected
+
+if TYPE_CHECKING:  # NIXL is imported only by an agent with a pool (see start)
+    from kvshuttle.agent.nixl_memory import NixlPoolMemory
+    from kvshuttle.agent.park import Parker
+    from kvshuttle.agent.serve import PoolServer
 
 __all__ = ["Agent", "node_spec"]
 
@@ -148,6 +150,11 @@ class Agent:
             raise RuntimeError("the agent is already started")
         self.lease.spec.agent_endpoint = agent_endpoint
         if self.pool is not None:
+            # Here, not at module import: an agent without a pool runs without NIXL installed.
+            from kvshuttle.agent.nixl_memory import NixlPoolMemory  # noqa: PLC0415
+            from kvshuttle.agent.park import Parker  # noqa: PLC0415
+            from kvshuttle.agent.serve import PoolServer  # noqa: PLC0415
+
             self.engine_nixl = await self._verify_engine(self.pool)
             # A fresh NIXL name per start: peers cache remote agents by name.
             node = self.lease.spec.name.removeprefix("nodes/")
