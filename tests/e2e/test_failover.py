@@ -29,7 +29,8 @@ from typing import Any
 import pytest
 from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
-from tests.e2e.test_turns import PROFILE, reference, tokens, turn
+from tests.e2e.stacks import running_stack
+from tests.e2e.test_turns import reference, tokens, turn
 
 pytestmark = pytest.mark.vllm
 
@@ -51,13 +52,8 @@ RESUME_WITHIN_S = 45.0
 
 @pytest.fixture(scope="module")
 def stack(vllm_pair: VllmPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvshuttleStack]:
-    s = KvshuttleStack(vllm_pair, work_dir=tmp_path_factory.mktemp("kvshuttle-failover"), profile=PROFILE)
-    s.start()
-    try:
+    with running_stack(vllm_pair, tmp_path_factory.mktemp("kvshuttle-failover")) as s:
         yield s
-    finally:
-        codes = s.stop()
-        assert all(code == 0 for code in codes.values()), (codes, s.work_dir)
 
 
 @dataclass

@@ -22,27 +22,16 @@ from typing import Any
 import pytest
 from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
+from tests.e2e.stacks import running_stack
 
 pytestmark = pytest.mark.vllm
 BS = 32
-PROFILE = {
-    "model": "m",
-    "kv_bytes_per_token": 1024,
-    "min_reuse_tokens": 64,
-    "prefill": {"fixed_ms": 5.0, "per_token_ms": 0.2},
-    "link": {"bandwidth_gb_s": 2.0, "fixed_ms": 1.0},
-}
 
 
 @pytest.fixture(scope="module")
 def stack(vllm_pair: VllmPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvshuttleStack]:
-    s = KvshuttleStack(vllm_pair, work_dir=tmp_path_factory.mktemp("kvshuttle"), profile=PROFILE)
-    s.start()
-    try:
+    with running_stack(vllm_pair, tmp_path_factory.mktemp("kvshuttle")) as s:
         yield s
-    finally:
-        codes = s.stop()
-        assert all(code == 0 for code in codes.values()), (codes, s.work_dir)
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], Any]:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
+from tests.e2e.stacks import running_stack
 
 from kvshuttle.gateway.background import BackgroundTasks
 from kvshuttle.gateway.config import ModelSettings
@@ -25,13 +26,6 @@ from kvshuttle.gateway.protocol import parse_request
 from kvshuttle.gateway.tokenizer import ChatTokenizer
 
 pytestmark = pytest.mark.vllm
-PROFILE = {
-    "model": "m",
-    "kv_bytes_per_token": 1024,
-    "min_reuse_tokens": 64,
-    "prefill": {"fixed_ms": 5.0, "per_token_ms": 0.2},
-    "link": {"bandwidth_gb_s": 2.0, "fixed_ms": 1.0},
-}
 # Strict, with small argument spaces (enums, booleans): vLLM then holds the arguments to the
 # schema, and a random-weight model ends its call quickly instead of filling a free string up
 # to max_tokens.
@@ -218,13 +212,8 @@ def test_prompt_ids_of_chats_with_tools_equal_vllm_tokenize(
 
 @pytest.fixture(scope="module")
 def stack(vllm_pair: VllmPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvshuttleStack]:
-    s = KvshuttleStack(vllm_pair, work_dir=tmp_path_factory.mktemp("kvshuttle-tools"), profile=PROFILE)
-    s.start()
-    try:
+    with running_stack(vllm_pair, tmp_path_factory.mktemp("kvshuttle-tools")) as s:
         yield s
-    finally:
-        codes = s.stop()
-        assert all(code == 0 for code in codes.values()), (codes, s.work_dir)
 
 
 def _calls(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -348,18 +337,9 @@ def thinking_stack(
 ) -> Iterator[KvshuttleStack]:
     """The gateway with the deepseek_r1 reasoning parser (the tiny model has <think> tokens)."""
     model = {"tokenizer": str(vllm_model), "tool_call_parser": "hermes", "reasoning_parser": "deepseek_r1"}
-    s = KvshuttleStack(
-        vllm_pair,
-        work_dir=tmp_path_factory.mktemp("kvshuttle-thinking"),
-        profile=PROFILE,
-        extra_env={"gateway": {"MODELS": json.dumps({"m": model})}},
-    )
-    s.start()
-    try:
+    models = {"gateway": {"MODELS": json.dumps({"m": model})}}
+    with running_stack(vllm_pair, tmp_path_factory.mktemp("kvshuttle-thinking"), extra_env=models) as s:
         yield s
-    finally:
-        codes = s.stop()
-        assert all(code == 0 for code in codes.values()), (codes, s.work_dir)
 
 
 def test_reasoning_is_split_out_and_a_history_without_it_still_reuses(

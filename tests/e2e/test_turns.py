@@ -18,6 +18,7 @@ import grpc
 import pytest
 from deploy.local.launch import VllmPair, free_ports
 from deploy.local.stack import KvshuttleStack
+from tests.e2e.stacks import running_stack
 
 from kvshuttle.agent.v1 import agent_service_pb2 as apb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as apb_grpc
@@ -30,30 +31,13 @@ from kvshuttle.registry.v1 import registry_service_pb2_grpc as rpb_grpc
 pytestmark = pytest.mark.vllm
 BS = 32
 LEASE_S = 20  # retentions lapse 20 s after commit here (decoder_kv_blocks_ttl 480 - margin 460)
-# Prefill dear, moving KV cheap: reuse wins whenever the prefix verifies (CPU-class engines).
-PROFILE = {
-    "model": "m",
-    "kv_bytes_per_token": 1024,
-    "min_reuse_tokens": 64,
-    "prefill": {"fixed_ms": 5.0, "per_token_ms": 0.2},
-    "link": {"bandwidth_gb_s": 2.0, "fixed_ms": 1.0},
-}
 
 
 @pytest.fixture(scope="module")
 def stack(vllm_pair: VllmPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvshuttleStack]:
-    s = KvshuttleStack(
-        vllm_pair,
-        work_dir=tmp_path_factory.mktemp("kvshuttle"),
-        profile=PROFILE,
-        extra_env={"router": {"POLICY__RETENTION_MARGIN_S": str(480 - LEASE_S)}},
-    )
-    s.start()
-    try:
+    margin = {"router": {"POLICY__RETENTION_MARGIN_S": str(480 - LEASE_S)}}
+    with running_stack(vllm_pair, tmp_path_factory.mktemp("kvshuttle"), extra_env=margin) as s:
         yield s
-    finally:
-        codes = s.stop()
-        assert all(code == 0 for code in codes.values()), (codes, s.work_dir)
 
 
 def tokens(n: int, seed: int) -> list[int]:

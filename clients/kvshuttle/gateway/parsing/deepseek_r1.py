@@ -44,6 +44,10 @@ class DeepSeekR1ReasoningParser:
         if delta is None or self._start in previous_ids or self._start in delta_ids:
             return delta
         # No <think> seen (the template may have opened it): reasoning until </think>.
+        return self._inside(previous_ids, delta_text, delta_ids)
+
+    def _inside(self, previous_ids: Sequence[int], delta_text: str, delta_ids: Sequence[int]) -> Delta:
+        """A delta of a reasoning already open: reasoning until </think>, content after it."""
         if self._end in delta_ids:
             end = delta_text.find(END)
             return {"reasoning": delta_text[:end], "content": delta_text[end + len(END) :] or None}
@@ -57,12 +61,7 @@ class DeepSeekR1ReasoningParser:
         if len(delta_ids) == 1 and delta_ids[0] in (self._start, self._end):
             return None
         if self._start in previous_ids:
-            if self._end in delta_ids:
-                end = delta_text.find(END)
-                return {"reasoning": delta_text[:end], "content": delta_text[end + len(END) :] or None}
-            if self._end in previous_ids:
-                return {"content": delta_text}
-            return {"reasoning": delta_text}
+            return self._inside(previous_ids, delta_text, delta_ids)
         if self._start in delta_ids:
             if self._end in delta_ids:
                 start, end = delta_text.find(START), delta_text.find(END)

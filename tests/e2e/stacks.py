@@ -1,0 +1,34 @@
+"""kvshuttle's services beside the session's vLLM pair, as the e2e tests start them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from deploy.local.launch import VllmPair
+from deploy.local.stack import KvshuttleStack
+
+# Prefill dear, moving KV cheap: reuse wins whenever the prefix verifies (CPU-class engines).
+PROFILE: dict[str, Any] = {
+    "model": "m",
+    "kv_bytes_per_token": 1024,
+    "min_reuse_tokens": 64,
+    "prefill": {"fixed_ms": 5.0, "per_token_ms": 0.2},
+    "link": {"bandwidth_gb_s": 2.0, "fixed_ms": 1.0},
+}
+
+
+@contextmanager
+def running_stack(
+    pair: VllmPair, work_dir: Path, *, extra_env: Mapping[str, Mapping[str, str]] | None = None
+) -> Iterator[KvshuttleStack]:
+    """A started stack on `pair` with PROFILE; stopped at the end, every service exiting 0."""
+    s = KvshuttleStack(pair, work_dir=work_dir, profile=PROFILE, extra_env=extra_env)
+    s.start()
+    try:
+        yield s
+    finally:
+        codes = s.stop()
+        assert all(code == 0 for code in codes.values()), (codes, s.work_dir)
