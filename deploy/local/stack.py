@@ -30,7 +30,7 @@ from typing import Any, Self
 import grpc
 
 from deploy.local.launch import VllmEngine, VllmPair, free_ports
-from deploy.local.models import kv_bytes_per_token
+from deploy.local.models import kv_bytes_per_token, model_facts
 from kvshuttle.registry.v1 import registry_service_pb2 as rpb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as rpb_grpc
 
@@ -97,6 +97,7 @@ class KvshuttleStack:
         served_model_name: str = "m",
         block_size: int = 32,
         decoder_kv_blocks_ttl: float = 480.0,
+        pool_bytes: int = 0,
         progress: Progress = _quiet,
         extra_env: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
@@ -107,7 +108,11 @@ class KvshuttleStack:
         self.model = served_model_name
         self.block_size = block_size
         self.kv_bytes_per_token = kv_bytes_per_token(pair.model_dir, dtype="float32")
-        ports = free_ports(7)
+        # Each agent's DRAM pool for parked and prefetched KV (0: none), in the engine's layout:
+        # one NIXL region per attention layer.
+        self.pool_bytes = pool_bytes
+        self._pool_regions = model_facts(pair.model_dir, dtype="float32").layers
+        ports = free_ports(9)
         self.registry_addr = f"{HOST}:{ports[0]}"
         self.router_addr = f"{HOST}:{ports[1]}"
         self.gateway_url = f"http://{HOST}:{ports[2]}"
@@ -115,6 +120,7 @@ class KvshuttleStack:
         self.cache_salt_key = os.urandom(24).hex()
         self.agent_addrs = (f"{HOST}:{ports[3]}", f"{HOST}:{ports[4]}")
         self.metrics_ports = {"registry": ports[5], "router": ports[6]}
+        self.agent_metrics_ports = (ports[7], ports[8])
         extra = extra_env or {}
         log = {"TELEMETRY__LOG_FORMAT": "json"}
         self._tokens = _Tokens(self.work_dir / "tokens")
@@ -153,6 +159,8 @@ class KvshuttleStack:
                     "SERVER__LISTEN": self.router_addr,
                     "REGISTRY__ADDRESS": self.registry_addr,
                     "REGISTRY__TOKEN_FILE": str(self._tokens.file("router")),
+                    # The router orders the agents' NIXL moves (park, prefetch) with its own token.
+                    "AGENTS__TOKEN_FILE": str(self._tokens.file("router")),
                     "PROFILES": json.dumps([dict(profile)]),
                     "TURN_SIGNING_KEY": os.urandom(24).hex(),
                     "POLICY__DECODER_KV_BLOCKS_TTL_S": str(decoder_kv_blocks_ttl),
@@ -175,10 +183,11 @@ class KvshuttleStack:
         self.agents = self._agents(extra.get("agent", {}))
 
     def _agents(self, extra: Mapping[str, str]) -> tuple[Service, Service]:
-        def agent(engine: VllmEngine, listen: str) -> Service:
+        def agent(engine: VllmEngine, listen: str, metrics_port: int) -> Service:
             host, side_port = engine.side_channel
             return Service(f"agent-{engine.name}", "kvshuttle.agent.main", _prefixed("KVSHUTTLE_AGENT_", {
                 "TELEMETRY__LOG_FORMAT": "json", "SERVER__LISTEN": listen,
+                "TELEMETRY__METRICS_LISTEN": f"{HOST}:{metrics_port}",
                 "REGISTRY__ADDRESS": self.registry_addr, "NODE__NAME": f"nodes/{engine.name}",
                 "REGISTRY__TOKEN_FILE": str(self._tokens.file(self._agent_ids[engine.name])),
                 **self._agent_auth,
@@ -189,9 +198,23 @@ class KvshuttleStack:
                 "NODE__SIDE_CHANNEL_HOST": host, "NODE__SIDE_CHANNEL_PORT": str(side_port),
                 "EVENTS__ENDPOINT": engine.events_endpoint, "EVENTS__REPLAY_ENDPOINT": engine.replay_endpoint,
                 "EVENTS__TOPIC": "kv-events", "LEASE__TTL": "10", "LEASE__HEARTBEAT_INTERVAL": "1",
-                "ENGINE__POLL_INTERVAL": "0.5", **extra}), self.work_dir)  # fmt: skip
+                "ENGINE__POLL_INTERVAL": "0.5", **self._pool_env(), **extra}), self.work_dir)  # fmt: skip
 
-        return agent(self.pair.prefill, self.agent_addrs[0]), agent(self.pair.decode, self.agent_addrs[1])
+        (p_metrics, d_metrics) = self.agent_metrics_ports
+        return (
+            agent(self.pair.prefill, self.agent_addrs[0], p_metrics),
+            agent(self.pair.decode, self.agent_addrs[1], d_metrics),
+        )
+
+    def _pool_env(self) -> dict[str, str]:
+        if not self.pool_bytes:
+            return {}
+        return {
+            "POOL__SIZE_BYTES": str(self.pool_bytes),
+            "POOL__REGIONS": str(self._pool_regions),
+            "POOL__SERVE_HOST": HOST,
+            "POOL__SERVE_PORT": "0",
+        }
 
     @property
     def admin_metadata(self) -> tuple[tuple[str, str], ...]:
@@ -252,7 +275,10 @@ class KvshuttleStack:
         except grpc.RpcError:
             return False
         engines = {self.pair.prefill.engine_id, self.pair.decode.engine_id}
-        return {n.engine_id for n in nodes if n.load.engine_healthy} >= engines
+        healthy = {n.engine_id for n in nodes if n.load.engine_healthy} >= engines
+        # With pools, each agent's pool registers as a node of its own once it serves.
+        pools = {f"nodes/{e.name}-pool" for e in self.pair.engines} if self.pool_bytes else set()
+        return healthy and {n.name for n in nodes if n.load.engine_healthy} >= pools
 
     def restart_agents(self, timeout: float = 60.0) -> None:
         """After `pair.restart()` (new engine ids and ports), agents that follow the new engines."""

@@ -276,15 +276,18 @@ async def test_get_status_over_grpc(
 
 
 @pytest.mark.parametrize("method", ["pull_blocks", "park_retention", "prefetch"])
-async def test_the_nixl_rpcs_are_not_implemented_yet(agent: AgentEnv, method: str) -> None:
+async def test_the_nixl_moves_need_a_pool(agent: AgentEnv, method: str) -> None:
+    source = KvTransferParams(remote_engine_id="engine-a", remote_request_id="cmpl-1", remote_num_tokens=3)
+    retention = "tenants/t/conversations/c/retentions/1"
     calls: dict[str, Callable[[], Awaitable[object]]] = {
-        "pull_blocks": lambda: agent.client.pull_blocks(KvTransferParams()),
-        "park_retention": lambda: agent.client.park_retention("tenants/t/conversations/c/retentions/1"),
-        "prefetch": lambda: agent.client.prefetch("tenants/t/conversations/c/retentions/1", NODE),
+        "pull_blocks": lambda: agent.client.pull_blocks(source, ttl=30),
+        "park_retention": lambda: agent.client.park_retention(retention, source=source, ttl=30),
+        "prefetch": lambda: agent.client.prefetch(retention, NODE, source=source, ttl=30),
     }
     with pytest.raises(KvshuttleRpcError) as err:
         await calls[method]()
-    assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "the agent has no pool" in err.value.message
 
 
 async def test_the_lease_survives_a_registry_restart(

@@ -47,6 +47,9 @@ class FailingPort:
     async def deregister_node(self, name: str, incarnation: int, *, deadline_s: float) -> None:
         return None
 
+    async def evict_retention(self, name: str, node: str) -> None:
+        raise AssertionError("no eviction here")
+
     async def report_block_events(
         self, node: str, incarnation: int, batches: Sequence[EventBatch]
     ) -> ApplyResult:

@@ -5,8 +5,6 @@ thread of its own as vLLM's worker is. Failures are forced by replacing one NIXL
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -14,57 +12,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tests.agent.helpers import engine_metadata, eventually
+from tests.agent.helpers import eventually
+from tests.agent.nixl_engine import ENGINE, Engine
 
 from kvshuttle.agent.block_pool import BlockPool, PoolLayout, SlotState
 from kvshuttle.agent.nixl_memory import NixlPoolMemory
 from kvshuttle.agent.park import QUARANTINE, Parker, RetainedBlocks
-from kvshuttle.agent.side_channel import Handshake
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.vllm.kv_transfer_params import from_vllm
-from kvshuttle.vllm.nixl_layout import RemoteLayout
-from kvshuttle.vllm.nixl_wire import ClockOffset, NixlHandshakePayload, encode_agent_metadata
 
-ENGINE = PoolLayout(regions=2, blocks=8, block_bytes=16 * 1024)
 POOL = PoolLayout(regions=2, blocks=6, block_bytes=16 * 1024)
 NAME = "tenants/t/conversations/c/retentions/1"
-
-
-class Engine:
-    """The engine's KV cache in NIXL memory, with its worker's notification loop."""
-
-    def __init__(self) -> None:
-        self.memory = NixlPoolMemory(ENGINE, agent_name=f"engine-{uuid.uuid4().hex[:8]}")
-        rng = np.random.default_rng(11)
-        for region in range(ENGINE.regions):
-            for block in range(ENGINE.blocks):
-                self.memory.block(region, block)[:] = rng.integers(0, 256, ENGINE.block_bytes, dtype=np.uint8)
-        self.notifications: list[tuple[str, bytes]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            for peer, messages in self.memory.progress().items():
-                self.notifications.extend((str(peer), m) for m in messages)
-            time.sleep(0.0001)
-
-    def handshake(self, **changes: Any) -> Handshake:
-        meta = engine_metadata(ENGINE, agent_metadata=self.memory.metadata(), base=self.memory.base_address)
-        meta = dataclasses.replace(meta, **changes)
-        return Handshake(
-            payload=NixlHandshakePayload("ab" * 32, encode_agent_metadata(meta)),
-            metadata=meta,
-            layout=RemoteLayout.of(meta),
-            clock=ClockOffset(offset=0.0, rtt=0.0),
-        )
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.memory.close()
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +199,26 @@ async def test_a_cancelled_park_frees_its_slots_once_the_read_stopped(
         await task
     assert pool.stats().filling_retentions == 1  # the READ still runs in its thread
     await eventually(lambda: pool.stats().used_blocks == 0, what="the slots freed")
+
+
+async def test_holders_agents_are_kept_by_engine_id_and_bounded(
+    engine: Engine, memory: NixlPoolMemory
+) -> None:
+    pool = BlockPool(POOL)
+    parker = Parker(pool, memory, max_remotes=1)
+    for engine_id in ("engine-a", "engine-b"):
+        blocks = retained((1,), remote_engine_id=engine_id, remote_request_id=f"{engine_id}-1")
+        await parker.park(f"{NAME}{engine_id}", blocks, engine.handshake(engine_id=engine_id), expire_at=1e9)
+    assert list(parker.remotes) == ["engine-b"]
+
+
+async def test_a_read_without_notification_leaves_the_holders_blocks(
+    engine: Engine, memory: NixlPoolMemory
+) -> None:
+    pool = BlockPool(POOL)
+    parked = await Parker(pool, memory).park(
+        NAME, retained((3,), remote_request_id="quiet-1"), engine.handshake(), expire_at=1e9, notify=False
+    )
+    assert np.array_equal(memory.block(1, parked.allocation.slots[0]), engine.memory.block(1, 3))
+    await asyncio.sleep(0.1)
+    assert not [m for _, m in engine.notifications if m.startswith(b"quiet-1")]

@@ -10,6 +10,7 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import pytest
 import zmq.asyncio
 from prometheus_client import generate_latest
@@ -32,7 +33,13 @@ from kvshuttle.agent.config import AgentSettings, PoolSettings
 from kvshuttle.agent.main import connect_registry
 from kvshuttle.agent.registry_port import GrpcRegistryPort
 from kvshuttle.agent.side_channel import fetch_handshake
+from kvshuttle.agent.v1 import agent_service_pb2 as apb
+from kvshuttle.agent.v1 import agent_service_pb2_grpc as apb_grpc
+from kvshuttle.client import KvshuttleRpcError
 from kvshuttle.core.errors import FailedPrecondition
+from kvshuttle.core.prototime import to_duration
+from kvshuttle.registry.v1 import registry_service_pb2 as rpb
+from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 
 MIB = 1024 * 1024
 
@@ -235,3 +242,128 @@ async def test_an_agent_configured_not_to_serve_has_no_side_channel(
         assert env.agent.pool_memory is not None and env.agent.server is None
     finally:
         await env.stop()
+
+
+async def test_a_served_pool_registers_as_a_node_of_its_own(pooled: AgentEnv) -> None:
+    agent = pooled.agent
+    server, pool_lease = agent.server, agent.pool_lease
+    assert server is not None and pool_lease is not None
+    await eventually(lambda: pool_lease.state.heartbeats > 0, what="the pool node's heartbeat")
+    node = (await pooled.registry_client.get_node("nodes/agent-0-pool")).node
+    assert node.role == rpb.NODE_ROLE_POOL
+    assert (node.engine_id, node.side_channel_host, node.side_channel_port) == (
+        server.engine_id,
+        "127.0.0.1",
+        server.port,
+    )
+    assert node.agent_endpoint == pooled.address
+    assert (node.model, node.block_size, node.kv_bytes_per_token) == ("tiny-llama", 32, 4096)
+    assert dict(node.labels) == {
+        "kvshuttle.io/pool-of": "nodes/agent-0",
+        "kvshuttle.io/pool-capacity-bytes": str(MIB),
+    }
+    assert node.load.engine_healthy and node.load.kv_cache_usage == 0.0
+    assert agent.mover is not None and agent.mover.pool_node == "nodes/agent-0-pool"
+    text = generate_latest(pooled.metrics).decode()
+    assert "kvshuttle_agent_pool_node_registered 1.0" in text
+
+    await pooled.stop()
+    client = connect_registry(pooled.settings)
+    try:
+        with pytest.raises(KvshuttleRpcError) as gone:
+            await client.get_node("nodes/agent-0-pool")
+    finally:
+        await client.close()
+    assert gone.value.reason == "NODE_NOT_FOUND"
+
+
+async def test_an_agent_not_serving_its_pool_registers_no_pool_node_and_moves_nothing(
+    registry_env: RegistryEnv, engine: FakeEngineHttp, side_channel: FakeSideChannel
+) -> None:
+    settings = pooled_settings(registry_env.address, engine.url, side_channel.port)
+    settings.pool.serve_port = None
+    env = await start_agent(settings)
+    try:
+        assert env.agent.pool_lease is None and env.agent.mover is None
+        with pytest.raises(KvshuttleRpcError) as refused:
+            await env.client.park_retention(RETENTION, source=SOURCE, ttl=60)
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "does not serve its pool" in refused.value.message
+    finally:
+        await env.stop()
+
+
+RETENTION = "tenants/t/conversations/c/retentions/1"
+SOURCE = from_vllm(
+    {
+        "do_remote_decode": True,
+        "remote_engine_id": "engine-a",
+        "remote_request_id": "cmpl-1-0",
+        "remote_block_ids": [[1, 2]],
+        "remote_num_tokens": 40,
+        "remote_blocks_expiry_time": 1e12,
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+    }
+)
+
+
+async def test_the_moves_errors_over_grpc(pooled: AgentEnv) -> None:
+    client = pooled.client
+    cases: list[tuple[Any, grpc.StatusCode, str, str]] = [
+        (
+            client.park_retention(RETENTION, source=SOURCE, ttl=0),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_ARGUMENT",
+            "ttl",
+        ),
+        (
+            client.park_retention(
+                RETENTION, source=from_vllm({**_params(), "remote_engine_id": "engine-b"}), ttl=60
+            ),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "NODE_MISMATCH",
+            "",
+        ),
+        (
+            client.prefetch(RETENTION, "nodes/prefill-1", source=SOURCE, ttl=60),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "NODE_MISMATCH",
+            "",
+        ),
+        (
+            client.pull_blocks(from_vllm({"remote_engine_id": "engine-a"}), ttl=60),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_ARGUMENT",
+            "source.remote_request_id",
+        ),
+    ]
+    for call, code, reason, field in cases:
+        with pytest.raises(KvshuttleRpcError) as err:
+            await call
+        assert (err.value.code, err.value.reason) == (code, reason), err.value.message
+        if field:
+            assert err.value.metadata.get("field") == field
+    async with grpc.aio.insecure_channel(pooled.address) as channel:
+        stub = apb_grpc.AgentServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await stub.ParkRetention(apb.ParkRetentionRequest(retention=RETENTION, ttl=to_duration(60)))
+        assert missing.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "source" in str(missing.value.details())
+    text = generate_latest(pooled.metrics).decode()
+    assert 'kvshuttle_agent_moves_total{kind="park",outcome="node_mismatch"} 1.0' in text
+    assert 'kvshuttle_agent_pool_evictions_total{why="pool_full"} 0.0' in text
+
+
+def _params() -> dict[str, Any]:
+    return to_vllm(SOURCE)
+
+
+def test_a_served_pools_node_name_must_leave_room_for_its_pool_node() -> None:
+    settings = agent_settings("127.0.0.1:1", "http://127.0.0.1:1").model_dump()
+    settings["node"]["name"] = "nodes/decode-pool"
+    with pytest.raises(ValidationError, match="pool node"):
+        AgentSettings.model_validate({**settings, "pool": {"size_bytes": MIB, "regions": 4}})
+    # Without a pool (or not served) the name is free.
+    AgentSettings.model_validate(settings)
+    AgentSettings.model_validate({**settings, "pool": {"size_bytes": MIB, "regions": 4, "serve_port": None}})

@@ -1,6 +1,6 @@
 """Serving the pool (kvshuttle.agent.serve): its side channel on a real ZMQ ROUTER (127.0.0.1,
 port 0), and a reader that plays vLLM's prefill with a NIXL agent of its own: handshake, READ of
-the advertised slots with the read-done notification, heartbeats."""
+the published slots with the read-done notification, heartbeats."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from tests.clock import FakeClock
 
 from kvshuttle.agent.block_pool import Allocation, BlockPool, PoolLayout, SlotState
 from kvshuttle.agent.nixl_memory import NixlPoolMemory
-from kvshuttle.agent.serve import PREFILL_EXPIRY_MARGIN, PoolServer
+from kvshuttle.agent.serve import PREFILL_EXPIRY_MARGIN, PoolServer, Served
 from kvshuttle.agent.side_channel import Handshake, fetch_handshake
-from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, Unavailable
+from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from kvshuttle.vllm.nixl_layout import RemoteLayout
 from kvshuttle.vllm.nixl_wire import (
     ClockOffset,
@@ -71,13 +71,25 @@ def context() -> Iterator[zmq.asyncio.Context]:
     c.destroy(linger=0)
 
 
-def _parked(pool: BlockPool, memory: NixlPoolMemory, blocks: int = 3, name: str = NAME) -> Allocation:
-    allocation = pool.allocate(name, blocks, expire_at=1e9)
+def _parked(
+    pool: BlockPool,
+    memory: NixlPoolMemory,
+    blocks: int = 3,
+    name: str = NAME,
+    *,
+    expire_at: float | None = None,
+) -> Allocation:
+    expire_at = time.monotonic() + 60 if expire_at is None else expire_at
+    allocation = pool.allocate(name, blocks, expire_at=expire_at)
     rng = np.random.default_rng(5)
     for region in range(POOL.regions):
         for slot in allocation.slots:
             memory.block(region, slot)[:] = rng.integers(0, 256, POOL.block_bytes, dtype=np.uint8)
     return pool.seal(name)
+
+
+def _served(server: PoolServer, read_id: str) -> Served:
+    return server.served[read_id]
 
 
 async def _server(
@@ -119,6 +131,22 @@ async def test_the_handshake_describes_the_pool_in_the_engines_layout(
     assert all(getattr(meta, f) == getattr(engine, f) for f in kept)
     assert got.layout.descriptor(1, 2) == tuple(int(v) for v in memory.descriptors([2])[1])
     assert abs(got.clock.offset) < 1.0  # the agent's perf_counter stamps the reply
+    assert meta.region_mem_types == ("DRAM",) * POOL.regions
+
+
+async def test_the_pool_is_advertised_as_host_memory_whatever_the_engines_cache_is(
+    pool: BlockPool, memory: NixlPoolMemory, context: zmq.asyncio.Context
+) -> None:
+    engine = engine_handshake(region_mem_types=("VRAM",) * ENGINE.regions)
+    server = PoolServer(pool, memory, engine, context, host="127.0.0.1")
+    await server.start()
+    try:
+        got = await fetch_handshake(context, "127.0.0.1", server.port, reply_timeout=5)
+        assert got.metadata.region_mem_types == ("DRAM",) * POOL.regions and got.layout.mem_type == "DRAM"
+        assert server.serving
+    finally:
+        await server.close()
+    assert not server.serving
 
 
 async def test_malformed_requests_and_other_ranks_get_no_answer(
@@ -188,13 +216,15 @@ async def test_a_read_and_its_notification_release_the_slots(
 ) -> None:
     parked = _parked(pool, memory)
     before = time.perf_counter()
-    params = server.serve(NAME, 3 * 32 - 4)
-    assert pool.get(NAME).state is SlotState.CLAIMED
+    params = server.publish(NAME, 3 * 32 - 4)
+    assert pool.get(NAME).state is SlotState.PARKED  # the registry's claim guards it, not the pool
     assert params["remote_engine_id"] == server.engine_id
     assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", server.port)
     assert params["remote_block_ids"] == [list(parked.slots)] and params["remote_num_tokens"] == 92
     assert (params["do_remote_decode"], params["do_remote_prefill"]) == (True, False)
-    assert params["remote_blocks_expiry_time"] - before >= 30.0 > PREFILL_EXPIRY_MARGIN
+    # The allocation's own expiry, on the agent's perf_counter.
+    assert 59.0 <= params["remote_blocks_expiry_time"] - before <= 60.5
+    assert params["remote_request_id"].startswith("kvshuttle-pool-")
     served = await fetch_handshake(context, "127.0.0.1", server.port, reply_timeout=5)
 
     notification = read_done_message(params["remote_request_id"], 1)
@@ -205,7 +235,7 @@ async def test_a_read_and_its_notification_release_the_slots(
         for i, slot in enumerate(parked.slots):
             assert np.array_equal(reader.block(region, i), memory.block(region, slot))
     await eventually(lambda: not pool.allocations(), what="the slots released")
-    assert not server.served
+    assert not server.served and server.reads == 1
 
 
 async def test_slots_wait_for_every_consumer_and_ignore_strangers(
@@ -216,7 +246,7 @@ async def test_slots_wait_for_every_consumer_and_ignore_strangers(
     context: zmq.asyncio.Context,
 ) -> None:
     _parked(pool, memory)
-    request_id = server.serve(NAME, 1)["remote_request_id"]
+    request_id = server.publish(NAME, 1)["remote_request_id"]
     served = await fetch_handshake(context, "127.0.0.1", server.port, reply_timeout=5)
     for message in (b"\xff\xfe", b"no-colon", read_done_message("cmpl-unknown", 1)):
         await _send(reader, served, message)
@@ -225,45 +255,59 @@ async def test_slots_wait_for_every_consumer_and_ignore_strangers(
         lambda: server.served.get(request_id, None) is not None and server.served[request_id].notified == 1
     )
     await asyncio.sleep(0.1)
-    assert pool.get(NAME).state is SlotState.CLAIMED
+    assert pool.get(NAME).state is SlotState.PARKED and server.active(NAME)  # a reader is on it
     await _send(reader, served, read_done_message(request_id, 2))
     await eventually(lambda: not pool.allocations(), what="the slots released")
+    assert not server.active(NAME)
 
 
-async def test_heartbeats_renew_and_an_unread_retention_expires(
+async def test_heartbeats_hold_the_allocation_and_expiry_forgets_it(
     pool: BlockPool, memory: NixlPoolMemory, reader: NixlPoolMemory, context: zmq.asyncio.Context
 ) -> None:
     clock = FakeClock(1000.0)
-    async for server in _server(pool, memory, context, lease=6.0, grace=1.0, clock=clock.now):
-        _parked(pool, memory)
-        params = server.serve(NAME, 1)
+    async for server in _server(
+        pool, memory, context, lease=6.0, grace=1.0, clock=clock.now, monotonic=clock.now
+    ):
+        _parked(pool, memory, expire_at=1006.0)
+        params = server.publish(NAME, 1)
         assert params["remote_blocks_expiry_time"] == 1006.0
+        assert not server.active(NAME)
         served = await fetch_handshake(context, "127.0.0.1", server.port, reply_timeout=5)
-        clock.advance(6.5)  # past the advertised expiry, within the grace
-        await _send(reader, served, heartbeat_message(["other", params["remote_request_id"]]))
+        clock.advance(3.0)
         request_id = params["remote_request_id"]
-        await eventually(lambda: server.served[request_id].hold_until == 1013.5, what="the renewal")  # noqa: B023
-        clock.advance(6.5)
-        await asyncio.sleep(0.2)
-        assert pool.get(NAME).state is SlotState.CLAIMED
-        clock.advance(0.5)
-        await eventually(lambda: not pool.allocations(), what="the expired retention released")
-        assert not server.served
+        await _send(reader, served, heartbeat_message(["other", request_id]))
+        await eventually(lambda: pool.get(NAME).expire_at == 1010.0, what="the renewal")
+        assert server.active(NAME) and _served(server, request_id).active_until == 1010.0
+        assert not pool.expire(1009.0)
+        clock.advance(7.5)
+        assert not server.active(NAME)
+        assert [a.name for a in pool.expire(clock.now())] == [NAME]
+        await eventually(lambda: not server.served, what="the expired allocation forgotten")  # noqa: B023
+        # A late read-done for it releases nothing (the name may hold other slots by now).
+        _parked(pool, memory, blocks=2, expire_at=2000.0)
+        await _send(reader, served, read_done_message(request_id, 1))
+        await asyncio.sleep(0.1)
+        assert pool.get(NAME).blocks == 2 and server.reads == 0
 
 
-async def test_serving_refuses_what_it_cannot_serve(
+async def test_publishing_refuses_what_it_cannot_serve(
     server: PoolServer, pool: BlockPool, memory: NixlPoolMemory, context: zmq.asyncio.Context
 ) -> None:
     pool.allocate("filling", 1, expire_at=1e9)
-    with pytest.raises(FailedPrecondition):
-        server.serve("filling", 1)
+    with pytest.raises(FailedPrecondition, match="not sealed"):
+        server.publish("filling", 1)
+    with pytest.raises(NotFound):
+        server.publish("nothing", 1)
     _parked(pool, memory)
     with pytest.raises(InvalidArgument, match="num_tokens"):
-        server.serve(NAME, 3 * 32 + 1)
-    server.serve(NAME, 1)
-    with pytest.raises(FailedPrecondition):  # already claimed by a reader
-        server.serve(NAME, 1)
-    assert len(server.served) == 1
+        server.publish(NAME, 3 * 32 + 1)
+    first = server.publish(NAME, 1)["remote_request_id"]
+    with pytest.raises(FailedPrecondition, match="served already"):
+        server.publish(NAME, 1)
+    assert list(server.served) == [first]
+    server.withdraw(NAME)
+    assert not server.served
+    assert server.publish(NAME, 1)["remote_request_id"] != first
     with pytest.raises(ValueError, match="margin"):
         PoolServer(pool, memory, engine_handshake(), context, host="127.0.0.1", lease=PREFILL_EXPIRY_MARGIN)
     with pytest.raises(FailedPrecondition, match="block_bytes"):

@@ -136,6 +136,7 @@ async def test_the_agent_serves_status_to_its_watchers_only() -> None:
             assert denial(err.value) == ("PERMISSION_DENIED", "PERMISSION_MISSING")
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.ParkRetention(apb.ParkRetentionRequest(), metadata=bearer("router"))
-            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED  # authorized; not built yet
+            # Authorized: this agent has no pool, which the move itself refuses.
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     finally:
         await server.stop()

@@ -19,6 +19,7 @@ from tests.clock import FakeClock
 from tests.registry.test_registry_grpc import CONV, node, retention, seconds
 
 from kvshuttle.cli.main import TOKEN_FILE_ENV
+from kvshuttle.core.nodes import POOL_OF_LABEL
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RegistrySettings
 from kvshuttle.registry.limits import RegistryLimits
@@ -72,6 +73,20 @@ MATRIX: dict[str, tuple[Callable[[], Any], set[str]]] = {
         {"admin"},
     ),
     "DeregisterNode": (lambda: pb.DeregisterNodeRequest(name="nodes/d1"), {"admin"}),  # not the agent's node
+    "MoveRetention": (
+        lambda: pb.MoveRetentionRequest(
+            name=RETENTION,
+            claim_id="x",
+            node="nodes/d0-pool",
+            kv_transfer_params=retention(1).kv_transfer_params,
+        ),
+        {"router", "admin"},
+    ),
+    # Node-scoped, not tenant-scoped: the agent evicts from its own pool node.
+    "EvictRetention": (
+        lambda: pb.EvictRetentionRequest(name=RETENTION, node="nodes/d0-pool"),
+        {"router", "agent-d0", "admin"},
+    ),
 }
 
 
@@ -170,6 +185,44 @@ async def test_an_agent_acts_for_its_own_node_only(env: Env) -> None:
     ):
         assert await call(env, rpc, request, "agent-d0") == ("PERMISSION_DENIED", "NODE_NOT_IN_SCOPE")
     assert await env.snapshot() == before
+
+
+async def test_an_agent_acts_for_its_own_pool_node_too(env: Env) -> None:
+    pool = pb.Node()
+    pool.CopyFrom(node(name="nodes/d0-pool", engine_id="pool-d0", role=pb.NODE_ROLE_POOL))
+    pool.labels[POOL_OF_LABEL] = "nodes/d0"
+    registered = await env.stub.RegisterNode(
+        pb.RegisterNodeRequest(node=pool, ttl=seconds(30)), metadata=bearer("agent-d0")
+    )
+    incarnation = registered.node.incarnation
+    await env.stub.HeartbeatNode(
+        pb.HeartbeatNodeRequest(name="nodes/d0-pool", incarnation=incarnation), metadata=bearer("agent-d0")
+    )
+    before = await env.snapshot()
+    other_pool = pb.Node()
+    other_pool.CopyFrom(pool)
+    other_pool.name = "nodes/d1-pool"
+    other_pool.labels[POOL_OF_LABEL] = "nodes/d1"
+    for rpc, request in (
+        ("RegisterNode", pb.RegisterNodeRequest(node=other_pool, ttl=seconds(30))),
+        ("HeartbeatNode", pb.HeartbeatNodeRequest(name="nodes/d1-pool", incarnation=1)),
+        ("EvictRetention", pb.EvictRetentionRequest(name=RETENTION, node="nodes/d1-pool")),
+        ("EvictRetention", pb.EvictRetentionRequest(name=RETENTION, node="nodes/d0-poolx")),
+    ):
+        assert await call(env, rpc, request, "agent-d0") == ("PERMISSION_DENIED", "NODE_NOT_IN_SCOPE"), rpc
+    # A gateway bound to the retention's tenant still may not evict: eviction is no tenant's call.
+    evict = pb.EvictRetentionRequest(name=RETENTION, node="nodes/d0")
+    assert await call(env, "EvictRetention", evict, "gateway-acme") == (
+        "PERMISSION_DENIED",
+        "PERMISSION_MISSING",
+    )
+    # The agent moves nothing: the router orchestrates moves.
+    move = pb.MoveRetentionRequest(name=RETENTION, claim_id="x", node="nodes/d0-pool")
+    assert await call(env, "MoveRetention", move, "agent-d0") == ("PERMISSION_DENIED", "PERMISSION_MISSING")
+    assert await env.snapshot() == before
+    # Its own node's retention, from its own node: allowed (and done).
+    assert await call(env, "EvictRetention", evict, "agent-d0") == ("OK", "")
+    assert (await env.snapshot())[1] == []
 
 
 @pytest.mark.parametrize(

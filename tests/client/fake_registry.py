@@ -360,6 +360,43 @@ class FakeRegistry(pb_grpc.RegistryServiceServicer):
         del self.retentions[request.name]
         return pb.ReleaseRetentionResponse()
 
+    async def MoveRetention(
+        self, request: pb.MoveRetentionRequest, context: Context
+    ) -> pb.MoveRetentionResponse:
+        await self._enter("MoveRetention", request, context)
+        replay = self._replay(request.request_id)
+        if isinstance(replay, pb.MoveRetentionResponse):
+            return replay
+        retention = await self._retention(request.name, context)
+        if retention.state != pb.RETENTION_STATE_CLAIMED or retention.claim.claim_id != request.claim_id:
+            await abort(
+                context, grpc.StatusCode.FAILED_PRECONDITION, "CLAIM_MISMATCH", "claim_id does not match"
+            )
+        await self._node(request.node, context)
+        ttl = request.ttl.ToTimedelta().total_seconds() if request.HasField("ttl") else 300.0
+        retention.node = request.node
+        retention.kv_transfer_params.CopyFrom(request.kv_transfer_params)
+        retention.kv_bytes = request.kv_bytes
+        retention.state = pb.RETENTION_STATE_ACTIVE
+        retention.ClearField("claim")
+        retention.ClearField("pin_expire_time")
+        retention.expire_time.CopyFrom(to_timestamp(time.time() + ttl))
+        response = pb.MoveRetentionResponse(retention=retention)
+        self._remember(request.request_id, response)
+        return response
+
+    async def EvictRetention(
+        self, request: pb.EvictRetentionRequest, context: Context
+    ) -> pb.EvictRetentionResponse:
+        await self._enter("EvictRetention", request, context)
+        retention = await self._retention(request.name, context)
+        if retention.node != request.node:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "NODE_MISMATCH", "held by another node")
+        if retention.state == pb.RETENTION_STATE_CLAIMED:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, "RETENTION_ALREADY_CLAIMED", "claimed")
+        del self.retentions[request.name]
+        return pb.EvictRetentionResponse()
+
     async def ListRetentions(
         self, request: pb.ListRetentionsRequest, context: Context
     ) -> pb.ListRetentionsResponse:

@@ -108,6 +108,31 @@ async def test_retention_lifecycle(fake: FakeRegistry, client: RegistryClient) -
     assert gone.value.reason == "RETENTION_NOT_FOUND"
 
 
+async def test_move_and_evict_send_their_fields_and_retry(fake: FakeRegistry, client: RegistryClient) -> None:
+    fake.add_node("nodes/d0")
+    fake.add_node("nodes/d0-pool", role=pb.NODE_ROLE_POOL)
+    name = fake.add_retention(CONVERSATION, 1, "nodes/d0").name
+    claim_id = (await client.claim_retention(name, "router/park")).retention.claim.claim_id
+    pooled = from_vllm(
+        {"do_remote_decode": True, "remote_engine_id": "engine-d0-pool", "remote_block_ids": [[7]]}
+    )
+    fake.failures["MoveRetention"] = [grpc.StatusCode.UNAVAILABLE]
+    moved = await client.move_retention(
+        name, claim_id=claim_id, node="nodes/d0-pool", kv_transfer_params=pooled, kv_bytes=2048, ttl=45
+    )
+    assert moved.retention.node == "nodes/d0-pool"
+    sent = fake.requests["MoveRetention"]
+    assert len(sent) == 2  # retried once under the request_id it filled in
+    assert isinstance(sent[0], pb.MoveRetentionRequest) and sent[0].request_id
+    assert sent[0] == sent[1]
+    assert (sent[0].claim_id, sent[0].kv_bytes, sent[0].ttl) == (claim_id, 2048, to_duration(45))
+    assert sent[0].kv_transfer_params == pooled
+    fake.failures["EvictRetention"] = [grpc.StatusCode.UNAVAILABLE]
+    await client.evict_retention(name, node="nodes/d0-pool")
+    assert fake.calls["EvictRetention"] == 2
+    assert name not in fake.retentions
+
+
 async def test_watch_yields_changes_and_cancels_on_close(fake: FakeRegistry, client: RegistryClient) -> None:
     fake.hold_watch_open = True
     fake.watch_events = [
@@ -258,16 +283,17 @@ async def test_agent_client() -> None:
         assert (await client.get_status()).registered
         source = vllm_pb.KvTransferParams(remote_engine_id="e1", remote_num_tokens=16)
         recorder.unavailable["PullBlocks"] = 1
-        assert (await client.pull_blocks(source, notify_holder=True)).bytes == 4096
-        await client.park_retention("r", ttl=60, request_id="p-1")
-        await client.prefetch("r", "nodes/p0")
+        assert (await client.pull_blocks(source, ttl=30, notify_holder=True)).bytes == 4096
+        await client.park_retention("r", source=source, ttl=60, request_id="p-1")
+        await client.prefetch("r", "nodes/p0", source=source, ttl=45)
     assert len(recorder.requests["GetStatus"]) == 3
     pulls = recorder.requests["PullBlocks"]
     assert len(pulls) == 2 and pulls[0].request_id == pulls[1].request_id
-    assert pulls[0].source == source and pulls[0].notify_holder
+    assert pulls[0].source == source and pulls[0].notify_holder and pulls[0].ttl.seconds == 30
     park = recorder.requests["ParkRetention"][0]
-    assert (park.request_id, park.ttl.seconds) == ("p-1", 60)
-    assert recorder.requests["Prefetch"][0].target_node == "nodes/p0"
+    assert (park.request_id, park.ttl.seconds, park.source) == ("p-1", 60, source)
+    prefetch = recorder.requests["Prefetch"][0]
+    assert (prefetch.target_node, prefetch.ttl.seconds, prefetch.source) == ("nodes/p0", 45, source)
 
 
 # Conversions

@@ -22,10 +22,15 @@ PROFILE: dict[str, Any] = {
 
 @contextmanager
 def running_stack(
-    pair: VllmPair, work_dir: Path, *, extra_env: Mapping[str, Mapping[str, str]] | None = None
+    pair: VllmPair,
+    work_dir: Path,
+    *,
+    extra_env: Mapping[str, Mapping[str, str]] | None = None,
+    pool_bytes: int = 0,
 ) -> Iterator[KvshuttleStack]:
-    """A started stack on `pair` with PROFILE; stopped at the end, every service exiting 0."""
-    s = KvshuttleStack(pair, work_dir=work_dir, profile=PROFILE, extra_env=extra_env)
+    """A started stack on `pair` with PROFILE (agents with DRAM pools of `pool_bytes`, 0: none);
+    stopped at the end, every service exiting 0."""
+    s = KvshuttleStack(pair, work_dir=work_dir, profile=PROFILE, extra_env=extra_env, pool_bytes=pool_bytes)
     s.start()
     try:
         yield s

@@ -3,10 +3,11 @@
 
 Turn 1 runs P->D; decode's retained blocks are parked into the pool (one NIXL READ); the agent
 answers prefill's side-channel handshake for its pool, and turn 2 goes to prefill with
-kv_transfer_params naming the agent, then to decode with prefill's params. Prefill must report
-the parked tokens as read remotely, notify the agent (which frees the slots), and decode's greedy
-output must equal a single-server run from scratch. Corrupting the parked copy before serving
-(every value's sign flipped) must change the output: prefill really read the agent's copy.
+kv_transfer_params naming the agent (PoolServer.publish), then to decode with prefill's params.
+Prefill must report the parked tokens as read remotely, notify the agent (which frees the
+slots), and decode's greedy output must equal a single-server run from scratch. Corrupting the
+parked copy before serving (every value's sign flipped) must change the output: prefill really
+read the agent's copy.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ async def _turn_two(
     vllm_pair: VllmPair, agent: Agent, parked: Parked, prompt: list[int], salt: str
 ) -> tuple[dict[str, Any], list[int]]:
     """Turn 2 with prefill reading from the agent: (prefill's kv_transfer_params, decode's output)."""
-    served = agent.server.serve(parked.allocation.name, parked.num_tokens)
+    served = agent.server.publish(parked.allocation.name, parked.num_tokens)
     assert served["remote_blocks_expiry_time"] - time.perf_counter() > 25
     p2 = await _complete(vllm_pair.prefill.url, prompt, 1, cache_salt=salt, kv_transfer_params=served)
     d2 = await _complete(

@@ -766,3 +766,20 @@ async def test_usage_reports_the_prompt_tokens_prefill_did_not_compute(c: Cluste
         == (c.prefill.answers[2]["kv_transfer_params"]["remote_prefill_cached_tokens"])
         > 0
     )
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan", "inf", "86401"])
+async def test_a_bad_think_time_header_is_400_naming_it(c: Cluster, value: str) -> None:
+    status, body = await c.post(
+        CHAT, chat(first_messages(), conversation_id="t"), **{"X-Kvshuttle-Expected-Think-Time": value}
+    )
+    assert status == 400
+    assert assert_openai_error(body)["param"] == "X-Kvshuttle-Expected-Think-Time"
+    assert c.prefill.requests == [] and c.decode.requests == []
+
+
+async def test_a_think_time_header_is_accepted(c: Cluster) -> None:
+    status, _ = await c.post(
+        CHAT, chat(first_messages(), conversation_id="t2"), **{"X-Kvshuttle-Expected-Think-Time": "2.5"}
+    )
+    assert status == 200

@@ -106,6 +106,8 @@ class FakeRouter:
     commit_gate: asyncio.Event | None = None
     commit_failure: RouterFailure | None = None
     plan_failure: RouterFailure | None = None
+    # Request id -> the think-time hint its PlanTurn carried.
+    think_times: dict[str, float | None] = field(default_factory=dict)
 
     async def plan_turn(
         self,
@@ -115,8 +117,10 @@ class FakeRouter:
         conversation: str,
         request_id: str,
         cache_salt_sha256: bytes,
+        expected_think_time_s: float | None = None,
     ) -> pb.PlanTurnResponse:
         self.log.append(f"plan {request_id}")
+        self.think_times[request_id] = expected_think_time_s
         if self.plan_failure is not None:
             raise self.plan_failure
         return self.plans[request_id]
@@ -294,6 +298,18 @@ async def test_a_plain_turn_prefills_decodes_and_commits_the_sequence_with_its_o
     assert env.router.aborts == []
     assert env.log == ["plan r1", "prefill", "decode", "commit turns/1"]
     assert env.commits("stored") == 1
+
+
+async def test_the_turns_think_time_hint_reaches_the_plan(env: Env) -> None:
+    env.router.plans["r1"] = make_plan(1)
+    env.router.plans["r2"] = make_plan(2)
+    hinted = make_turn("r1")
+    hinted.expected_think_time_s = 7.5
+    await env.runner.complete(hinted)
+    await env.background.settle()
+    await env.runner.complete(make_turn("r2"))
+    await env.background.settle()
+    assert env.router.think_times == {"r1": 7.5, "r2": None}
 
 
 async def test_a_reuse_turn_hands_prefill_the_plans_params_and_streams_decode(env: Env) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +35,8 @@ def node_info(node: reg.Node, indexed_blocks: int = 0) -> NodeInfo:
         indexed_blocks=indexed_blocks,
         side_channel_host=spec.side_channel_host,
         side_channel_port=spec.side_channel_port,
+        agent_endpoint=spec.agent_endpoint,
+        labels=dict(spec.labels),
     )
 
 
@@ -111,9 +114,36 @@ class InProcessPort:
         )
         return retention_info(result.retention)
 
-    async def release(self, name: str, *, claim_id: str) -> None:
+    async def move_retention(
+        self,
+        name: str,
+        *,
+        claim_id: str,
+        node: str,
+        kv_transfer_params: dict[str, Any],
+        kv_bytes: int,
+        ttl: float,
+        request_id: str,
+    ) -> RetentionInfo:
+        self._count("move_retention")
+        params = from_vllm(dict(kv_transfer_params))
+        moved = await self.registry.move_retention(
+            request_id=request_id,
+            move=reg.Move(
+                name=name,
+                claim_id=claim_id,
+                node=node,
+                kv_transfer_params=params.SerializeToString(),
+                kv_bytes=kv_bytes,
+                holder=holder_from_pb(params),
+            ),
+            ttl=ttl,
+        )
+        return retention_info(moved)
+
+    async def release(self, name: str, *, claim_id: str, keep: bool = False) -> None:
         self._count("release")
         try:
-            await self.registry.release_retention(name, claim_id=claim_id, force=False)
+            await self.registry.release_retention(name, claim_id=claim_id, force=False, keep=keep)
         except NotFound:
             return

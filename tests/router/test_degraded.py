@@ -101,9 +101,9 @@ class FlakyPort(InProcessPort):
         await self._gate("put_retention")
         return await super().put_retention(new)
 
-    async def release(self, name: str, *, claim_id: str) -> None:
+    async def release(self, name: str, *, claim_id: str, keep: bool = False) -> None:
         await self._gate("release")
-        await super().release(name, claim_id=claim_id)
+        await super().release(name, claim_id=claim_id, keep=keep)
 
 
 class Cluster:

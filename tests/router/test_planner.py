@@ -108,8 +108,11 @@ class ScriptedPort:
     async def put_retention(self, new: NewRetention) -> RetentionInfo:
         raise AssertionError("a plan stores nothing")
 
-    async def release(self, name: str, *, claim_id: str) -> None:
+    async def release(self, name: str, *, claim_id: str, keep: bool = False) -> None:
         raise AssertionError("a plan releases nothing")
+
+    async def move_retention(self, name: str, **kwargs: Any) -> RetentionInfo:
+        raise AssertionError("a plan moves nothing")
 
 
 def planner(port: ScriptedPort, clock: FakeClock, memory: TurnMemory) -> Planner:

@@ -38,7 +38,12 @@ from kvshuttle.core.prototime import to_timestamp
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.vllm.kv_transfer_params import from_vllm
 
-ROLES = {"prefill": pb.NODE_ROLE_PREFILL, "decode": pb.NODE_ROLE_DECODE, "both": pb.NODE_ROLE_BOTH}
+ROLES = {
+    "prefill": pb.NODE_ROLE_PREFILL,
+    "decode": pb.NODE_ROLE_DECODE,
+    "both": pb.NODE_ROLE_BOTH,
+    "pool": pb.NODE_ROLE_POOL,
+}
 
 
 # Nodes
@@ -285,7 +290,7 @@ ROLE_CHOICES = sorted(ROLES)
 def _add_node_commands(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     role_choices = ROLE_CHOICES
     sub = _leaf(commands, "nodes", nodes, parents, "list live nodes")
-    sub.add_argument("--role", choices=role_choices, help="only this role (and 'both')")
+    sub.add_argument("--role", choices=role_choices, help="only this role (and 'both', except for 'pool')")
     sub.add_argument("--model", default="", help="only nodes serving this model")
 
     sub = _leaf(commands, "register-node", register_node, parents, "register a node (prints its incarnation)")

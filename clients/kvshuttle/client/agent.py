@@ -29,13 +29,19 @@ class AgentClient(ServiceClient):
         self,
         source: vllm_pb.KvTransferParams,
         *,
+        ttl: DurationLike,
         notify_holder: bool = False,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> pb.PullBlocksResponse:
-        """Read the blocks `source` describes into the agent's pool (notifying the holder if asked)."""
+        """Read the blocks `source` describes (any holder's side channel) into the agent's pool
+        for `ttl`, notifying the holder if asked; the answer's `pooled` params read them from
+        the agent's pool node (`node`)."""
         request = pb.PullBlocksRequest(
-            request_id=new_request_id(request_id), source=source, notify_holder=notify_holder
+            request_id=new_request_id(request_id),
+            source=source,
+            notify_holder=notify_holder,
+            ttl=to_duration(ttl),
         )
         return await self._unary("PullBlocks", request, pb.PullBlocksResponse, timeout)
 
@@ -43,14 +49,18 @@ class AgentClient(ServiceClient):
         self,
         retention: str,
         *,
-        ttl: DurationLike | None = None,
+        source: vllm_pb.KvTransferParams,
+        ttl: DurationLike,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> pb.ParkRetentionResponse:
-        """Copy `retention`'s KV into the agent's pool and re-point the retention at the agent."""
-        request = pb.ParkRetentionRequest(request_id=new_request_id(request_id), retention=retention)
-        if ttl is not None:
-            request.ttl.CopyFrom(to_duration(ttl))
+        """Copy `retention`'s KV out of the agent's own engine into its pool, for `ttl` (plus
+        the pool's serve grace). `source`: the retention's params addressed to the engine as
+        registered. The answer's `pooled` params and pool `node` are what MoveRetention stores;
+        the caller holds the retention's claim (the engine's copy is freed by the READ)."""
+        request = pb.ParkRetentionRequest(
+            request_id=new_request_id(request_id), retention=retention, source=source, ttl=to_duration(ttl)
+        )
         return await self._unary("ParkRetention", request, pb.ParkRetentionResponse, timeout)
 
     async def prefetch(
@@ -58,11 +68,20 @@ class AgentClient(ServiceClient):
         retention: str,
         target_node: str,
         *,
+        source: vllm_pb.KvTransferParams,
+        ttl: DurationLike,
         request_id: str | None = None,
         timeout: float | None = None,
     ) -> pb.PrefetchResponse:
-        """Move `retention`'s KV next to `target_node` ("nodes/{node}"), the next prefill's node."""
+        """Move `retention`'s KV from its holder (`source`: addressed to the holder as
+        registered, a decode engine or another agent's pool node) into the pool of this agent,
+        the agent of `target_node` ("nodes/{node}", the next prefill's node), for `ttl`. As
+        park_retention otherwise."""
         request = pb.PrefetchRequest(
-            request_id=new_request_id(request_id), retention=retention, target_node=target_node
+            request_id=new_request_id(request_id),
+            retention=retention,
+            target_node=target_node,
+            source=source,
+            ttl=to_duration(ttl),
         )
         return await self._unary("Prefetch", request, pb.PrefetchResponse, timeout)

@@ -8,6 +8,7 @@ from kvshuttle.client._base import ServiceClient, new_request_id
 from kvshuttle.client.retry import REGISTRY_SERVICE
 from kvshuttle.core.prototime import DurationLike, to_duration
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
+from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
 __all__ = ["RegistryClient"]
 
@@ -165,11 +166,62 @@ class RegistryClient(ServiceClient):
         return await self._unary("ClaimRetention", request, pb.ClaimRetentionResponse, timeout)
 
     async def release_retention(
-        self, name: str, *, claim_id: str = "", force: bool = False, timeout: float | None = None
+        self,
+        name: str,
+        *,
+        claim_id: str = "",
+        force: bool = False,
+        keep: bool = False,
+        timeout: float | None = None,
     ) -> pb.ReleaseRetentionResponse:
-        """Remove retention `name`; a claimed one needs its `claim_id`, or `force`."""
-        request = pb.ReleaseRetentionRequest(name=name, claim_id=claim_id, force=force)
+        """Remove retention `name`; a claimed one needs its `claim_id`, or `force`. With `keep`,
+        give the claim `claim_id` back instead (the caller read nothing): the retention stays."""
+        request = pb.ReleaseRetentionRequest(name=name, claim_id=claim_id, force=force, keep=keep)
         return await self._unary("ReleaseRetention", request, pb.ReleaseRetentionResponse, timeout)
+
+    async def move_retention(
+        self,
+        name: str,
+        *,
+        claim_id: str,
+        node: str,
+        kv_transfer_params: KvTransferParams,
+        kv_bytes: int,
+        ttl: DurationLike | None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> pb.MoveRetentionResponse:
+        """Hand claimed retention `name` to `node` (an agent's pool node), whose
+        `kv_transfer_params` readers use from now on; its lease runs `ttl` from now (None: the
+        server's default). Ends the claim `claim_id`.
+
+        FAILED_PRECONDITION: CLAIM_MISMATCH (not claimed with claim_id), RETENTION_EXPIRED (the
+        claim lapsed), NODE_MISMATCH (params or model not the node's); NOT_FOUND: NODE_NOT_FOUND,
+        RETENTION_NOT_FOUND. Retried on UNAVAILABLE under its request_id.
+        """
+        request = pb.MoveRetentionRequest(
+            request_id=new_request_id(request_id),
+            name=name,
+            claim_id=claim_id,
+            node=node,
+            kv_transfer_params=kv_transfer_params,
+            kv_bytes=kv_bytes,
+        )
+        if ttl is not None:
+            request.ttl.CopyFrom(to_duration(ttl))
+        return await self._unary("MoveRetention", request, pb.MoveRetentionResponse, timeout)
+
+    async def evict_retention(
+        self, name: str, *, node: str, timeout: float | None = None
+    ) -> pb.EvictRetentionResponse:
+        """Remove retention `name` from `node` (the caller's pool node) to make room.
+
+        FAILED_PRECONDITION: NODE_MISMATCH (another node holds it), RETENTION_ALREADY_CLAIMED (a
+        reader claimed it: keep it). NOT_FOUND (RETENTION_NOT_FOUND) means it is gone already,
+        which is also what a retry after a lost success answers: treat it as evicted.
+        """
+        request = pb.EvictRetentionRequest(name=name, node=node)
+        return await self._unary("EvictRetention", request, pb.EvictRetentionResponse, timeout)
 
     async def list_retentions(
         self,

@@ -31,6 +31,7 @@ ROLE_TO_PB: dict[NodeRole, pb.NodeRole.ValueType] = {
     NodeRole.PREFILL: pb.NODE_ROLE_PREFILL,
     NodeRole.DECODE: pb.NODE_ROLE_DECODE,
     NodeRole.BOTH: pb.NODE_ROLE_BOTH,
+    NodeRole.POOL: pb.NODE_ROLE_POOL,
 }
 ROLE_FROM_PB: dict[int, NodeRole] = {v: k for k, v in ROLE_TO_PB.items()}
 

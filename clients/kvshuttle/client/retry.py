@@ -5,7 +5,8 @@ away) and only when sending it again cannot act twice. That is decided per RPC i
 `RETRY_POLICY`, by reading each RPC's contract in the protos, never guessed from its name:
 
 * `Retry.ALWAYS`: reads, and writes that set state absolutely (a heartbeat or a renewal sets
-  the lease to now + ttl; a block-event report is deduplicated by engine sequence number).
+  the lease to now + ttl; a block-event report is deduplicated by engine sequence number; an
+  eviction's resend answers NOT_FOUND, which its contract says means "gone").
 * `Retry.WITH_REQUEST_ID`: the RPC is deduplicated by the server on `request_id`; retried only
   when the request carries a non-empty one (the typed clients fill in a uuid4 by default).
 * `Retry.NEVER`: everything else. A lost response is indistinguishable from a lost request, and
@@ -74,6 +75,12 @@ RETRY_POLICY: Mapping[str, Mapping[str, Retry]] = {
         "ClaimRetention": Retry.WITH_REQUEST_ID,
         # Consumes the retention: a resend after a lost success answers NOT_FOUND.
         "ReleaseRetention": Retry.NEVER,
+        # Deduplicated by request_id (a repeated request returns the first response while the
+        # retention lives); without one a resend would see the claim it ended: CLAIM_MISMATCH.
+        "MoveRetention": Retry.WITH_REQUEST_ID,
+        # Idempotent in effect: a resend after a lost success answers NOT_FOUND, which callers
+        # read as "gone" (EvictRetention's contract), the outcome they asked for.
+        "EvictRetention": Retry.ALWAYS,
         "ListRetentions": Retry.ALWAYS,
         # Server streaming: never resent; a broken watch ends with the error (events between
         # two watches would be lost silently otherwise).

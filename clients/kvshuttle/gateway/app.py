@@ -40,7 +40,14 @@ from kvshuttle.gateway.history import ExactHistory
 from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.gateway.parsing import OutputParser, check_parsers, reasoning_decode_params
 from kvshuttle.gateway.prompts import prompt_ids, remember_turn
-from kvshuttle.gateway.protocol import CONVERSATION_HEADER, Kind, TurnRequest, parse_request
+from kvshuttle.gateway.protocol import (
+    CONVERSATION_HEADER,
+    THINK_TIME_HEADER,
+    Kind,
+    TurnRequest,
+    expected_think_time,
+    parse_request,
+)
 from kvshuttle.gateway.request_log import RequestLog
 from kvshuttle.gateway.responses import (
     SSE_DONE,
@@ -307,6 +314,7 @@ class Gateway:
             arrived=start,
             cache_salt=self._salts.salt(tenant, treq.cache_salt),
             stop_strings=treq.stop_strings,
+            expected_think_time_s=self._think_time(treq, request.headers.get(THINK_TIME_HEADER)),
         )
         try:
             if treq.stream:
@@ -345,6 +353,13 @@ class Gateway:
                 cached_tokens=turn.remote_cached_tokens,
             )
         return web.Response(body=dumps(payload), content_type="application/json", headers=turn_headers(turn))
+
+    def _think_time(self, treq: TurnRequest, header: str | None) -> float | None:
+        """The client's hint, else the agent default for a request that declares tools."""
+        seconds = expected_think_time(header)
+        if seconds is None and treq.tools is not None:
+            seconds = self.settings.agent_think_time_s
+        return seconds
 
     def _output_parser(self, treq: TurnRequest) -> OutputParser | None:
         """What splits a chat answer into content, reasoning and tool calls; None when it is

@@ -150,6 +150,10 @@ class GatewaySettings(BaseSettings):
     # Exact-token history (models in history mode exact_tokens): bytes of remembered turns per
     # model (ids, answer text, digests), least recently used conversation out.
     history_bytes: int = Field(default=DEFAULT_HISTORY_BYTES, ge=0)
+    # Expected think time of a chat turn whose request declares tools, when the client sends no
+    # X-Kvshuttle-Expected-Think-Time: an agent runs a tool (or its user reads) before the next
+    # turn, time the router may use to prefetch the KV. None: only the header says.
+    agent_think_time_s: float | None = Field(default=None, ge=0, le=86_400)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
 
     @field_validator("models", mode="before")

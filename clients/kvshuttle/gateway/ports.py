@@ -27,9 +27,11 @@ class RouterPort(Protocol):
         conversation: str,
         request_id: str,
         cache_salt_sha256: bytes,
+        expected_think_time_s: float | None = None,
     ) -> pb.PlanTurnResponse:
         """PlanTurn; `request_id` is its idempotency key, `cache_salt_sha256` the SHA-256 of the
-        cache salt the engines get (b"": none)."""
+        cache salt the engines get (b"": none), `expected_think_time_s` the hint of how long
+        until the conversation's next turn (None: none)."""
         ...
 
     async def commit_turn(

@@ -22,6 +22,7 @@ reuse; the log line says `stop_strings=true` for such turns.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -37,6 +38,11 @@ from kvshuttle.gateway.tokenizer import RESERVED_TEMPLATE_KWARGS
 Kind = Literal["chat", "completions"]
 
 CONVERSATION_HEADER = "X-Conversation-ID"
+# Seconds the client expects before the conversation's next turn (a tool running, a user reading):
+# the router may move the turn's KV next to the next prefill meanwhile (prefetch).
+THINK_TIME_HEADER = "X-Kvshuttle-Expected-Think-Time"
+# The most a think-time hint may say (a day).
+MAX_THINK_TIME_S = 86_400.0
 
 # Copied from the client's request to the decode engine as they are (vLLM validates them).
 DECODE_PARAMS = (
@@ -155,6 +161,22 @@ def _bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def expected_think_time(header: str | None) -> float | None:
+    """The X-Kvshuttle-Expected-Think-Time header's seconds; None when absent."""
+    if header is None or header == "":
+        return None
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = math.nan
+    if not 0 <= seconds <= MAX_THINK_TIME_S:  # NaN and infinities fail too
+        raise GatewayError.invalid(
+            f"the {THINK_TIME_HEADER} header must be seconds within 0..{MAX_THINK_TIME_S:g}",
+            THINK_TIME_HEADER,
+        )
+    return seconds
 
 
 def conversation_id(body: Mapping[str, Any], header: str | None) -> str | None:

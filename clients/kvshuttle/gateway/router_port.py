@@ -11,6 +11,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvshuttle.client import KvshuttleRpcError, RouterClient
 from kvshuttle.client.settings import ServiceConnection
+from kvshuttle.core.prototime import to_duration
 from kvshuttle.gateway.errors import RouterFailure
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
@@ -58,12 +59,17 @@ class GrpcRouterPort:
         conversation: str,
         request_id: str,
         cache_salt_sha256: bytes,
+        expected_think_time_s: float | None = None,
     ) -> pb.PlanTurnResponse:
+        hints = None
+        if expected_think_time_s is not None:
+            hints = pb.PlanHints(expected_think_time=to_duration(expected_think_time_s))
         async with _failures():
             return await self.client.plan_turn(
                 model,
                 prompt_token_ids,
                 conversation=conversation,
+                hints=hints,
                 request_id=request_id,
                 cache_salt_sha256=cache_salt_sha256,
             )

@@ -34,6 +34,8 @@ class Turn:
     cache_salt: str = ""
     # The client sent text stop strings: decode retains nothing (said in the commit's log).
     stop_strings: bool = False
+    # Seconds expected before the conversation's next turn (PlanTurn's hint); None: unknown.
+    expected_think_time_s: float | None = None
     # The plan's, once planned.
     decision: str = ""
     reason: str = ""

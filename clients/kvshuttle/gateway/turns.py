@@ -166,6 +166,7 @@ class TurnRunner:
                 conversation=turn.conversation,
                 request_id=turn.request_id,
                 cache_salt_sha256=cache_salt_digest(turn.cache_salt) if turn.cache_salt else b"",
+                expected_think_time_s=turn.expected_think_time_s,
             )
         except RouterFailure as err:
             turn.plan_s = time.perf_counter() - started

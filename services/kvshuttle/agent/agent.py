@@ -7,6 +7,9 @@ pause, so a bug in one part never takes the sidecar (and the node's lease) down 
 With a block pool, `start()` first checks the engine over its NIXL side channel: it waits (with
 backoff) for an engine that does not answer yet, and raises for one it cannot read from; then
 it serves the pool on a side channel of its own (kvshuttle.agent.serve) unless configured off.
+A served pool is registered as a node of its own (`pool_node_name(node)`, role POOL: a second
+lease, heartbeated with the pool's use as its load), and KV moves into it through the mover
+(kvshuttle.agent.mover), which ParkRetention, Prefetch and PullBlocks call.
 """
 
 from __future__ import annotations
@@ -32,17 +35,25 @@ from kvshuttle.agent.lease import NodeLease
 from kvshuttle.agent.model import AgentStatus, Backoff, EventStreamStats, LiveBatch
 from kvshuttle.agent.ports import RegistryPort, ReplayPort
 from kvshuttle.agent.side_channel import Handshake, side_channel_endpoint, verify_engine
-from kvshuttle.core.errors import KvshuttleError, Unavailable
-from kvshuttle.core.nodes import NodeRole, NodeSpec
+from kvshuttle.core.errors import FailedPrecondition, KvshuttleError, Unavailable
+from kvshuttle.core.nodes import (
+    POOL_CAPACITY_LABEL,
+    POOL_OF_LABEL,
+    NodeLoad,
+    NodeRole,
+    NodeSpec,
+    pool_node_name,
+)
 from kvshuttle.vllm.kv_events import KvEventDecoder
 from kvshuttle.vllm.nixl_compat import Expected
 
 if TYPE_CHECKING:  # NIXL is imported only by an agent with a pool (see start)
+    from kvshuttle.agent.mover import Mover
     from kvshuttle.agent.nixl_memory import NixlPoolMemory
     from kvshuttle.agent.park import Parker
     from kvshuttle.agent.serve import PoolServer
 
-__all__ = ["Agent", "node_spec"]
+__all__ = ["Agent", "node_spec", "pool_node_spec"]
 
 log = structlog.get_logger("kvshuttle.agent")
 
@@ -69,6 +80,26 @@ def node_spec(settings: AgentSettings, agent_endpoint: str = "") -> NodeSpec:
     )
 
 
+def pool_node_spec(
+    engine: NodeSpec, *, engine_id: str, host: str, port: int, capacity_bytes: int
+) -> NodeSpec:
+    """The node an agent's served pool registers as: named after the engine's node, role POOL,
+    the pool server's engine id and side channel, the engine's model and block geometry."""
+    return NodeSpec(
+        name=pool_node_name(engine.name),
+        role=NodeRole.POOL,
+        engine_id=engine_id,
+        http_endpoint=engine.http_endpoint,
+        side_channel_host=host,
+        side_channel_port=port,
+        agent_endpoint=engine.agent_endpoint,
+        model=engine.model,
+        block_size=engine.block_size,
+        kv_bytes_per_token=engine.kv_bytes_per_token,
+        labels={POOL_OF_LABEL: engine.name, POOL_CAPACITY_LABEL: str(capacity_bytes)},
+    )
+
+
 class Agent:
     """The sidecar of one vLLM worker. `start()` once, `shutdown()` once."""
 
@@ -83,6 +114,7 @@ class Agent:
         """`replay` replaces the ZMQ replay client (tests); `zmq_context` is shared when given
         (and then not closed here)."""
         self.settings = settings
+        self._registry = registry
         lease_cfg, events_cfg = settings.lease, settings.events
         self.poller = EnginePoller(
             settings.node.http_endpoint,
@@ -142,6 +174,8 @@ class Agent:
         self.pool_memory: NixlPoolMemory | None = None
         self.parker: Parker | None = None
         self.server: PoolServer | None = None
+        self.mover: Mover | None = None
+        self.pool_lease: NodeLease | None = None  # the served pool's node
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     async def start(self, *, agent_endpoint: str = "") -> None:
@@ -151,6 +185,7 @@ class Agent:
         self.lease.spec.agent_endpoint = agent_endpoint
         if self.pool is not None:
             # Here, not at module import: an agent without a pool runs without NIXL installed.
+            from kvshuttle.agent.mover import Mover  # noqa: PLC0415
             from kvshuttle.agent.nixl_memory import NixlPoolMemory  # noqa: PLC0415
             from kvshuttle.agent.park import Parker  # noqa: PLC0415
             from kvshuttle.agent.serve import PoolServer  # noqa: PLC0415
@@ -162,7 +197,12 @@ class Agent:
                 self.pool.layout, agent_name=f"kvshuttle-{node}-{uuid.uuid4().hex[:12]}"
             )
             pool_cfg = self.settings.pool
-            self.parker = Parker(self.pool, self.pool_memory, timeout=pool_cfg.park_timeout)
+            self.parker = Parker(
+                self.pool,
+                self.pool_memory,
+                timeout=pool_cfg.park_timeout,
+                max_remotes=pool_cfg.max_remote_agents,
+            )
             if pool_cfg.serve_port is not None:
                 assert self._context is not None  # made for the pool in __init__
                 self.server = PoolServer(
@@ -176,6 +216,37 @@ class Agent:
                     grace=pool_cfg.serve_grace,
                 )
                 await self.server.start()
+                spec = pool_node_spec(
+                    self.lease.spec,
+                    engine_id=self.server.engine_id,
+                    host=self.server.host,
+                    port=self.server.port,
+                    capacity_bytes=self.pool.layout.total_bytes,
+                )
+                self.mover = Mover(
+                    pool=self.pool,
+                    parker=self.parker,
+                    server=self.server,
+                    registry=self._registry,
+                    engine=self.engine_nixl,
+                    context=self._context,
+                    node=self.lease.spec.name,
+                    pool_node=spec.name,
+                    serve_grace=pool_cfg.serve_grace,
+                    max_ttl=pool_cfg.max_move_ttl,
+                    handshake_timeout=pool_cfg.holder_handshake_timeout,
+                    remembered=pool_cfg.remembered_moves,
+                )
+                lease_cfg = self.settings.lease
+                self.pool_lease = NodeLease(
+                    self._registry,
+                    spec,
+                    ttl=lease_cfg.ttl,
+                    heartbeat_interval=lease_cfg.heartbeat_interval,
+                    load=self.pool_load,
+                    backoff=Backoff(lease_cfg.retry_initial, lease_cfg.retry_max),
+                )
+                self._spawn("pool.lease", self.pool_lease.run)
             self._spawn("pool.expire", functools.partial(self._expire_pool, self.pool))
         self._spawn("lease", self.lease.run)
         self._spawn("engine", self.poller.run)
@@ -245,9 +316,35 @@ class Agent:
 
     async def _expire_pool(self, pool: BlockPool) -> None:
         while True:
-            for allocation in pool.expire(time.monotonic()):
+            expired = pool.expire(time.monotonic())
+            for allocation in expired:
                 log.info("agent.pool.expired", retention=allocation.name, blocks=allocation.blocks)
+            if self.mover is not None:
+                self.mover.expired(expired)
             await asyncio.sleep(self.settings.pool.expire_interval)
+
+    def pool_load(self) -> NodeLoad:
+        """The pool node's load: healthy while its side channel serves, usage = slots held."""
+        if self.pool is None:
+            return NodeLoad()
+        stats = self.pool.stats()
+        return NodeLoad(
+            kv_cache_usage=stats.used_blocks / stats.total_blocks,
+            engine_healthy=self.server is not None and self.server.serving,
+        )
+
+    def moves(self) -> Mover:
+        """The mover, for the NIXL moves' RPCs. Raises FailedPrecondition when the agent has
+        no pool or does not serve it, Unavailable while it is starting."""
+        if self.pool is None:
+            raise FailedPrecondition("the agent has no pool (pool.size_bytes is 0)")
+        if self.settings.pool.serve_port is None:
+            raise FailedPrecondition(
+                "the agent does not serve its pool (pool.serve_port unset): nothing could read moved KV"
+            )
+        if self.mover is None:
+            raise Unavailable("the agent's pool is starting")
+        return self.mover
 
     def _spawn(self, name: str, loop: Callable[[], Coroutine[Any, Any, None]]) -> None:
         self._tasks[name] = asyncio.create_task(self._supervise(name, loop), name=f"agent.{name}")
@@ -275,7 +372,7 @@ class Agent:
     async def shutdown(self) -> None:
         """Stop receiving and polling, forward what is queued (within
         shutdown_flush_timeout), stop heartbeating, deregister. Never raises."""
-        await self._cancel("events.receive", "engine", "pool.expire")
+        await self._cancel("events.receive", "engine", "pool.expire", "pool.lease")
         forward = self._tasks.pop("events.forward", None)
         if forward is not None and self.forwarder is not None:
             self.forwarder.stop()
@@ -287,7 +384,11 @@ class Agent:
             with contextlib.suppress(asyncio.CancelledError):
                 await forward
         await self._cancel("lease")
-        await self.lease.deregister(deadline_s=self.settings.lease.deregister_timeout)
+        deadline = self.settings.lease.deregister_timeout
+        if self.pool_lease is not None:
+            # First: its retentions go with it, before the pool stops serving them.
+            await self.pool_lease.deregister(deadline_s=deadline)
+        await self.lease.deregister(deadline_s=deadline)
         if self.server is not None:
             await self.server.close()
         if self._owns_context and self._context is not None:

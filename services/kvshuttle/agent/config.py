@@ -24,6 +24,10 @@ with "__"), e.g. for the decode worker of a P/D pair:
     KVSHUTTLE_AGENT_POOL__REGIONS=128                    (the engine's NIXL regions: one per layer)
     KVSHUTTLE_AGENT_POOL__SERVE_HOST=10.0.0.7            (the side channel prefill reads parked KV
     KVSHUTTLE_AGENT_POOL__SERVE_PORT=5660                 through; port 0: any free one)
+    KVSHUTTLE_AGENT_POOL__MAX_MOVE_TTL=3600              (the longest ttl a park may ask for)
+
+With a pool and a serve port, the agent also registers its pool as node `{node.name}-pool`
+(role pool), which parked and prefetched retentions are moved to.
 
 With a pool, the agent checks its engine at start (NIXL handshake on the side channel): it
 waits for an engine that does not answer yet, and refuses to start beside one it cannot read.
@@ -44,6 +48,7 @@ from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.limits import MAX_EVENT_BATCHES
 from kvshuttle.core.names import check_id
+from kvshuttle.core.nodes import pool_node_name
 from kvshuttle.serving.settings import AuthSettings, ServerSettings, TelemetrySettings
 
 __all__ = [
@@ -175,10 +180,18 @@ class PoolSettings(BaseModel):
     # parked KV is not served.
     serve_host: str = "127.0.0.1"
     serve_port: int | None = Field(default=0, ge=0, lt=65536)
-    # Seconds a served retention is advertised for (prefill declines reads within 5 s of its
-    # end), and held past that for a read prefill started just inside it.
+    # A reader's heartbeat (prefill waiting to read) holds its allocation serve_lease +
+    # serve_grace seconds longer; a moved retention is held its move's ttl + serve_grace, so past
+    # the registry's expiry of it (prefill declines reads within 5 s of the advertised end).
     serve_lease: float = Field(default=30.0, gt=5.0)
     serve_grace: float = Field(default=10.0, ge=0)
+    # Moves (ParkRetention, Prefetch, PullBlocks): the longest ttl a caller may ask for (the
+    # pool holds a move ttl + serve_grace), the deadline of a holder's NIXL handshake, how many
+    # holders' NIXL agents stay added, and how many answers are kept for repeated request ids.
+    max_move_ttl: float = Field(default=86_400.0, gt=0)
+    holder_handshake_timeout: float = Field(default=5.0, gt=0)
+    max_remote_agents: int = Field(default=16, gt=0, le=1024)
+    remembered_moves: int = Field(default=1024, gt=0, le=100_000)
 
     @field_validator("serve_host")
     @classmethod
@@ -211,7 +224,12 @@ class AgentSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_pool(self) -> Self:
-        self.pool_layout()
+        if self.pool_layout() is not None and self.pool.serve_port is not None:
+            # A served pool registers as a node of its own: its name must be one.
+            try:
+                pool_node_name(self.node.name, "node.name")
+            except InvalidArgument as exc:
+                raise ValueError(f"{exc.message} (the name of the pool node the agent registers)") from exc
         return self
 
     def pool_layout(self) -> PoolLayout | None:

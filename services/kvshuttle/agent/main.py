@@ -48,10 +48,7 @@ def build_server(
     settings: AgentSettings, agent: Agent, prometheus: CollectorRegistry = REGISTRY
 ) -> GrpcServer:
     def register(server: grpc.aio.Server) -> None:
-        # The generated stubs declare every RPC abstract. The ones the servicer does not override
-        # yet fall to the generated base, whose NotImplementedError the serving interceptor
-        # answers as UNIMPLEMENTED (see kvshuttle.agent.servicer).
-        add_to_server(AgentServicer(agent.status), server)  # type: ignore[abstract]
+        add_to_server(AgentServicer(agent.status, agent.moves), server)
 
     prometheus.register(AgentCollector(agent))
     return GrpcServer(

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvshuttle.agent.agent import Agent
 from kvshuttle.agent.block_pool import PoolStats
+
+if TYPE_CHECKING:  # NIXL is imported only by an agent with a pool
+    from kvshuttle.agent.mover import MoveStats
+
+_Family = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
 
 
 class AgentCollector(Collector):
     def __init__(self, agent: Agent) -> None:
         self._agent = agent
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[_Family]:
         agent = self._agent
         lease, engine, events, decode = (
             agent.lease.state,
@@ -99,9 +105,60 @@ class AgentCollector(Collector):
         )
         if agent.pool is not None:
             yield from _pool_metrics(agent.pool.stats())
+        if agent.pool_lease is not None:
+            yield GaugeMetricFamily(
+                "kvshuttle_agent_pool_node_registered",
+                "1 while the pool's node holds a lease.",
+                value=int(agent.pool_lease.state.registered),
+            )
+        if agent.mover is not None:
+            yield from _move_metrics(agent.mover.stats)
 
 
-def _pool_metrics(pool: PoolStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+def _move_metrics(stats: MoveStats) -> Iterator[_Family]:
+    from kvshuttle.agent.mover import READ_SECONDS_BUCKETS, MoveKind  # noqa: PLC0415
+
+    moves = CounterMetricFamily(
+        "kvshuttle_agent_moves",
+        "KV moves into the pool (park, prefetch, pull) by outcome: moved, or the refusal's reason.",
+        labels=["kind", "outcome"],
+    )
+    for (kind, outcome), value in sorted(stats.moves.items()):
+        moves.add_metric([kind, outcome], value)
+    yield moves
+    moved = CounterMetricFamily(
+        "kvshuttle_agent_moved_bytes", "Bytes read into the pool by moves, by kind.", labels=["kind"]
+    )
+    for kind in MoveKind:
+        moved.add_metric([kind], stats.bytes[kind])
+    yield moved
+    reads = HistogramMetricFamily("kvshuttle_agent_move_read_seconds", "Seconds of a move's NIXL READ.")
+    reads.add_metric(
+        [],
+        [(repr(bound), count) for bound, count in zip(READ_SECONDS_BUCKETS, stats.read_buckets, strict=False)]
+        + [("+Inf", stats.read_buckets[-1])],
+        stats.read_seconds_sum,
+    )
+    yield reads
+    evictions = CounterMetricFamily(
+        "kvshuttle_agent_pool_evictions",
+        "Moved retentions freed from the pool unread, by why: pool_full (evicted for room), expired.",
+        labels=["why"],
+    )
+    for why in ("pool_full", "expired"):
+        evictions.add_metric([why], stats.evictions[why])
+    yield evictions
+    kept = CounterMetricFamily(
+        "kvshuttle_agent_pool_evictions_refused",
+        "Eviction candidates kept because the registry did not drop them, by reason.",
+        labels=["reason"],
+    )
+    for reason, value in sorted(stats.evictions_refused.items()):
+        kept.add_metric([reason], value)
+    yield kept
+
+
+def _pool_metrics(pool: PoolStats) -> Iterator[_Family]:
     yield GaugeMetricFamily(
         "kvshuttle_agent_pool_capacity_bytes",
         "Host memory of the block pool, registered with NIXL.",

@@ -1,14 +1,17 @@
-"""Park: move one retention's blocks out of the local vLLM engine into the agent's block pool.
+"""Park: move one retention's blocks from a holder into the agent's block pool.
 
-One NIXL READ from the engine (its handshake from kvshuttle.agent.side_channel.verify_engine)
-into freshly allocated pool slots, carrying the notification that frees the blocks on the
-engine (`read_done_message(remote_request_id, 1)`), then `seal`. Anything short of a complete
-READ releases the slots and raises, so the pool never holds a half-moved retention.
+The holder is whatever answers a vLLM side channel: the agent's own engine (its handshake from
+kvshuttle.agent.side_channel.verify_engine), another engine, or another agent's pool server
+(kvshuttle.agent.serve), which stands in for an engine. One NIXL READ into freshly allocated
+pool slots, carrying (unless told not to) the notification that frees the blocks at the holder
+(`read_done_message(remote_request_id, 1)`), then `seal`. Anything short of a complete READ
+releases the slots and raises, so the pool never holds a half-moved retention.
 
 NIXL calls block, and the pool's NIXL agent runs without thread synchronisation or a progress
 thread (kvshuttle.agent.nixl_memory): every READ runs on the memory's one NIXL thread, polled to
 its deadline there (pumping the notifications serving waits for meanwhile). Pool bookkeeping
-stays on the event loop, beside the expiry sweep.
+stays on the event loop, beside the expiry sweep. Holders' NIXL agents are added once and kept,
+by engine id, up to `max_remotes` (the least recently read from is removed past it).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -32,7 +36,7 @@ from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.vllm.nixl_wire import read_done_message
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
-__all__ = ["Parked", "Parker", "RetainedBlocks"]
+__all__ = ["Parked", "Parker", "PreparedRead", "RetainedBlocks"]
 
 log = structlog.get_logger("kvshuttle.agent")
 
@@ -42,6 +46,8 @@ QUARANTINE: Final = 60.0
 _MIN_POLL: Final = 20e-6
 _MAX_POLL: Final = 1e-3
 _REQUIRED: Final = ("remote_engine_id", "remote_request_id", "remote_num_tokens", "remote_blocks_expiry_time")
+# Holders' NIXL agents kept added (a decode engine or two, a few peers' pools).
+MAX_REMOTES: Final = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +90,17 @@ class _Read:
     engine: Handshake
     local: npt.NDArray[np.uint64]
     remote: list[tuple[int, int, int]]
-    notification: bytes
+    notification: bytes | None
     deadline: float  # time.monotonic()
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRead:
+    """A READ whose slots are allocated (FILLING) and not started yet: `Parker.read` it."""
+
+    name: str
+    retained: RetainedBlocks
+    read: _Read
 
 
 class _StillRunning(Unavailable):
@@ -93,30 +108,52 @@ class _StillRunning(Unavailable):
 
 
 class Parker:
-    """Parks retentions from one engine into `pool`/`memory` (whose close() waits for a READ in
+    """Parks retentions from any holder into `pool`/`memory` (whose close() waits for a READ in
     flight)."""
 
     def __init__(
-        self, pool: BlockPool, memory: NixlPoolMemory, *, timeout: float = 10.0, expiry_margin: float = 1.0
+        self,
+        pool: BlockPool,
+        memory: NixlPoolMemory,
+        *,
+        timeout: float = 10.0,
+        expiry_margin: float = 1.0,
+        max_remotes: int = MAX_REMOTES,
     ) -> None:
-        if timeout <= 0 or expiry_margin < 0:
-            raise ValueError("timeout must be positive and expiry_margin not negative")
+        if timeout <= 0 or expiry_margin < 0 or max_remotes < 1:
+            raise ValueError("timeout and max_remotes must be positive and expiry_margin not negative")
         self._pool = pool
         self._memory = memory
         self._timeout = timeout
         self._expiry_margin = expiry_margin
-        self._remote: Any = None  # the engine's NIXL agent name, once added
+        self._max_remotes = max_remotes
+        # engine id -> the NIXL name of its agent, added; least recently read from first.
+        self._remotes: OrderedDict[str, Any] = OrderedDict()
+
+    @property
+    def remotes(self) -> dict[str, Any]:
+        """The holders' NIXL agents added, by engine id."""
+        return dict(self._remotes)
 
     async def park(
-        self, name: str, retained: RetainedBlocks, engine: Handshake, *, expire_at: float
+        self, name: str, retained: RetainedBlocks, engine: Handshake, *, expire_at: float, notify: bool = True
     ) -> Parked:
-        """Read `retained`'s blocks from `engine` into slots held as `name`, sealed with
-        `expire_at` (time.monotonic()). Raises, changing nothing in the pool: FailedPrecondition
-        (another engine: NODE_MISMATCH; the engine's pin ends before the READ's deadline:
-        PIN_EXPIRED; a pool layout that does not mirror the engine's), InvalidArgument (block ids
-        outside the engine's layout), ResourceExhausted (not enough free slots), Unavailable (the
-        READ failed or timed out; the engine keeps its blocks until its own expiry)."""
-        self._check(retained, engine)
+        """Read `retained`'s blocks from `engine` (the holder's handshake) into slots held as
+        `name`, sealed with `expire_at` (time.monotonic()); `notify`: send the holder the
+        read-done notification that frees its blocks. Raises, changing nothing in the pool:
+        FailedPrecondition (the params name another engine: NODE_MISMATCH; the holder's pin
+        ends before the READ's deadline: PIN_EXPIRED; a pool layout that does not mirror the
+        holder's; `name` already holds slots), InvalidArgument (block ids outside the holder's
+        layout), ResourceExhausted (not enough free slots), Unavailable (the READ failed or
+        timed out; the holder keeps its blocks until its own expiry)."""
+        return await self.read(self.prepare(name, retained, engine, notify=notify), expire_at=expire_at)
+
+    def prepare(
+        self, name: str, retained: RetainedBlocks, engine: Handshake, *, notify: bool = True
+    ) -> PreparedRead:
+        """park()'s checks and allocation, at once (no await): raises what park() raises before
+        its READ. The slots are FILLING until `read` ends; read it, or `discard` it."""
+        self.check(retained, engine)
         remote = engine.layout.descriptors(retained.block_ids)  # InvalidArgument when out of range
         deadline = time.monotonic() + self._timeout
         allocation = self._pool.allocate(name, len(retained.block_ids), expire_at=deadline + QUARANTINE)
@@ -124,9 +161,18 @@ class Parker:
             engine,
             self._memory.write_descriptors(allocation),
             remote,
-            read_done_message(retained.request_id, 1),
+            read_done_message(retained.request_id, 1) if notify else None,
             deadline,
         )
+        return PreparedRead(name, retained, read)
+
+    def discard(self, prepared: PreparedRead) -> None:
+        """Give back the slots of a prepared READ never started."""
+        self._pool.release(prepared.name)
+
+    async def read(self, prepared: PreparedRead, *, expire_at: float) -> Parked:
+        """Run a prepared READ and seal its slots with `expire_at` (time.monotonic())."""
+        name, retained, read = prepared.name, prepared.retained, prepared.read
         future = self._memory.run(lambda: self._read(read))
         try:
             seconds = await asyncio.shield(future)
@@ -144,11 +190,14 @@ class Parker:
             engine=retained.engine_id,
             blocks=sealed.blocks,
             bytes=sealed.bytes,
+            notified=read.notification is not None,
             ms=round(seconds * 1000, 3),
         )
         return Parked(sealed, retained.num_tokens, sealed.bytes, seconds)
 
-    def _check(self, retained: RetainedBlocks, engine: Handshake) -> None:
+    def check(self, retained: RetainedBlocks, engine: Handshake) -> None:
+        """Raises what park() raises for params `engine` cannot serve (NODE_MISMATCH,
+        PIN_EXPIRED, layout, too few blocks), without touching the pool."""
         meta = engine.metadata
         if retained.engine_id != meta.engine_id:
             raise FailedPrecondition(
@@ -189,7 +238,8 @@ class Parker:
                 held.append(agent.prep_xfer_dlist("NIXL_INIT_AGENT", read.local, "DRAM"))
                 held.append(agent.prep_xfer_dlist(remote, read.remote, read.engine.layout.mem_type))
                 rows = list(range(len(read.remote)))
-                held.append(agent.make_prepped_xfer("READ", held[0], rows, held[1], rows, read.notification))
+                note = read.notification or b""  # empty: no notification
+                held.append(agent.make_prepped_xfer("READ", held[0], rows, held[1], rows, note))
                 started = time.monotonic()
                 state = self._wait(agent, held[2], agent.transfer(held[2]), read.deadline)
             except Exception as exc:  # NIXL's bindings raise a dozen types with no common base
@@ -212,10 +262,16 @@ class Parker:
 
     def _remote_agent(self, engine: Handshake) -> Any:
         agent = self._memory.agent
+        engine_id = engine.metadata.engine_id
         name = agent.add_remote_agent(engine.metadata.agent_metadata)  # idempotent for one agent
-        if self._remote is not None and self._remote != name:
-            agent.remove_remote_agent(self._remote)  # the engine restarted: its old agent is gone
-        self._remote = name
+        old = self._remotes.pop(engine_id, None)
+        if old is not None and old != name and old not in self._remotes.values():
+            agent.remove_remote_agent(old)  # the holder restarted: its old agent is gone
+        self._remotes[engine_id] = name
+        while len(self._remotes) > self._max_remotes:
+            _, evicted = self._remotes.popitem(last=False)
+            if evicted not in self._remotes.values():
+                agent.remove_remote_agent(evicted)
         return name
 
     @staticmethod

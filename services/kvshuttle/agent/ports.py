@@ -46,6 +46,13 @@ class RegistryPort(Protocol):
         registry expects next from the node (0: it holds nothing of the node's sequence)."""
         ...
 
+    async def evict_retention(self, name: str, node: str) -> None:
+        """Drop retention `name` from `node` (this agent's pool node) so its pool slots may be
+        reused. NotFound (RETENTION_NOT_FOUND): gone already, as good as evicted;
+        FailedPrecondition (NODE_MISMATCH: not held by `node`, e.g. not moved there yet;
+        RETENTION_ALREADY_CLAIMED: a reader claimed it): keep the slots."""
+        ...
+
 
 class ReplayPort(Protocol):
     async def fetch(self, start: int, end: int) -> list[EventBatch]:

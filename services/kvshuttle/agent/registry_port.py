@@ -65,3 +65,6 @@ class GrpcRegistryPort:
             self._client.report_block_events(node, incarnation, [batch_to_pb(b) for b in batches])
         )
         return apply_result_from_pb(response)
+
+    async def evict_retention(self, name: str, node: str) -> None:
+        await _registry(self._client.evict_retention(name, node=node))

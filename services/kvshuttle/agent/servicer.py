@@ -1,12 +1,13 @@
-"""AgentService over gRPC: translates the agent's status to protobuf, nothing more.
-
-Only GetStatus is implemented (the block pool's accounting included). PullBlocks, ParkRetention
-and Prefetch (the NIXL moves) are not yet: the generated base answers them UNIMPLEMENTED.
+"""AgentService over gRPC: translates requests to the agent's domain calls and answers to
+protobuf, nothing more. GetStatus reads the agent's status; ParkRetention, Prefetch and
+PullBlocks call the mover (kvshuttle.agent.mover), whose domain errors the serving interceptor
+maps to statuses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -14,7 +15,12 @@ from kvshuttle.agent.block_pool import PoolStats
 from kvshuttle.agent.model import AgentStatus
 from kvshuttle.agent.v1 import agent_service_pb2 as pb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as pb_grpc
-from kvshuttle.core.prototime import to_timestamp
+from kvshuttle.core.errors import FailedPrecondition, InvalidArgument
+from kvshuttle.core.prototime import duration_seconds, to_duration, to_timestamp
+from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
+
+if TYPE_CHECKING:  # the mover needs NIXL, which an agent without a pool may lack
+    from kvshuttle.agent.mover import Mover
 
 __all__ = ["AgentServicer", "add_to_server", "pool_to_pb", "status_to_pb"]
 
@@ -69,9 +75,31 @@ def status_to_pb(status: AgentStatus) -> pb.GetStatusResponse:
     )
 
 
+def _ttl(request: pb.ParkRetentionRequest | pb.PrefetchRequest | pb.PullBlocksRequest) -> float:
+    ttl = duration_seconds(request.ttl, "ttl")
+    if ttl is None:
+        raise InvalidArgument("ttl", "required: how long the pool keeps the KV")
+    return ttl
+
+
+def _source(
+    request: pb.ParkRetentionRequest | pb.PrefetchRequest | pb.PullBlocksRequest,
+) -> KvTransferParams:
+    if not request.HasField("source"):
+        raise InvalidArgument("source", "required: the retention's params, addressed to its holder")
+    return request.source
+
+
 class AgentServicer(pb_grpc.AgentServiceServicer):
-    def __init__(self, status: Callable[[], AgentStatus]) -> None:
+    def __init__(self, status: Callable[[], AgentStatus], moves: Callable[[], Mover] | None = None) -> None:
+        """`moves`: the agent's mover (raising when the agent has none; None: no pool at all)."""
         self._status = status
+        self._moves = moves
+
+    def _mover(self) -> Mover:
+        if self._moves is None:
+            raise FailedPrecondition("the agent has no pool")
+        return self._moves()
 
     async def GetStatus(
         self,
@@ -80,8 +108,58 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
     ) -> pb.GetStatusResponse:
         return status_to_pb(self._status())
 
+    async def ParkRetention(
+        self,
+        request: pb.ParkRetentionRequest,
+        context: grpc.aio.ServicerContext[pb.ParkRetentionRequest, pb.ParkRetentionResponse],
+    ) -> pb.ParkRetentionResponse:
+        moved = await self._mover().park(
+            request.retention, _source(request), ttl=_ttl(request), request_id=request.request_id
+        )
+        response = pb.ParkRetentionResponse(
+            retention=moved.name, bytes=moved.bytes, pooled=moved.pooled, node=moved.node
+        )
+        response.expire_time.CopyFrom(to_timestamp(moved.expire_time))
+        return response
+
+    async def Prefetch(
+        self,
+        request: pb.PrefetchRequest,
+        context: grpc.aio.ServicerContext[pb.PrefetchRequest, pb.PrefetchResponse],
+    ) -> pb.PrefetchResponse:
+        moved = await self._mover().prefetch(
+            request.retention,
+            request.target_node,
+            _source(request),
+            ttl=_ttl(request),
+            request_id=request.request_id,
+        )
+        return pb.PrefetchResponse(
+            retention=moved.name,
+            bytes=moved.bytes,
+            duration=to_duration(moved.read_seconds),
+            pooled=moved.pooled,
+            node=moved.node,
+        )
+
+    async def PullBlocks(
+        self,
+        request: pb.PullBlocksRequest,
+        context: grpc.aio.ServicerContext[pb.PullBlocksRequest, pb.PullBlocksResponse],
+    ) -> pb.PullBlocksResponse:
+        if not request.request_id:
+            raise InvalidArgument("request_id", "required: the pulled blocks are held as pull/{request_id}")
+        moved = await self._mover().pull(
+            _source(request),
+            ttl=_ttl(request),
+            notify_holder=request.notify_holder,
+            request_id=request.request_id,
+        )
+        return pb.PullBlocksResponse(
+            pooled=moved.pooled, bytes=moved.bytes, duration=to_duration(moved.read_seconds), node=moved.node
+        )
+
 
 def add_to_server(servicer: AgentServicer, server: grpc.aio.Server) -> None:
-    """Register AgentService. RPCs the servicer does not override answer UNIMPLEMENTED (the
-    generated base raises NotImplementedError, which the serving interceptor maps)."""
+    """Register AgentService."""
     pb_grpc.add_AgentServiceServicer_to_server(servicer, server)

@@ -5,9 +5,10 @@ or a bearer token) into a `Caller`, then makes one decision per call: `authorize
 permission, tenant=..., node=...)`. Each service's policy says which permission an RPC needs
 and which tenant or node it touches (registry/authz.py, router/authz.py, agent/authz.py).
 
-Scopes: a gateway acts only for the tenants it is bound to; an agent only for its own node;
-the router, admins and viewers for every tenant. A refusal changes nothing: it happens before
-the servicer runs.
+Scopes: a gateway acts only for the tenants it is bound to; an agent only for its own node and
+that node's pool node (kvshuttle.core.nodes.pool_node_name: the agent's block pool, leased as
+a node of its own); the router, admins and viewers for every tenant. A refusal changes
+nothing: it happens before the servicer runs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kvshuttle.core.errors import PermissionDenied
+from kvshuttle.core.nodes import POOL_NODE_SUFFIX
 from kvshuttle.core.reasons import ErrorReason
 
 __all__ = ["ALL_TENANTS", "ROLE_PERMISSIONS", "Caller", "Permission", "Role", "authorize"]
@@ -39,9 +41,10 @@ class Permission(StrEnum):
     EVENTS_REPORT = "events.report"  # ReportBlockEvents (an agent: its own node)
     BLOCKS_LOOKUP = "blocks.lookup"  # LookupBlocks
     RETENTIONS_READ = "retentions.read"  # GetRetention, GetConversation, ListRetentions, Watch
-    RETENTIONS_WRITE = "retentions.write"  # PutRetention, RenewRetention
+    RETENTIONS_WRITE = "retentions.write"  # PutRetention, RenewRetention, MoveRetention
     RETENTIONS_CLAIM = "retentions.claim"  # ClaimRetention, ReleaseRetention with its claim id
     RETENTIONS_FORCE_RELEASE = "retentions.force_release"  # ReleaseRetention(force=true)
+    RETENTIONS_EVICT = "retentions.evict"  # EvictRetention (an agent: from its own pool node)
     # Router.
     TURNS = "turns"  # PlanTurn, CommitTurn, AbortTurn
     # Agent.
@@ -58,11 +61,12 @@ ROLE_PERMISSIONS: dict[Role, frozenset[Permission]] = {
             Permission.RETENTIONS_READ,
             Permission.RETENTIONS_WRITE,
             Permission.RETENTIONS_CLAIM,
+            Permission.RETENTIONS_EVICT,
             Permission.AGENT_STATUS,
             Permission.AGENT_TRANSFER,
         }
     ),
-    Role.AGENT: frozenset({Permission.NODES_LEASE, Permission.EVENTS_REPORT}),
+    Role.AGENT: frozenset({Permission.NODES_LEASE, Permission.EVENTS_REPORT, Permission.RETENTIONS_EVICT}),
     Role.ADMIN: frozenset(Permission),
     Role.VIEWER: frozenset(
         {Permission.NODES_READ, Permission.BLOCKS_LOOKUP, Permission.RETENTIONS_READ, Permission.AGENT_STATUS}
@@ -76,7 +80,8 @@ class Caller:
 
     `identity`: the mTLS URI or DNS SAN (e.g. "spiffe://kvshuttle/router") or the token's
     identity; never a secret, so it may be logged. `tenants`: the tenants a gateway may act for
-    (ALL_TENANTS for all). `node`: the one node an agent may act for ("nodes/{node}").
+    (ALL_TENANTS for all). `node`: the node an agent may act for ("nodes/{node}"), and with it
+    that node's pool node ("nodes/{node}-pool").
     """
 
     identity: str
@@ -88,6 +93,13 @@ class Caller:
         if self.role is Role.GATEWAY:
             return ALL_TENANTS in self.tenants or tenant in self.tenants
         return self.role is not Role.AGENT  # router, admin, viewer: every tenant
+
+    def acts_for_node(self, node: str) -> bool:
+        """Whether the caller may act for `node`: an agent for its own node and its pool node,
+        every other role for every node."""
+        if self.role is not Role.AGENT:
+            return True
+        return self.node is not None and node in (self.node, self.node + POOL_NODE_SUFFIX)
 
 
 def authorize(
@@ -107,7 +119,7 @@ def authorize(
             reason=ErrorReason.TENANT_NOT_IN_SCOPE,
             metadata={"tenant": tenant},
         )
-    if node is not None and caller.role is Role.AGENT and node != caller.node:
+    if node is not None and not caller.acts_for_node(node):
         raise PermissionDenied(
             f"{caller.identity!r} acts for {caller.node}, not {node}",
             reason=ErrorReason.NODE_NOT_IN_SCOPE,

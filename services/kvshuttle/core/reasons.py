@@ -111,8 +111,18 @@ SERVICE_REASONS: Final[dict[str, frozenset[ErrorReason]]] = {
             ErrorReason.CAPACITY_EXCEEDED,  # the registry's, passed on by CommitTurn
         }
     ),
-    # GetStatus takes no input; the NIXL moves answer UNIMPLEMENTED until the block pool lands.
-    "agent": _AUTH,
+    "agent": _AUTH
+    | frozenset(
+        {
+            ErrorReason.INVALID_ARGUMENT,
+            ErrorReason.REQUEST_ID_REUSED,
+            ErrorReason.NODE_MISMATCH,  # the source's engine, or target_node, is not this agent's
+            ErrorReason.PIN_EXPIRED,  # the holder's pin ends before a READ could finish
+            ErrorReason.CAPACITY_EXCEEDED,  # no room in the pool, even after evicting
+            ErrorReason.FAILED_PRECONDITION,
+            ErrorReason.UNAVAILABLE,
+        }
+    ),
 }
 
 # Raised and handled inside one service, never returned by an RPC.

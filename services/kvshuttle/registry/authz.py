@@ -1,8 +1,10 @@
 """Which permission each RegistryService RPC needs, and the tenant or node it acts on.
 
-Agents lease and report for their own node only (the node named in the request); retention
-calls name their tenant in the resource name (tenants/{tenant}/...), which bounds a
-tenant-scoped caller; force-releasing someone else's claim is an admin's alone.
+Agents lease and report for their own node only (the node named in the request, or its pool
+node); retention calls name their tenant in the resource name (tenants/{tenant}/...), which
+bounds a tenant-scoped caller; force-releasing someone else's claim is an admin's alone.
+EvictRetention is scoped by the node it evicts from, not by tenant: an agent frees room in its
+own pool, whoever's retentions fill it.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ _NODE_CALLS: dict[str, tuple[Permission, _Name]] = {
     "HeartbeatNode": (Permission.NODES_LEASE, lambda r: r.name),
     "DeregisterNode": (Permission.NODES_LEASE, lambda r: r.name),
     "ReportBlockEvents": (Permission.EVENTS_REPORT, lambda r: r.node),
+    "EvictRetention": (Permission.RETENTIONS_EVICT, lambda r: r.node),
 }
 _TENANT_CALLS: dict[str, tuple[Permission, _Name]] = {
     "PutRetention": (Permission.RETENTIONS_WRITE, lambda r: r.parent),
     "RenewRetention": (Permission.RETENTIONS_WRITE, lambda r: r.name),
+    "MoveRetention": (Permission.RETENTIONS_WRITE, lambda r: r.name),
     "GetRetention": (Permission.RETENTIONS_READ, lambda r: r.name),
     "GetConversation": (Permission.RETENTIONS_READ, lambda r: r.name),
     "ListRetentions": (Permission.RETENTIONS_READ, lambda r: r.parent),

@@ -16,7 +16,7 @@ from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.hashing import SALT_DIGEST_BYTES
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
 from kvshuttle.core.prototime import timestamp_seconds, to_timestamp
-from kvshuttle.registry.model import ChangeKind, Holder, Node, Retention, RetentionChange
+from kvshuttle.registry.model import ChangeKind, Holder, Move, Node, Retention, RetentionChange
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.vllm.kv_transfer_params import check_extra
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
@@ -32,6 +32,9 @@ CHANGE_TO_PB = {
     ChangeKind.EXPIRED: pb.RETENTION_CHANGE_EXPIRED,
     ChangeKind.REPLACED: pb.RETENTION_CHANGE_REPLACED,
     ChangeKind.NODE_LOST: pb.RETENTION_CHANGE_NODE_LOST,
+    ChangeKind.MOVED: pb.RETENTION_CHANGE_MOVED,
+    ChangeKind.EVICTED: pb.RETENTION_CHANGE_EVICTED,
+    ChangeKind.UNCLAIMED: pb.RETENTION_CHANGE_UNCLAIMED,
 }
 
 
@@ -40,7 +43,9 @@ def role_from_pb(role: int, field: str, *, required: bool) -> NodeRole | None:
         return None
     found = ROLE_FROM_PB.get(role)
     if found is None:
-        raise InvalidArgument(field, "must be NODE_ROLE_PREFILL, NODE_ROLE_DECODE or NODE_ROLE_BOTH")
+        raise InvalidArgument(
+            field, "must be NODE_ROLE_PREFILL, NODE_ROLE_DECODE, NODE_ROLE_BOTH or NODE_ROLE_POOL"
+        )
     return found
 
 
@@ -125,6 +130,22 @@ def retention_from_pb(r: pb.Retention) -> Retention:
     )
 
 
+def move_from_pb(request: pb.MoveRetentionRequest) -> Move:
+    """What MoveRetention hands over: the new holder and its params (read for their holder, as a
+    put's are); the lease is the servicer's."""
+    params = request.kv_transfer_params if request.HasField("kv_transfer_params") else None
+    if params is not None:
+        check_extra(params, "kv_transfer_params")
+    return Move(
+        name=request.name,
+        claim_id=request.claim_id,
+        node=request.node,
+        kv_transfer_params=params.SerializeToString(deterministic=True) if params is not None else b"",
+        kv_bytes=request.kv_bytes,
+        holder=holder_from_pb(params) if params is not None else None,
+    )
+
+
 def retention_to_pb(r: Retention) -> pb.Retention:
     out = pb.Retention(
         name=r.name,
@@ -159,6 +180,7 @@ def change_to_pb(change: RetentionChange) -> pb.WatchRetentionsResponse:
         change=CHANGE_TO_PB[change.kind],
         retention=retention_to_pb(change.retention),
         change_time=to_timestamp(change.at),
+        previous_node=change.previous_node,
     )
 
 

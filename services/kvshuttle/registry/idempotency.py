@@ -4,12 +4,13 @@ gets its first answer; the same request_id with another request body is refused
 
 An entry is a fingerprint of the request and a compact answer (names, times, a claim id), never
 a whole retention: a repeated put carries the retention itself, so its first response is rebuilt
-from it, and a repeated claim answers from the live, claimed record. The cache is bounded in
+from it, a repeated claim answers from the live, claimed record, and a repeated move is rebuilt
+from the live record's immutable fields and the repeat itself. The cache is bounded in
 entries, in bytes and in age; the oldest entries go first.
 
 Not part of a request's identity: the lease it asks for (PutRetention's ttl and
-pin_expire_time, ClaimRetention's claim_ttl). A retry may compute those again (the router's
-commit derives them from its clock), and the first request's lease stands.
+pin_expire_time, ClaimRetention's claim_ttl, MoveRetention's ttl). A retry may compute those
+again (the router's commit derives them from its clock), and the first request's lease stands.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from kvshuttle.core.fingerprint import fingerprint
-from kvshuttle.registry.model import Retention
+from kvshuttle.registry.model import Move, Retention
 
 __all__ = [
     "Answer",
     "ClaimAnswer",
     "IdempotencyCache",
     "Key",
+    "MoveAnswer",
     "PutAnswer",
     "claim_fingerprint",
+    "move_fingerprint",
     "put_fingerprint",
 ]
 
@@ -37,6 +40,7 @@ __all__ = [
 # tracemalloc on CPython 3.11: 910 bytes a put entry, 643 a claim entry, with uuid-based names).
 PUT_OVERHEAD = 460
 CLAIM_OVERHEAD = 360
+MOVE_OVERHEAD = 340
 _STR_OVERHEAD = 49
 
 # (operation, target name, request id): an id is scoped by what it acts on, so another
@@ -64,7 +68,16 @@ class ClaimAnswer:
     claim_id: str
 
 
-Answer: TypeAlias = PutAnswer | ClaimAnswer
+@dataclass(frozen=True, slots=True)
+class MoveAnswer:
+    """MoveRetention's first response, less what the repeated request and the (immutable) rest
+    of the retention carry: the lease it set."""
+
+    fingerprint: bytes
+    expire_at: float
+
+
+Answer: TypeAlias = PutAnswer | ClaimAnswer | MoveAnswer
 
 
 def _size(key: Key, answer: Answer) -> int:
@@ -73,9 +86,11 @@ def _size(key: Key, answer: Answer) -> int:
     if isinstance(answer, PutAnswer):
         strings += [answer.name, answer.replaced]
         base = PUT_OVERHEAD
-    else:
+    elif isinstance(answer, ClaimAnswer):
         strings.append(answer.claim_id)
         base = CLAIM_OVERHEAD
+    else:
+        base = MOVE_OVERHEAD
     return base + sum(_STR_OVERHEAD + len(x) for x in strings)
 
 
@@ -101,6 +116,14 @@ def put_fingerprint(retention: Retention) -> bytes:
 def claim_fingerprint(holder: str) -> bytes:
     """What identifies a claim of a retention (the name is in the key): who claims it."""
     return fingerprint(b"kvs.claim", [holder])
+
+
+def move_fingerprint(move: Move) -> bytes:
+    """What identifies a move of a retention (the name is in the key): the claim it ends, the new
+    holder, its params and bytes; not the lease."""
+    return fingerprint(
+        b"kvs.move", [move.claim_id, move.node, move.kv_transfer_params, struct.pack("<Q", move.kv_bytes)]
+    )
 
 
 class IdempotencyCache:

@@ -41,6 +41,16 @@ class RegistryCollector(Collector):
             value=stats.replaced,
         )
         yield CounterMetricFamily(
+            "kvshuttle_registry_retentions_moved",
+            "Claimed retentions handed to another node (MoveRetention).",
+            value=stats.moves,
+        )
+        yield CounterMetricFamily(
+            "kvshuttle_registry_retentions_evicted",
+            "Retentions their holder removed to make room (EvictRetention).",
+            value=stats.evictions,
+        )
+        yield CounterMetricFamily(
             "kvshuttle_registry_event_batches", "KV-event batches applied.", value=stats.event_batches
         )
         yield CounterMetricFamily(

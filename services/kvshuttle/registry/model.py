@@ -34,6 +34,9 @@ class Claim:
     holder: str
     claim_time: float
     expire_at: float
+    # The retention's own lease when it was claimed: what it gets back if the claim is given
+    # back unread.
+    lease_expire_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +106,9 @@ class ChangeKind(StrEnum):
     EXPIRED = "expired"
     REPLACED = "replaced"
     NODE_LOST = "node_lost"
+    MOVED = "moved"  # handed to another node (MoveRetention): `previous_node` held it
+    EVICTED = "evicted"
+    UNCLAIMED = "unclaimed"  # removed by its holder to make room (EvictRetention)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +116,21 @@ class RetentionChange:
     kind: ChangeKind
     retention: Retention
     at: float
+    # MOVED: the node that held the retention before; "" otherwise.
+    previous_node: str = ""
+
+
+@dataclass(slots=True)
+class Move:
+    """A claimed retention handed to another holder (MoveRetention): the node that holds the
+    blocks from now on, and the params (opaque, as in Retention) that send readers there."""
+
+    name: str  # tenants/{t}/conversations/{c}/retentions/{generation}
+    claim_id: str
+    node: str  # nodes/{node}
+    kv_transfer_params: bytes
+    kv_bytes: int
+    holder: Holder | None = None
 
 
 @dataclass(frozen=True, slots=True)

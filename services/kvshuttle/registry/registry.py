@@ -33,11 +33,28 @@ from kvshuttle.core.names import (
     parse_tenant,
     parse_tenant_or_conversation,
 )
-from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
+from kvshuttle.core.nodes import (
+    POOL_CAPACITY_LABEL,
+    POOL_OF_LABEL,
+    NodeLoad,
+    NodeRole,
+    NodeSpec,
+    is_pool_node_name,
+    pool_node_name,
+    pool_owner,
+)
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.model import Conversation, ExpiryResult, Node, PutResult, Retention, RetentionChange
+from kvshuttle.registry.model import (
+    Conversation,
+    ExpiryResult,
+    Move,
+    Node,
+    PutResult,
+    Retention,
+    RetentionChange,
+)
 from kvshuttle.registry.store import RegistryStore
 from kvshuttle.registry.watchers import Subscription, Watchers
 
@@ -52,6 +69,8 @@ class RegistryStats:
     claims: Counter[str] = field(default_factory=Counter)  # granted / rejected reason
     puts: int = 0
     replaced: int = 0
+    moves: int = 0
+    evictions: int = 0
     event_batches: int = 0
     event_gaps: int = 0
     engine_restarts: int = 0
@@ -137,6 +156,25 @@ class Registry:
                     f"keys must be 1..{self.limits.max_label_length} "
                     f"characters, values at most {self.limits.max_label_length}",
                 )
+        self._check_pool(spec)
+
+    def _check_pool(self, spec: NodeSpec) -> None:
+        """A pool node is `pool_node_name(owner)`, labelled with its owner (and, if at all, a
+        byte capacity); no other node takes a pool node's name, so an agent's scope over its
+        pool node (kvshuttle.core.auth) never reaches an engine's node."""
+        if spec.role is not NodeRole.POOL:
+            if is_pool_node_name(spec.name):
+                raise InvalidArgument("node.name", "names ending in -pool are reserved for NODE_ROLE_POOL")
+            return
+        owner = pool_owner(spec.name)
+        if not owner:
+            raise InvalidArgument("node.name", "a pool node is named nodes/{node}-pool")
+        pool_node_name(owner, "node.name", max_length=self.limits.max_id_length)  # a valid owner
+        if spec.labels.get(POOL_OF_LABEL) != owner:
+            raise InvalidArgument("node.labels", f"a pool node's {POOL_OF_LABEL} label must be {owner}")
+        capacity = spec.labels.get(POOL_CAPACITY_LABEL)
+        if capacity is not None and not (capacity.isascii() and capacity.isdigit() and len(capacity) <= 20):
+            raise InvalidArgument("node.labels", f"{POOL_CAPACITY_LABEL} must be a number of bytes")
 
     async def register_node(self, spec: NodeSpec, ttl: float | None) -> Node:
         self._check_spec(spec)
@@ -273,10 +311,48 @@ class Registry:
         self._wake.set()
         return retention
 
-    async def release_retention(self, name: str, *, claim_id: str, force: bool) -> None:
+    async def release_retention(self, name: str, *, claim_id: str, force: bool, keep: bool = False) -> None:
         self._retention_name(name)
-        self._bounded(claim_id, "claim_id", required=False)
-        self._publish(await self._store.release_retention(name, claim_id, force, self._clock.now()))
+        self._bounded(claim_id, "claim_id", required=keep)
+        if keep and force:
+            raise InvalidArgument("keep", "gives a claim back: not with force")
+        changes = await self._store.release_retention(name, claim_id, force, self._clock.now(), keep=keep)
+        self._publish(changes)
+        if keep:
+            self._wake.set()  # its lease is the expiry timer's again
+
+    async def move_retention(self, *, request_id: str, move: Move, ttl: float | None) -> Retention:
+        """Hand a claimed retention to another node (an agent's pool node) in one step."""
+        self._request_id(request_id)
+        self._retention_name(move.name)
+        self._bounded(move.claim_id, "claim_id")
+        self._node_name(move.node, "node")
+        if not move.kv_transfer_params:
+            raise InvalidArgument("kv_transfer_params", "required")
+        if len(move.kv_transfer_params) > self.limits.max_kv_transfer_params_bytes:
+            raise InvalidArgument(
+                "kv_transfer_params", f"larger than {self.limits.max_kv_transfer_params_bytes} bytes"
+            )
+        if not 0 <= move.kv_bytes <= self.limits.max_kv_bytes:
+            raise InvalidArgument("kv_bytes", f"must be 0..{self.limits.max_kv_bytes}")
+        lease = self.limits.retention_ttl.pick(ttl, "ttl")
+        retention, changes = await self._store.move_retention(
+            move, lease, self._clock.now(), request_id=request_id
+        )
+        if changes:
+            self.stats.moves += 1
+            log.info("retention.moved", node=move.node, previous_node=changes[0].previous_node)
+        self._publish(changes)
+        self._wake.set()
+        return retention
+
+    async def evict_retention(self, name: str, *, node: str) -> None:
+        """Remove a retention its holder `node` needs the room of (never a claimed one)."""
+        self._retention_name(name)
+        self._node_name(node, "node")
+        changes = await self._store.evict_retention(name, node, self._clock.now())
+        self.stats.evictions += len(changes)
+        self._publish(changes)
 
     async def list_retentions(
         self, *, parent: str, node: str, page_size: int, page_token: str

@@ -149,8 +149,32 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         context: grpc.aio.ServicerContext[pb.ReleaseRetentionRequest, pb.ReleaseRetentionResponse],
     ) -> pb.ReleaseRetentionResponse:
         bind_contextvars(retention=log_name(request.name))
-        await self._registry.release_retention(request.name, claim_id=request.claim_id, force=request.force)
+        await self._registry.release_retention(
+            request.name, claim_id=request.claim_id, force=request.force, keep=request.keep
+        )
         return pb.ReleaseRetentionResponse()
+
+    async def MoveRetention(
+        self,
+        request: pb.MoveRetentionRequest,
+        context: grpc.aio.ServicerContext[pb.MoveRetentionRequest, pb.MoveRetentionResponse],
+    ) -> pb.MoveRetentionResponse:
+        bind_contextvars(retention=log_name(request.name), node=request.node)
+        retention = await self._registry.move_retention(
+            request_id=request.request_id,
+            move=convert.move_from_pb(request),
+            ttl=duration_seconds(request.ttl, "ttl"),
+        )
+        return pb.MoveRetentionResponse(retention=convert.retention_to_pb(retention))
+
+    async def EvictRetention(
+        self,
+        request: pb.EvictRetentionRequest,
+        context: grpc.aio.ServicerContext[pb.EvictRetentionRequest, pb.EvictRetentionResponse],
+    ) -> pb.EvictRetentionResponse:
+        bind_contextvars(retention=log_name(request.name), node=request.node)
+        await self._registry.evict_retention(request.name, node=request.node)
+        return pb.EvictRetentionResponse()
 
     async def ListRetentions(
         self,

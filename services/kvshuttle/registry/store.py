@@ -16,6 +16,7 @@ from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
 from kvshuttle.registry.model import (
     Conversation,
     ExpiryResult,
+    Move,
     Node,
     PutResult,
     Retention,
@@ -67,8 +68,29 @@ class RegistryStore(Protocol):
     ) -> tuple[Retention, list[RetentionChange]]: ...
 
     async def release_retention(
-        self, name: str, claim_id: str, force: bool, now: float
-    ) -> list[RetentionChange]: ...
+        self, name: str, claim_id: str, force: bool, now: float, *, keep: bool = False
+    ) -> list[RetentionChange]:
+        """Remove the retention (a claimed one: with its claim_id, or force); with `keep`, end
+        its claim `claim_id` instead and give it back its pre-claim lease (removed as EXPIRED
+        when that has passed)."""
+        ...
+
+    async def move_retention(
+        self, move: Move, ttl: float, now: float, *, request_id: str
+    ) -> tuple[Retention, list[RetentionChange]]:
+        """Hand the claimed retention `move.name` to `move.node`: it must be claimed with exactly
+        `move.claim_id` (CLAIM_MISMATCH; RETENTION_EXPIRED when the claim lapsed), the node live
+        (NOT_FOUND, NODE_NOT_FOUND), of the retention's model and block size and named by the
+        params as registered (NODE_MISMATCH). Sets node, params, holder, kv_bytes; clears the
+        claim and the pin; the lease runs `ttl` from now; moves the node counts. One MOVED change
+        (with the previous node). A repeat of `request_id` returns the first answer."""
+        ...
+
+    async def evict_retention(self, name: str, node: str, now: float) -> list[RetentionChange]:
+        """Remove `name` if `node` holds it (NODE_MISMATCH otherwise) and it is not claimed
+        (RETENTION_ALREADY_CLAIMED); NOT_FOUND when it is gone. One EVICTED change; the fence
+        lingers as on expiry."""
+        ...
 
     async def list_retentions(
         self, *, tenant: str, conversation: str | None, node: str | None, after: str, limit: int

@@ -25,7 +25,8 @@ class Subscription:
 
     def matches(self, change: RetentionChange) -> bool:
         if self.node is not None:
-            return change.retention.node == self.node
+            # A moved retention leaves one node and reaches another: both nodes' watchers see it.
+            return self.node in (change.retention.node, change.previous_node)
         return change.retention.tenant == self.tenant
 
     def offer(self, change: RetentionChange) -> bool:

@@ -123,6 +123,8 @@ class Committer:
             finally:
                 if release is not None:
                     await timer.registry(release)
+            if not result.retention and state.conversation and self._parts.shuttle is not None:
+                self._parts.shuttle.forget(state.conversation)  # what it had scheduled was consumed
             self._observe(state, req.timings)
             self._parts.memory.finish(state.turn_id, "committed")
             if req.request_id:
@@ -219,6 +221,15 @@ class Committer:
         if self._parts.policy.token_granular_reuse and stored.num_tokens == num_tokens:
             stored = _with_answer_tokens(stored, tokens, state.prompt_tokens)
         self._parts.memory.hints.put(state.conversation, stored)
+        if self._parts.shuttle is not None:
+            self._parts.shuttle.committed(
+                state.conversation,
+                stored,
+                kv_bytes=new.kv_bytes,
+                pin_expire_at=pin,
+                prefill_node=state.prefill_node,
+                expected_think_time_s=state.expected_think_time_s,
+            )
         return CommitResult(stored.name, stored.expire_at)
 
     def _observe(self, state: TurnState, t: TurnTimings) -> None:

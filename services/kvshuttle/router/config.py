@@ -6,6 +6,9 @@
     KVSHUTTLE_ROUTER_PROFILES_FILE=/etc/kvshuttle/profiles.toml
     KVSHUTTLE_ROUTER_TURN_SIGNING_KEY=...            (shared by every replica; >= 16 bytes)
     KVSHUTTLE_ROUTER_POLICY__CLAIM_TTL_S=20
+    KVSHUTTLE_ROUTER_POLICY__PARKING__ENABLED=true       (park idle retentions in agents' pools)
+    KVSHUTTLE_ROUTER_POLICY__PARKING__PREFETCH_ENABLED=true
+    KVSHUTTLE_ROUTER_AGENTS__TOKEN_FILE=/run/secrets/router-agent-token
     KVSHUTTLE_ROUTER_PROFILES='[{"model": "m", "kv_bytes_per_token": 4096,
         "prefill": {"fixed_ms": 10, "per_token_ms": 0.02}, "link": {"bandwidth_gb_s": 20, "fixed_ms": 5}}]'
 
@@ -22,12 +25,28 @@ from typing import Self
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvshuttle.client.channel import ChannelOptions
 from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.router.cost import ModelProfile
 from kvshuttle.router.model import RouterPolicy
 from kvshuttle.serving.settings import AuthSettings, ServerSettings, TelemetrySettings
 
 MIN_SIGNING_KEY_BYTES = 16
+
+
+class AgentConnection(ServiceConnection):
+    """How the router reaches the agents it asks to park or prefetch (TLS, token, deadline,
+    attempts as for any service); each agent's address is the one its node registered
+    (NodeInfo.agent_endpoint), so `address` is not set here."""
+
+    address: str = Field(default="", exclude=True)
+    # One move READs a whole retention: a deadline of its own, longer than a registry call's.
+    timeout: float = Field(default=30.0, gt=0)
+    # Open channels kept, least recently used closed first.
+    max_channels: int = Field(default=64, ge=1)
+
+    def for_endpoint(self, endpoint: str) -> ChannelOptions:
+        return self.model_copy(update={"address": endpoint}).channel_options()
 
 
 class RouterSettings(BaseSettings):
@@ -52,6 +71,8 @@ class RouterSettings(BaseSettings):
     # a turn committed on another replica than its plan's is NOT_FOUND).
     turn_signing_key: SecretStr | None = None
     policy: RouterPolicy = Field(default_factory=RouterPolicy)
+    # The agents the shuttle calls (policy.parking); their addresses come from the registry.
+    agents: AgentConnection = Field(default_factory=AgentConnection)
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -69,4 +90,20 @@ class RouterSettings(BaseSettings):
             raise ValueError(
                 "policy: degraded_nodes_max_age_s must be at least 0, commit_registry_timeout_s positive"
             )
+        _check_parking(policy)
         return self
+
+
+def _check_parking(policy: RouterPolicy) -> None:
+    p = policy.parking
+    if min(p.park_after_idle_s, p.max_idle_s, p.tick_s, p.prefetch_margin, p.min_ttl_s) <= 0:
+        raise ValueError(
+            "policy.parking: park_after_idle_s, max_idle_s, tick_s, prefetch_margin and min_ttl_s "
+            "must be positive"
+        )
+    if p.park_before_pin_s < 0 or not 0 < p.park_kv_usage_above <= 1:
+        raise ValueError("policy.parking: park_before_pin_s >= 0 and 0 < park_kv_usage_above <= 1")
+    if p.max_in_flight < 1 or p.max_scheduled < 1:
+        raise ValueError("policy.parking: max_in_flight and max_scheduled must be at least 1")
+    if p.max_idle_s <= p.park_after_idle_s + p.min_ttl_s:
+        raise ValueError("policy.parking: max_idle_s must exceed park_after_idle_s + min_ttl_s")

@@ -2,12 +2,14 @@
 
 Builds its settings, logs them (the signing key redacted), loads the model profiles, connects
 to the registry (client spans join each turn's trace), and serves RouterService until SIGTERM
-or SIGINT.
+or SIGINT. With policy.parking on, the shuttle runs beside it as a supervised task (restarted
+after a crash), and its moves in flight get the server's grace to finish at shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections.abc import Sequence
 
@@ -18,11 +20,12 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvshuttle.client.registry import RegistryClient
 from kvshuttle.core.clock import Clock, SystemClock
+from kvshuttle.router.agent_port import GrpcAgentPort
 from kvshuttle.router.authz import turn_policy
 from kvshuttle.router.config import RouterSettings
 from kvshuttle.router.cost import CostModel, ModelProfile, load_profiles
 from kvshuttle.router.metrics import RouterMetrics
-from kvshuttle.router.ports import RegistryPort
+from kvshuttle.router.ports import AgentPort, RegistryPort
 from kvshuttle.router.registry_port import GrpcRegistryPort
 from kvshuttle.router.router import Router
 from kvshuttle.router.servicer import RouterServicer
@@ -76,6 +79,7 @@ def build_router(
     *,
     tracer_provider: TracerProvider | None = None,
     model_profiles: Sequence[ModelProfile] | None = None,
+    agents: AgentPort | None = None,
 ) -> Router:
     """The router domain object. `model_profiles` replaces the settings' profiles (tests)."""
     return Router(
@@ -86,7 +90,27 @@ def build_router(
         settings.policy,
         RouterMetrics(metrics_registry),
         tracer_provider=tracer_provider,
+        agents=agents,
     )
+
+
+def wants_agents(settings: RouterSettings) -> bool:
+    """Whether the router calls agents: parking or prefetch is on."""
+    parking = settings.policy.parking
+    return parking.enabled or parking.prefetch_enabled
+
+
+async def supervise_shuttle(router: Router, *, restart_s: float = 1.0) -> None:
+    """The shuttle's loop, restarted after a crash (logged) until cancelled."""
+    while True:
+        try:
+            await router.run_shuttle()
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("router.shuttle_crashed", restart_in=restart_s)
+            await asyncio.sleep(restart_s)
 
 
 def build_server(
@@ -119,6 +143,9 @@ async def serve(settings: RouterSettings) -> None:
     # One provider for the server's spans, the domain's and the registry calls'.
     provider = configure_tracing(settings.telemetry, SERVICE_NAME)
     client = connect_registry(settings, provider)
+    agents = GrpcAgentPort(settings.agents, tracer_provider=provider) if wants_agents(settings) else None
+    shuttle: asyncio.Task[None] | None = None
+    router: Router | None = None
     try:
         router = build_router(
             settings,
@@ -126,9 +153,21 @@ async def serve(settings: RouterSettings) -> None:
             SystemClock(),
             tracer_provider=provider,
             model_profiles=model_profiles,
+            agents=agents,
         )
+        if router.shuttle is not None:
+            shuttle = asyncio.create_task(supervise_shuttle(router), name="router.shuttle")
         await build_server(settings, router, tracer_provider=provider).serve_until_signal()
     finally:
+        if shuttle is not None:
+            shuttle.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await shuttle
+        if router is not None and router.shuttle is not None:
+            # Moves in flight finish within the server's grace (cut short, a claim lapses).
+            await router.shuttle.close(settings.server.grace_seconds)
+        if agents is not None:
+            await agents.close()
         await client.close()
         await asyncio.to_thread(shutdown_tracing, provider)
 

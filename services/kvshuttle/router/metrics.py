@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -13,6 +13,8 @@ from kvshuttle.router.hints import RetentionHints
 from kvshuttle.router.model import Decision, Reason
 
 _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+# A move: claim, one agent READ of a whole retention, the registry's move.
+_MOVE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class CacheCollector(Collector):
@@ -74,6 +76,38 @@ class RouterMetrics:
         )
         self.commits = Counter(
             "kvshuttle_router_commits", "CommitTurn outcomes.", ["outcome"], registry=registry
+        )
+
+        self.plan_holders = Counter(
+            "kvshuttle_router_plan_holders",
+            "Reuse plans by the role of the node prefill reads from (pool: an agent's pool).",
+            ["role"],
+            registry=registry,
+        )
+        self.moves = Counter(
+            "kvshuttle_router_moves",
+            "Shuttle moves of retentions into agents' pools: kind park|prefetch, why it was "
+            "due (idle, kv_usage, pin_ending, think_time), outcome (moved, skipped_*, failed_*).",
+            ["kind", "reason", "outcome"],
+            registry=registry,
+        )
+        self.moved_bytes = Counter(
+            "kvshuttle_router_moved_bytes", "KV bytes the shuttle moved.", ["kind"], registry=registry
+        )
+        self.move_seconds = Histogram(
+            "kvshuttle_router_move_seconds",
+            "Moves that reached the agent: claim to the registry's move (or the failure).",
+            ["kind"],
+            buckets=_MOVE_BUCKETS,
+            registry=registry,
+        )
+        self.scheduled = Gauge(
+            "kvshuttle_router_shuttle_scheduled",
+            "Conversations the shuttle has scheduled (moves in flight excluded).",
+            registry=registry,
+        )
+        self.moves_in_flight = Gauge(
+            "kvshuttle_router_moves_in_flight", "Shuttle moves running now.", registry=registry
         )
 
     def watch_caches(self, chains: ChainCache, hints: RetentionHints) -> None:

@@ -3,7 +3,7 @@ serves and the plans it makes."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -52,6 +52,38 @@ class PlacementWeights:
 
 
 @dataclass(frozen=True, slots=True)
+class ParkingPolicy:
+    """When the shuttle (kvshuttle.router.shuttle) moves a conversation's retention off its
+    decode engine into an agent's DRAM pool (park), or next to the prefill node its next turn
+    will use (prefetch). Only this replica's own commits are scheduled."""
+
+    # Park retentions of this replica's commits (needs agents with a pool registered as nodes).
+    enabled: bool = False
+    # Park a retention once its conversation has been idle this long...
+    park_after_idle_s: float = 30.0
+    # ...or at once, oldest idle first, while its decode node's kv_cache_usage is above this...
+    park_kv_usage_above: float = 0.85
+    # ...and at the latest this long before the engine's pin ends, when the conversation may
+    # come back after it (max_idle_s reaches past decoder_kv_blocks_ttl).
+    park_before_pin_s: float = 20.0
+    # A conversation idle this long is not coming back: a moved retention's lease (its
+    # registry ttl) ends max_idle_s after the conversation's last commit.
+    max_idle_s: float = 600.0
+    # Prefetch to the conversation's last prefill node's agent at commit time when the plan's
+    # expected_think_time_s is at least prefetch_margin times the estimated move time.
+    prefetch_enabled: bool = False
+    prefetch_margin: float = 1.5
+    # Moves in flight at once (each is one agent READ of a whole retention).
+    max_in_flight: int = 4
+    # Conversations scheduled at once; past it the oldest scheduled is dropped.
+    max_scheduled: int = 100_000
+    # How often the shuttle looks at its schedule and the decode nodes' kv_cache_usage.
+    tick_s: float = 1.0
+    # A move whose lease would be shorter than this is not worth it (skipped_idle_over).
+    min_ttl_s: float = 15.0
+
+
+@dataclass(frozen=True, slots=True)
 class RouterPolicy:
     # How long a claim pins a retention for the prefill's read.
     claim_ttl_s: float = 30.0
@@ -94,6 +126,7 @@ class RouterPolicy:
     # Estimated bytes of the plans remembered by request id (each holds prefill's block ids).
     remembered_plan_bytes: int = 64 * 2**20
     weights: PlacementWeights = field(default_factory=PlacementWeights)
+    parking: ParkingPolicy = field(default_factory=ParkingPolicy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +150,10 @@ class NodeInfo:
     # and then no plan reads from the node.
     side_channel_host: str = ""
     side_channel_port: int = 0
+    # The node's agent's gRPC endpoint ("host:port"; "" without an agent), and its labels (a
+    # pool node's kvshuttle.io/pool-of names the engine node whose agent holds the pool).
+    agent_endpoint: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +195,16 @@ class NewRetention:
     ttl: float
     # Where the blocks live in vLLM, the engine's own pin: a renewal never goes past it.
     pin_expire_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Pooled:
+    """What an agent answers when it moved a retention into its pool: the pool node that now
+    holds it and the params prefill reads it with there (kvshuttle's KvTransferParams as
+    vLLM's dict)."""
+
+    node: str
+    kv_transfer_params: dict[str, object]
 
 
 @dataclass(frozen=True, slots=True)

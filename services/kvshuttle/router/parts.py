@@ -1,5 +1,5 @@
 """What one router replica's planner and committer share: its registry port, clock, cost models,
-turn codec, policy, metrics, tracer and caches. `Router` makes one and hands it to both."""
+turn codec, policy, metrics, tracer, caches and shuttle. `Router` makes one and hands it to both."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import RouterPolicy
 from kvshuttle.router.node_directory import NodeDirectory
 from kvshuttle.router.ports import RegistryPort
+from kvshuttle.router.shuttle import Shuttle
 from kvshuttle.router.turn_memory import TurnMemory
 from kvshuttle.router.turns import TurnCodec
 
@@ -34,3 +35,5 @@ class RouterParts:
     nodes: NodeDirectory
     memory: TurnMemory
     chains: ChainCache
+    # Moves this replica's committed retentions into agents' pools (None: parking off).
+    shuttle: Shuttle | None = None

@@ -4,7 +4,9 @@ Prefill: the node where the prompt is expected to finish soonest: its local pref
 (the registry's block index, keyed by kvshuttle's chain) shorten the work, queued and running
 requests lengthen it. Decode: the least loaded node, counting the KV memory it already holds
 for other conversations' retentions. A conversation's previous nodes only break ties: a hint,
-never the policy. Only healthy nodes serving the model are candidates.
+never the policy, and ahead of them the prefill node whose agent's pool holds the
+conversation's retention (`prefer`), so that its read stays on the machine. Only healthy nodes
+serving the model are candidates (a pool node never is).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvshuttle.core.errors import Unavailable
-from kvshuttle.core.nodes import NodeRole
+from kvshuttle.core.nodes import POOL_OF_LABEL, NodeRole
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.router.cost import CostModel
 from kvshuttle.router.model import NodeInfo, PlacementWeights
@@ -42,6 +44,7 @@ def choose_prefill(
     cost: CostModel,
     weights: PlacementWeights,
     hint: str = "",
+    prefer: str = "",
 ) -> tuple[NodeInfo, int]:
     """The prefill node and its local prefix hits in tokens."""
     pool = candidates(nodes, NodeRole.PREFILL, model)
@@ -50,10 +53,10 @@ def choose_prefill(
         # vLLM hits at most prompt - 1 tokens locally: the last one is always computed.
         return min(local_hit_blocks.get(node.name, 0) * node.block_size, max(prompt_tokens - 1, 0))
 
-    def score(node: NodeInfo) -> tuple[float, bool, str]:
+    def score(node: NodeInfo) -> tuple[float, bool, bool, str]:
         ms = cost.recompute(prompt_tokens, hits(node)).total_ms
         ms += weights.load_penalty_ms * (node.running_requests + node.waiting_requests)
-        return ms, node.name != hint, node.name
+        return ms, node.name != prefer, node.name != hint, node.name
 
     best = min(pool, key=score)
     return best, hits(best)
@@ -75,3 +78,12 @@ def choose_decode(
         return node.name == avoid, load, node.name != hint, node.name
 
     return min(pool, key=score)
+
+
+def pool_owner_of(nodes: Sequence[NodeInfo], holder: str) -> str:
+    """The engine node whose agent's pool is `holder` (its pool-of label), or "" when `holder`
+    is not a pool node in `nodes`."""
+    node = next((x for x in nodes if x.name == holder), None)
+    if node is None or node.role is not NodeRole.POOL:
+        return ""
+    return node.labels.get(POOL_OF_LABEL, "")

@@ -136,6 +136,7 @@ class PlanIssuer:
             chain_root=call.root,
             decode_side_channel_host=decode.side_channel_host,
             decode_side_channel_port=decode.side_channel_port,
+            expected_think_time_s=req.expected_think_time_s,
         )
         plan = Plan(
             turn=self._parts.codec.encode(state),
@@ -175,4 +176,10 @@ class PlanIssuer:
         )
         if req.expected_think_time_s is not None:
             call.span.set_attribute("kvshuttle.expected_think_time_s", req.expected_think_time_s)
+        if claim is not None and verdict.holder is not None:
+            # Where prefill reads from: a decode engine, or an agent's pool (parked, prefetched).
+            call.span.set_attributes(
+                {"kvshuttle.holder": verdict.holder.name, "kvshuttle.holder_role": verdict.holder.role.value}
+            )
+            self._parts.metrics.plan_holders.labels(verdict.holder.role.value).inc()
         return plan

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import structlog
 
@@ -45,7 +46,7 @@ from kvshuttle.router.model import (
     RetentionInfo,
 )
 from kvshuttle.router.parts import RouterParts
-from kvshuttle.router.placement import candidates, choose_decode, choose_prefill
+from kvshuttle.router.placement import candidates, choose_decode, choose_prefill, pool_owner_of
 from kvshuttle.router.plan_issue import PlanCall, PlanContext, PlanIssuer, Verdict
 from kvshuttle.router.timing import CallTimer
 from kvshuttle.router.turn_memory import plan_fingerprint
@@ -119,6 +120,8 @@ class Planner:
             if verdict.claim is not None:
                 try:
                     claim, reason = await self._claim(ctx, verdict.claim)
+                    if claim is not None:
+                        verdict, claim, reason = await self._where_claimed(ctx, verdict, claim)
                 except Unavailable as err:
                     if err.reason != ErrorReason.REGISTRY_UNAVAILABLE:
                         raise
@@ -181,7 +184,9 @@ class Planner:
             for name, blocks in hits.items()
             if any(x.name == name and x.block_size == block_size for x in nodes)
         }
-        prefill, local_hits, decode = self._place(call, nodes, hits)
+        prefill, local_hits, decode = self._place(
+            call, nodes, hits, prefer=pool_owner_of(nodes, retention.node) if retention else ""
+        )
         return PlanContext(
             call=call,
             chain=chain,
@@ -199,10 +204,10 @@ class Planner:
         )
 
     def _place(
-        self, call: PlanCall, nodes: Sequence[NodeInfo], hits: Mapping[str, int]
+        self, call: PlanCall, nodes: Sequence[NodeInfo], hits: Mapping[str, int], *, prefer: str = ""
     ) -> tuple[NodeInfo, int, NodeInfo]:
-        """Prefill (and its local hits in tokens) and decode; the conversation's last nodes
-        break ties."""
+        """Prefill (and its local hits in tokens) and decode; the prefill node whose pool holds
+        the retention (`prefer`), then the conversation's last nodes break ties."""
         req, conversation = call.req, call.conversation
         hint_p, hint_d = self._parts.memory.last_nodes(conversation) if conversation else ("", "")
         weights = self._parts.policy.weights
@@ -214,6 +219,7 @@ class Planner:
             cost=call.cost,
             weights=weights,
             hint=hint_p,
+            prefer=prefer,
         )
         decode = choose_decode(nodes, model=req.model, weights=weights, avoid=prefill.name, hint=hint_d)
         return prefill, local_hits, decode
@@ -320,6 +326,39 @@ class Planner:
         if reason is None:
             return Verdict(Reason.REUSE_CHEAPER, prefix, reuse_cost, claim=retention, holder=holder)
         return Verdict(reason, prefix, reuse_cost)
+
+    async def _where_claimed(
+        self, ctx: PlanContext, verdict: Verdict, claim: ClaimInfo
+    ) -> tuple[Verdict, ClaimInfo | None, Reason]:
+        """The plan on the claimed retention as the registry has it: the router's shuttle may
+        have moved it into an agent's pool since it was read (same name and generation, another
+        holder and params), and prefill must read it from there. Verified again on what was
+        claimed; when that holder cannot serve it, the claim is given back unread (the retention
+        stays for a later turn) and the turn recomputes (NODE_DOWN)."""
+        seen, got = verdict.claim, claim.retention
+        assert seen is not None
+        if got.node == seen.node and got.kv_transfer_params == seen.kv_transfer_params:
+            return verdict, claim, Reason.REUSE_CHEAPER
+        if got.generation == seen.generation and got.num_tokens == seen.num_tokens:
+            got = replace(got, known_from_block=seen.known_from_block, known_tokens=seen.known_tokens)
+        call = ctx.call
+        n = int(call.tokens.size)
+        tokens = call.tokens if self._parts.policy.token_granular_reuse else None
+        prefix = verify(ctx.chain, n, got, prompt=tokens) if got.block_size == ctx.block_size else None
+        holder = next((x for x in ctx.nodes if x.name == got.node and x.healthy), None)
+        call.span.set_attribute("kvshuttle.claim.moved", True)
+        if holder is None or not knows_side_channel(holder) or prefix is None or prefix.tokens == 0:
+            log.info("plan.claimed_elsewhere", node=got.node, verified_tokens=prefix.tokens if prefix else 0)
+            try:
+                await call.timer.registry(
+                    self._parts.port.release(got.name, claim_id=claim.claim_id, keep=True)
+                )
+            except Unavailable as err:  # it lapses on its own TTL
+                log.warning("plan.release_failed", reason=err.reason)
+            return Verdict(Reason.NODE_DOWN, prefix), None, Reason.NODE_DOWN
+        reuse_cost = call.cost.reuse(n, prefix.tokens, ctx.local_hits)
+        moved = Verdict(Reason.REUSE_CHEAPER, prefix, reuse_cost, claim=got, holder=holder)
+        return moved, replace(claim, retention=got), Reason.REUSE_CHEAPER
 
     async def _claim(self, ctx: PlanContext, retention: RetentionInfo) -> tuple[ClaimInfo | None, Reason]:
         req = ctx.call.req

@@ -1,15 +1,16 @@
-"""What the router needs from the registry, as domain calls. The gRPC adapter implements it
-over RegistryClient; tests implement it over the registry's domain object, no sockets.
+"""What the router needs from the registry and from the agents, as domain calls. The gRPC
+adapters implement them over RegistryClient (registry_port.py) and AgentClient (agent_port.py);
+tests implement them over the registry's domain object or fakes, no sockets.
 
-Failures are domain errors (kvshuttle.core.errors) carrying the registry's reason.
+Failures are domain errors (kvshuttle.core.errors) carrying the other service's reason.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvshuttle.core.nodes import NodeRole
-from kvshuttle.router.model import ClaimInfo, Hashes, NewRetention, NodeInfo, RetentionInfo
+from kvshuttle.router.model import ClaimInfo, Hashes, NewRetention, NodeInfo, Pooled, RetentionInfo
 
 
 class RegistryPort(Protocol):
@@ -29,6 +30,52 @@ class RegistryPort(Protocol):
         """Store decode's retained KV; returns it as stored."""
         ...
 
-    async def release(self, name: str, *, claim_id: str) -> None:
-        """Remove a retention; a retention already gone is not an error."""
+    async def release(self, name: str, *, claim_id: str, keep: bool = False) -> None:
+        """Remove a retention; a retention already gone is not an error. With `keep`, give the
+        claim back instead (nothing was read: the holder still has every block)."""
         ...
+
+    async def move_retention(
+        self,
+        name: str,
+        *,
+        claim_id: str,
+        node: str,
+        kv_transfer_params: dict[str, Any],
+        kv_bytes: int,
+        ttl: float,
+        request_id: str,
+    ) -> RetentionInfo:
+        """Re-point a retention this caller claimed (`claim_id`) at `node` (a pool node) with
+        `kv_transfer_params`, in one update: claim and pin cleared, expiring `ttl` from now."""
+        ...
+
+
+class AgentPort(Protocol):
+    """The agents the shuttle asks to move a retention's blocks into their pools, each by its
+    gRPC endpoint (NodeInfo.agent_endpoint). Both answer the pool node now holding the blocks
+    and the params to read them there; neither touches the registry's record of the retention.
+
+    Unavailable means the agent's answer is not known (it may have read, and so freed the
+    holder's blocks); the other domain errors that it refused and read nothing."""
+
+    async def park(
+        self, endpoint: str, retention: str, *, source: dict[str, Any], ttl: float, request_id: str
+    ) -> Pooled:
+        """The agent of `source`'s engine reads its blocks into its own pool."""
+        ...
+
+    async def prefetch(
+        self,
+        endpoint: str,
+        retention: str,
+        target_node: str,
+        *,
+        source: dict[str, Any],
+        ttl: float,
+        request_id: str,
+    ) -> Pooled:
+        """The agent of `target_node` (an engine node) reads `source`'s blocks into its pool."""
+        ...
+
+    async def close(self) -> None: ...

@@ -23,6 +23,8 @@ plan of another prompt claimed the retention).
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import numpy as np
 import structlog
@@ -67,6 +69,8 @@ def node_info(node: pb.Node) -> NodeInfo | None:
         indexed_blocks=node.indexed_blocks,
         side_channel_host=node.side_channel_host,
         side_channel_port=node.side_channel_port,
+        agent_endpoint=node.agent_endpoint,
+        labels=dict(node.labels),
     )
 
 
@@ -173,10 +177,35 @@ class GrpcRegistryPort:
             raise _refused(err) from err
         return retention_info(response.retention)
 
-    async def release(self, name: str, *, claim_id: str) -> None:
+    async def release(self, name: str, *, claim_id: str, keep: bool = False) -> None:
         try:
-            await self._client.release_retention(name, claim_id=claim_id)
+            await self._client.release_retention(name, claim_id=claim_id, keep=keep)
         except KvshuttleRpcError as err:
             if err.code == grpc.StatusCode.NOT_FOUND:
                 return  # already consumed, replaced or lapsed: what releasing wanted
             raise domain_error(err, "registry") from err
+
+    async def move_retention(
+        self,
+        name: str,
+        *,
+        claim_id: str,
+        node: str,
+        kv_transfer_params: dict[str, Any],
+        kv_bytes: int,
+        ttl: float,
+        request_id: str,
+    ) -> RetentionInfo:
+        try:
+            response = await self._client.move_retention(
+                name,
+                claim_id=claim_id,
+                node=node,
+                kv_transfer_params=from_vllm(kv_transfer_params, "kv_transfer_params"),
+                kv_bytes=kv_bytes,
+                ttl=max(ttl, 0.0),
+                request_id=request_id,
+            )
+        except KvshuttleRpcError as err:
+            raise _refused(err) from err
+        return retention_info(response.retention)

@@ -6,7 +6,8 @@
 * committer.py: CommitTurn and AbortTurn;
 * node_directory.py: the node list per model, refreshed in the background;
 * turn_memory.py: what this replica remembers of its turns (retries, hints, commits in flight);
-* chains.py: prompts' hash chains, computed incrementally per conversation.
+* chains.py: prompts' hash chains, computed incrementally per conversation;
+* shuttle.py: parks and prefetches this replica's committed retentions in agents' pools.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from kvshuttle.router.model import CommitRequest, CommitResult, Plan, PlanReques
 from kvshuttle.router.node_directory import NodeDirectory
 from kvshuttle.router.parts import RouterParts
 from kvshuttle.router.planner import Planner
-from kvshuttle.router.ports import RegistryPort
+from kvshuttle.router.ports import AgentPort, RegistryPort
+from kvshuttle.router.shuttle import Shuttle
 from kvshuttle.router.turn_memory import TurnMemory
 from kvshuttle.router.turns import TurnCodec
 
@@ -41,8 +43,11 @@ class Router:
         policy: RouterPolicy | None = None,
         metrics: RouterMetrics | None = None,
         tracer_provider: trace.TracerProvider | None = None,
+        agents: AgentPort | None = None,
     ) -> None:
-        """`costs`: one cost model per served model; the router calibrates them as turns commit."""
+        """`costs`: one cost model per served model; the router calibrates them as turns commit.
+        `agents`: where the shuttle sends moves; it runs (`run_shuttle`) only with agents and
+        policy.parking's park or prefetch enabled."""
         policy = policy or RouterPolicy()
         # Verifies turn handles for the authorization of CommitTurn and AbortTurn too.
         self.codec = codec
@@ -66,6 +71,21 @@ class Router:
         self.chains = ChainCache(policy.chain_cache_bytes)
         self.hints = memory.hints
         metrics.watch_caches(self.chains, self.hints)
+        parking = policy.parking
+        self.shuttle = (
+            Shuttle(
+                port=port,
+                agents=agents,
+                clock=clock,
+                nodes=nodes,
+                hints=memory.hints,
+                costs=by_model,
+                policy=policy,
+                metrics=metrics,
+            )
+            if agents is not None and (parking.enabled or parking.prefetch_enabled)
+            else None
+        )
         parts = RouterParts(
             port=port,
             clock=clock,
@@ -77,6 +97,7 @@ class Router:
             nodes=nodes,
             memory=memory,
             chains=self.chains,
+            shuttle=self.shuttle,
         )
         self._planner = Planner(parts)
         self._committer = Committer(parts)
@@ -89,3 +110,8 @@ class Router:
 
     async def abort_turn(self, handle: str, reason: str) -> None:
         await self._committer.abort_turn(handle, reason)
+
+    async def run_shuttle(self) -> None:
+        """The shuttle's loop, until cancelled (returns at once without a shuttle)."""
+        if self.shuttle is not None:
+            await self.shuttle.run()

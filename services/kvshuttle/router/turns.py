@@ -57,6 +57,8 @@ class TurnState:
     # handles issued before it existed still decode.
     decode_side_channel_host: str = ""
     decode_side_channel_port: int = 0
+    # The plan's expected_think_time_s hint (None: not sent): the commit's prefetch decision.
+    expected_think_time_s: float | None = None
 
 
 _FIELDS = tuple(f.name for f in fields(TurnState))

@@ -127,6 +127,21 @@ def prefill_params(retention: RetentionInfo, prefix: VerifiedPrefix, holder: Nod
     return params
 
 
+def whole_params(retention: RetentionInfo, holder: NodeInfo) -> dict[str, Any]:
+    """The whole retention's params as a reader of all its blocks needs them (an agent moving
+    it into its pool): addressed to `holder` as registered, like prefill_params. One KV-cache
+    group is cut to the blocks its tokens fill; several stay whole."""
+    groups = block_groups(retention.kv_transfer_params)
+    bs, n = retention.block_size, retention.num_tokens
+    if len(groups) == 1:
+        return prefill_params(retention, VerifiedPrefix(n // bs, bs, n % bs), holder)
+    whole = min((len(g) for g in groups), default=0)
+    return prefill_params(retention, VerifiedPrefix(whole, bs), holder) | {
+        "remote_block_ids": [list(g) for g in groups],
+        "remote_num_tokens": n,
+    }
+
+
 def first_turn_params() -> dict[str, Any]:
     """What prefill gets when nothing is reused: compute, then keep the KV for decode to read."""
     return {"do_remote_decode": True, "do_remote_prefill": False}

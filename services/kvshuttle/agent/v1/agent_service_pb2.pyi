@@ -234,6 +234,7 @@ class PullBlocksRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     NOTIFY_HOLDER_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id; a repeated request returns the first response unchanged."""
     notify_holder: _builtins.bool
@@ -242,16 +243,21 @@ class PullBlocksRequest(_message.Message):
     def source(self) -> _kv_transfer_params_pb2.KvTransferParams:
         """Where the blocks are: the holder's params (engine id, side channel, block ids, tokens)."""
 
+    @_builtins.property
+    def ttl(self) -> _duration_pb2.Duration:
+        """How long the pool keeps the pulled blocks (required)."""
+
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         source: _kv_transfer_params_pb2.KvTransferParams | None = ...,
         notify_holder: _builtins.bool = ...,
+        ttl: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["source", b"source"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["source", b"source", "ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["notify_holder", b"notify_holder", "request_id", b"request_id", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["notify_holder", b"notify_holder", "request_id", b"request_id", "source", b"source", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -264,23 +270,29 @@ class PullBlocksResponse(_message.Message):
     POOLED_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
     DURATION_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
     bytes: _builtins.int
+    node: _builtins.str
+    """`nodes/{node}-pool`: the pool node `pooled` names."""
     @_builtins.property
     def pooled(self) -> _kv_transfer_params_pb2.KvTransferParams:
-        """Params a prefill engine can use to read the pulled blocks from this agent."""
+        """Params a prefill engine can use to read the pulled blocks from this agent's pool node."""
 
     @_builtins.property
-    def duration(self) -> _duration_pb2.Duration: ...
+    def duration(self) -> _duration_pb2.Duration:
+        """Of the NIXL READ."""
+
     def __init__(
         self,
         *,
         pooled: _kv_transfer_params_pb2.KvTransferParams | None = ...,
         bytes: _builtins.int = ...,
         duration: _duration_pb2.Duration | None = ...,
+        node: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "pooled", b"pooled"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "duration", b"duration", "pooled", b"pooled"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "duration", b"duration", "node", b"node", "pooled", b"pooled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -293,13 +305,22 @@ class ParkRetentionRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     RETENTION_FIELD_NUMBER: _builtins.int
     TTL_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id; a repeated request returns the first response unchanged."""
     retention: _builtins.str
     """`tenants/{tenant}/conversations/{conversation}/retentions/{generation}`."""
     @_builtins.property
     def ttl(self) -> _duration_pb2.Duration:
-        """How long to keep the parked KV."""
+        """How long to keep the parked KV (required): the pool holds it this long plus its serve
+        grace, so past the registry's expiry of the moved retention.
+        """
+
+    @_builtins.property
+    def source(self) -> _kv_transfer_params_pb2.KvTransferParams:
+        """The retention's kv_transfer_params addressed to its holder as registered (this agent's
+        engine: remote_engine_id must be its engine id), covering every block to park (required).
+        """
 
     def __init__(
         self,
@@ -307,10 +328,11 @@ class ParkRetentionRequest(_message.Message):
         request_id: _builtins.str = ...,
         retention: _builtins.str = ...,
         ttl: _duration_pb2.Duration | None = ...,
+        source: _kv_transfer_params_pb2.KvTransferParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["source", b"source", "ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "retention", b"retention", "ttl", b"ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "retention", b"retention", "source", b"source", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -323,21 +345,36 @@ class ParkRetentionResponse(_message.Message):
     RETENTION_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
+    POOLED_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
     retention: _builtins.str
-    """The retention's name after it was re-pointed at this agent."""
+    """The retention parked (as asked)."""
     bytes: _builtins.int
+    node: _builtins.str
+    """`nodes/{node}-pool`: the pool node to re-point the retention at."""
     @_builtins.property
-    def expire_time(self) -> _timestamp_pb2.Timestamp: ...
+    def expire_time(self) -> _timestamp_pb2.Timestamp:
+        """When the pool frees the parked KV unless read first."""
+
+    @_builtins.property
+    def pooled(self) -> _kv_transfer_params_pb2.KvTransferParams:
+        """Params that read the parked KV from the pool node: its engine id and side channel, the
+        pool slots, a fresh remote_request_id whose read-done notification frees them, and
+        remote_blocks_expiry_time on the agent's clock.
+        """
+
     def __init__(
         self,
         *,
         retention: _builtins.str = ...,
         bytes: _builtins.int = ...,
         expire_time: _timestamp_pb2.Timestamp | None = ...,
+        pooled: _kv_transfer_params_pb2.KvTransferParams | None = ...,
+        node: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["expire_time", b"expire_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expire_time", b"expire_time", "pooled", b"pooled"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "expire_time", b"expire_time", "retention", b"retention"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "expire_time", b"expire_time", "node", b"node", "pooled", b"pooled", "retention", b"retention"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -350,22 +387,36 @@ class PrefetchRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     RETENTION_FIELD_NUMBER: _builtins.int
     TARGET_NODE_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id; a repeated request returns the first response unchanged."""
     retention: _builtins.str
     """`tenants/{tenant}/conversations/{conversation}/retentions/{generation}`."""
     target_node: _builtins.str
-    """`nodes/{node}` expected to run the next prefill."""
+    """`nodes/{node}` expected to run the next prefill: this agent's own node."""
+    @_builtins.property
+    def source(self) -> _kv_transfer_params_pb2.KvTransferParams:
+        """The retention's kv_transfer_params addressed to its holder as registered (engine id and
+        side channel of a decode engine or of another agent's pool node) (required).
+        """
+
+    @_builtins.property
+    def ttl(self) -> _duration_pb2.Duration:
+        """How long to keep the prefetched KV (required), as in ParkRetentionRequest."""
+
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         retention: _builtins.str = ...,
         target_node: _builtins.str = ...,
+        source: _kv_transfer_params_pb2.KvTransferParams | None = ...,
+        ttl: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["source", b"source", "ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "retention", b"retention", "target_node", b"target_node"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "retention", b"retention", "source", b"source", "target_node", b"target_node", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -378,20 +429,31 @@ class PrefetchResponse(_message.Message):
     RETENTION_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
     DURATION_FIELD_NUMBER: _builtins.int
+    POOLED_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
     retention: _builtins.str
     bytes: _builtins.int
+    node: _builtins.str
     @_builtins.property
-    def duration(self) -> _duration_pb2.Duration: ...
+    def duration(self) -> _duration_pb2.Duration:
+        """Of the NIXL READ."""
+
+    @_builtins.property
+    def pooled(self) -> _kv_transfer_params_pb2.KvTransferParams:
+        """As in ParkRetentionResponse."""
+
     def __init__(
         self,
         *,
         retention: _builtins.str = ...,
         bytes: _builtins.int = ...,
         duration: _duration_pb2.Duration | None = ...,
+        pooled: _kv_transfer_params_pb2.KvTransferParams | None = ...,
+        node: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["duration", b"duration", "pooled", b"pooled"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "duration", b"duration", "retention", b"retention"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "duration", b"duration", "node", b"node", "pooled", b"pooled", "retention", b"retention"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -30,6 +30,16 @@ class AgentServiceStub:
     """AgentService is the sidecar of one vLLM worker: it registers the worker, forwards its KV
     events and load to the registry, and moves KV with NIXL READs when the router says so.
 
+    An agent with a block pool and a serve port also registers its pool as a node of its own,
+    `nodes/{node}-pool` (role NODE_ROLE_POOL): engine id and side channel of the agent's pool
+    server, labels "kvshuttle.io/pool-of" (the engine's node) and
+    "kvshuttle.io/pool-capacity-bytes". The moves below read a retention's blocks into that
+    pool and answer `pooled` params naming it; the caller (the router) then re-points the
+    retention at the pool node in the registry (MoveRetention). The agent never writes
+    retentions itself. When the pool is full it evicts parked allocations (oldest idle first,
+    then the biggest), each only once the registry dropped it from the pool node
+    (EvictRetention).
+
     Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
       UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
@@ -38,8 +48,19 @@ class AgentServiceStub:
       TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
       NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
       MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
-    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's NIXL moves
-    land (its block pool is there: GetStatus reports it).
+      INVALID_ARGUMENT: a malformed field (metadata "field"), e.g. source params without block
+        ids or a ttl of zero.
+      REQUEST_ID_REUSED: a request_id this agent saw before with another request body.
+      NODE_MISMATCH: the source names another engine than this agent's (ParkRetention), or
+        target_node is not this agent's node (Prefetch).
+      PIN_EXPIRED: the holder's pin on the blocks ends before a READ could finish.
+      CAPACITY_EXCEEDED: the pool has no room, even after evicting what the registry let go
+        (RESOURCE_EXHAUSTED; also when the registry cannot be reached to evict).
+      FAILED_PRECONDITION: the agent has no pool or does not serve it, the holder's NIXL
+        handshake is incompatible with this agent's engine, or the retention already holds slots
+        here.
+      UNAVAILABLE: the holder's side channel or the NIXL READ failed or timed out (the holder
+        keeps its blocks), or the agent's pool is still starting.
     """
 
     @_typing.overload
@@ -49,17 +70,20 @@ class AgentServiceStub:
     GetStatus: _grpc.UnaryUnaryMultiCallable[_agent_service_pb2.GetStatusRequest, _agent_service_pb2.GetStatusResponse]
     """GetStatus reports the agent's view of its engine, its event stream and its block pool."""
     PullBlocks: _grpc.UnaryUnaryMultiCallable[_agent_service_pb2.PullBlocksRequest, _agent_service_pb2.PullBlocksResponse]
-    """PullBlocks reads blocks from a remote holder (a vLLM engine or another agent) into this
-    agent's DRAM pool with NIXL READs. Not implemented yet: UNIMPLEMENTED.
+    """PullBlocks reads blocks from any holder (a vLLM engine or another agent's pool) into this
+    agent's DRAM pool with one NIXL READ, held as `pull/{request_id}` until `ttl` (plus the
+    pool's serve grace) ends or a reader notifies it read them.
     """
     ParkRetention: _grpc.UnaryUnaryMultiCallable[_agent_service_pb2.ParkRetentionRequest, _agent_service_pb2.ParkRetentionResponse]
-    """ParkRetention copies a retention's KV out of its engine into this agent's pool before the
-    engine's pin lapses, and re-points the retention at the agent. Not implemented yet:
-    UNIMPLEMENTED.
+    """ParkRetention copies a retention's KV out of this agent's own engine into its pool (one
+    NIXL READ whose notification frees the engine's blocks) and answers the params that read
+    it from the pool node. The caller must hold the retention's registry claim (the READ
+    consumes the engine's copy) and then re-point the retention (MoveRetention).
     """
     Prefetch: _grpc.UnaryUnaryMultiCallable[_agent_service_pb2.PrefetchRequest, _agent_service_pb2.PrefetchResponse]
-    """Prefetch moves a retention's KV next to the node expected to run the next prefill. Not
-    implemented yet: UNIMPLEMENTED.
+    """Prefetch reads a retention's KV from its holder (a decode engine, or another agent's pool)
+    into the pool of this agent, the agent of the node expected to run the next prefill, with
+    the holder notified (it frees its copy). Same contract as ParkRetention otherwise.
     """
 
 @_typing.type_check_only
@@ -67,6 +91,16 @@ class AgentServiceAsyncStub(AgentServiceStub):
     """AgentService is the sidecar of one vLLM worker: it registers the worker, forwards its KV
     events and load to the registry, and moves KV with NIXL READs when the router says so.
 
+    An agent with a block pool and a serve port also registers its pool as a node of its own,
+    `nodes/{node}-pool` (role NODE_ROLE_POOL): engine id and side channel of the agent's pool
+    server, labels "kvshuttle.io/pool-of" (the engine's node) and
+    "kvshuttle.io/pool-capacity-bytes". The moves below read a retention's blocks into that
+    pool and answer `pooled` params naming it; the caller (the router) then re-points the
+    retention at the pool node in the registry (MoveRetention). The agent never writes
+    retentions itself. When the pool is full it evicts parked allocations (oldest idle first,
+    then the biggest), each only once the registry dropped it from the pool node
+    (EvictRetention).
+
     Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
       UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
@@ -75,30 +109,54 @@ class AgentServiceAsyncStub(AgentServiceStub):
       TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
       NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
       MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
-    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's NIXL moves
-    land (its block pool is there: GetStatus reports it).
+      INVALID_ARGUMENT: a malformed field (metadata "field"), e.g. source params without block
+        ids or a ttl of zero.
+      REQUEST_ID_REUSED: a request_id this agent saw before with another request body.
+      NODE_MISMATCH: the source names another engine than this agent's (ParkRetention), or
+        target_node is not this agent's node (Prefetch).
+      PIN_EXPIRED: the holder's pin on the blocks ends before a READ could finish.
+      CAPACITY_EXCEEDED: the pool has no room, even after evicting what the registry let go
+        (RESOURCE_EXHAUSTED; also when the registry cannot be reached to evict).
+      FAILED_PRECONDITION: the agent has no pool or does not serve it, the holder's NIXL
+        handshake is incompatible with this agent's engine, or the retention already holds slots
+        here.
+      UNAVAILABLE: the holder's side channel or the NIXL READ failed or timed out (the holder
+        keeps its blocks), or the agent's pool is still starting.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetStatus: _aio.UnaryUnaryMultiCallable[_agent_service_pb2.GetStatusRequest, _agent_service_pb2.GetStatusResponse]  # type: ignore[assignment]
     """GetStatus reports the agent's view of its engine, its event stream and its block pool."""
     PullBlocks: _aio.UnaryUnaryMultiCallable[_agent_service_pb2.PullBlocksRequest, _agent_service_pb2.PullBlocksResponse]  # type: ignore[assignment]
-    """PullBlocks reads blocks from a remote holder (a vLLM engine or another agent) into this
-    agent's DRAM pool with NIXL READs. Not implemented yet: UNIMPLEMENTED.
+    """PullBlocks reads blocks from any holder (a vLLM engine or another agent's pool) into this
+    agent's DRAM pool with one NIXL READ, held as `pull/{request_id}` until `ttl` (plus the
+    pool's serve grace) ends or a reader notifies it read them.
     """
     ParkRetention: _aio.UnaryUnaryMultiCallable[_agent_service_pb2.ParkRetentionRequest, _agent_service_pb2.ParkRetentionResponse]  # type: ignore[assignment]
-    """ParkRetention copies a retention's KV out of its engine into this agent's pool before the
-    engine's pin lapses, and re-points the retention at the agent. Not implemented yet:
-    UNIMPLEMENTED.
+    """ParkRetention copies a retention's KV out of this agent's own engine into its pool (one
+    NIXL READ whose notification frees the engine's blocks) and answers the params that read
+    it from the pool node. The caller must hold the retention's registry claim (the READ
+    consumes the engine's copy) and then re-point the retention (MoveRetention).
     """
     Prefetch: _aio.UnaryUnaryMultiCallable[_agent_service_pb2.PrefetchRequest, _agent_service_pb2.PrefetchResponse]  # type: ignore[assignment]
-    """Prefetch moves a retention's KV next to the node expected to run the next prefill. Not
-    implemented yet: UNIMPLEMENTED.
+    """Prefetch reads a retention's KV from its holder (a decode engine, or another agent's pool)
+    into the pool of this agent, the agent of the node expected to run the next prefill, with
+    the holder notified (it frees its copy). Same contract as ParkRetention otherwise.
     """
 
 class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
     """AgentService is the sidecar of one vLLM worker: it registers the worker, forwards its KV
     events and load to the registry, and moves KV with NIXL READs when the router says so.
+
+    An agent with a block pool and a serve port also registers its pool as a node of its own,
+    `nodes/{node}-pool` (role NODE_ROLE_POOL): engine id and side channel of the agent's pool
+    server, labels "kvshuttle.io/pool-of" (the engine's node) and
+    "kvshuttle.io/pool-capacity-bytes". The moves below read a retention's blocks into that
+    pool and answer `pooled` params naming it; the caller (the router) then re-points the
+    retention at the pool node in the registry (MoveRetention). The agent never writes
+    retentions itself. When the pool is full it evicts parked allocations (oldest idle first,
+    then the biggest), each only once the registry dropped it from the pool node
+    (EvictRetention).
 
     Errors carry a google.rpc.ErrorInfo (domain "agent.kvshuttle") whose reason is one of
     (the table: kvshuttle.core.reasons):
@@ -108,8 +166,19 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
       TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
       NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
       MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
-    PullBlocks, ParkRetention and Prefetch answer UNIMPLEMENTED until the agent's NIXL moves
-    land (its block pool is there: GetStatus reports it).
+      INVALID_ARGUMENT: a malformed field (metadata "field"), e.g. source params without block
+        ids or a ttl of zero.
+      REQUEST_ID_REUSED: a request_id this agent saw before with another request body.
+      NODE_MISMATCH: the source names another engine than this agent's (ParkRetention), or
+        target_node is not this agent's node (Prefetch).
+      PIN_EXPIRED: the holder's pin on the blocks ends before a READ could finish.
+      CAPACITY_EXCEEDED: the pool has no room, even after evicting what the registry let go
+        (RESOURCE_EXHAUSTED; also when the registry cannot be reached to evict).
+      FAILED_PRECONDITION: the agent has no pool or does not serve it, the holder's NIXL
+        handshake is incompatible with this agent's engine, or the retention already holds slots
+        here.
+      UNAVAILABLE: the holder's side channel or the NIXL READ failed or timed out (the holder
+        keeps its blocks), or the agent's pool is still starting.
     """
 
     @_abc_1.abstractmethod
@@ -126,8 +195,9 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _agent_service_pb2.PullBlocksRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_agent_service_pb2.PullBlocksResponse, _abc.Awaitable[_agent_service_pb2.PullBlocksResponse]]:
-        """PullBlocks reads blocks from a remote holder (a vLLM engine or another agent) into this
-        agent's DRAM pool with NIXL READs. Not implemented yet: UNIMPLEMENTED.
+        """PullBlocks reads blocks from any holder (a vLLM engine or another agent's pool) into this
+        agent's DRAM pool with one NIXL READ, held as `pull/{request_id}` until `ttl` (plus the
+        pool's serve grace) ends or a reader notifies it read them.
         """
 
     @_abc_1.abstractmethod
@@ -136,9 +206,10 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _agent_service_pb2.ParkRetentionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_agent_service_pb2.ParkRetentionResponse, _abc.Awaitable[_agent_service_pb2.ParkRetentionResponse]]:
-        """ParkRetention copies a retention's KV out of its engine into this agent's pool before the
-        engine's pin lapses, and re-points the retention at the agent. Not implemented yet:
-        UNIMPLEMENTED.
+        """ParkRetention copies a retention's KV out of this agent's own engine into its pool (one
+        NIXL READ whose notification frees the engine's blocks) and answers the params that read
+        it from the pool node. The caller must hold the retention's registry claim (the READ
+        consumes the engine's copy) and then re-point the retention (MoveRetention).
         """
 
     @_abc_1.abstractmethod
@@ -147,8 +218,9 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _agent_service_pb2.PrefetchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_agent_service_pb2.PrefetchResponse, _abc.Awaitable[_agent_service_pb2.PrefetchResponse]]:
-        """Prefetch moves a retention's KV next to the node expected to run the next prefill. Not
-        implemented yet: UNIMPLEMENTED.
+        """Prefetch reads a retention's KV from its holder (a decode engine, or another agent's pool)
+        into the pool of this agent, the agent of the node expected to run the next prefill, with
+        the holder notified (it frees its copy). Same contract as ParkRetention otherwise.
         """
 
 def add_AgentServiceServicer_to_server(servicer: AgentServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -33,6 +33,13 @@ class _NodeRoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_NodeRole.Val
     NODE_ROLE_DECODE: _NodeRole.ValueType  # 2
     NODE_ROLE_BOTH: _NodeRole.ValueType  # 3
     """kv_both workers that can serve either role."""
+    NODE_ROLE_POOL: _NodeRole.ValueType  # 4
+    """An agent's DRAM block pool, registered as a node of its own (`nodes/{node}-pool`, labels
+    "kvshuttle.io/pool-of" and "kvshuttle.io/pool-capacity-bytes"): it holds parked or
+    prefetched retentions and serves reads over its own side channel; never placed as prefill
+    or decode. Listing a role (or looking blocks up by role) never returns pool nodes, except
+    for NODE_ROLE_POOL itself.
+    """
 
 class NodeRole(_NodeRole, metaclass=_NodeRoleEnumTypeWrapper):
     """NodeRole is the serving role of a vLLM worker in P/D disaggregation."""
@@ -42,6 +49,13 @@ NODE_ROLE_PREFILL: NodeRole.ValueType  # 1
 NODE_ROLE_DECODE: NodeRole.ValueType  # 2
 NODE_ROLE_BOTH: NodeRole.ValueType  # 3
 """kv_both workers that can serve either role."""
+NODE_ROLE_POOL: NodeRole.ValueType  # 4
+"""An agent's DRAM block pool, registered as a node of its own (`nodes/{node}-pool`, labels
+"kvshuttle.io/pool-of" and "kvshuttle.io/pool-capacity-bytes"): it holds parked or
+prefetched retentions and serves reads over its own side channel; never placed as prefill
+or decode. Listing a role (or looking blocks up by role) never returns pool nodes, except
+for NODE_ROLE_POOL itself.
+"""
 Global___NodeRole: _TypeAlias = NodeRole  # noqa: Y015
 
 class _RetentionState:
@@ -82,6 +96,12 @@ class _RetentionChangeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Reten
     """A newer generation of the same conversation took its place."""
     RETENTION_CHANGE_NODE_LOST: _RetentionChange.ValueType  # 7
     """Its node's lease lapsed or the node deregistered or restarted."""
+    RETENTION_CHANGE_MOVED: _RetentionChange.ValueType  # 8
+    """MoveRetention handed it to another node (previous_node held it before)."""
+    RETENTION_CHANGE_EVICTED: _RetentionChange.ValueType  # 9
+    """Its holder removed it to make room (EvictRetention)."""
+    RETENTION_CHANGE_UNCLAIMED: _RetentionChange.ValueType  # 10
+    """Its claimer gave the claim back unread (ReleaseRetention with keep): active again."""
 
 class RetentionChange(_RetentionChange, metaclass=_RetentionChangeEnumTypeWrapper):
     """RetentionChange says what happened to a retention."""
@@ -96,6 +116,12 @@ RETENTION_CHANGE_REPLACED: RetentionChange.ValueType  # 6
 """A newer generation of the same conversation took its place."""
 RETENTION_CHANGE_NODE_LOST: RetentionChange.ValueType  # 7
 """Its node's lease lapsed or the node deregistered or restarted."""
+RETENTION_CHANGE_MOVED: RetentionChange.ValueType  # 8
+"""MoveRetention handed it to another node (previous_node held it before)."""
+RETENTION_CHANGE_EVICTED: RetentionChange.ValueType  # 9
+"""Its holder removed it to make room (EvictRetention)."""
+RETENTION_CHANGE_UNCLAIMED: RetentionChange.ValueType  # 10
+"""Its claimer gave the claim back unread (ReleaseRetention with keep): active again."""
 Global___RetentionChange: _TypeAlias = RetentionChange  # noqa: Y015
 
 @_typing.final
@@ -445,7 +471,9 @@ class ListNodesRequest(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     role: Global___NodeRole.ValueType
-    """Only nodes of this role (and NODE_ROLE_BOTH); all roles when unspecified."""
+    """Only nodes of this role (and NODE_ROLE_BOTH, except for NODE_ROLE_POOL); all roles when
+    unspecified.
+    """
     model: _builtins.str
     """Only nodes serving this model; all when empty."""
     page_size: _builtins.int
@@ -545,7 +573,8 @@ class Retention(_message.Message):
     def pin_expire_time(self) -> _timestamp_pb2.Timestamp:
         """The latest time the holder guarantees the blocks (for vLLM: receipt of the params plus
         decoder_kv_blocks_ttl minus a margin). Renewals never go past it; unset means no limit
-        beyond the registry's max TTL (KV parked by an agent).
+        beyond the registry's max TTL (KV held by an agent's pool node: it lives while the pool
+        node's lease is renewed, until its expire_time).
         """
 
     @_builtins.property
@@ -909,22 +938,30 @@ class ReleaseRetentionRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     CLAIM_ID_FIELD_NUMBER: _builtins.int
     FORCE_FIELD_NUMBER: _builtins.int
+    KEEP_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """`tenants/{tenant}/conversations/{conversation}/retentions/{generation}`."""
     claim_id: _builtins.str
     """Required when the retention is claimed, unless force."""
     force: _builtins.bool
     """Release even if claimed by someone else (operator action)."""
+    keep: _builtins.bool
+    """The claimer read nothing (e.g. an agent refused a park before its READ began), so the
+    holder still has every block: end the claim and keep the retention for the next reader,
+    with the lease it had before the claim (EXPIRED if that has passed). Needs the claim's own
+    claim_id; not with force. FAILED_PRECONDITION (CLAIM_MISMATCH) when it is not so claimed.
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         claim_id: _builtins.str = ...,
         force: _builtins.bool = ...,
+        keep: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim_id", b"claim_id", "force", b"force", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim_id", b"claim_id", "force", b"force", "keep", b"keep", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -944,6 +981,120 @@ class ReleaseRetentionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleaseRetentionResponse: _TypeAlias = ReleaseRetentionResponse  # noqa: Y015
+
+@_typing.final
+class MoveRetentionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    CLAIM_ID_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
+    KV_BYTES_FIELD_NUMBER: _builtins.int
+    TTL_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Client-chosen id; a repeated request returns the first response while the retention lives.
+    The same id with another move (claim_id, node, kv_transfer_params, kv_bytes) is
+    INVALID_ARGUMENT (REQUEST_ID_REUSED); ttl is not compared.
+    """
+    name: _builtins.str
+    """`tenants/{tenant}/conversations/{conversation}/retentions/{generation}`."""
+    claim_id: _builtins.str
+    """The retention's claim (ClaimRetention's answer); required."""
+    node: _builtins.str
+    """`nodes/{node}` that holds the blocks from now on (an agent's pool node)."""
+    kv_bytes: _builtins.int
+    """KV bytes the new holder keeps; at most 2^46."""
+    @_builtins.property
+    def kv_transfer_params(self) -> _kv_transfer_params_pb2.KvTransferParams:
+        """What readers hand their prefill engine from now on; its remote_engine_id, remote_host and
+        remote_port must be the node's engine_id, side_channel_host and side_channel_port.
+        """
+
+    @_builtins.property
+    def ttl(self) -> _duration_pb2.Duration:
+        """The new lease, from now (within the server's retention TTL bounds; its default when unset)."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        claim_id: _builtins.str = ...,
+        node: _builtins.str = ...,
+        kv_transfer_params: _kv_transfer_params_pb2.KvTransferParams | None = ...,
+        kv_bytes: _builtins.int = ...,
+        ttl: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_transfer_params", b"kv_transfer_params", "ttl", b"ttl"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim_id", b"claim_id", "kv_bytes", b"kv_bytes", "kv_transfer_params", b"kv_transfer_params", "name", b"name", "node", b"node", "request_id", b"request_id", "ttl", b"ttl"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoveRetentionRequest: _TypeAlias = MoveRetentionRequest  # noqa: Y015
+
+@_typing.final
+class MoveRetentionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RETENTION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def retention(self) -> Global___Retention:
+        """The retention as moved: its new node and params, unclaimed, no pin, the new expire_time."""
+
+    def __init__(
+        self,
+        *,
+        retention: Global___Retention | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoveRetentionResponse: _TypeAlias = MoveRetentionResponse  # noqa: Y015
+
+@_typing.final
+class EvictRetentionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """`tenants/{tenant}/conversations/{conversation}/retentions/{generation}`."""
+    node: _builtins.str
+    """`nodes/{node}` the caller believes holds it; the retention is removed only if it does."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        node: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "node", b"node"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvictRetentionRequest: _TypeAlias = EvictRetentionRequest  # noqa: Y015
+
+@_typing.final
+class EvictRetentionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvictRetentionResponse: _TypeAlias = EvictRetentionResponse  # noqa: Y015
 
 @_typing.final
 class ListRetentionsRequest(_message.Message):
@@ -1031,7 +1182,10 @@ class WatchRetentionsResponse(_message.Message):
     CHANGE_FIELD_NUMBER: _builtins.int
     RETENTION_FIELD_NUMBER: _builtins.int
     CHANGE_TIME_FIELD_NUMBER: _builtins.int
+    PREVIOUS_NODE_FIELD_NUMBER: _builtins.int
     change: Global___RetentionChange.ValueType
+    previous_node: _builtins.str
+    """For RETENTION_CHANGE_MOVED: the node that held it before; empty otherwise."""
     @_builtins.property
     def retention(self) -> Global___Retention:
         """The retention as it was at the change."""
@@ -1044,10 +1198,11 @@ class WatchRetentionsResponse(_message.Message):
         change: Global___RetentionChange.ValueType = ...,
         retention: Global___Retention | None = ...,
         change_time: _timestamp_pb2.Timestamp | None = ...,
+        previous_node: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["change_time", b"change_time", "retention", b"retention"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["change", b"change", "change_time", b"change_time", "retention", b"retention"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["change", b"change", "change_time", b"change_time", "previous_node", b"previous_node", "retention", b"retention"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1288,7 +1443,7 @@ class LookupBlocksRequest(_message.Message):
     model: _builtins.str
     """Only nodes serving this model; all when empty."""
     role: Global___NodeRole.ValueType
-    """Only nodes of this role (and NODE_ROLE_BOTH); all when unspecified."""
+    """Only nodes of this role (and NODE_ROLE_BOTH, except for NODE_ROLE_POOL); all when unspecified."""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """kvshuttle's prefix-hash chain of a prompt (see Retention.block_hashes)."""

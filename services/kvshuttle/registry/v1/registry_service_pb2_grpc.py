@@ -47,7 +47,7 @@ class RegistryServiceStub:
     RETENTION_NOT_FOUND, RETENTION_EXPIRED: no such retention, or its lease lapsed.
     RETENTION_ALREADY_CLAIMED: another reader claimed it first.
     RETENTION_CLAIMED: a claimed retention cannot be renewed.
-    CLAIM_MISMATCH: the claim id given is not the retention's claim.
+    CLAIM_MISMATCH: the claim id given is not the retention's claim (or it is not claimed).
     PIN_EXPIRED: the engine's own pin on the blocks has passed.
     FENCING_GENERATION_STALE: the conversation already saw this generation or a later one.
     CONVERSATION_NOT_FOUND: the conversation has no fence and no retention.
@@ -58,7 +58,8 @@ class RegistryServiceStub:
     bearer token).
     PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
     TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
-    NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+    NODE_NOT_IN_SCOPE: an agent acting for another node than its own or its pool node's
+    (metadata "node").
     MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
@@ -123,6 +124,16 @@ class RegistryServiceStub:
                 request_serializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.ReleaseRetentionRequest.SerializeToString,
                 response_deserializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.ReleaseRetentionResponse.FromString,
                 _registered_method=True)
+        self.MoveRetention = channel.unary_unary(
+                '/kvshuttle.registry.v1.RegistryService/MoveRetention',
+                request_serializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.MoveRetentionRequest.SerializeToString,
+                response_deserializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.MoveRetentionResponse.FromString,
+                _registered_method=True)
+        self.EvictRetention = channel.unary_unary(
+                '/kvshuttle.registry.v1.RegistryService/EvictRetention',
+                request_serializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.EvictRetentionRequest.SerializeToString,
+                response_deserializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.EvictRetentionResponse.FromString,
+                _registered_method=True)
         self.ListRetentions = channel.unary_unary(
                 '/kvshuttle.registry.v1.RegistryService/ListRetentions',
                 request_serializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.ListRetentionsRequest.SerializeToString,
@@ -167,7 +178,7 @@ class RegistryServiceServicer:
     RETENTION_NOT_FOUND, RETENTION_EXPIRED: no such retention, or its lease lapsed.
     RETENTION_ALREADY_CLAIMED: another reader claimed it first.
     RETENTION_CLAIMED: a claimed retention cannot be renewed.
-    CLAIM_MISMATCH: the claim id given is not the retention's claim.
+    CLAIM_MISMATCH: the claim id given is not the retention's claim (or it is not claimed).
     PIN_EXPIRED: the engine's own pin on the blocks has passed.
     FENCING_GENERATION_STALE: the conversation already saw this generation or a later one.
     CONVERSATION_NOT_FOUND: the conversation has no fence and no retention.
@@ -178,7 +189,8 @@ class RegistryServiceServicer:
     bearer token).
     PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
     TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
-    NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+    NODE_NOT_IN_SCOPE: an agent acting for another node than its own or its pool node's
+    (metadata "node").
     MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
@@ -258,15 +270,42 @@ class RegistryServiceServicer:
     def ClaimRetention(self, request, context):
         """ClaimRetention takes a retention for exactly one reader and pins it against expiry for
         the claim's duration. ABORTED (RETENTION_ALREADY_CLAIMED) when another reader holds it.
-        A claim is never given back: the reader releases the retention (consumed), or the claim
-        lapses and the retention is removed, because the holder may already have freed the blocks.
+        A claim is given back only by a reader that knows it read nothing (ReleaseRetention with
+        keep): otherwise the reader releases the retention (consumed), or the claim lapses and the
+        retention is removed, because the holder may already have freed the blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseRetention(self, request, context):
-        """ReleaseRetention removes a retention. A claimed one needs its claim_id (or force).
+        """ReleaseRetention removes a retention. A claimed one needs its claim_id (or force). With
+        keep, it ends the claim instead and the retention stays as it was.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MoveRetention(self, request, context):
+        """MoveRetention hands a claimed retention to another node in one step: the router claimed it,
+        an agent copied its blocks into its pool, and now the retention is held by that agent's pool
+        node with the pool's kv_transfer_params. The claim and the engine pin are cleared and the
+        lease runs ttl from now; generation, fence and block hashes stay. The retention must be
+        claimed with exactly claim_id (FAILED_PRECONDITION, CLAIM_MISMATCH; RETENTION_EXPIRED when
+        the claim lapsed), the node live (NOT_FOUND, NODE_NOT_FOUND), of the retention's model and
+        block size, and named by the params as registered (FAILED_PRECONDITION, NODE_MISMATCH).
+        Nothing changes on an error. Idempotent by request_id: a repeated request returns the first
+        response while the retention lives (RETENTION_NOT_FOUND once it is gone).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EvictRetention(self, request, context):
+        """EvictRetention removes a retention held by `node` (an agent making room in its pool: it may
+        evict only from its own pool node). FAILED_PRECONDITION: NODE_MISMATCH when another node
+        holds it, RETENTION_ALREADY_CLAIMED when a reader claimed it. NOT_FOUND means already gone.
+        The conversation's fence stays, as when a retention expires.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -281,7 +320,8 @@ class RegistryServiceServicer:
 
     def WatchRetentions(self, request, context):
         """WatchRetentions streams retention changes (put, claimed, released, expired, replaced,
-        node lost) for one tenant or one node until the client cancels.
+        node lost, moved, evicted) for one tenant or one node until the client cancels. A node's
+        watcher sees a retention moved away from it as well as one moved to it.
         Server streaming is allowed by buf STANDARD (the UNARY_RPC category is not enabled), so
         no lint exception is needed; a slow watcher is disconnected with RESOURCE_EXHAUSTED
         rather than slowing the registry.
@@ -364,6 +404,16 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     request_deserializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.ReleaseRetentionRequest.FromString,
                     response_serializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.ReleaseRetentionResponse.SerializeToString,
             ),
+            'MoveRetention': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveRetention,
+                    request_deserializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.MoveRetentionRequest.FromString,
+                    response_serializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.MoveRetentionResponse.SerializeToString,
+            ),
+            'EvictRetention': grpc.unary_unary_rpc_method_handler(
+                    servicer.EvictRetention,
+                    request_deserializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.EvictRetentionRequest.FromString,
+                    response_serializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.EvictRetentionResponse.SerializeToString,
+            ),
             'ListRetentions': grpc.unary_unary_rpc_method_handler(
                     servicer.ListRetentions,
                     request_deserializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.ListRetentionsRequest.FromString,
@@ -414,7 +464,7 @@ class RegistryService:
     RETENTION_NOT_FOUND, RETENTION_EXPIRED: no such retention, or its lease lapsed.
     RETENTION_ALREADY_CLAIMED: another reader claimed it first.
     RETENTION_CLAIMED: a claimed retention cannot be renewed.
-    CLAIM_MISMATCH: the claim id given is not the retention's claim.
+    CLAIM_MISMATCH: the claim id given is not the retention's claim (or it is not claimed).
     PIN_EXPIRED: the engine's own pin on the blocks has passed.
     FENCING_GENERATION_STALE: the conversation already saw this generation or a later one.
     CONVERSATION_NOT_FOUND: the conversation has no fence and no retention.
@@ -425,7 +475,8 @@ class RegistryService:
     bearer token).
     PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
     TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
-    NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+    NODE_NOT_IN_SCOPE: an agent acting for another node than its own or its pool node's
+    (metadata "node").
     MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
@@ -716,6 +767,60 @@ class RegistryService:
             '/kvshuttle.registry.v1.RegistryService/ReleaseRetention',
             kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.ReleaseRetentionRequest.SerializeToString,
             kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.ReleaseRetentionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveRetention(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvshuttle.registry.v1.RegistryService/MoveRetention',
+            kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.MoveRetentionRequest.SerializeToString,
+            kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.MoveRetentionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EvictRetention(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvshuttle.registry.v1.RegistryService/EvictRetention',
+            kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.EvictRetentionRequest.SerializeToString,
+            kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.EvictRetentionResponse.FromString,
             options,
             channel_credentials,
             insecure,

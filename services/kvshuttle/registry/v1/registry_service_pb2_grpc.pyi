@@ -48,7 +48,7 @@ class RegistryServiceStub:
       RETENTION_NOT_FOUND, RETENTION_EXPIRED: no such retention, or its lease lapsed.
       RETENTION_ALREADY_CLAIMED: another reader claimed it first.
       RETENTION_CLAIMED: a claimed retention cannot be renewed.
-      CLAIM_MISMATCH: the claim id given is not the retention's claim.
+      CLAIM_MISMATCH: the claim id given is not the retention's claim (or it is not claimed).
       PIN_EXPIRED: the engine's own pin on the blocks has passed.
       FENCING_GENERATION_STALE: the conversation already saw this generation or a later one.
       CONVERSATION_NOT_FOUND: the conversation has no fence and no retention.
@@ -59,7 +59,8 @@ class RegistryServiceStub:
         bearer token).
       PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
       TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
-      NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+      NODE_NOT_IN_SCOPE: an agent acting for another node than its own or its pool node's
+        (metadata "node").
       MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
@@ -102,16 +103,37 @@ class RegistryServiceStub:
     ClaimRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.ClaimRetentionRequest, _registry_service_pb2.ClaimRetentionResponse]
     """ClaimRetention takes a retention for exactly one reader and pins it against expiry for
     the claim's duration. ABORTED (RETENTION_ALREADY_CLAIMED) when another reader holds it.
-    A claim is never given back: the reader releases the retention (consumed), or the claim
-    lapses and the retention is removed, because the holder may already have freed the blocks.
+    A claim is given back only by a reader that knows it read nothing (ReleaseRetention with
+    keep): otherwise the reader releases the retention (consumed), or the claim lapses and the
+    retention is removed, because the holder may already have freed the blocks.
     """
     ReleaseRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.ReleaseRetentionRequest, _registry_service_pb2.ReleaseRetentionResponse]
-    """ReleaseRetention removes a retention. A claimed one needs its claim_id (or force)."""
+    """ReleaseRetention removes a retention. A claimed one needs its claim_id (or force). With
+    keep, it ends the claim instead and the retention stays as it was.
+    """
+    MoveRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.MoveRetentionRequest, _registry_service_pb2.MoveRetentionResponse]
+    """MoveRetention hands a claimed retention to another node in one step: the router claimed it,
+    an agent copied its blocks into its pool, and now the retention is held by that agent's pool
+    node with the pool's kv_transfer_params. The claim and the engine pin are cleared and the
+    lease runs ttl from now; generation, fence and block hashes stay. The retention must be
+    claimed with exactly claim_id (FAILED_PRECONDITION, CLAIM_MISMATCH; RETENTION_EXPIRED when
+    the claim lapsed), the node live (NOT_FOUND, NODE_NOT_FOUND), of the retention's model and
+    block size, and named by the params as registered (FAILED_PRECONDITION, NODE_MISMATCH).
+    Nothing changes on an error. Idempotent by request_id: a repeated request returns the first
+    response while the retention lives (RETENTION_NOT_FOUND once it is gone).
+    """
+    EvictRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.EvictRetentionRequest, _registry_service_pb2.EvictRetentionResponse]
+    """EvictRetention removes a retention held by `node` (an agent making room in its pool: it may
+    evict only from its own pool node). FAILED_PRECONDITION: NODE_MISMATCH when another node
+    holds it, RETENTION_ALREADY_CLAIMED when a reader claimed it. NOT_FOUND means already gone.
+    The conversation's fence stays, as when a retention expires.
+    """
     ListRetentions: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.ListRetentionsRequest, _registry_service_pb2.ListRetentionsResponse]
     """ListRetentions pages through one tenant's (or one conversation's) live retentions."""
     WatchRetentions: _grpc.UnaryStreamMultiCallable[_registry_service_pb2.WatchRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]
     """WatchRetentions streams retention changes (put, claimed, released, expired, replaced,
-    node lost) for one tenant or one node until the client cancels.
+    node lost, moved, evicted) for one tenant or one node until the client cancels. A node's
+    watcher sees a retention moved away from it as well as one moved to it.
     Server streaming is allowed by buf STANDARD (the UNARY_RPC category is not enabled), so
     no lint exception is needed; a slow watcher is disconnected with RESOURCE_EXHAUSTED
     rather than slowing the registry.
@@ -147,7 +169,7 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
       RETENTION_NOT_FOUND, RETENTION_EXPIRED: no such retention, or its lease lapsed.
       RETENTION_ALREADY_CLAIMED: another reader claimed it first.
       RETENTION_CLAIMED: a claimed retention cannot be renewed.
-      CLAIM_MISMATCH: the claim id given is not the retention's claim.
+      CLAIM_MISMATCH: the claim id given is not the retention's claim (or it is not claimed).
       PIN_EXPIRED: the engine's own pin on the blocks has passed.
       FENCING_GENERATION_STALE: the conversation already saw this generation or a later one.
       CONVERSATION_NOT_FOUND: the conversation has no fence and no retention.
@@ -158,7 +180,8 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
         bearer token).
       PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
       TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
-      NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+      NODE_NOT_IN_SCOPE: an agent acting for another node than its own or its pool node's
+        (metadata "node").
       MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
@@ -198,16 +221,37 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     ClaimRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.ClaimRetentionRequest, _registry_service_pb2.ClaimRetentionResponse]  # type: ignore[assignment]
     """ClaimRetention takes a retention for exactly one reader and pins it against expiry for
     the claim's duration. ABORTED (RETENTION_ALREADY_CLAIMED) when another reader holds it.
-    A claim is never given back: the reader releases the retention (consumed), or the claim
-    lapses and the retention is removed, because the holder may already have freed the blocks.
+    A claim is given back only by a reader that knows it read nothing (ReleaseRetention with
+    keep): otherwise the reader releases the retention (consumed), or the claim lapses and the
+    retention is removed, because the holder may already have freed the blocks.
     """
     ReleaseRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.ReleaseRetentionRequest, _registry_service_pb2.ReleaseRetentionResponse]  # type: ignore[assignment]
-    """ReleaseRetention removes a retention. A claimed one needs its claim_id (or force)."""
+    """ReleaseRetention removes a retention. A claimed one needs its claim_id (or force). With
+    keep, it ends the claim instead and the retention stays as it was.
+    """
+    MoveRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.MoveRetentionRequest, _registry_service_pb2.MoveRetentionResponse]  # type: ignore[assignment]
+    """MoveRetention hands a claimed retention to another node in one step: the router claimed it,
+    an agent copied its blocks into its pool, and now the retention is held by that agent's pool
+    node with the pool's kv_transfer_params. The claim and the engine pin are cleared and the
+    lease runs ttl from now; generation, fence and block hashes stay. The retention must be
+    claimed with exactly claim_id (FAILED_PRECONDITION, CLAIM_MISMATCH; RETENTION_EXPIRED when
+    the claim lapsed), the node live (NOT_FOUND, NODE_NOT_FOUND), of the retention's model and
+    block size, and named by the params as registered (FAILED_PRECONDITION, NODE_MISMATCH).
+    Nothing changes on an error. Idempotent by request_id: a repeated request returns the first
+    response while the retention lives (RETENTION_NOT_FOUND once it is gone).
+    """
+    EvictRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.EvictRetentionRequest, _registry_service_pb2.EvictRetentionResponse]  # type: ignore[assignment]
+    """EvictRetention removes a retention held by `node` (an agent making room in its pool: it may
+    evict only from its own pool node). FAILED_PRECONDITION: NODE_MISMATCH when another node
+    holds it, RETENTION_ALREADY_CLAIMED when a reader claimed it. NOT_FOUND means already gone.
+    The conversation's fence stays, as when a retention expires.
+    """
     ListRetentions: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.ListRetentionsRequest, _registry_service_pb2.ListRetentionsResponse]  # type: ignore[assignment]
     """ListRetentions pages through one tenant's (or one conversation's) live retentions."""
     WatchRetentions: _aio.UnaryStreamMultiCallable[_registry_service_pb2.WatchRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]  # type: ignore[assignment]
     """WatchRetentions streams retention changes (put, claimed, released, expired, replaced,
-    node lost) for one tenant or one node until the client cancels.
+    node lost, moved, evicted) for one tenant or one node until the client cancels. A node's
+    watcher sees a retention moved away from it as well as one moved to it.
     Server streaming is allowed by buf STANDARD (the UNARY_RPC category is not enabled), so
     no lint exception is needed; a slow watcher is disconnected with RESOURCE_EXHAUSTED
     rather than slowing the registry.
@@ -242,7 +286,7 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
       RETENTION_NOT_FOUND, RETENTION_EXPIRED: no such retention, or its lease lapsed.
       RETENTION_ALREADY_CLAIMED: another reader claimed it first.
       RETENTION_CLAIMED: a claimed retention cannot be renewed.
-      CLAIM_MISMATCH: the claim id given is not the retention's claim.
+      CLAIM_MISMATCH: the claim id given is not the retention's claim (or it is not claimed).
       PIN_EXPIRED: the engine's own pin on the blocks has passed.
       FENCING_GENERATION_STALE: the conversation already saw this generation or a later one.
       CONVERSATION_NOT_FOUND: the conversation has no fence and no retention.
@@ -253,7 +297,8 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         bearer token).
       PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
       TENANT_NOT_IN_SCOPE: a gateway acting for a tenant it is not bound to (metadata "tenant").
-      NODE_NOT_IN_SCOPE: an agent acting for another node than its own (metadata "node").
+      NODE_NOT_IN_SCOPE: an agent acting for another node than its own or its pool node's
+        (metadata "node").
       MESSAGE_TOO_LARGE: a request over the server's size limit (metadata "limit").
     """
 
@@ -351,8 +396,9 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_registry_service_pb2.ClaimRetentionResponse, _abc.Awaitable[_registry_service_pb2.ClaimRetentionResponse]]:
         """ClaimRetention takes a retention for exactly one reader and pins it against expiry for
         the claim's duration. ABORTED (RETENTION_ALREADY_CLAIMED) when another reader holds it.
-        A claim is never given back: the reader releases the retention (consumed), or the claim
-        lapses and the retention is removed, because the holder may already have freed the blocks.
+        A claim is given back only by a reader that knows it read nothing (ReleaseRetention with
+        keep): otherwise the reader releases the retention (consumed), or the claim lapses and the
+        retention is removed, because the holder may already have freed the blocks.
         """
 
     @_abc_1.abstractmethod
@@ -361,7 +407,38 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _registry_service_pb2.ReleaseRetentionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_registry_service_pb2.ReleaseRetentionResponse, _abc.Awaitable[_registry_service_pb2.ReleaseRetentionResponse]]:
-        """ReleaseRetention removes a retention. A claimed one needs its claim_id (or force)."""
+        """ReleaseRetention removes a retention. A claimed one needs its claim_id (or force). With
+        keep, it ends the claim instead and the retention stays as it was.
+        """
+
+    @_abc_1.abstractmethod
+    def MoveRetention(
+        self,
+        request: _registry_service_pb2.MoveRetentionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_service_pb2.MoveRetentionResponse, _abc.Awaitable[_registry_service_pb2.MoveRetentionResponse]]:
+        """MoveRetention hands a claimed retention to another node in one step: the router claimed it,
+        an agent copied its blocks into its pool, and now the retention is held by that agent's pool
+        node with the pool's kv_transfer_params. The claim and the engine pin are cleared and the
+        lease runs ttl from now; generation, fence and block hashes stay. The retention must be
+        claimed with exactly claim_id (FAILED_PRECONDITION, CLAIM_MISMATCH; RETENTION_EXPIRED when
+        the claim lapsed), the node live (NOT_FOUND, NODE_NOT_FOUND), of the retention's model and
+        block size, and named by the params as registered (FAILED_PRECONDITION, NODE_MISMATCH).
+        Nothing changes on an error. Idempotent by request_id: a repeated request returns the first
+        response while the retention lives (RETENTION_NOT_FOUND once it is gone).
+        """
+
+    @_abc_1.abstractmethod
+    def EvictRetention(
+        self,
+        request: _registry_service_pb2.EvictRetentionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_service_pb2.EvictRetentionResponse, _abc.Awaitable[_registry_service_pb2.EvictRetentionResponse]]:
+        """EvictRetention removes a retention held by `node` (an agent making room in its pool: it may
+        evict only from its own pool node). FAILED_PRECONDITION: NODE_MISMATCH when another node
+        holds it, RETENTION_ALREADY_CLAIMED when a reader claimed it. NOT_FOUND means already gone.
+        The conversation's fence stays, as when a retention expires.
+        """
 
     @_abc_1.abstractmethod
     def ListRetentions(
@@ -378,7 +455,8 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_registry_service_pb2.WatchRetentionsResponse], _abc.AsyncIterator[_registry_service_pb2.WatchRetentionsResponse]]:
         """WatchRetentions streams retention changes (put, claimed, released, expired, replaced,
-        node lost) for one tenant or one node until the client cancels.
+        node lost, moved, evicted) for one tenant or one node until the client cancels. A node's
+        watcher sees a retention moved away from it as well as one moved to it.
         Server streaming is allowed by buf STANDARD (the UNARY_RPC category is not enabled), so
         no lint exception is needed; a slow watcher is disconnected with RESOURCE_EXHAUSTED
         rather than slowing the registry.

@@ -1,0 +1,528 @@
+"""The shuttle: parks and prefetches a replica's committed retentions in agents' pools, over the
+registry's domain in process (its MoveRetention included) and a fake agent port."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+from tests.clock import FakeClock
+from tests.router.inproc import InProcessPort
+
+from kvshuttle.core.errors import FailedPrecondition, ResourceExhausted, Unavailable
+from kvshuttle.core.nodes import POOL_CAPACITY_LABEL, POOL_OF_LABEL, NodeLoad, NodeRole, NodeSpec
+from kvshuttle.registry.block_index import BlockIndex
+from kvshuttle.registry.limits import RegistryLimits
+from kvshuttle.registry.memory_store import InMemoryStore
+from kvshuttle.registry.registry import Registry
+from kvshuttle.router.config import RouterSettings
+from kvshuttle.router.cost import CostModel, LinkModel, ModelProfile, PrefillModel
+from kvshuttle.router.main import build_router, supervise_shuttle
+from kvshuttle.router.metrics import RouterMetrics
+from kvshuttle.router.model import (
+    CommitRequest,
+    Decision,
+    NodeInfo,
+    ParkingPolicy,
+    Plan,
+    PlanRequest,
+    Pooled,
+    RouterPolicy,
+    TurnTimings,
+)
+from kvshuttle.router.placement import choose_prefill
+from kvshuttle.router.router import Router
+from kvshuttle.router.shuttle import Shuttle
+from kvshuttle.router.turns import TurnCodec
+
+CPU = ModelProfile(
+    model="m",
+    kv_bytes_per_token=16_384,
+    prefill=PrefillModel(fixed_ms=5, per_token_ms=0.5),
+    link=LinkModel(bandwidth_gb_s=5, fixed_ms=5),
+)
+MODEL = CPU.model
+BS = 16
+CONV = "tenants/acme/conversations/c1"
+KEY = b"k" * 32
+POOL_PORT = 5700
+PROFILES = Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "qwen3-32b-h200.toml"
+
+
+def pool_params(node: str, source: dict[str, Any], slot0: int = 9000) -> dict[str, Any]:
+    """What an agent answers: the pool node's engine and side channel, fresh slots."""
+    blocks = len(source["remote_block_ids"][0])
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": f"pool-engine-{node[6:]}",
+        "remote_host": "127.0.0.2",
+        "remote_port": POOL_PORT,
+        "remote_block_ids": [list(range(slot0, slot0 + blocks))],
+        "remote_num_tokens": source["remote_num_tokens"],
+        "remote_request_id": f"read-{node[6:]}",
+        "tp_size": 1,
+    }
+
+
+class FakeAgents:
+    """Agents by endpoint; `fail` (an exception) makes the next call raise it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str, dict[str, Any], float]] = []
+        self.fail: Exception | None = None
+        self.answer_node: str | None = None
+
+    async def park(
+        self, endpoint: str, retention: str, *, source: dict[str, Any], ttl: float, request_id: str
+    ) -> Pooled:
+        return self._answer("park", endpoint, retention, source, ttl)
+
+    async def prefetch(
+        self,
+        endpoint: str,
+        retention: str,
+        target_node: str,
+        *,
+        source: dict[str, Any],
+        ttl: float,
+        request_id: str,
+    ) -> Pooled:
+        return self._answer(f"prefetch {target_node}", endpoint, retention, source, ttl)
+
+    def _answer(self, kind: str, endpoint: str, retention: str, source: dict[str, Any], ttl: float) -> Pooled:
+        self.calls.append((kind, endpoint, retention, source, ttl))
+        if self.fail is not None:
+            raise self.fail
+        node = self.answer_node or f"nodes/{endpoint.split(':', maxsplit=1)[0]}-pool"
+        return Pooled(node, pool_params(node, source))
+
+    async def close(self) -> None:
+        return None
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.clock = FakeClock()
+        self.registry = Registry(InMemoryStore(), self.clock, BlockIndex(100_000), RegistryLimits())
+        self.rng = random.Random(3)
+        self.block_ids = iter(range(1, 10**9))
+        self.agents = FakeAgents()
+        self.incarnations: dict[str, int] = {}
+
+    async def add_node(self, name: str, role: NodeRole, *, pool: bool = True) -> None:
+        short = name[6:]
+        await self._register(
+            NodeSpec(
+                name=name,
+                role=role,
+                engine_id=f"engine-{short}",
+                http_endpoint=f"http://{short}:8000",
+                side_channel_host="127.0.0.1",
+                side_channel_port=5600,
+                agent_endpoint=f"{short}:7000",
+                model=MODEL,
+                block_size=BS,
+                kv_bytes_per_token=CPU.kv_bytes_per_token,
+            )
+        )
+        if pool:
+            await self.add_pool(name)
+
+    async def add_pool(self, engine: str) -> None:
+        short = engine[6:]
+        await self._register(
+            NodeSpec(
+                name=f"{engine}-pool",
+                role=NodeRole.POOL,
+                engine_id=f"pool-engine-{short}-pool",
+                http_endpoint=f"http://{short}:7001",
+                side_channel_host="127.0.0.2",
+                side_channel_port=POOL_PORT,
+                agent_endpoint=f"{short}:7000",
+                model=MODEL,
+                block_size=BS,
+                kv_bytes_per_token=CPU.kv_bytes_per_token,
+                labels={POOL_OF_LABEL: engine, POOL_CAPACITY_LABEL: str(2**30)},
+            )
+        )
+
+    async def _register(self, spec: NodeSpec) -> None:
+        node = await self.registry.register_node(spec, ttl=300)
+        self.incarnations[spec.name] = node.incarnation
+        await self.load(spec.name)
+
+    async def load(self, name: str, *, kv_cache_usage: float = 0.0, healthy: bool = True) -> None:
+        await self.registry.heartbeat_node(
+            name,
+            self.incarnations[name],
+            300,
+            NodeLoad(engine_healthy=healthy, kv_cache_usage=kv_cache_usage),
+        )
+
+    def router(self, **parking: Any) -> Router:
+        policy = RouterPolicy(node_max_age_s=0.0, parking=ParkingPolicy(**{"enabled": True, **parking}))
+        return Router(
+            InProcessPort(self.registry),
+            self.clock,
+            [CostModel(CPU)],
+            TurnCodec(KEY),
+            policy,
+            RouterMetrics(CollectorRegistry()),
+            agents=self.agents,
+        )
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(10, 150_000) for _ in range(n)]
+
+    def decode_params(self, plan: Plan, total_tokens: int) -> dict[str, Any]:
+        return {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_block_ids": [[next(self.block_ids) for _ in range(-(-total_tokens // BS))]],
+            "remote_engine_id": plan.decode.engine_id,
+            "remote_request_id": f"cmpl-{plan.generation}",
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 1,
+            "remote_num_tokens": total_tokens,
+        }
+
+    async def turn(
+        self, router: Router, prompt: list[int], *, conversation: str = CONV, **plan_kw: Any
+    ) -> tuple[Plan, list[int]]:
+        plan = await router.plan_turn(
+            PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=conversation, **plan_kw)
+        )
+        sequence = prompt + self.tokens(64)
+        await router.commit_turn(
+            CommitRequest(
+                turn=plan.turn,
+                token_ids=sequence,
+                decode_kv_transfer_params=self.decode_params(plan, len(sequence)),
+                timings=TurnTimings(ttft_ms=100.0, prefill_ms=90.0),
+            )
+        )
+        return plan, sequence
+
+
+def shuttle(router: Router) -> Shuttle:
+    assert router.shuttle is not None
+    return router.shuttle
+
+
+async def tick(router: Router) -> int:
+    started = await shuttle(router).step()
+    await shuttle(router).drain()
+    return started
+
+
+def moves(router: Router, kind: str, reason: str, outcome: str) -> float:
+    return float(shuttle(router)._metrics.moves.labels(kind, reason, outcome)._value.get())
+
+
+@pytest.fixture
+async def cluster() -> Cluster:
+    c = Cluster()
+    await c.add_node("nodes/p", NodeRole.PREFILL)
+    await c.add_node("nodes/d", NodeRole.DECODE)
+    return c
+
+
+async def test_an_idle_conversation_is_parked_and_its_next_turn_reads_from_the_pool(cluster: Cluster) -> None:
+    router = cluster.router(park_after_idle_s=30)
+    _, seq = await cluster.turn(router, cluster.tokens(1000))
+    assert len(shuttle(router)) == 1
+    cluster.clock.advance(29)
+    assert await tick(router) == 0  # not idle long enough
+    cluster.clock.advance(2)
+    assert await tick(router) == 1
+    [(kind, endpoint, name, source, ttl)] = cluster.agents.calls
+    assert (kind, endpoint, name) == ("park", "d:7000", f"{CONV}/retentions/1")
+    # The whole retention, addressed to its holder as registered.
+    assert (source["remote_engine_id"], source["remote_port"]) == ("engine-d", 5600)
+    assert source["remote_num_tokens"] == len(seq)
+    assert len(source["remote_block_ids"][0]) == -(-len(seq) // BS)
+    assert ttl == pytest.approx(600 - 31)
+    stored = await cluster.registry.get_retention(f"{CONV}/retentions/1")
+    assert stored.node == "nodes/d-pool" and stored.claim is None and stored.pin_expire_at is None
+    assert stored.expire_at == pytest.approx(cluster.clock.now() + 600 - 31)
+    assert moves(router, "park", "idle", "moved") == 1
+    assert len(shuttle(router)) == 0
+
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=seq + cluster.tokens(50), conversation=CONV)
+    )
+    assert plan.decision is Decision.REUSE and plan.reusable_tokens == len(seq)
+    params = plan.prefill_kv_transfer_params
+    assert (params["remote_engine_id"], params["remote_host"], params["remote_port"]) == (
+        "pool-engine-d-pool",
+        "127.0.0.2",
+        POOL_PORT,
+    )
+    assert params["remote_block_ids"][0][0] == 9000  # type: ignore[index]
+    metrics = shuttle(router)._metrics
+    assert metrics.plan_holders.labels("pool")._value.get() == 1
+
+
+async def test_a_retention_moved_by_another_replica_is_read_where_it_is_now(cluster: Cluster) -> None:
+    router = cluster.router(park_after_idle_s=30)
+    _, seq = await cluster.turn(router, cluster.tokens(700))
+    # Another replica's shuttle moves it: this replica's hint still names the decode node.
+    other = cluster.router(park_after_idle_s=30)
+    shuttle(other).committed(
+        CONV,
+        (await router._committer._parts.port.get_conversation(CONV))[1],  # type: ignore[arg-type]
+        kv_bytes=1,
+        pin_expire_at=cluster.clock.now() + 450,
+        prefill_node="nodes/p",
+        expected_think_time_s=None,
+    )
+    cluster.clock.advance(31)
+    await tick(other)
+    assert moves(other, "park", "idle", "moved") == 1
+    shuttle(router).forget(CONV)
+    assert router.hints.get(CONV) is not None and router.hints.get(CONV).node == "nodes/d"  # type: ignore[union-attr]
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=seq + cluster.tokens(10), conversation=CONV)
+    )
+    assert plan.decision is Decision.REUSE and plan.reusable_tokens == len(seq)
+    assert plan.prefill_kv_transfer_params["remote_engine_id"] == "pool-engine-d-pool"
+
+
+async def test_a_newer_commit_replaces_the_schedule_and_an_older_retention_is_not_moved(
+    cluster: Cluster,
+) -> None:
+    router = cluster.router(park_after_idle_s=30)
+    _, seq = await cluster.turn(router, cluster.tokens(300))
+    cluster.clock.advance(20)
+    await cluster.turn(router, seq + cluster.tokens(40))
+    assert len(shuttle(router)) == 1
+    cluster.clock.advance(11)
+    assert await tick(router) == 0  # turn 1's due time passed: replaced
+    cluster.clock.advance(20)
+    await tick(router)
+    assert [c[2] for c in cluster.agents.calls] == [f"{CONV}/retentions/2"]
+
+    # A commit another replica made meanwhile: the scheduled one is gone, nothing is claimed.
+    other = cluster.router()
+    router2 = cluster.router(park_after_idle_s=30)
+    _, seq = await cluster.turn(router2, cluster.tokens(300), conversation="tenants/acme/conversations/c2")
+    await cluster.turn(other, seq + cluster.tokens(20), conversation="tenants/acme/conversations/c2")
+    cluster.clock.advance(31)
+    await tick(router2)
+    assert moves(router2, "park", "idle", "skipped_replaced") == 1
+    assert len(cluster.agents.calls) == 1
+
+
+async def test_a_full_decode_node_parks_its_oldest_retentions_at_once(cluster: Cluster) -> None:
+    router = cluster.router(park_after_idle_s=300, max_in_flight=1)
+    for c in ("c1", "c2"):
+        await cluster.turn(router, cluster.tokens(200), conversation=f"tenants/acme/conversations/{c}")
+        cluster.clock.advance(1)
+    assert await tick(router) == 0
+    await cluster.load("nodes/d", kv_cache_usage=0.9)
+    assert await tick(router) == 1
+    assert [c[2] for c in cluster.agents.calls] == ["tenants/acme/conversations/c1/retentions/1"]
+    assert moves(router, "park", "kv_usage", "moved") == 1
+    assert len(shuttle(router)) == 1
+
+
+async def test_a_park_is_due_before_the_engines_pin_ends(cluster: Cluster) -> None:
+    policy: dict[str, Any] = {"park_after_idle_s": 440, "max_idle_s": 900}
+    router = cluster.router(**policy)  # pin: 480 - 30 = 450 s after the commit
+    await cluster.turn(router, cluster.tokens(200))
+    cluster.clock.advance(450 - 20 - 1)
+    assert await tick(router) == 0
+    cluster.clock.advance(1)
+    assert await tick(router) == 1
+    assert moves(router, "park", "pin_ending", "moved") == 1
+
+
+async def test_nothing_is_claimed_without_a_live_pool() -> None:
+    c = Cluster()
+    await c.add_node("nodes/p", NodeRole.PREFILL)
+    await c.add_node("nodes/d", NodeRole.DECODE, pool=False)
+    router = c.router(park_after_idle_s=30)
+    await c.turn(router, c.tokens(200))
+    c.clock.advance(31)
+    await tick(router)
+    assert moves(router, "park", "idle", "skipped_no_pool") == 1
+    assert c.agents.calls == []
+    stored = await c.registry.get_retention(f"{CONV}/retentions/1")
+    assert stored.claim is None and stored.node == "nodes/d"
+
+
+@pytest.mark.parametrize(
+    ("error", "outcome", "left"),
+    [
+        (ResourceExhausted("pool full"), "failed_pool_full", "given_back"),
+        (FailedPrecondition("no", reason="NODE_MISMATCH"), "failed_agent", "given_back"),
+        (Unavailable("agent down"), "failed_agent_unavailable", "claimed"),
+    ],
+)
+async def test_an_agent_failure_gives_the_claim_back_only_when_it_read_nothing(
+    cluster: Cluster, error: Exception, outcome: str, left: str
+) -> None:
+    router = cluster.router(park_after_idle_s=30)
+    await cluster.turn(router, cluster.tokens(200))
+    cluster.agents.fail = error
+    cluster.clock.advance(31)
+    await tick(router)
+    assert moves(router, "park", "idle", outcome) == 1
+    name = f"{CONV}/retentions/1"
+    if left == "given_back":  # unread: it stays on decode, as it was, for the next turn
+        kept = await cluster.registry.get_retention(name)
+        assert kept.claim is None and kept.node == "nodes/d"
+    else:  # the agent may have read: the claim lapses, nobody reads the blocks meanwhile
+        assert (await cluster.registry.get_retention(name)).claim is not None
+    assert router.hints.get(CONV) is None
+
+
+async def test_an_agent_answering_another_pool_node_moves_nothing(cluster: Cluster) -> None:
+    router = cluster.router(park_after_idle_s=30)
+    await cluster.turn(router, cluster.tokens(200))
+    cluster.agents.answer_node = "nodes/p-pool"
+    cluster.clock.advance(31)
+    await tick(router)
+    assert moves(router, "park", "idle", "failed_agent_answer") == 1
+    stored = await cluster.registry.get_retention(f"{CONV}/retentions/1")
+    assert stored.node == "nodes/d" and stored.claim is not None
+
+
+async def test_a_conversation_idle_too_long_is_not_moved(cluster: Cluster) -> None:
+    router = cluster.router(park_after_idle_s=30, max_idle_s=100, min_ttl_s=15)
+    await cluster.turn(router, cluster.tokens(200))
+    cluster.clock.advance(90)
+    await tick(router)
+    assert moves(router, "park", "idle", "skipped_idle_over") == 1
+    assert cluster.agents.calls == []
+
+
+async def test_a_claimed_retention_is_left_to_its_turn(cluster: Cluster) -> None:
+    router = cluster.router(park_after_idle_s=30)
+    _, seq = await cluster.turn(router, cluster.tokens(300))
+    cluster.clock.advance(31)
+    # The next turn's plan (no commit yet) claimed it.
+    other = cluster.router()
+    await other.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=seq + cluster.tokens(9), conversation=CONV)
+    )
+    await tick(router)
+    assert moves(router, "park", "idle", "skipped_claimed") == 1
+    assert cluster.agents.calls == []
+
+
+async def test_the_schedule_is_bounded(cluster: Cluster) -> None:
+    router = cluster.router(park_after_idle_s=30, max_scheduled=2)
+    for c in ("c1", "c2", "c3"):
+        await cluster.turn(router, cluster.tokens(100), conversation=f"tenants/acme/conversations/{c}")
+    assert len(shuttle(router)) == 2
+    assert moves(router, "park", "idle", "skipped_schedule_full") == 1
+    cluster.clock.advance(31)
+    await tick(router)
+    assert sorted(c[2] for c in cluster.agents.calls) == [
+        "tenants/acme/conversations/c2/retentions/1",
+        "tenants/acme/conversations/c3/retentions/1",
+    ]
+
+
+async def test_a_long_think_time_prefetches_to_the_next_prefill_nodes_pool(cluster: Cluster) -> None:
+    router = cluster.router(enabled=False, prefetch_enabled=True)
+    _, seq = await cluster.turn(router, cluster.tokens(500), expected_think_time_s=60.0)
+    assert await tick(router) == 1
+    [(kind, endpoint, _, source, _)] = cluster.agents.calls
+    assert (kind, endpoint) == ("prefetch nodes/p", "p:7000")
+    assert source["remote_engine_id"] == "engine-d"
+    assert (await cluster.registry.get_retention(f"{CONV}/retentions/1")).node == "nodes/p-pool"
+    assert moves(router, "prefetch", "think_time", "moved") == 1
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=seq + cluster.tokens(5), conversation=CONV)
+    )
+    assert plan.decision is Decision.REUSE and plan.prefill.name == "nodes/p"
+    assert plan.prefill_kv_transfer_params["remote_engine_id"] == "pool-engine-p-pool"
+
+
+async def test_a_short_think_time_or_none_does_not_prefetch(cluster: Cluster) -> None:
+    router = cluster.router(enabled=False, prefetch_enabled=True, prefetch_margin=1e6)
+    await cluster.turn(router, cluster.tokens(500), expected_think_time_s=1.0)
+    await cluster.turn(router, cluster.tokens(500), conversation="tenants/acme/conversations/c2")
+    assert len(shuttle(router)) == 0
+    assert await tick(router) == 0
+
+
+async def test_a_prefetch_without_a_pool_falls_back_to_parking() -> None:
+    c = Cluster()
+    await c.add_node("nodes/p", NodeRole.PREFILL, pool=False)
+    await c.add_node("nodes/d", NodeRole.DECODE)
+    router = c.router(prefetch_enabled=True, park_after_idle_s=30)
+    await c.turn(router, c.tokens(500), expected_think_time_s=60.0)
+    await tick(router)
+    assert moves(router, "prefetch", "think_time", "skipped_no_pool") == 1
+    assert len(shuttle(router)) == 1
+    c.clock.advance(31)
+    await tick(router)
+    assert [x[0] for x in c.agents.calls] == ["park"]
+
+
+async def test_close_starts_nothing_more(cluster: Cluster) -> None:
+    router = cluster.router(park_after_idle_s=30)
+    await cluster.turn(router, cluster.tokens(100))
+    await shuttle(router).close(1.0)
+    cluster.clock.advance(31)
+    assert await tick(router) == 0
+
+
+def test_placement_prefers_the_prefill_node_whose_pool_holds_the_retention() -> None:
+    def prefill(name: str) -> NodeInfo:
+        return NodeInfo(name, NodeRole.PREFILL, f"e-{name}", "", MODEL, BS, 1, healthy=True)
+
+    nodes = [prefill("nodes/a"), prefill("nodes/b")]
+    kw: dict[str, Any] = {"model": MODEL, "prompt_tokens": 100, "local_hit_blocks": {}}
+    cost, weights = CostModel(CPU), RouterPolicy().weights
+    assert choose_prefill(nodes, cost=cost, weights=weights, **kw)[0].name == "nodes/a"
+    chosen = choose_prefill(nodes, cost=cost, weights=weights, hint="nodes/a", prefer="nodes/b", **kw)
+    assert chosen[0].name == "nodes/b"
+
+
+@pytest.mark.parametrize(
+    "parking",
+    [
+        {"park_after_idle_s": 0},
+        {"park_kv_usage_above": 1.5},
+        {"max_in_flight": 0},
+        {"max_idle_s": 40, "park_after_idle_s": 30},
+    ],
+)
+def test_settings_refuse_a_bad_parking_policy(parking: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="parking"):
+        RouterSettings(profiles_file=PROFILES, policy=RouterPolicy(parking=ParkingPolicy(**parking)))
+
+
+async def test_the_router_process_runs_the_shuttle_as_a_task(cluster: Cluster) -> None:
+    settings = RouterSettings(
+        profiles_file=PROFILES,
+        policy=RouterPolicy(parking=ParkingPolicy(enabled=True, park_after_idle_s=1, tick_s=0.01)),
+    )
+    port = InProcessPort(cluster.registry)
+    assert build_router(settings, port, cluster.clock, CollectorRegistry()).shuttle is None  # no agents
+    router = build_router(
+        settings, port, cluster.clock, CollectorRegistry(), model_profiles=[CPU], agents=cluster.agents
+    )
+    task = asyncio.create_task(supervise_shuttle(router))
+    await cluster.turn(router, cluster.tokens(100))
+    cluster.clock.advance(2)
+    for _ in range(200):
+        if cluster.agents.calls:
+            break
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await shuttle(router).close(1.0)
+    assert [c[0] for c in cluster.agents.calls] == ["park"]
+    assert (await cluster.registry.get_retention(f"{CONV}/retentions/1")).node == "nodes/d-pool"
