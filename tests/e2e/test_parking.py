@@ -86,9 +86,14 @@ def _registry(stack: KvshuttleStack) -> rpb_grpc.RegistryServiceStub:
 def held_by(stack: KvshuttleStack, conversation: str) -> str:
     """The node holding the conversation's retention ("" when none)."""
     name = f"tenants/{TENANT}/conversations/{conversation}"
-    got = _registry(stack).GetConversation(
-        rpb.GetConversationRequest(name=name), timeout=5, metadata=stack.admin_metadata
-    )
+    try:
+        got = _registry(stack).GetConversation(
+            rpb.GetConversationRequest(name=name), timeout=5, metadata=stack.admin_metadata
+        )
+    except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.NOT_FOUND:  # its first commit is not stored yet
+            return ""
+        raise
     return got.conversation.retention.node if got.conversation.HasField("retention") else ""
 
 

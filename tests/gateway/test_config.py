@@ -24,6 +24,7 @@ def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp
     assert settings.listen == "0.0.0.0:9000"
     assert settings.router.address == "router:50061" and settings.router.timeout == 2.0
     assert settings.engines.prefill_timeout_s == 30 and settings.engines.decode_idle_timeout_s == 600
+    assert settings.engines.reuse_prefill_timeout_s == 20.0
     assert settings.models["a"].tokenizer == tmp_path
     assert (settings.served_name("a"), settings.served_name("b")) == ("a", "org/b")
     assert settings.tenant_keys() == {"sk-0123456789": "acme"}
@@ -60,3 +61,10 @@ def test_a_bad_key_map_fails_at_startup_without_echoing_keys(tmp_path: Path, key
 def test_a_gateway_without_models_is_refused() -> None:
     with pytest.raises(ValidationError, match="models"):
         GatewaySettings()
+
+
+def test_the_reuse_prefill_deadline_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="reuse_prefill_timeout_s"):
+        GatewaySettings(
+            models={"m": ModelSettings(tokenizer=tmp_path)}, engines={"reuse_prefill_timeout_s": 0}
+        )

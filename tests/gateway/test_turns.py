@@ -24,9 +24,11 @@ from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
 from kvshuttle.core.prototime import to_duration
+from kvshuttle.gateway.app import turn_headers
 from kvshuttle.gateway.background import BackgroundTasks
 from kvshuttle.gateway.errors import GatewayError, RouterFailure, engine_error
 from kvshuttle.gateway.metrics import GatewayMetrics
+from kvshuttle.gateway.request_log import RequestLog
 from kvshuttle.gateway.turn_record import Turn
 from kvshuttle.gateway.turns import ClientGone, TurnRunner
 from kvshuttle.router.v1 import router_service_pb2 as pb
@@ -37,6 +39,7 @@ PROMPT = list(range(100, 164))
 OUTPUT = [7, 8, 9, 2]
 FIRST_TURN_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
 CONVERSATION = "tenants/t/conversations/c"
+REUSE_TIMEOUT_S = 0.2
 
 
 def p_params(cached: int = 0) -> dict[str, Any]:
@@ -160,6 +163,15 @@ class FakeEngines:
     failures: dict[str, GatewayError] = field(default_factory=dict)
     # Seconds each call takes: the runner's measurements must see them.
     delay: float = 0.002
+    # A prefill reading retained KV (its params name remote_block_ids) hangs, as vLLM 0.32's does
+    # when the KV holder died ("KV fetch in progress" forever), or fails with this error.
+    reuse_prefill_hangs: bool = False
+    reuse_prefill_failure: GatewayError | None = None
+    # Extra seconds every prefill takes.
+    prefill_delay: float = 0.0
+    # X-Request-Id of every call, and of every call cancelled before it answered.
+    request_ids: list[str] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
 
     def _record(self, role: str, body: bytes) -> None:
         self.log.append(role)
@@ -170,9 +182,21 @@ class FakeEngines:
     async def complete(
         self, role: str, endpoint: str, body: bytes, headers: Mapping[str, str], *, timeout_s: float
     ) -> dict[str, Any]:
-        await asyncio.sleep(self.delay)
+        self.request_ids.append(headers["X-Request-Id"])
+        reuse = role == "prefill" and "remote_block_ids" in json.loads(body).get("kv_transfer_params", {})
+        try:
+            await asyncio.sleep(self.delay + (self.prefill_delay if role == "prefill" else 0.0))
+            if reuse and self.reuse_prefill_hangs:
+                self.endpoints.append((role, endpoint))
+                self._record(role, body)
+                await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.append(headers["X-Request-Id"])
+            raise
         self.endpoints.append((role, endpoint))
         self._record(role, body)
+        if reuse and self.reuse_prefill_failure is not None:
+            raise self.reuse_prefill_failure
         if role == "prefill":
             choice = {"index": 0, "text": "x", "token_ids": OUTPUT[:1], "finish_reason": "length"}
             return {"choices": [choice], "kv_transfer_params": p_params(self.cached)}
@@ -232,6 +256,9 @@ class Env:
     def commits(self, outcome: str) -> float | None:
         return self.metrics.get_sample_value("kvshuttle_gateway_commits_total", {"outcome": outcome})
 
+    def fallbacks(self, why: str) -> float | None:
+        return self.metrics.get_sample_value("kvshuttle_gateway_reuse_fallbacks_total", {"why": why})
+
 
 @pytest.fixture
 def env() -> Env:
@@ -245,6 +272,7 @@ def env() -> Env:
         metrics=GatewayMetrics(registry),
         background=background,
         prefill_timeout_s=5.0,
+        reuse_prefill_timeout_s=REUSE_TIMEOUT_S,
         decode_timeout_s=5.0,
         commit_wait_s=5.0,
     )
@@ -339,7 +367,7 @@ async def test_a_reuse_turn_hands_prefill_the_plans_params_and_streams_decode(en
 
 
 async def test_a_failing_prefill_aborts_the_turn_and_reaches_no_decode(env: Env) -> None:
-    env.router.plans["r1"] = make_plan(3, reuse=True)
+    env.router.plans["r1"] = make_plan(3)
     env.engines.failures["prefill"] = engine_error("prefill", 500, "EngineCore died")
     turn = make_turn()
     with pytest.raises(GatewayError) as raised:
@@ -526,3 +554,125 @@ async def test_the_router_back_plans_again_and_commits(env: Env) -> None:
     await env.background.settle()
     assert (turn.decision, turn.reason) == ("reuse", "reuse_cheaper")
     assert [c.turn for c in env.router.commits] == ["turns/2"]
+
+
+# ---- a reuse turn whose prefill hangs or fails --------------------------------------------
+
+
+def retained_params() -> dict[str, Any]:
+    """A reuse plan's prefill params: decode's retained KV, on the node holding it."""
+    return {**d_params(), "remote_num_tokens": 32, "remote_block_ids": [[11, 12]]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("how", "why"), [("hangs", "reuse_prefill_timeout"), ("fails", "reuse_prefill_failed")]
+)
+async def test_a_reuse_prefill_that_hangs_or_fails_is_run_again_as_a_recompute(
+    env: Env, stream: bool, how: str, why: str
+) -> None:
+    env.router.plans["r1"] = make_plan(2, reuse=True, params=retained_params())
+    if how == "hangs":
+        env.engines.reuse_prefill_hangs = True
+    else:
+        env.engines.reuse_prefill_failure = engine_error("prefill", 500, "NIXL_ERR_REMOTE_DISCONNECT")
+    turn = make_turn()
+    started = time.perf_counter()
+    with capture_logs() as logs:
+        if stream:
+            sink = FakeSink()
+            await asyncio.wait_for(env.runner.stream(turn, sink), 3)
+            assert sink.opened and len(sink.chunks) == len(OUTPUT)
+        else:
+            answer = await asyncio.wait_for(env.runner.complete(turn), 3)
+            assert answer["choices"][0]["text"] == "abcd"  # decode's
+        await env.background.settle()
+    elapsed = time.perf_counter() - started
+
+    first, retry = env.engines.requests["prefill"]
+    assert first["kv_transfer_params"] == retained_params()
+    assert retry["kv_transfer_params"] == FIRST_TURN_PARAMS  # turn 1's: a plain recompute
+    assert (retry["prompt"], retry["max_tokens"]) == (PROMPT, 1)
+    # The same prefill node, a request id of its own; the hung call was cancelled (closed).
+    assert [r for r in env.engines.request_ids if r.startswith("r1-p")] == ["r1-p", "r1-pr"]
+    assert env.engines.cancelled == (["r1-p"] if how == "hangs" else [])
+    assert [e for e in env.engines.endpoints if e[0] == "prefill"] == [("prefill", "http://p0")] * 2
+    (decode,) = env.engines.requests["decode"]
+    assert decode["kv_transfer_params"] == p_params()  # the retry's params
+    if how == "hangs":
+        assert REUSE_TIMEOUT_S <= elapsed < 2
+        assert turn.prefill_s is not None and turn.prefill_s >= REUSE_TIMEOUT_S  # both calls
+
+    assert (turn.decision, turn.reason) == ("reuse", "reuse_cheaper")  # the router's
+    assert (turn.fallback, turn.reused_tokens, turn.outcome) == (why, 0, "")
+    headers = turn_headers(turn)
+    assert (headers["X-Kvshuttle-Decision"], headers["X-Kvshuttle-Reused-Tokens"]) == ("recompute", "0")
+    assert headers["X-Kvshuttle-Reason"] == "reuse_cheaper"
+    line = RequestLog(endpoint="completions", request_id="r1")
+    line.add_turn(turn)
+    assert (line.fields()["fallback"], line.fields()["decision"], line.reused_tokens) == (why, "reuse", 0)
+    assert env.fallbacks(why) == 1
+    (warned,) = [e for e in logs if e["event"] == "prefill.reuse_fallback"]
+    assert (warned["node"], warned["why"], warned["log_level"]) == ("nodes/p0", why, "warning")
+    assert warned["waited_ms"] >= (REUSE_TIMEOUT_S * 1e3 if how == "hangs" else 0)
+    # Committed as usual (the commit releases the plan's claim); nothing aborted.
+    assert env.log == ["plan r1", "prefill", "prefill", "decode", "commit turns/2"]
+    (commit,) = env.router.commits
+    assert commit.token_ids == PROMPT + OUTPUT and env.router.aborts == []
+
+
+async def test_a_slow_recompute_prefill_is_not_cut_by_the_reuse_deadline(env: Env) -> None:
+    env.router.plans["r1"] = make_plan(1)
+    env.engines.prefill_delay = REUSE_TIMEOUT_S * 2
+    turn = make_turn()
+    with capture_logs() as logs:
+        answer = await env.runner.complete(turn)
+        await env.background.settle()
+    assert answer["choices"][0]["text"] == "abcd"
+    assert len(env.engines.requests["prefill"]) == 1 and env.engines.cancelled == []
+    assert turn.fallback == "" and turn.prefill_s is not None and turn.prefill_s >= REUSE_TIMEOUT_S * 2
+    assert not [e for e in logs if e["event"] == "prefill.reuse_fallback"]
+    assert env.fallbacks("reuse_prefill_timeout") is None
+    assert turn_headers(turn)["X-Kvshuttle-Decision"] == "recompute"
+
+
+async def test_a_reuse_prefill_answering_within_its_deadline_is_not_retried(env: Env) -> None:
+    env.router.plans["r1"] = make_plan(2, reuse=True, params=retained_params())
+    env.engines.prefill_delay = REUSE_TIMEOUT_S / 4
+    turn = make_turn()
+    await env.runner.complete(turn)
+    await env.background.settle()
+    assert len(env.engines.requests["prefill"]) == 1 and turn.fallback == ""
+    headers = turn_headers(turn)
+    assert (headers["X-Kvshuttle-Decision"], headers["X-Kvshuttle-Reused-Tokens"]) == ("reuse", "32")
+
+
+async def test_a_reuse_prefill_whose_retry_fails_too_is_the_engine_error(env: Env) -> None:
+    env.router.plans["r1"] = make_plan(3, reuse=True, params=retained_params())
+    env.engines.failures["prefill"] = engine_error("prefill", 500, "EngineCore died")
+    turn = make_turn()
+    with pytest.raises(GatewayError) as raised:
+        await env.runner.complete(turn)
+    await env.background.settle()
+
+    assert raised.value.status == 502 and raised.value.code == "engine_error"
+    first, retry = env.engines.requests["prefill"]
+    assert (first["kv_transfer_params"], retry["kv_transfer_params"]) == (
+        retained_params(),
+        FIRST_TURN_PARAMS,
+    )
+    assert env.router.aborts == [("turns/3", raised.value.message)]
+    assert env.engines.requests["decode"] == [] and env.router.commits == []
+    assert (turn.outcome, turn.fallback) == ("engine_error", "reuse_prefill_failed")
+    assert env.log == ["plan r1", "prefill", "prefill", "abort turns/3"]
+    assert env.fallbacks("reuse_prefill_failed") == 1
+
+
+async def test_a_reuse_prefill_the_engine_rejects_is_not_retried(env: Env) -> None:
+    env.router.plans["r1"] = make_plan(3, reuse=True, params=retained_params())
+    env.engines.reuse_prefill_failure = engine_error("prefill", 400, "max_tokens too large")
+    with pytest.raises(GatewayError) as raised:
+        await env.runner.complete(make_turn())
+    await env.background.settle()
+    assert raised.value.status == 400 and len(env.engines.requests["prefill"]) == 1
+    assert env.router.aborts and env.fallbacks("reuse_prefill_failed") is None

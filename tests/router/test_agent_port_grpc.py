@@ -37,6 +37,7 @@ class FakeAgent(agent_service_pb2_grpc.AgentServiceServicer):
     def __init__(self) -> None:
         self.requests: list[Any] = []
         self.error: Exception | None = None
+        self.pool_bytes = 2**20
 
     async def ParkRetention(self, request: pb.ParkRetentionRequest, context: Any) -> pb.ParkRetentionResponse:
         self.requests.append(request)
@@ -47,7 +48,7 @@ class FakeAgent(agent_service_pb2_grpc.AgentServiceServicer):
         )
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.GetStatusResponse:
-        raise NotImplementedError
+        return pb.GetStatusResponse(pool=pb.PoolStatus(capacity_bytes=self.pool_bytes))
 
     async def PullBlocks(self, request: pb.PullBlocksRequest, context: Any) -> pb.PullBlocksResponse:
         raise NotImplementedError
@@ -132,5 +133,17 @@ async def test_channels_are_bounded(agent: Any) -> None:
         await port.park(
             endpoint, "tenants/t/conversations/c/retentions/1", source=SOURCE, ttl=9, request_id="d"
         )
+    finally:
+        await port.close()
+
+
+async def test_serving_is_an_answering_agent_with_a_pool(agent: Any) -> None:
+    fake, endpoint = agent
+    port = GrpcAgentPort(AgentConnection(timeout=5, max_attempts=1))
+    try:
+        assert await port.serving(endpoint, timeout=2)
+        fake.pool_bytes = 0  # restarted without a pool: its old pool is gone
+        assert not await port.serving(endpoint, timeout=2)
+        assert not await port.serving("127.0.0.1:1", timeout=0.5)  # nobody listens there
     finally:
         await port.close()

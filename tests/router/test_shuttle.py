@@ -31,6 +31,7 @@ from kvshuttle.router.model import (
     Plan,
     PlanRequest,
     Pooled,
+    Reason,
     RouterPolicy,
     TurnTimings,
 )
@@ -76,6 +77,9 @@ class FakeAgents:
         self.calls: list[tuple[str, str, str, dict[str, Any], float]] = []
         self.fail: Exception | None = None
         self.answer_node: str | None = None
+        # Endpoints whose agent does not answer a liveness probe (killed).
+        self.dead: set[str] = set()
+        self.probes: list[str] = []
 
     async def park(
         self, endpoint: str, retention: str, *, source: dict[str, Any], ttl: float, request_id: str
@@ -100,6 +104,10 @@ class FakeAgents:
             raise self.fail
         node = self.answer_node or f"nodes/{endpoint.split(':', maxsplit=1)[0]}-pool"
         return Pooled(node, pool_params(node, source))
+
+    async def serving(self, endpoint: str, *, timeout: float) -> bool:
+        self.probes.append(endpoint)
+        return endpoint not in self.dead
 
     async def close(self) -> None:
         return None
@@ -267,6 +275,26 @@ async def test_an_idle_conversation_is_parked_and_its_next_turn_reads_from_the_p
     assert params["remote_block_ids"][0][0] == 9000  # type: ignore[index]
     metrics = shuttle(router)._metrics
     assert metrics.plan_holders.labels("pool")._value.get() == 1
+
+
+async def test_a_pool_whose_agent_does_not_answer_is_not_read_and_keeps_its_retention(
+    cluster: Cluster,
+) -> None:
+    router = cluster.router(park_after_idle_s=30)
+    _, seq = await cluster.turn(router, cluster.tokens(400))
+    cluster.clock.advance(31)
+    assert await tick(router) == 1
+    cluster.agents.dead.add("d:7000")  # killed: its pool node is still listed, its lease runs
+    prompt = seq + cluster.tokens(50)
+    plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV))
+    assert (plan.decision, plan.reason) == (Decision.RECOMPUTE, Reason.NODE_DOWN)
+    assert cluster.agents.probes == ["d:7000"]
+    stored = await cluster.registry.get_retention(f"{CONV}/retentions/1")
+    assert stored.claim is None and stored.node == "nodes/d-pool"  # unclaimed: nothing consumed
+    assert shuttle(router)._metrics.holders_not_serving._value.get() == 1
+    cluster.agents.dead.clear()  # back: read from its pool again
+    plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV))
+    assert plan.decision is Decision.REUSE
 
 
 async def test_a_retention_moved_by_another_replica_is_read_where_it_is_now(cluster: Cluster) -> None:

@@ -130,6 +130,7 @@ class Gateway:
             metrics=self._metrics,
             background=self._background,
             prefill_timeout_s=settings.engines.prefill_timeout_s,
+            reuse_prefill_timeout_s=settings.engines.reuse_prefill_timeout_s,
             decode_timeout_s=settings.engines.decode_timeout_s,
             commit_wait_s=settings.router.timeout,
         )
@@ -455,10 +456,11 @@ class _EventStream:
 
 def turn_headers(turn: Turn) -> dict[str, str]:
     """What the router decided for this turn, for clients and dashboards (sent before the body,
-    so a streaming client sees them with the first byte)."""
+    so a streaming client sees them with the first byte). A reuse turn whose prefill fell back
+    to recomputing (turn.fallback) says what ran: recompute, 0 tokens reused."""
     headers = {
         "X-Request-Id": turn.request_id,
-        "X-Kvshuttle-Decision": turn.decision,
+        "X-Kvshuttle-Decision": "recompute" if turn.fallback else turn.decision,
         "X-Kvshuttle-Reason": turn.reason,
         "X-Kvshuttle-Generation": str(turn.generation),
         "X-Kvshuttle-Prompt-Tokens": str(len(turn.prompt_ids)),

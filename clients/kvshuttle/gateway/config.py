@@ -9,6 +9,7 @@
     KVSHUTTLE_GATEWAY_API_KEYS='{"sk-...": "acme", "sk-...": "globex"}'    (key -> tenant; secret)
     KVSHUTTLE_GATEWAY_API_KEYS_FILE=/etc/kvshuttle/api-keys.json          (the same map, from a file)
     KVSHUTTLE_GATEWAY_ENGINES__PREFILL_TIMEOUT_S=120
+    KVSHUTTLE_GATEWAY_ENGINES__REUSE_PREFILL_TIMEOUT_S=20
     KVSHUTTLE_GATEWAY_DEFAULT_MAX_TOKENS=1024
 
 A model maps the name clients send to the directory holding its tokenizer.json (and
@@ -98,6 +99,12 @@ class EngineSettings(BaseModel):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     # The whole prefill request (it computes the prompt, or reads it from a retention).
     prefill_timeout_s: float = Field(default=600.0, gt=0)
+    # A reuse turn's prefill (it reads retained KV from another engine), bounded above by
+    # prefill_timeout_s. vLLM 0.32 never answers a request whose KV holder died mid-read (it
+    # stays "KV fetch in progress"): past this deadline, or on a 5xx / connection error, the
+    # gateway closes the call (vLLM aborts it) and runs prefill once more on the same node as a
+    # plain recompute (`fallback` on request.done, kvshuttle_gateway_reuse_fallbacks_total).
+    reuse_prefill_timeout_s: float = Field(default=20.0, gt=0)
     # A non-streaming decode request, start to end.
     decode_timeout_s: float = Field(default=3600.0, gt=0)
     # Longest silence of a streaming decode between two chunks.

@@ -12,7 +12,8 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.
 class GatewayMetrics:
     """kvshuttle_gateway_requests_total{endpoint,status}, kvshuttle_gateway_added_seconds,
     kvshuttle_gateway_ttft_seconds, kvshuttle_gateway_turns_total{decision,reason},
-    kvshuttle_gateway_reused_tokens_total and kvshuttle_gateway_commits_total{outcome}."""
+    kvshuttle_gateway_reused_tokens_total, kvshuttle_gateway_commits_total{outcome} and
+    kvshuttle_gateway_reuse_fallbacks_total{why}."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.requests = Counter(
@@ -48,5 +49,12 @@ class GatewayMetrics:
             "kvshuttle_gateway_commits",
             "Background CommitTurn calls by outcome: stored, nothing_retained or failed.",
             ["outcome"],
+            registry=registry,
+        )
+        self.reuse_fallbacks = Counter(
+            "kvshuttle_gateway_reuse_fallbacks",
+            "Reuse turns whose prefill was run again as a plain recompute, by why: "
+            "reuse_prefill_timeout or reuse_prefill_failed.",
+            ["why"],
             registry=registry,
         )

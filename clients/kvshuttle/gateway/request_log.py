@@ -40,6 +40,8 @@ class RequestLog:
     error: str = ""
     decision: str = ""
     reason: str = ""
+    # A reuse turn run again as a plain recompute: why (Turn.fallback).
+    fallback: str = ""
     generation: int = 0
     prompt_tokens: int = 0
     reused_tokens: int = 0
@@ -65,7 +67,7 @@ class RequestLog:
 
     def add_turn(self, turn: Turn) -> None:
         """What the turn planned and measured, as far as it got."""
-        self.decision, self.reason = turn.decision, turn.reason
+        self.decision, self.reason, self.fallback = turn.decision, turn.reason, turn.fallback
         self.generation, self.reused_tokens = turn.generation, turn.reused_tokens
         if turn.outcome:
             self.outcome = turn.outcome
@@ -98,6 +100,7 @@ class RequestLog:
             ("kvshuttle.conversation", self.conversation),
             ("kvshuttle.decision", self.decision),
             ("kvshuttle.decision.reason", self.reason),
+            ("kvshuttle.fallback", self.fallback),
             ("kvshuttle.turn_index", self.generation or None),
             ("kvshuttle.reused_tokens", self.reused_tokens if self.decision else None),
             ("kvshuttle.remote_cached_tokens", self.remote_cached_tokens),

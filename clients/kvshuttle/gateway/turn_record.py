@@ -42,6 +42,10 @@ class Turn:
     generation: int = 0
     reused_tokens: int = 0
     remote_cached_tokens: int | None = None
+    # A reuse turn whose prefill did not answer in time ("reuse_prefill_timeout") or failed
+    # ("reuse_prefill_failed") and was run again as a plain recompute; "" otherwise. decision
+    # and reason stay the router's; reused_tokens is then 0.
+    fallback: str = ""
     output: DecodeOutput = field(default_factory=DecodeOutput)
     # Of a finished decode (the committed sequence's output).
     output_tokens: int = 0

@@ -21,6 +21,16 @@ a DecodeSink, which kvshuttle.gateway.app implements over its HTTP response.
    nothing is retained), the sequence's token ids (prompt + output) and the timings the
    runner measured. It logs `turn.committed` (or `turn.commit_failed`, and aborts the turn).
 
+A reuse turn's prefill (it reads retained KV from the node holding it) has a deadline of its
+own, `reuse_prefill_timeout_s` (at most `prefill_timeout_s`): vLLM 0.32 never answers a prefill
+whose KV holder died after prefill had connected to it (the READ fails, the request stays "KV
+fetch in progress", kv_load_failure_policy notwithstanding). Past it, or when prefill answers
+5xx or no valid answer, the runner closes that call (vLLM aborts the request) and runs prefill
+once more on the same node as a plain recompute with turn 1's params; decode then reads that
+prefill's KV as usual. The turn keeps the router's decision and reason, records `fallback`
+("reuse_prefill_timeout" / "reuse_prefill_failed"), reuses 0 tokens, and is committed as usual
+(the commit releases the plan's claim). A retry that fails too is the engine's error.
+
 Whatever ends a planned turn before its commit (an engine error, the client leaving, shutdown)
 aborts it, which releases a claimed retention, and goes on to the caller.
 
@@ -61,7 +71,15 @@ from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
-__all__ = ["ROUTER_UNAVAILABLE", "ClientGone", "DecodeSink", "Turn", "TurnRunner"]
+__all__ = [
+    "REUSE_PREFILL_FAILED",
+    "REUSE_PREFILL_TIMEOUT",
+    "ROUTER_UNAVAILABLE",
+    "ClientGone",
+    "DecodeSink",
+    "Turn",
+    "TurnRunner",
+]
 
 log = structlog.get_logger("kvshuttle.gateway")
 
@@ -69,6 +87,11 @@ log = structlog.get_logger("kvshuttle.gateway")
 ROUTER_UNAVAILABLE = "router_unavailable"
 # PlanTurn failures that mean the router could not answer: the turn runs plain P->D instead.
 _ROUTER_UNREACHABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
+# Turn.fallback of a reuse turn whose prefill ran again as a plain recompute.
+REUSE_PREFILL_TIMEOUT = "reuse_prefill_timeout"
+REUSE_PREFILL_FAILED = "reuse_prefill_failed"
+# Turn 1's prefill params: prefill computes the prompt and keeps its KV for decode to read.
+_FIRST_TURN_PARAMS = KvTransferParams(do_remote_decode=True, do_remote_prefill=False)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -107,6 +130,7 @@ class TurnRunner:
         metrics: GatewayMetrics,
         background: BackgroundTasks,
         prefill_timeout_s: float,
+        reuse_prefill_timeout_s: float,
         decode_timeout_s: float,
         commit_wait_s: float,
     ) -> None:
@@ -116,6 +140,8 @@ class TurnRunner:
         self._metrics = metrics
         self._background = background
         self._prefill_timeout_s = prefill_timeout_s
+        # A reuse turn's prefill, before it is run again as a recompute.
+        self._reuse_prefill_timeout_s = min(reuse_prefill_timeout_s, prefill_timeout_s)
         self._decode_timeout_s = decode_timeout_s
         # A commit taking longer than this no longer holds its conversation's next turn back.
         self._commit_wait_s = commit_wait_s
@@ -205,7 +231,7 @@ class TurnRunner:
             prefill=prefill,
             decode=decode,
             # As turn 1's: prefill computes and keeps its KV for decode to read.
-            prefill_kv_transfer_params=KvTransferParams(do_remote_decode=True, do_remote_prefill=False),
+            prefill_kv_transfer_params=_FIRST_TURN_PARAMS,
             decision=pb.DECISION_RECOMPUTE,
             tokens_to_compute=len(turn.prompt_ids),
         )
@@ -245,7 +271,9 @@ class TurnRunner:
     async def _prefill(
         self, turn: Turn, plan: pb.PlanTurnResponse, prompt_json: bytes
     ) -> dict[str, Any] | None:
-        """Run prefill; the params decode must get (P's, unchanged), or None for none."""
+        """Run prefill; the params decode must get (P's, unchanged), or None for none. A reuse
+        turn's prefill that does not answer by its deadline, or fails, runs once more as a
+        plain recompute (the module's docstring)."""
         if not plan.prefill.http_endpoint or not plan.decode.http_endpoint:
             raise engine_error(
                 "prefill", None, "the router placed the turn on a node without an HTTP endpoint"
@@ -260,18 +288,66 @@ class TurnRunner:
             fields["cache_salt"] = turn.cache_salt
         if plan.HasField("prefill_kv_transfer_params"):
             fields["kv_transfer_params"] = to_vllm(plan.prefill_kv_transfer_params)
-        with self._engine_span("prefill", plan.prefill) as span:
-            started = time.perf_counter()
+        started = time.perf_counter()
+        try:
+            if plan.decision != pb.DECISION_REUSE:
+                return await self._prefill_call(turn, plan, prompt_json, fields, "-p")
             try:
-                body = await self._engines.complete(
-                    "prefill",
-                    plan.prefill.http_endpoint,
-                    record.request_body(prompt_json, fields),
-                    self._headers(f"{turn.request_id}-p"),
-                    timeout_s=self._prefill_timeout_s,
+                return await self._prefill_call(
+                    turn, plan, prompt_json, fields, "-p", deadline_s=self._reuse_prefill_timeout_s
                 )
-            finally:
-                turn.prefill_s = time.perf_counter() - started
+            except TimeoutError:  # the deadline (the engine client raises GatewayError only)
+                why = REUSE_PREFILL_TIMEOUT
+            except GatewayError as exc:
+                if exc.status == 504:  # the engine client's own timeout
+                    why = REUSE_PREFILL_TIMEOUT
+                elif exc.status == 502:  # 5xx, connection error, malformed answer
+                    why = REUSE_PREFILL_FAILED
+                else:  # the request itself (400) or an overloaded engine (429): not retried
+                    raise
+            waited_s = time.perf_counter() - started
+            turn.fallback, turn.reused_tokens = why, 0
+            self._metrics.reuse_fallbacks.labels(why).inc()
+            log.warning(
+                "prefill.reuse_fallback",
+                node=plan.prefill.node,
+                why=why,
+                waited_ms=_ms(waited_s),
+                request_id=turn.request_id,
+            )
+            fields["kv_transfer_params"] = to_vllm(_FIRST_TURN_PARAMS)
+            # A request id of its own: vLLM may still be aborting the first one.
+            return await self._prefill_call(turn, plan, prompt_json, fields, "-pr")
+        finally:
+            turn.prefill_s = time.perf_counter() - started
+
+    async def _prefill_call(
+        self,
+        turn: Turn,
+        plan: pb.PlanTurnResponse,
+        prompt_json: bytes,
+        fields: dict[str, Any],
+        id_suffix: str,
+        *,
+        deadline_s: float | None = None,
+    ) -> dict[str, Any] | None:
+        """One prefill request; its params for decode, or None. Past `deadline_s` the call is
+        cancelled (its connection closed: vLLM aborts the request) and TimeoutError raised."""
+        with self._engine_span("prefill", plan.prefill) as span:
+            if turn.fallback:
+                span.set_attribute("kvshuttle.fallback", turn.fallback)
+            call = self._engines.complete(
+                "prefill",
+                plan.prefill.http_endpoint,
+                record.request_body(prompt_json, fields),
+                self._headers(f"{turn.request_id}{id_suffix}"),
+                timeout_s=self._prefill_timeout_s,
+            )
+            if deadline_s is None:
+                body = await call
+            else:
+                async with asyncio.timeout(deadline_s):
+                    body = await call
             params = body.get("kv_transfer_params")
             if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
                 # No params (P runs without the NIXL connector), or not P's kind: decode computes

@@ -142,6 +142,14 @@ class GrpcAgentPort:
             )
         return _pooled(response.node, response.pooled)
 
+    async def serving(self, endpoint: str, *, timeout: float) -> bool:
+        try:
+            async with self._calling(endpoint) as client:
+                status = await client.get_status(timeout=timeout)
+        except KvshuttleError:
+            return False
+        return status.pool.capacity_bytes > 0
+
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), OrderedDict()
         await asyncio.gather(*(c.close() for c in clients), return_exceptions=True)

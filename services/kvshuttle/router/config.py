@@ -96,9 +96,20 @@ class RouterSettings(BaseSettings):
 
 def _check_parking(policy: RouterPolicy) -> None:
     p = policy.parking
-    if min(p.park_after_idle_s, p.max_idle_s, p.tick_s, p.prefetch_margin, p.min_ttl_s) <= 0:
+    if (
+        min(
+            p.park_after_idle_s,
+            p.max_idle_s,
+            p.tick_s,
+            p.prefetch_margin,
+            p.min_ttl_s,
+            p.holder_probe_timeout_s,
+        )
+        <= 0
+    ):
         raise ValueError(
-            "policy.parking: park_after_idle_s, max_idle_s, tick_s, prefetch_margin and min_ttl_s "
+            "policy.parking: park_after_idle_s, max_idle_s, tick_s, prefetch_margin, min_ttl_s and "
+            "holder_probe_timeout_s "
             "must be positive"
         )
     if p.park_before_pin_s < 0 or not 0 < p.park_kv_usage_above <= 1:

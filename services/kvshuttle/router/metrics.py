@@ -84,6 +84,12 @@ class RouterMetrics:
             ["role"],
             registry=registry,
         )
+        self.holders_not_serving = Counter(
+            "kvshuttle_router_pool_holders_not_serving",
+            "Plans that would have read from an agent's pool whose agent did not answer "
+            "(planned as recomputes, NODE_DOWN).",
+            registry=registry,
+        )
         self.moves = Counter(
             "kvshuttle_router_moves",
             "Shuttle moves of retentions into agents' pools: kind park|prefetch, why it was "

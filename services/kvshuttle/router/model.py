@@ -81,6 +81,10 @@ class ParkingPolicy:
     tick_s: float = 1.0
     # A move whose lease would be shorter than this is not worth it (skipped_idle_over).
     min_ttl_s: float = 15.0
+    # Before a plan sends prefill to read from an agent's pool, the agent must answer within
+    # this (its pool node's lease outlives a killed agent by up to the lease TTL, and vLLM 0.32's
+    # prefill hangs on a READ from a dead peer): no answer plans a recompute (NODE_DOWN).
+    holder_probe_timeout_s: float = 0.25
 
 
 @dataclass(frozen=True, slots=True)

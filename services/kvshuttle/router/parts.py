@@ -14,7 +14,7 @@ from kvshuttle.router.cost import CostModel
 from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import RouterPolicy
 from kvshuttle.router.node_directory import NodeDirectory
-from kvshuttle.router.ports import RegistryPort
+from kvshuttle.router.ports import AgentPort, RegistryPort
 from kvshuttle.router.shuttle import Shuttle
 from kvshuttle.router.turn_memory import TurnMemory
 from kvshuttle.router.turns import TurnCodec
@@ -37,3 +37,5 @@ class RouterParts:
     chains: ChainCache
     # Moves this replica's committed retentions into agents' pools (None: parking off).
     shuttle: Shuttle | None = None
+    # The agents, asked whether a pool holder still serves before a plan reads from it.
+    agents: AgentPort | None = None

@@ -115,7 +115,8 @@ class Planner:
                 if err.reason != ErrorReason.REGISTRY_UNAVAILABLE:
                     raise
                 return self._degraded(self._last_known_context(call, err), err)
-            verdict = self._decide(ctx)
+            decided = self._decide(ctx)
+            verdict = await self._holder_serving(ctx, decided)
             reason, claim = verdict.reason, None
             if verdict.claim is not None:
                 try:
@@ -132,7 +133,9 @@ class Planner:
             if ctx.from_hint:
                 self._parts.memory.hints.forget(call.conversation)  # claimed (consumed), or not confirmed
                 call.span.set_attribute("kvshuttle.retention_hint", "confirmed" if claim else "refused")
-                if claim is None:
+                # Unconfirmed: plan again on the registry's word, unless the holder the hint
+                # named was just found dead (asking it twice would only wait twice).
+                if claim is None and verdict is decided:
                     use_hint = False
                     continue
             return self._issuer.issue(ctx, reason, verdict, claim)
@@ -359,6 +362,22 @@ class Planner:
         reuse_cost = call.cost.reuse(n, prefix.tokens, ctx.local_hits)
         moved = Verdict(Reason.REUSE_CHEAPER, prefix, reuse_cost, claim=got, holder=holder)
         return moved, replace(claim, retention=got), Reason.REUSE_CHEAPER
+
+    async def _holder_serving(self, ctx: PlanContext, verdict: Verdict) -> Verdict:
+        """`verdict`, unless it reads from an agent's pool whose agent does not answer now: then
+        a recompute (NODE_DOWN), and the retention is left unclaimed. A killed agent's pool node
+        stays listed until its lease lapses, and vLLM 0.32's prefill never finishes a request
+        whose READ failed on a peer that died after its handshake."""
+        holder, agents = verdict.holder, self._parts.agents
+        if holder is None or holder.role is not NodeRole.POOL or agents is None:
+            return verdict
+        timeout = self._parts.policy.parking.holder_probe_timeout_s
+        if await ctx.call.timer.registry(agents.serving(holder.agent_endpoint, timeout=timeout)):
+            return verdict
+        log.warning("plan.holder_not_serving", node=holder.name)
+        self._parts.metrics.holders_not_serving.inc()
+        ctx.call.span.set_attribute("kvshuttle.holder_serving", False)
+        return Verdict(Reason.NODE_DOWN, verdict.prefix, verdict.reuse_cost)
 
     async def _claim(self, ctx: PlanContext, retention: RetentionInfo) -> tuple[ClaimInfo | None, Reason]:
         req = ctx.call.req

@@ -98,6 +98,7 @@ class Router:
             memory=memory,
             chains=self.chains,
             shuttle=self.shuttle,
+            agents=agents,
         )
         self._planner = Planner(parts)
         self._committer = Committer(parts)
