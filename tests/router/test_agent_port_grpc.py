@@ -141,9 +141,9 @@ async def test_serving_is_an_answering_agent_with_a_pool(agent: Any) -> None:
     fake, endpoint = agent
     port = GrpcAgentPort(AgentConnection(timeout=5, max_attempts=1))
     try:
-        assert await port.serving(endpoint, timeout=2)
+        assert await port.serving(endpoint, deadline_s=2)
         fake.pool_bytes = 0  # restarted without a pool: its old pool is gone
-        assert not await port.serving(endpoint, timeout=2)
-        assert not await port.serving("127.0.0.1:1", timeout=0.5)  # nobody listens there
+        assert not await port.serving(endpoint, deadline_s=2)
+        assert not await port.serving("127.0.0.1:1", deadline_s=0.5)  # nobody listens there
     finally:
         await port.close()

@@ -105,7 +105,7 @@ class FakeAgents:
         node = self.answer_node or f"nodes/{endpoint.split(':', maxsplit=1)[0]}-pool"
         return Pooled(node, pool_params(node, source))
 
-    async def serving(self, endpoint: str, *, timeout: float) -> bool:
+    async def serving(self, endpoint: str, *, deadline_s: float) -> bool:
         self.probes.append(endpoint)
         return endpoint not in self.dead
 

@@ -142,10 +142,10 @@ class GrpcAgentPort:
             )
         return _pooled(response.node, response.pooled)
 
-    async def serving(self, endpoint: str, *, timeout: float) -> bool:
+    async def serving(self, endpoint: str, *, deadline_s: float) -> bool:
         try:
             async with self._calling(endpoint) as client:
-                status = await client.get_status(timeout=timeout)
+                status = await client.get_status(timeout=deadline_s)
         except KvshuttleError:
             return False
         return status.pool.capacity_bytes > 0

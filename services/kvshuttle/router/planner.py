@@ -372,7 +372,7 @@ class Planner:
         if holder is None or holder.role is not NodeRole.POOL or agents is None:
             return verdict
         timeout = self._parts.policy.parking.holder_probe_timeout_s
-        if await ctx.call.timer.registry(agents.serving(holder.agent_endpoint, timeout=timeout)):
+        if await ctx.call.timer.registry(agents.serving(holder.agent_endpoint, deadline_s=timeout)):
             return verdict
         log.warning("plan.holder_not_serving", node=holder.name)
         self._parts.metrics.holders_not_serving.inc()

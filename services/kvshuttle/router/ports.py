@@ -78,8 +78,8 @@ class AgentPort(Protocol):
         """The agent of `target_node` (an engine node) reads `source`'s blocks into its pool."""
         ...
 
-    async def serving(self, endpoint: str, *, timeout: float) -> bool:
-        """Whether the agent at `endpoint` answers within `timeout` s and has a pool: asked
+    async def serving(self, endpoint: str, *, deadline_s: float) -> bool:
+        """Whether the agent at `endpoint` answers within `deadline_s` and has a pool: asked
         before a plan sends prefill to read from its pool (vLLM 0.32's prefill never finishes a
         request whose READ failed on a peer that died after its handshake)."""
         ...
