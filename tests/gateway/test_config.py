@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from kvshuttle.gateway.config import GatewaySettings, ModelSettings
+from kvshuttle.gateway.config import EngineSettings, GatewaySettings, ModelSettings
 
 
 def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -63,8 +63,6 @@ def test_a_gateway_without_models_is_refused() -> None:
         GatewaySettings()
 
 
-def test_the_reuse_prefill_deadline_must_be_positive(tmp_path: Path) -> None:
+def test_the_reuse_prefill_deadline_must_be_positive() -> None:
     with pytest.raises(ValidationError, match="reuse_prefill_timeout_s"):
-        GatewaySettings(
-            models={"m": ModelSettings(tokenizer=tmp_path)}, engines={"reuse_prefill_timeout_s": 0}
-        )
+        EngineSettings(reuse_prefill_timeout_s=0)
