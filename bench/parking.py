@@ -4,8 +4,11 @@ decode holds, which conversations keep their KV, and TTFT with and without prefe
 Phase 1, decode KV held and conversations kept: `--conversations` conversations of `--turns`
 turns (a ~600-token first prompt, 24-token answers, 100 new tokens a turn), each pausing a random
 think time in [--think-min, --think-max] s before its next turn, all at once, through the
-gateway. Decode's own lease is short (`--lease` s: the router's decoder_kv_blocks_ttl minus its
-margin), as a platform team sets it to bound decode memory. Two stacks on the same engines:
+gateway. Decode's pin is short (`--engine-ttl` s of vLLM's decoder_kv_blocks_ttl; kvshuttle's
+lease on it ends `--lease` s after the commit), as a platform team sets it to bound decode memory.
+Two stacks on the same engines, one after the other, the second once decode has dropped the
+first's blocks (the engine TTL after its last turn; what decode holds is counted above what it
+held when each run began):
 
     fixed    no parking: decode holds every conversation's KV until its lease ends
     parked   the router parks a conversation idle for --park-after s into decode's agent pool
@@ -196,7 +199,8 @@ def conversation_run(
 def phase_held(pair: VllmPair, work: Path, args: argparse.Namespace, parked: bool) -> dict[str, Any]:
     env = {
         "router": {
-            "POLICY__RETENTION_MARGIN_S": str(480 - args.lease),
+            "POLICY__DECODER_KV_BLOCKS_TTL_S": str(args.engine_ttl),
+            "POLICY__RETENTION_MARGIN_S": str(args.engine_ttl - args.lease),
             "POLICY__PARKING__ENABLED": "true" if parked else "false",
             "POLICY__PARKING__PARK_AFTER_IDLE_S": str(args.park_after),
             "POLICY__PARKING__MAX_IDLE_S": "600",
@@ -209,6 +213,7 @@ def phase_held(pair: VllmPair, work: Path, args: argparse.Namespace, parked: boo
     )
     with stack:
         rng = random.Random(7)
+        baseline = decode_usage(pair) * args.blocks
         sampler = Sampler(pair, stack, args.blocks)
         threading.Thread(target=sampler.run, daemon=True).start()
         results: list[dict[str, Any]] = []
@@ -238,10 +243,12 @@ def phase_held(pair: VllmPair, work: Path, args: argparse.Namespace, parked: boo
         sampler.stop()
     later = [r for r in results if r["turn"] > 0]
     kept = sum(1 for r in later if r["decision"] == "reuse")
-    held = sampler.decode_blocks
+    held = [max(0.0, b - baseline) for b in sampler.decode_blocks]
+    tail = [max(0.0, b - baseline) for b in tail]
     mean_held = statistics.fmean(held) if held else 0.0
     return {
         "config": label,
+        "baseline_blocks": round(baseline, 1),
         "seconds": round(seconds, 1),
         "turns": len(results),
         "later_turns": len(later),
@@ -260,6 +267,8 @@ def phase_held(pair: VllmPair, work: Path, args: argparse.Namespace, parked: boo
 def phase_ttft(pair: VllmPair, work: Path, args: argparse.Namespace, prefetch: bool) -> dict[str, Any]:
     env = {
         "router": {
+            "POLICY__DECODER_KV_BLOCKS_TTL_S": str(args.engine_ttl),
+            "POLICY__RETENTION_MARGIN_S": str(args.engine_ttl - args.lease),
             "POLICY__PARKING__ENABLED": "true",
             "POLICY__PARKING__PARK_AFTER_IDLE_S": "1",
             "POLICY__PARKING__TICK_S": "0.2",
@@ -308,6 +317,7 @@ def main() -> None:
     parser.add_argument("--think-min", type=float, default=3.0)
     parser.add_argument("--think-max", type=float, default=20.0)
     parser.add_argument("--lease", type=float, default=12.0)
+    parser.add_argument("--engine-ttl", type=int, default=30)
     parser.add_argument("--park-after", type=float, default=2.0)
     parser.add_argument("--blocks", type=int, default=1024)
     parser.add_argument("--ttft-conversations", type=int, default=4)
@@ -320,10 +330,14 @@ def main() -> None:
         log_dir=work / "vllm",
         block_size=BS,
         prefill_prefix_caching=False,
+        decoder_kv_blocks_ttl=args.engine_ttl,
         extra_args=("--num-gpu-blocks-override", str(args.blocks)),
     )
     with pair:
-        held = [phase_held(pair, work, args, parked) for parked in (False, True)]
+        held = []
+        for parked in (False, True):
+            held.append(phase_held(pair, work, args, parked))
+            time.sleep(args.engine_ttl + 5)  # decode drops the run's pinned blocks
         ttft = [phase_ttft(pair, work, args, prefetch) for prefetch in (False, True)]
     fixed = held[0]
     per_conversation = {

@@ -7,8 +7,12 @@ the gateway's OpenAI chat API with real tool calls (`tools`, a named `tool_choic
 the call parsed from decode's output; tool results sent back as `tool` messages), growing to
 several thousand tokens over ten turns. Every turn runs twice: through kvshuttle (the conversation's
 retained KV reused where it verifies) and with reuse disabled (no conversation: plain P->D, the
-whole prompt recomputed). Prints a per-turn table, writes the run's JSON and a PNG of TTFT
-against context length under .run/demo/, and stops everything it started, also on Ctrl-C.
+whole prompt recomputed). Each agent has a DRAM pool and the router prefetches: every turn
+that ends in a tool call carries a think-time hint (the gateway's AGENT_THINK_TIME_S), so while
+the tool runs the router moves the conversation's KV from decode into the prefill node's agent,
+and the next turn's prefill reads it there ("KV from" in the table). Prints a per-turn table,
+writes the run's JSON and a PNG of TTFT against context length under .run/demo/, and stops
+everything it started, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -30,11 +34,15 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display here
+import grpc
 import matplotlib.pyplot as plt
 from tokenizers import Tokenizer
 
 from deploy.local.launch import EngineDied, VllmPair, ensure_model
 from deploy.local.stack import KvshuttleStack
+from kvshuttle.gateway.config import DEFAULT_TENANT
+from kvshuttle.registry.v1 import registry_service_pb2 as rpb
+from kvshuttle.registry.v1 import registry_service_pb2_grpc as rpb_grpc
 
 RUN_DIR = Path(".run/demo")
 # The small CPU model's costs, measured here (deploy/vllm/README.md); turns recalibrate them.
@@ -44,6 +52,18 @@ SYSTEM = (
     "Think step by step, call one tool at a time, and report what you changed."
 )
 TOOLS = ["read_file", "run_tests", "grep"]
+# Each agent's DRAM pool: room for the session's whole conversation (~100 MiB of KV at 6k tokens).
+POOL_BYTES = 1 << 30
+# What the demo's stack runs with beyond the defaults: parking and prefetch on, a 2 s think time
+# for turns that declare tools (a tool runs before the next turn).
+DATA_PLANE = {
+    "router": {
+        "POLICY__PARKING__ENABLED": "true",
+        "POLICY__PARKING__PREFETCH_ENABLED": "true",
+        "POLICY__PARKING__TICK_S": "0.2",
+    },
+    "gateway": {"AGENT_THINK_TIME_S": "2"},
+}
 WORDS = [
     *("def", "class", "return", "import", "self", "async", "await", "raise", "test", "assert", "cache"),
     *("block", "token", "prefill", "decode", "router", "registry", "lease", "claim", "retention", "node"),
@@ -202,9 +222,11 @@ def run(args: argparse.Namespace) -> int:
             work_dir=RUN_DIR / "services",
             profile=profile,
             progress=lambda m: print(f"  {m}", flush=True),
+            extra_env=DATA_PLANE,
+            pool_bytes=POOL_BYTES,
         )
         stack.start()
-        rows = session(stack.gateway_url, model, args)
+        rows = session(stack, model, args)
         report(rows, stamp, pair, stack)
     finally:
         say("stopping everything the demo started")
@@ -216,7 +238,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def session(gateway: str, model: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+def kv_holder(stack: KvshuttleStack, conversation: str) -> str:
+    """The node holding the conversation's retained KV now ("-": none), e.g. "prefill-pool"."""
+    name = f"tenants/{DEFAULT_TENANT}/conversations/{conversation}"
+    with grpc.insecure_channel(stack.registry_addr) as channel:
+        try:
+            got = rpb_grpc.RegistryServiceStub(channel).GetConversation(
+                rpb.GetConversationRequest(name=name), timeout=5, metadata=stack.admin_metadata
+            )
+        except grpc.RpcError:
+            return "-"
+    held = got.conversation.retention.node if got.conversation.HasField("retention") else ""
+    return held.removeprefix("nodes/") or "-"
+
+
+def session(stack: KvshuttleStack, model: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    gateway = stack.gateway_url
     rng = random.Random(7)
     conversation = f"demo-{int(time.time())}"
     messages: list[dict[str, Any]] = [
@@ -231,7 +268,7 @@ def session(gateway: str, model: Path, args: argparse.Namespace) -> list[dict[st
     rows: list[dict[str, Any]] = []
     say(f"agent session: {args.turns} turns through the gateway (conversation {conversation})")
     print(
-        f"{'turn':>4} {'context':>8} {'reused':>7}  {'decision':<10} {'tool call':<34} "
+        f"{'turn':>4} {'context':>8} {'reused':>7}  {'decision':<10} {'KV from':<13} {'tool call':<34} "
         f"{'TTFT kvshuttle':>15} {'TTFT recompute':>15} {'speedup':>8}  same output",
         flush=True,
     )
@@ -250,6 +287,7 @@ def session(gateway: str, model: Path, args: argparse.Namespace) -> list[dict[st
         }
         if last:
             body["ignore_eos"] = True
+        kv_from = kv_holder(stack, conversation)
         shuttle = chat(gateway, body, conversation)
         plain = chat(gateway, body, None)
         h = shuttle["headers"]
@@ -261,6 +299,8 @@ def session(gateway: str, model: Path, args: argparse.Namespace) -> list[dict[st
             "prefill_cached_tokens": int(h.get("x-kvshuttle-prefill-cached-tokens", 0) or 0),
             "decision": h.get("x-kvshuttle-decision", "?"),
             "reason": h.get("x-kvshuttle-reason", "?"),
+            # Where the retention was when the turn planned: decode, or an agent's pool.
+            "kv_from": kv_from,
             "tool_call": f"{call['name']}({call['arguments']})" if call else None,
             "ttft_kvshuttle_ms": shuttle["ttft_ms"],
             "ttft_recompute_ms": plain["ttft_ms"],
@@ -275,6 +315,7 @@ def session(gateway: str, model: Path, args: argparse.Namespace) -> list[dict[st
         shown = (row["tool_call"] or "(answer) " + shuttle["text"][:24].replace("\n", " "))[:34]
         print(
             f"{turn:>4} {row['context_tokens']:>8} {row['reused_tokens']:>7}  {row['decision']:<10} "
+            f"{row['kv_from']:<13} "
             f"{shown:<34} {row['ttft_kvshuttle_ms']:>12.0f} ms {row['ttft_recompute_ms']:>12.0f} ms "
             f"{speedup:>7.1f}x  {'yes' if row['output_identical'] else 'NO'}",
             flush=True,
@@ -314,6 +355,12 @@ def report(rows: list[dict[str, Any]], stamp: str, pair: VllmPair, stack: Kvshut
     print(
         f"  {len(reused)} of {len(rows)} turns reused retained KV; outputs identical in "
         f"{sum(r['output_identical'] for r in rows)} of {len(rows)} turns",
+        flush=True,
+    )
+    prefetched = [r for r in reused if r["kv_from"].endswith("-pool")]
+    print(
+        f"  {len(prefetched)} of the reused turns read their KV from an agent's pool (moved there "
+        "while the tool ran), the others from decode",
         flush=True,
     )
     print(
