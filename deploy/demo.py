@@ -359,8 +359,8 @@ def report(rows: list[dict[str, Any]], stamp: str, pair: VllmPair, stack: Kvshut
     )
     prefetched = [r for r in reused if r["kv_from"].endswith("-pool")]
     print(
-        f"  {len(prefetched)} of the reused turns read their KV from an agent's pool (moved there "
-        "while the tool ran), the others from decode",
+        f"  {len(prefetched)} of the {len(reused)} reused turns read their KV from an agent's pool "
+        f"(moved there while the tool ran), {len(reused) - len(prefetched)} from decode",
         flush=True,
     )
     print(
