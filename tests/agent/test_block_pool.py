@@ -35,12 +35,11 @@ def test_lifecycle_and_accounting() -> None:
     a = pool.allocate("r/a", 3, expire_at=10.0)
     assert (a.slots, a.state, a.blocks, a.bytes) == ((0, 1, 2), SlotState.FILLING, 3, 3 * 4096)
     pool.allocate("r/b", 2, expire_at=10.0)
-    pool.seal("r/a")
-    assert pool.claim("r/a").state is SlotState.CLAIMED
+    assert pool.seal("r/a").state is SlotState.PARKED
     stats = pool.stats()
     assert (stats.total_blocks, stats.used_blocks, stats.free_blocks) == (8, 5, 3)
     assert (stats.capacity_bytes, stats.used_bytes, stats.free_bytes) == (32768, 5 * 4096, 3 * 4096)
-    assert (stats.filling_retentions, stats.parked_retentions, stats.claimed_retentions) == (1, 0, 1)
+    assert (stats.filling_retentions, stats.parked_retentions) == (1, 1)
     assert pool.release("r/a").slots == (0, 1, 2)
     assert pool.stats().used_blocks == 2
     with pytest.raises(NotFound) as not_found:
@@ -61,51 +60,40 @@ def test_refusals_change_nothing() -> None:
         with pytest.raises(InvalidArgument):
             pool.allocate("r/c", blocks, expire_at=10.0)
     with pytest.raises(FailedPrecondition):
-        pool.claim("r/a")  # still filling: nothing to read yet
+        pool.renew("r/a", expire_at=99.0)  # still filling: nothing sealed to renew
     pool.seal("r/a")
     with pytest.raises(FailedPrecondition):
         pool.seal("r/a")  # sealed once: its bytes never change again
-    pool.claim("r/a")
-    with pytest.raises(FailedPrecondition) as claimed:
-        pool.claim("r/a")
-    assert claimed.value.reason == ErrorReason.RETENTION_ALREADY_CLAIMED
-    with pytest.raises(FailedPrecondition):
-        pool.renew("r/a", expire_at=99.0)
     assert pool.stats().failed_allocations == 1
     assert [a.slots for a in pool.allocations()] == [s.slots for s in before[0]]
     assert pool.stats().used_blocks == before[1]
 
 
-def test_expiry_frees_filling_and_parked_but_never_claimed() -> None:
+def test_expiry_frees_filling_and_parked_at_their_deadlines() -> None:
     pool = BlockPool(LAYOUT)
     pool.allocate("filling", 1, expire_at=5.0)
     pool.allocate("parked", 1, expire_at=5.0)
     pool.seal("parked")
-    pool.allocate("claimed", 1, expire_at=5.0)
-    pool.seal("claimed")
-    pool.claim("claimed")
     pool.allocate("later", 1, expire_at=50.0)
     pool.seal("later")
     assert pool.expire(4.9) == []
     assert sorted(a.name for a in pool.expire(5.0)) == ["filling", "parked"]
-    assert sorted(a.name for a in pool.allocations()) == ["claimed", "later"]
+    assert sorted(a.name for a in pool.allocations()) == ["later"]
     pool.renew("later", expire_at=100.0)
     assert pool.expire(60.0) == []
     assert pool.stats().expired_retentions == 2
 
 
-def test_a_claimed_retentions_slots_are_never_handed_out() -> None:
+def test_a_live_retentions_slots_are_never_handed_out() -> None:
     pool = BlockPool(LAYOUT)
-    pool.allocate("claimed", 4, expire_at=1.0)
-    pool.seal("claimed")
-    held = set(pool.claim("claimed").slots)
-    pool.expire(1e9)  # long past its expiry: a reader still holds it
-    taken = set(pool.allocate("other", 4, expire_at=1.0).slots)
+    pool.allocate("parked", 4, expire_at=10.0)
+    held = set(pool.seal("parked").slots)
+    taken = set(pool.allocate("other", 4, expire_at=10.0).slots)
     assert not held & taken
     with pytest.raises(ResourceExhausted):
-        pool.allocate("third", 1, expire_at=1.0)
-    pool.release("claimed")
-    assert set(pool.allocate("third", 4, expire_at=1.0).slots) == held
+        pool.allocate("third", 1, expire_at=10.0)
+    pool.release("parked")
+    assert set(pool.allocate("third", 4, expire_at=10.0).slots) == held
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -117,7 +105,6 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.pool = BlockPool(PoolLayout(regions=2, blocks=12, block_bytes=64))
         self.now = 0.0
-        self.claimed: set[str] = set()
         self.counter = 0
 
     @rule(target=names, blocks=st.integers(1, 13), ttl=st.floats(0, 10))
@@ -140,25 +127,17 @@ class PoolMachine(RuleBasedStateMachine):
         with contextlib.suppress(NotFound, FailedPrecondition):
             self.pool.seal(name)
 
-    @rule(name=names)
-    def claim(self, name: str) -> None:
-        try:
-            self.pool.claim(name)
-            self.claimed.add(name)
-        except (NotFound, FailedPrecondition):
-            pass
-
     @rule(name=consumes(names))
     def release(self, name: str) -> None:
         with contextlib.suppress(NotFound):
             self.pool.release(name)
-        self.claimed.discard(name)
 
     @rule(seconds=st.floats(0, 5))
     def tick(self, seconds: float) -> None:
         self.now += seconds
+        live = {a.name: a.expire_at for a in self.pool.allocations()}
         expired = {a.name for a in self.pool.expire(self.now)}
-        assert not expired & self.claimed
+        assert expired == {name for name, at in live.items() if at <= self.now}
 
     @invariant()
     def slots_partition(self) -> None:
@@ -167,7 +146,6 @@ class PoolMachine(RuleBasedStateMachine):
         stats = self.pool.stats()
         assert (stats.used_blocks, stats.free_blocks) == (len(held), 12 - len(held))
         assert set(held) <= set(range(12))
-        assert {a.name for a in self.pool.allocations() if a.state is SlotState.CLAIMED} == self.claimed
 
 
 PoolMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, derandomize=True)

@@ -120,7 +120,7 @@ async def test_status_metrics_and_cli_report_the_pool(pooled: AgentEnv) -> None:
         4,
     )
     assert (status.used_blocks, status.free_blocks, status.used_bytes) == (4, 4, 4 * 128 * 1024)
-    assert (status.parked_retentions, status.filling_retentions, status.claimed_retentions) == (1, 1, 0)
+    assert (status.parked_retentions, status.filling_retentions) == (1, 1)
 
     text = generate_latest(pooled.metrics).decode()
     assert "kvshuttle_agent_pool_capacity_bytes 1.048576e+06" in text
@@ -132,7 +132,7 @@ async def test_status_metrics_and_cli_report_the_pool(pooled: AgentEnv) -> None:
     assert result.exit_code == 0, result.stderr
     assert "1.0 MiB in 8 blocks" in result.stdout
     assert "4 blocks, 512.0 KiB" in result.stdout
-    assert "1 parked, 0 claimed, 1 filling" in result.stdout
+    assert "1 parked, 1 filling" in result.stdout
     doc = (await arun_cli(["agent", "status", "--agent", pooled.address, "--json"])).json()
     assert (doc["pool"]["used_blocks"], doc["pool"]["parked_retentions"]) == ("4", 1)
 

@@ -34,8 +34,7 @@ def pool_details(pool: pb.PoolStatus) -> list[tuple[str, str]]:
         ("free", f"{pool.free_blocks} blocks, {output.size(pool.capacity_bytes - pool.used_bytes)}"),
         (
             "retentions",
-            f"{pool.parked_retentions} parked, {pool.claimed_retentions} claimed, "
-            f"{pool.filling_retentions} filling",
+            f"{pool.parked_retentions} parked, {pool.filling_retentions} filling",
         ),
         ("expired", str(pool.expired_retentions)),
         ("refused", output.plural(pool.failed_allocations, "allocation")),

@@ -5,11 +5,14 @@ the caller passes `now`, seconds on a monotonic clock). The layout is vLLM's: `r
 (one per attention layer, or per K and V) of `blocks` blocks of `block_bytes` each; slot `s` is
 block `s` of every region, so one slot holds one engine block.
 
-A retention's life here: `allocate` (FILLING: its slots are written, by a park's NIXL READ),
-`seal` (PARKED: its bytes never change again), `claim` (CLAIMED: a reader is on it; pinned
-against expiry), and `release` or expiry, which alone give the slots back. A slot lives in
-exactly one place, the free stack or one live Allocation, so handing out a slot that a live
-retention names cannot happen: the free stack never holds it.
+A retention's life here: `allocate` (FILLING: its slots are written, by a move's NIXL READ),
+`seal` (PARKED: its bytes never change again; prefill may read them), and `release` or expiry,
+which alone give the slots back. A slot lives in exactly one place, the free stack or one live
+Allocation, so handing out a slot that a live retention names cannot happen: the free stack
+never holds it. Who may read a parked retention is the registry's single-use claim, not the
+pool's: the mover releases (evicts) one only once the registry dropped it, which it refuses
+while a reader holds the claim, and prefill declines a read within 5 s of the deadline the pool
+advertised (kvshuttle.agent.serve).
 """
 
 from __future__ import annotations
@@ -76,7 +79,6 @@ class PoolLayout:
 class SlotState(StrEnum):
     FILLING = "filling"  # being written; not readable yet
     PARKED = "parked"  # sealed: immutable, readable, expires
-    CLAIMED = "claimed"  # sealed and being read: expiry waits for release
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +89,7 @@ class Allocation:
     name: str
     slots: tuple[int, ...]
     state: SlotState
-    expire_at: float  # monotonic seconds; ignored while CLAIMED
+    expire_at: float  # monotonic seconds
     slot_bytes: int
 
     @property
@@ -107,7 +109,6 @@ class PoolStats:
     slot_bytes: int
     filling_retentions: int
     parked_retentions: int
-    claimed_retentions: int
     expired_retentions: int  # since the pool was made
     failed_allocations: int  # allocations refused for want of free slots
 
@@ -167,10 +168,6 @@ class BlockPool:
         """FILLING -> PARKED: the slots are written and never change again until freed."""
         return self._move(name, SlotState.FILLING, SlotState.PARKED, expire_at)
 
-    def claim(self, name: str) -> Allocation:
-        """PARKED -> CLAIMED: a reader is on the slots; expiry leaves them until release."""
-        return self._move(name, SlotState.PARKED, SlotState.CLAIMED, None)
-
     def renew(self, name: str, *, expire_at: float) -> Allocation:
         """A new expiry for a PARKED retention."""
         return self._move(name, SlotState.PARKED, SlotState.PARKED, expire_at)
@@ -185,7 +182,7 @@ class BlockPool:
 
     def expire(self, now: float) -> list[Allocation]:
         """Free every FILLING or PARKED allocation whose expire_at is at or before `now`."""
-        due = [a for a in self._live.values() if a.state is not SlotState.CLAIMED and a.expire_at <= now]
+        due = [a for a in self._live.values() if a.expire_at <= now]
         for allocation in due:
             self.release(allocation.name)
         self._expired += len(due)
@@ -209,7 +206,6 @@ class BlockPool:
             slot_bytes=self.layout.slot_bytes,
             filling_retentions=states.count(SlotState.FILLING),
             parked_retentions=states.count(SlotState.PARKED),
-            claimed_retentions=states.count(SlotState.CLAIMED),
             expired_retentions=self._expired,
             failed_allocations=self._failed,
         )
@@ -217,12 +213,7 @@ class BlockPool:
     def _move(self, name: str, before: SlotState, after: SlotState, expire_at: float | None) -> Allocation:
         allocation = self.get(name)
         if allocation.state is not before:
-            raise FailedPrecondition(
-                f"{name} is {allocation.state}, not {before}",
-                reason=ErrorReason.RETENTION_ALREADY_CLAIMED
-                if allocation.state is SlotState.CLAIMED
-                else ErrorReason.FAILED_PRECONDITION,
-            )
+            raise FailedPrecondition(f"{name} is {allocation.state}, not {before}")
         moved = Allocation(
             name,
             allocation.slots,

@@ -177,7 +177,6 @@ def _pool_metrics(pool: PoolStats) -> Iterator[_Family]:
     )
     retentions.add_metric(["filling"], pool.filling_retentions)
     retentions.add_metric(["parked"], pool.parked_retentions)
-    retentions.add_metric(["claimed"], pool.claimed_retentions)
     yield retentions
     yield CounterMetricFamily(
         "kvshuttle_agent_pool_expired_retentions",

@@ -37,7 +37,6 @@ def pool_to_pb(pool: PoolStats | None) -> pb.PoolStatus:
         free_blocks=pool.free_blocks,
         block_bytes=pool.slot_bytes,
         regions=pool.regions,
-        claimed_retentions=pool.claimed_retentions,
         filling_retentions=pool.filling_retentions,
         expired_retentions=pool.expired_retentions,
         failed_allocations=pool.failed_allocations,

@@ -17,6 +17,11 @@ if sys.version_info >= (3, 11):
 else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
+if sys.version_info >= (3, 13):
+    from warnings import deprecated as _deprecated
+else:
+    from typing_extensions import deprecated as _deprecated
+
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
@@ -156,8 +161,20 @@ class PoolStatus(_message.Message):
     """Bytes of one slot: regions * bytes of one block in one region."""
     regions: _builtins.int
     """The engine's KV layout the slots mirror: one region per attention layer."""
-    claimed_retentions: _builtins.int
-    """Retentions a reader claimed: pinned against expiry until released."""
+    @_builtins.property
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def claimed_retentions(self) -> _builtins.int:
+        """Deprecated, always 0: the registry's claim guards a parked retention's reader, not the
+        pool (a NIXL READ is one-sided: the agent cannot see one begin).
+        """
+
+    @claimed_retentions.setter
+    @_deprecated("""This field has been marked as deprecated using proto field options.""")
+    def claimed_retentions(self, value: _builtins.int) -> None:
+        """Deprecated, always 0: the registry's claim guards a parked retention's reader, not the
+        pool (a NIXL READ is one-sided: the agent cannot see one begin).
+        """
+
     filling_retentions: _builtins.int
     """Retentions whose slots are still being written (a park in progress)."""
     expired_retentions: _builtins.int
