@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from tests.clock import FakeClock
+from tests.registry.conftest import StoreFactory
 from tests.registry.test_registry_domain import BLOCK, CONV, put, spec
 
 from kvshuttle.core.errors import Aborted, FailedPrecondition, InvalidArgument, KvshuttleError, NotFound
@@ -20,7 +21,7 @@ from kvshuttle.core.nodes import (
 )
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.memory_store import InMemoryStore, StoreLimits
+from kvshuttle.registry.memory_store import StoreLimits
 from kvshuttle.registry.model import ChangeKind, Holder, Move, Retention, RetentionState
 from kvshuttle.registry.registry import Registry
 
@@ -54,9 +55,9 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-async def registry(clock: FakeClock) -> Registry:
+async def registry(clock: FakeClock, make_store: StoreFactory) -> Registry:
     registry = Registry(
-        InMemoryStore(StoreLimits(max_retentions_per_tenant=10)),
+        make_store(StoreLimits(max_retentions_per_tenant=10)),
         clock,
         BlockIndex(max_blocks_per_node=1000),
         RegistryLimits(),

@@ -7,6 +7,7 @@ from array import array
 
 import pytest
 from tests.clock import FakeClock
+from tests.registry.conftest import StoreFactory
 
 from kvshuttle.core.errors import (
     Aborted,
@@ -21,7 +22,7 @@ from kvshuttle.core.kv_events import BlockStored, EventBatch
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.memory_store import InMemoryStore, StoreLimits
+from kvshuttle.registry.memory_store import StoreLimits
 from kvshuttle.registry.model import ChangeKind, Holder, Retention, RetentionState
 from kvshuttle.registry.registry import Registry
 
@@ -74,9 +75,9 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def registry(clock: FakeClock) -> Registry:
+def registry(clock: FakeClock, make_store: StoreFactory) -> Registry:
     return Registry(
-        InMemoryStore(StoreLimits(max_retentions_per_tenant=3)),
+        make_store(StoreLimits(max_retentions_per_tenant=3)),
         clock,
         BlockIndex(max_blocks_per_node=1000),
         RegistryLimits(),
@@ -419,8 +420,8 @@ async def test_lookup_ranks_nodes_by_prefix_held(registry: Registry) -> None:
     assert await registry.lookup_blocks(chain, model="m", role=NodeRole.DECODE) == [("nodes/d0", 1)]
 
 
-async def test_slow_watcher_is_dropped_not_waited_for(clock: FakeClock) -> None:
-    registry = Registry(InMemoryStore(), clock, BlockIndex(100), RegistryLimits(watch_queue_size=2))
+async def test_slow_watcher_is_dropped_not_waited_for(clock: FakeClock, make_store: StoreFactory) -> None:
+    registry = Registry(make_store(), clock, BlockIndex(100), RegistryLimits(watch_queue_size=2))
     await registry.register_node(spec(), ttl=100)
     sub = registry.watch(parent="tenants/acme", node="")
     for i in range(1, 5):
@@ -438,8 +439,10 @@ async def test_watch_needs_exactly_one_scope(registry: Registry) -> None:
         registry.watch(parent="tenants/a", node="nodes/x")
 
 
-async def test_fences_are_forgotten_fence_ttl_after_the_last_retention(clock: FakeClock) -> None:
-    registry = Registry(InMemoryStore(StoreLimits(fence_ttl=100)), clock, BlockIndex(100), RegistryLimits())
+async def test_fences_are_forgotten_fence_ttl_after_the_last_retention(
+    clock: FakeClock, make_store: StoreFactory
+) -> None:
+    registry = Registry(make_store(StoreLimits(fence_ttl=100)), clock, BlockIndex(100), RegistryLimits())
     await registry.register_node(spec(), ttl=300)
     await put(registry, 1, ttl=10)
     clock.advance(50)  # the retention lapsed at 10 and was swept at 50: the fence starts counting

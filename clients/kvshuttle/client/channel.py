@@ -1,7 +1,16 @@
-"""How a client reaches a service: one options object, one function that builds the channel."""
+"""How a client reaches a service: one options object, one function that builds the channel.
+
+A service of several replicas is one target: a list of addresses ("10.0.0.5:50051,10.0.0.6:50051",
+IP literals) or one DNS name ("dns:///registry.kvshuttle:50051", every address it resolves to).
+Either way the channel balances calls round robin over the replicas that are up (gRPC's
+`round_robin` policy: a replica that stops answering is left out until it reconnects), and a
+call that failed UNAVAILABLE is retried (`max_attempts`) on the next one.
+"""
 
 from __future__ import annotations
 
+import ipaddress
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,7 +28,8 @@ class ChannelOptions:
     """Where a service is and how to call it.
 
     Attributes:
-        target: "host:port" (or any gRPC target, e.g. "dns:///registry:50051").
+        target: "host:port" (or any gRPC target, e.g. "dns:///registry:50051"), or several
+            replicas' "ip:port" joined by commas: balanced round robin (see the module).
         default_timeout: deadline in seconds for one call, retries included, when the call
             does not pass its own; None means no deadline.
         tls: use a secure channel. Implied when any of the three file paths is set.
@@ -60,6 +70,7 @@ class ChannelOptions:
     def __post_init__(self) -> None:
         if not self.target:
             raise ValueError("target must not be empty")
+        grpc_target(self.target)  # a list of replicas must be IP literals
         if self.default_timeout is not None and self.default_timeout <= 0:
             raise ValueError("default_timeout must be positive (or None for no deadline)")
         if self.max_attempts < 1:
@@ -102,6 +113,39 @@ _RECONNECT_BACKOFF: tuple[tuple[str, int], ...] = (
 )
 
 
+# Several replicas: round robin over those that are up, instead of gRPC's default pick_first
+# (which sends everything to the first address and fails over only when it is gone).
+_ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+
+
+def grpc_target(target: str) -> str:
+    """The gRPC target for `target`: unchanged for one address or a scheme target; a
+    comma-separated list of "ip:port" as gRPC's ipv4:/ipv6: list. Raises ValueError for a list
+    naming host names (give one DNS name instead: "dns:///name:port")."""
+    if "," not in target:
+        return target
+    parts = [p.strip() for p in target.split(",")]
+    families = set()
+    for part in parts:
+        host, sep, port = part.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        try:
+            families.add(ipaddress.ip_address(host).version if sep and port.isdigit() else 0)
+        except ValueError:
+            families.add(0)
+    if 0 in families or len(families) != 1:
+        raise ValueError(
+            f"a list of replicas must be ip:port of one IP family, got {target!r}: "
+            "for host names give one DNS name that resolves to every replica (dns:///name:port)"
+        )
+    return f"ipv{families.pop()}:{','.join(parts)}"
+
+
+def balanced(target: str) -> bool:
+    """Whether `target` may name several replicas (a list, or a name to resolve)."""
+    return "," in target or target.startswith("dns:")
+
+
 def _read(path: str | Path | None) -> bytes | None:
     return None if path is None else Path(path).read_bytes()
 
@@ -118,14 +162,15 @@ def create_channel(options: ChannelOptions) -> grpc.aio.Channel:
     ]
     if options.tls_server_name:
         channel_args.append(("grpc.ssl_target_name_override", options.tls_server_name))
+    if balanced(options.target) and "grpc.service_config" not in given:
+        channel_args.append(("grpc.service_config", _ROUND_ROBIN))
+    target = grpc_target(options.target)
     interceptors = list(options.interceptors) or None
     if not options.secure:
-        return grpc.aio.insecure_channel(options.target, options=channel_args, interceptors=interceptors)
+        return grpc.aio.insecure_channel(target, options=channel_args, interceptors=interceptors)
     credentials = grpc.ssl_channel_credentials(
         root_certificates=_read(options.root_certificates),
         private_key=_read(options.private_key),
         certificate_chain=_read(options.cert_chain),
     )
-    return grpc.aio.secure_channel(
-        options.target, credentials, options=channel_args, interceptors=interceptors
-    )
+    return grpc.aio.secure_channel(target, credentials, options=channel_args, interceptors=interceptors)

@@ -6,15 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Self
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
-from kvshuttle.client.channel import ChannelOptions
+from kvshuttle.client.channel import ChannelOptions, grpc_target
 
 
 class ServiceConnection(BaseModel):
     """How a service or the gateway reaches another kvshuttle service, as configuration
     (mirrors ChannelOptions, which it builds)."""
 
+    # One address, several replicas' "ip:port" joined by commas, or one DNS name that resolves
+    # to every replica ("dns:///registry.kvshuttle:50051"): calls go round robin over those up.
     address: str
     # Deadline of one call, retries included (seconds).
     timeout: float = Field(default=2.0, gt=0)
@@ -30,6 +32,12 @@ class ServiceConnection(BaseModel):
     # file holding it (a mounted secret; read when the channel is built).
     token: SecretStr | None = None
     token_file: Path | None = None
+
+    @field_validator("address")
+    @classmethod
+    def _target(cls, value: str) -> str:
+        grpc_target(value)  # ValueError naming the fix for a list of host names
+        return value
 
     @model_validator(mode="after")
     def _mtls_complete(self) -> Self:

@@ -1,16 +1,32 @@
 """The registry's configuration: one object, from KVSHUTTLE_REGISTRY_* environment variables
 (nested with "__", e.g. KVSHUTTLE_REGISTRY_SERVER__LISTEN=0.0.0.0:50051,
 KVSHUTTLE_REGISTRY_LIMITS__MAX_PAGE_SIZE=500,
-KVSHUTTLE_REGISTRY_LIMITS__RETENTION_TTL='{"default": 300, "minimum": 1, "maximum": 3600}')."""
+KVSHUTTLE_REGISTRY_LIMITS__RETENTION_TTL='{"default": 300, "minimum": 1, "maximum": 3600}').
+
+The store: KVSHUTTLE_REGISTRY_STORE=memory (the default: one process, state lost on restart) or
+redis (kvshuttle.registry.redis_store, with KVSHUTTLE_REGISTRY_REDIS__URL and __KEY_PREFIX)."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.memory_store import StoreLimits
 from kvshuttle.serving.settings import AuthSettings, ServerSettings, TelemetrySettings
+
+
+class RedisSettings(BaseModel):
+    """Where the Redis store keeps its state (store = "redis")."""
+
+    model_config = {"extra": "forbid"}
+
+    url: str = "redis://127.0.0.1:6379/0"
+    # Every key starts with it (and the global keys carry it as their hash tag): several
+    # registries can share one Redis under different prefixes.
+    key_prefix: str = Field(default="kvshuttle", min_length=1, pattern=r"^[^{}]+$")
 
 
 class RegistrySettings(BaseSettings):
@@ -22,6 +38,8 @@ class RegistrySettings(BaseSettings):
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     limits: RegistryLimits = Field(default_factory=RegistryLimits)
+    store: Literal["memory", "redis"] = "memory"
+    redis: RedisSettings = Field(default_factory=RedisSettings)
     store_limits: StoreLimits = Field(default_factory=StoreLimits)
     # Blocks indexed per node before new BlockStored events are dropped.
     max_indexed_blocks_per_node: int = Field(default=1_000_000, gt=0)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 
 import grpc
+import redis.asyncio as aioredis
 import structlog
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -15,8 +16,10 @@ from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RegistrySettings
 from kvshuttle.registry.memory_store import InMemoryStore
 from kvshuttle.registry.metrics import register_metrics
+from kvshuttle.registry.redis_store import RedisStore
 from kvshuttle.registry.registry import Registry
 from kvshuttle.registry.servicer import RegistryServicer
+from kvshuttle.registry.store import RegistryStore
 from kvshuttle.registry.v1 import registry_service_pb2, registry_service_pb2_grpc
 from kvshuttle.serving.logging import configure_logging
 from kvshuttle.serving.server import GrpcServer
@@ -28,7 +31,15 @@ ERROR_DOMAIN = "registry.kvshuttle"
 def build_registry(settings: RegistrySettings, clock: Clock) -> Registry:
     # Incarnations keep growing across registry restarts: agents of the previous process
     # then re-register instead of colliding with a reused number.
-    store = InMemoryStore(settings.store_limits, incarnation_base=int(clock.now() * 1000))
+    base = int(clock.now() * 1000)
+    store: RegistryStore
+    if settings.store == "redis":
+        client = aioredis.Redis.from_url(settings.redis.url, decode_responses=False)
+        store = RedisStore(
+            client, settings.store_limits, prefix=settings.redis.key_prefix, incarnation_base=base
+        )
+    else:
+        store = InMemoryStore(settings.store_limits, incarnation_base=base)
     return Registry(store, clock, BlockIndex(settings.max_indexed_blocks_per_node), settings.limits)
 
 
