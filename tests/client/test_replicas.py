@@ -32,9 +32,10 @@ async def test_calls_go_round_robin_and_fail_over_when_a_replica_stops() -> None
     for fake in (first, second):
         fake.add_node("nodes/d0")
     async with contextlib.AsyncExitStack() as stack:
-        a = await stack.enter_async_context(serve((pb_grpc.add_RegistryServiceServicer_to_server, first)))
+        add = pb_grpc.add_RegistryServiceServicer_to_server
+        a = await stack.enter_async_context(serve((add, first)))
         replica_b = contextlib.AsyncExitStack()
-        b = await replica_b.enter_async_context(serve((pb_grpc.add_RegistryServiceServicer_to_server, second)))
+        b = await replica_b.enter_async_context(serve((add, second)))
         client = await stack.enter_async_context(
             RegistryClient.connect(f"{a},{b}", initial_backoff=0.001, max_backoff=0.01)
         )
