@@ -11,6 +11,7 @@ GEN_OUT := services
 
 help:
 	@echo "make demo   - real vLLM prefill/decode + kvshuttle: an agent session, TTFT with and without reuse"
+	@echo "              REGISTRY_STORE=redis: the registry's state in a local redis-server (apt-get install redis-server)"
 	@echo "make demo-registry - the registry alone, driven by the kvshuttle CLI"
 	@echo "make test   - buf lint/format, generated-code freshness, ruff, import layers, mypy, pytest (real vLLM included)"
 	@echo "make vllm   - install the CPU build of vLLM into .venv-vllm (done by make test and demo)"
@@ -73,8 +74,9 @@ unit: venv
 
 test: lint proto-check typecheck vllm unit
 
+# REGISTRY_STORE=memory|redis (default: memory, or $$KVSHUTTLE_DEMO_REGISTRY_STORE): where the registry keeps its state.
 demo: venv vllm
-	$(BIN)/python -m deploy.demo
+	$(BIN)/python -m deploy.demo $(if $(REGISTRY_STORE),--registry-store $(REGISTRY_STORE))
 
 # The registry alone, driven by the kvshuttle CLI (no vLLM): leases, claims, fencing, expiry.
 demo-registry: venv

@@ -13,12 +13,18 @@ the tool runs the router moves the conversation's KV from decode into the prefil
 and the next turn's prefill reads it there ("KV from" in the table). Prints a per-turn table,
 writes the run's JSON and a PNG of TTFT against context length under .run/demo/, and stops
 everything it started, also on Ctrl-C.
+
+The registry keeps its state in memory, or with `--registry-store redis` (or
+KVSHUTTLE_DEMO_REGISTRY_STORE=redis; `make demo REGISTRY_STORE=redis`) in a redis-server the demo
+starts on loopback beside it (AOF on, data under .run/demo/services/redis; needs the Debian
+package `redis-server`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import sys
@@ -39,12 +45,14 @@ import matplotlib.pyplot as plt
 from tokenizers import Tokenizer
 
 from deploy.local.launch import EngineDied, VllmPair, ensure_model
-from deploy.local.stack import KvshuttleStack
+from deploy.local.redis import RedisDied, RedisNotInstalled, redis_server_binary
+from deploy.local.stack import REGISTRY_STORES, KvshuttleStack
 from kvshuttle.gateway.config import DEFAULT_TENANT
 from kvshuttle.registry.v1 import registry_service_pb2 as rpb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as rpb_grpc
 
 RUN_DIR = Path(".run/demo")
+STORE_ENV = "KVSHUTTLE_DEMO_REGISTRY_STORE"
 # The small CPU model's costs, measured here (deploy/vllm/README.md); turns recalibrate them.
 PROFILE = Path(__file__).parent / "profiles" / "cpu-small.toml"
 SYSTEM = (
@@ -201,6 +209,8 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     RUN_DIR.mkdir(parents=True, exist_ok=True)
+    if args.registry_store == "redis":
+        redis_server_binary()  # before a minute of vLLM start-up: RedisNotInstalled says what to install
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     say(f"building the {args.size} model (seconds; cached under .run/models)")
     model = ensure_model(args.size)
@@ -224,8 +234,10 @@ def run(args: argparse.Namespace) -> int:
             progress=lambda m: print(f"  {m}", flush=True),
             extra_env=DATA_PLANE,
             pool_bytes=POOL_BYTES,
+            registry_store=args.registry_store,
         )
         stack.start()
+        say(f"registry store: {store_description(stack)}")
         rows = session(stack, model, args)
         report(rows, stamp, pair, stack)
     finally:
@@ -236,6 +248,12 @@ def run(args: argparse.Namespace) -> int:
         pair.stop()
         print("  vLLM pair stopped", flush=True)
     return 0
+
+
+def store_description(stack: KvshuttleStack) -> str:
+    if stack.redis is None:
+        return "memory (one process; --registry-store redis keeps it in Redis)"
+    return f"redis, {stack.redis.describe()}"
 
 
 def kv_holder(stack: KvshuttleStack, conversation: str) -> str:
@@ -344,7 +362,14 @@ def report(rows: list[dict[str, Any]], stamp: str, pair: VllmPair, stack: Kvshut
     out_png = RUN_DIR / f"demo-{stamp}.png"
     out_json.write_text(
         json.dumps(
-            {"time": stamp, "pair": pair.describe(), "turns": rows, "logs": str(stack.work_dir)}, indent=2
+            {
+                "time": stamp,
+                "registry_store": stack.registry_store,
+                "pair": pair.describe(),
+                "turns": rows,
+                "logs": str(stack.work_dir),
+            },
+            indent=2,
         )
         + "\n"
     )
@@ -376,7 +401,16 @@ def main() -> None:
     ap.add_argument("--size", default="small", choices=["tiny", "small"])
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=48, help="answer length per turn")
+    ap.add_argument(
+        "--registry-store",
+        choices=REGISTRY_STORES,
+        default=os.environ.get(STORE_ENV) or "memory",
+        help=f"where the registry keeps its state (default: ${STORE_ENV}, else memory); "
+        "redis starts a local redis-server (Debian package redis-server)",
+    )
     args = ap.parse_args()
+    if args.registry_store not in REGISTRY_STORES:  # argparse checks choices on the command line only
+        ap.error(f"${STORE_ENV}={args.registry_store!r}: choose from {', '.join(REGISTRY_STORES)}")
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
@@ -389,6 +423,9 @@ def main() -> None:
         sys.exit(130)
     except EngineDied as exc:  # the message names the engine's log and ends with its tail
         print(f"\nvLLM did not start: {exc}", flush=True)
+        sys.exit(1)
+    except (RedisNotInstalled, RedisDied) as exc:
+        print(f"\n{exc}", flush=True)
         sys.exit(1)
 
 

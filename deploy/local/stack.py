@@ -9,6 +9,11 @@ tools that call the services directly.
     with VllmPair(model_dir) as pair, KvshuttleStack(pair, work_dir=...) as stack:
         stack.gateway_url  # OpenAI-compatible, conversation-aware
 
+The registry keeps its state in memory (the default) or, with `registry_store="redis"`, in a
+`redis-server` the stack starts first on loopback (deploy/local/redis.py: its own port and
+directory under `work_dir/redis`, AOF on) and stops last; `stack.redis` is that server
+(`stack.kill("redis")` / `stack.restart("redis")` crash and restart it on its AOF).
+
 Used by `make demo`, the end-to-end tests and bench/e2e_vllm.py.
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,17 +31,20 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import grpc
 
 from deploy.local.launch import VllmEngine, VllmPair, free_ports
 from deploy.local.models import kv_bytes_per_token, model_facts
+from deploy.local.redis import RedisServer
 from kvshuttle.registry.v1 import registry_service_pb2 as rpb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as rpb_grpc
 
 HOST = "127.0.0.1"
 Progress = Callable[[str], None]
+RegistryStore = Literal["memory", "redis"]
+REGISTRY_STORES: tuple[RegistryStore, ...] = ("memory", "redis")
 
 
 def _quiet(_: str) -> None:
@@ -100,7 +109,10 @@ class KvshuttleStack:
         pool_bytes: int = 0,
         progress: Progress = _quiet,
         extra_env: Mapping[str, Mapping[str, str]] | None = None,
+        registry_store: RegistryStore = "memory",
     ) -> None:
+        if registry_store not in REGISTRY_STORES:
+            raise ValueError(f"registry_store must be one of {REGISTRY_STORES}, not {registry_store!r}")
         self.pair = pair
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -112,7 +124,7 @@ class KvshuttleStack:
         # one NIXL region per attention layer.
         self.pool_bytes = pool_bytes
         self._pool_regions = model_facts(pair.model_dir, dtype="float32").layers
-        ports = free_ports(9)
+        ports = free_ports(10)  # the tenth: the Redis store's server, if any
         self.registry_addr = f"{HOST}:{ports[0]}"
         self.router_addr = f"{HOST}:{ports[1]}"
         self.gateway_url = f"http://{HOST}:{ports[2]}"
@@ -134,20 +146,20 @@ class KvshuttleStack:
         )
         self._agent_auth = self._tokens.auth({"router": {"role": "router"}, "admin": {"role": "admin"}})
         self._agent_ids = agent_ids
-        self.registry = Service(
-            "registry",
-            "kvshuttle.registry.main",
-            _prefixed(
-                "KVSHUTTLE_REGISTRY_",
-                {
-                    **log,
-                    "SERVER__LISTEN": self.registry_addr,
-                    "TELEMETRY__METRICS_LISTEN": f"{HOST}:{ports[5]}",
-                    **registry_auth,
-                    **extra.get("registry", {}),
-                },
-            ),
-            self.work_dir,
+        self.registry_store = registry_store
+        # With the Redis store: the server the registry keeps its state in (started first),
+        # fresh for every stack as the tokens are (a previous run's AOF is removed).
+        self.redis: RedisServer | None = None
+        if registry_store == "redis":
+            shutil.rmtree(self.work_dir / "redis", ignore_errors=True)
+            self.redis = RedisServer(self.work_dir / "redis", port=ports[9])
+        self.registry = registry_service(
+            listen=self.registry_addr,
+            log_dir=self.work_dir,
+            auth=registry_auth,
+            metrics_listen=f"{HOST}:{ports[5]}",
+            redis_url=None if self.redis is None else self.redis.url,
+            extra={**log, **extra.get("registry", {})},
         )
         self.router = Service(
             "router",
@@ -232,19 +244,29 @@ class KvshuttleStack:
                 return service
         raise KeyError(f"no service {name!r}: {[s.name for s in self.services]}")
 
+    def _process(self, name: str) -> Service | RedisServer:
+        if name == "redis" and self.redis is not None:
+            return self.redis
+        return self.service(name)
+
     def kill(self, name: str) -> None:
-        """SIGKILL one service (see Service.kill); it stays down until restarted."""
+        """SIGKILL one service (see Service.kill), or "redis" (the Redis store's server); it
+        stays down until restarted."""
         self.progress(f"killing {name}")
-        self.service(name).kill()
+        self._process(name).kill()
 
     def restart(self, name: str) -> None:
         """SIGKILL one service and start it again on the same port; returns at once (the
-        caller decides what ready means: wait_ready() for everything)."""
+        caller decides what ready means: wait_ready() for everything). "redis" restarts the
+        Redis store's server on its AOF and returns once it answers PING."""
         self.progress(f"restarting {name}")
-        self.service(name).restart()
+        self._process(name).restart()
 
     def start(self, timeout: float = 120.0) -> None:
         try:
+            if self.redis is not None:
+                self.progress(f"starting {self.redis.describe()}")
+                self.redis.start()
             for service in self.services:
                 self.progress(f"starting {service.name}")
                 service.start()
@@ -258,6 +280,8 @@ class KvshuttleStack:
         deadline = time.monotonic() + timeout
         pending = {"registry": self.registry_addr, "router": self.router_addr}
         while time.monotonic() < deadline:
+            if self.redis is not None:
+                self.redis.check()
             for service in self.services:
                 service.check()
             pending = {name: addr for name, addr in pending.items() if not _grpc_ready(addr)}
@@ -290,8 +314,24 @@ class KvshuttleStack:
         self.wait_ready(timeout)
 
     def stop(self) -> dict[str, int | None]:
-        """Stops everything, gateway first; returns each service's exit code."""
-        return {s.name: s.stop() for s in reversed(self.services)}
+        """Stops everything, gateway first and the Redis server (if any) last; returns each
+        one's exit code. A stop that fails does not keep the others running: the first such
+        error is raised after all were stopped."""
+        codes: dict[str, int | None] = {}
+        errors: list[Exception] = []
+        stops: list[tuple[str, Callable[[], int | None]]] = [
+            (s.name, s.stop) for s in reversed(self.services)
+        ]
+        if self.redis is not None:
+            stops.append(("redis", self.redis.stop))
+        for name, stop in stops:
+            try:
+                codes[name] = stop()
+            except Exception as exc:  # stop the rest regardless
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return codes
 
     def __enter__(self) -> Self:
         self.start()
@@ -301,6 +341,30 @@ class KvshuttleStack:
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def registry_service(
+    *,
+    listen: str,
+    log_dir: Path,
+    auth: Mapping[str, str],
+    metrics_listen: str = "",
+    redis_url: str | None = None,
+    extra: Mapping[str, str] | None = None,
+    name: str = "registry",
+) -> Service:
+    """The registry process as the stack runs it: listening on `listen`, accepting the
+    identities of `auth` (`_Tokens.auth`), its state in memory or, with `redis_url`, in Redis
+    (KVSHUTTLE_REGISTRY_STORE=redis). `extra`: more KVSHUTTLE_REGISTRY_* settings, unprefixed."""
+    store = {"STORE": "memory"} if redis_url is None else {"STORE": "redis", "REDIS__URL": redis_url}
+    env = {
+        "SERVER__LISTEN": listen,
+        "TELEMETRY__METRICS_LISTEN": metrics_listen,
+        **store,
+        **auth,
+        **(extra or {}),
+    }
+    return Service(name, "kvshuttle.registry.main", _prefixed("KVSHUTTLE_REGISTRY_", env), log_dir)
 
 
 class _Tokens:

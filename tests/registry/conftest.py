@@ -6,18 +6,13 @@ unless KVSHUTTLE_REQUIRE_REDIS is set (CI sets it: there a missing binary fails)
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import subprocess
 import tempfile
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-import redis
 import redis.asyncio as aioredis
+from tests.registry.redis_server import running_redis
 
 from kvshuttle.registry.memory_store import InMemoryStore, StoreLimits
 from kvshuttle.registry.redis_store import RedisStore
@@ -26,67 +21,11 @@ from kvshuttle.registry.store import RegistryStore
 StoreFactory = Callable[..., RegistryStore]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[int]:
     """A redis-server for this test session: its port."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        if os.environ.get("KVSHUTTLE_REQUIRE_REDIS"):
-            pytest.fail("KVSHUTTLE_REQUIRE_REDIS is set and redis-server is not installed")
-        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
-    with tempfile.TemporaryDirectory(prefix="kvshuttle-redis-") as tmp:
-        for _ in range(3):
-            port = _free_port()
-            proc = subprocess.Popen(
-                [
-                    binary,
-                    "--port",
-                    str(port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--dir",
-                    tmp,
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--protected-mode",
-                    "yes",
-                    "--daemonize",
-                    "no",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                cwd=Path(tmp),
-            )
-            client = redis.Redis(host="127.0.0.1", port=port)
-            try:
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline and proc.poll() is None:
-                    try:
-                        if client.ping():
-                            break
-                    except redis.ConnectionError:
-                        time.sleep(0.05)
-                else:
-                    proc.kill()
-                    proc.wait()
-                    continue  # the port was taken meanwhile, or it did not come up: another
-                try:
-                    yield port
-                finally:
-                    proc.kill()
-                    proc.wait()
-                return
-            finally:
-                client.close()
-        pytest.fail("redis-server did not answer PING")
+    with tempfile.TemporaryDirectory(prefix="kvshuttle-redis-") as tmp, running_redis(Path(tmp)) as server:
+        yield server.port
 
 
 @pytest.fixture

@@ -259,15 +259,17 @@ class RegistryClient(ServiceClient):
                 return
 
     async def watch_retentions(
-        self, *, parent: str = "", node: str = "", timeout: float | None = None
+        self, *, parent: str = "", node: str = "", resume_token: str = "", timeout: float | None = None
     ) -> AsyncGenerator[pb.WatchRetentionsResponse, None]:
         """Retention changes of tenant `parent` ("tenants/{t}") or of `node`, until the caller stops.
 
         Exactly one of parent and node. No deadline unless `timeout` is given; never retried
-        (a broken stream raises KvshuttleRpcError; watch again and re-list to catch up). Close
-        it with `contextlib.aclosing` or by closing the client, which cancels the stream.
+        (a broken stream raises KvshuttleRpcError: watch again with the last change's
+        `resume_token` to get what followed it; FAILED_PRECONDITION WATCH_RESUME_EXPIRED means
+        the registry no longer holds that: re-list, then watch without a token). Close it with
+        `contextlib.aclosing` or by closing the client, which cancels the stream.
         """
-        request = pb.WatchRetentionsRequest(parent=parent, node=node)
+        request = pb.WatchRetentionsRequest(parent=parent, node=node, resume_token=resume_token)
         async for change in self._server_stream(
             "WatchRetentions", request, pb.WatchRetentionsResponse, timeout
         ):

@@ -47,6 +47,8 @@ class ErrorReason(StrEnum):
     # Capacity and lifecycle.
     CAPACITY_EXCEEDED = "CAPACITY_EXCEEDED"  # a bounded table or tenant quota is full
     WATCH_OVERFLOW = "WATCH_OVERFLOW"  # a watcher fell behind its buffer: watch again
+    # A resume token the change feed no longer covers: list again, then watch without one.
+    WATCH_RESUME_EXPIRED = "WATCH_RESUME_EXPIRED"
     SHUTTING_DOWN = "SHUTTING_DOWN"  # the server is draining
     # Turns (router).
     TURN_NOT_FOUND = "TURN_NOT_FOUND"  # the handle is malformed or not this router's
@@ -93,7 +95,9 @@ SERVICE_REASONS: Final[dict[str, frozenset[ErrorReason]]] = {
             ErrorReason.CONVERSATION_NOT_FOUND,
             ErrorReason.CAPACITY_EXCEEDED,
             ErrorReason.WATCH_OVERFLOW,
+            ErrorReason.WATCH_RESUME_EXPIRED,
             ErrorReason.SHUTTING_DOWN,
+            ErrorReason.UNAVAILABLE,  # its store (Redis) did not answer
         }
     ),
     "router": _AUTH

@@ -4,7 +4,9 @@ KVSHUTTLE_REGISTRY_LIMITS__MAX_PAGE_SIZE=500,
 KVSHUTTLE_REGISTRY_LIMITS__RETENTION_TTL='{"default": 300, "minimum": 1, "maximum": 3600}').
 
 The store: KVSHUTTLE_REGISTRY_STORE=memory (the default: one process, state lost on restart) or
-redis (kvshuttle.registry.redis_store, with KVSHUTTLE_REGISTRY_REDIS__URL and __KEY_PREFIX)."""
+redis (kvshuttle.registry.redis_store, with KVSHUTTLE_REGISTRY_REDIS__URL and __KEY_PREFIX); with
+redis, WatchRetentions streams every replica's changes from one Redis Stream
+(kvshuttle.registry.redis_feed), bounded by __CHANGE_STREAM_MAXLEN."""
 
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ class RedisSettings(BaseModel):
     # Every key starts with it (and the global keys carry it as their hash tag): several
     # registries can share one Redis under different prefixes.
     key_prefix: str = Field(default="kvshuttle", min_length=1, pattern=r"^[^{}]+$")
+    # The change stream (`{prefix}:changes`) keeps about this many changes (XADD MAXLEN ~): a
+    # watcher further behind than that cannot resume (WATCH_RESUME_EXPIRED) and lists again.
+    # Each entry is one retention's change with its block hashes: memory ~ this x their size.
+    change_stream_maxlen: int = Field(default=100_000, gt=0)
 
 
 class RegistrySettings(BaseSettings):

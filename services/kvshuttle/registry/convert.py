@@ -15,8 +15,8 @@ from kvshuttle.core import kv_events as ev
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.hashing import SALT_DIGEST_BYTES
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
-from kvshuttle.core.prototime import timestamp_seconds, to_timestamp
-from kvshuttle.registry.model import ChangeKind, Holder, Move, Node, Retention, RetentionChange
+from kvshuttle.core.prototime import from_timestamp, timestamp_seconds, to_timestamp
+from kvshuttle.registry.model import ChangeKind, Claim, Holder, Move, Node, Retention, RetentionChange
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.vllm.kv_transfer_params import check_extra
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
@@ -36,6 +36,7 @@ CHANGE_TO_PB = {
     ChangeKind.EVICTED: pb.RETENTION_CHANGE_EVICTED,
     ChangeKind.UNCLAIMED: pb.RETENTION_CHANGE_UNCLAIMED,
 }
+CHANGE_FROM_PB = {v: k for k, v in CHANGE_TO_PB.items()}
 
 
 def role_from_pb(role: int, field: str, *, required: bool) -> NodeRole | None:
@@ -181,6 +182,46 @@ def change_to_pb(change: RetentionChange) -> pb.WatchRetentionsResponse:
         retention=retention_to_pb(change.retention),
         change_time=to_timestamp(change.at),
         previous_node=change.previous_node,
+        resume_token=change.token,
+    )
+
+
+def change_from_pb(out: pb.WatchRetentionsResponse, token: str) -> RetentionChange:
+    """The inverse of change_to_pb, for a change that went through the Redis change feed (which
+    stores what change_to_pb writes): every field a watcher is sent comes back (a claim's
+    `lease_expire_at`, never sent, is 0)."""
+    r = out.retention
+    params = r.kv_transfer_params
+    claim = None
+    if r.HasField("claim"):
+        claim = Claim(
+            claim_id=r.claim.claim_id,
+            holder=r.claim.holder,
+            claim_time=from_timestamp(r.claim.claim_time),
+            expire_at=from_timestamp(r.claim.expire_time),
+        )
+    retention = Retention(
+        name=r.name,
+        node=r.node,
+        generation=r.generation,
+        model=r.model,
+        block_size=r.block_size,
+        num_tokens=r.num_tokens,
+        block_hashes=array("Q", r.block_hashes),
+        kv_transfer_params=params.SerializeToString(deterministic=True),
+        kv_bytes=r.kv_bytes,
+        pin_expire_at=from_timestamp(r.pin_expire_time) if r.HasField("pin_expire_time") else None,
+        create_time=from_timestamp(r.create_time),
+        expire_at=from_timestamp(r.expire_time),
+        claim=claim,
+        holder=holder_from_pb(params),
+    )
+    return RetentionChange(
+        kind=CHANGE_FROM_PB[out.change],
+        retention=retention,
+        at=from_timestamp(out.change_time),
+        previous_node=out.previous_node,
+        token=token,
     )
 
 

@@ -14,8 +14,10 @@ from kvshuttle.core.clock import Clock, SystemClock
 from kvshuttle.registry import authz
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RegistrySettings
+from kvshuttle.registry.feed import ChangeFeed
 from kvshuttle.registry.memory_store import InMemoryStore
 from kvshuttle.registry.metrics import register_metrics
+from kvshuttle.registry.redis_feed import RedisFeed
 from kvshuttle.registry.redis_store import RedisStore
 from kvshuttle.registry.registry import Registry
 from kvshuttle.registry.servicer import RegistryServicer
@@ -33,14 +35,17 @@ def build_registry(settings: RegistrySettings, clock: Clock) -> Registry:
     # then re-register instead of colliding with a reused number.
     base = int(clock.now() * 1000)
     store: RegistryStore
+    feed: ChangeFeed | None = None  # the in-memory feed
     if settings.store == "redis":
         client = aioredis.Redis.from_url(settings.redis.url, decode_responses=False)
         store = RedisStore(
             client, settings.store_limits, prefix=settings.redis.key_prefix, incarnation_base=base
         )
+        # Every replica's watchers see every replica's changes, from one stream.
+        feed = RedisFeed(client, prefix=settings.redis.key_prefix, maxlen=settings.redis.change_stream_maxlen)
     else:
         store = InMemoryStore(settings.store_limits, incarnation_base=base)
-    return Registry(store, clock, BlockIndex(settings.max_indexed_blocks_per_node), settings.limits)
+    return Registry(store, clock, BlockIndex(settings.max_indexed_blocks_per_node), settings.limits, feed)
 
 
 def build_server(
@@ -68,12 +73,14 @@ async def serve(settings: RegistrySettings) -> None:
     registry = build_registry(settings, SystemClock())
     server = build_server(settings, registry)
     expiry = asyncio.create_task(registry.run_expiry(max_sleep=settings.expiry_max_sleep))
+    feed = asyncio.create_task(registry.run_feed())
     try:
         await server.serve_until_signal()
     finally:
-        expiry.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await expiry
+        for task in (expiry, feed):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 def main() -> None:

@@ -66,6 +66,11 @@ class RegistryCollector(Collector):
             "Watch streams closed because the watcher fell behind.",
             value=stats.watchers_dropped,
         )
+        yield CounterMetricFamily(
+            "kvshuttle_registry_feed_errors",
+            "Changes the change feed could not take (committed, but no watcher hears of them).",
+            value=stats.feed_errors,
+        )
         index = self._registry.index.stats()
         yield GaugeMetricFamily(
             "kvshuttle_registry_indexed_blocks", "Blocks in the block index.", value=index.total_blocks

@@ -60,14 +60,16 @@ Redis bounds them by TTL.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import uuid
 from array import array
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, cast
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, ParamSpec, TypeVar, cast
 
 import redis.asyncio as aioredis
+import redis.exceptions
 from redis.commands.core import AsyncScript
 
 from kvshuttle.core.errors import (
@@ -76,6 +78,7 @@ from kvshuttle.core.errors import (
     KvshuttleError,
     NotFound,
     ResourceExhausted,
+    Unavailable,
 )
 from kvshuttle.core.fingerprint import request_id_reused
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
@@ -259,6 +262,30 @@ def _incarnation_mismatch(name: str, have: str, wanted: int) -> FailedPreconditi
     )
 
 
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+# Redis not answering (down, restarting, loading its AOF, past the client's timeout): the
+# registry is unavailable, which its callers degrade around, never an internal error.
+_STORE_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+def _reachable(method: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
+    """`method`, with Redis not answering raised as Unavailable (UNAVAILABLE): the operation's
+    script either ran whole on the server or not at all; a retry under its request id is safe."""
+
+    @functools.wraps(method)
+    async def call(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return await method(*args, **kwargs)
+        except _STORE_DOWN as exc:
+            raise Unavailable(
+                f"the registry's Redis did not answer ({type(exc).__name__}): retry",
+                reason=ErrorReason.UNAVAILABLE,
+            ) from None
+
+    return call
+
+
 class RedisStore:
     """See the module docstring. `client` must be created with decode_responses=False."""
 
@@ -361,6 +388,7 @@ class RedisStore:
         h["count"] = str(count).encode()
         return _node_of(h)
 
+    @_reachable
     async def register_node(
         self, spec: NodeSpec, ttl: float, now: float
     ) -> tuple[Node, list[RetentionChange], bool]:
@@ -388,6 +416,7 @@ class RedisStore:
         self._account(changes, nodes=0 if _s(existed) == "1" else 1)
         return _node_of(_pairs(flat)), changes, engine_changed
 
+    @_reachable
     async def heartbeat_node(
         self, name: str, incarnation: int, ttl: float, load: NodeLoad, now: float
     ) -> Node:
@@ -400,6 +429,7 @@ class RedisStore:
         await self._hint(self._k_ndl, self._k_nver, name, now + ttl)
         return _node_of(_pairs(out[1]))
 
+    @_reachable
     async def deregister_node(self, name: str, incarnation: int | None, now: float) -> list[RetentionChange]:
         version = _s(await cast("Awaitable[bytes | None]", self._redis.hget(self._k_nver, name)) or b"")
         out = await self._run(
@@ -416,12 +446,14 @@ class RedisStore:
         self._account(changes, nodes=-1)
         return changes
 
+    @_reachable
     async def get_node(self, name: str) -> Node:
         node = await self._read_node(name)
         if node is None:
             raise _node_not_found(name)
         return node
 
+    @_reachable
     async def list_nodes(
         self, *, role: NodeRole | None, model: str | None, after: str, limit: int
     ) -> list[Node]:
@@ -530,6 +562,7 @@ class RedisStore:
             )
         return spec, None
 
+    @_reachable
     async def put_retention(
         self, retention: Retention, ttl: float, now: float, *, request_id: str
     ) -> tuple[PutResult, list[RetentionChange]]:
@@ -700,12 +733,14 @@ class RedisStore:
             return None
         return _retention_of(h)
 
+    @_reachable
     async def get_retention(self, name: str) -> Retention:
         record = await self._read_retention(name)
         if record is None:
             raise _not_found(name)
         return record
 
+    @_reachable
     async def get_conversation(self, name: str) -> Conversation:
         raw = await self._hgetall(self._conv_key(name))
         h = {_s(k): v for k, v in raw.items()}
@@ -740,6 +775,7 @@ class RedisStore:
             metadata={"retention": name},
         )
 
+    @_reachable
     async def renew_retention(
         self, name: str, ttl: float, max_ttl: float, now: float
     ) -> tuple[Retention, list[RetentionChange]]:
@@ -752,6 +788,7 @@ class RedisStore:
         # Only ever later: the deadline set may keep the earlier one (the sweep reschedules it).
         return record, [RetentionChange(ChangeKind.RENEWED, record, now)]
 
+    @_reachable
     async def claim_retention(
         self, name: str, holder: str, claim_ttl: float, now: float, *, request_id: str
     ) -> tuple[Retention, list[RetentionChange]]:
@@ -791,6 +828,7 @@ class RedisStore:
         self._account(changes)
         return record, changes
 
+    @_reachable
     async def release_retention(
         self, name: str, claim_id: str, force: bool, now: float, *, keep: bool = False
     ) -> list[RetentionChange]:
@@ -829,6 +867,7 @@ class RedisStore:
         self._account(changes)
         return changes
 
+    @_reachable
     async def move_retention(
         self, move: Move, ttl: float, now: float, *, request_id: str
     ) -> tuple[Retention, list[RetentionChange]]:
@@ -942,6 +981,7 @@ class RedisStore:
             metadata={"node": move.node, "field": field},
         )
 
+    @_reachable
     async def evict_retention(self, name: str, node: str, now: float) -> list[RetentionChange]:
         out = await self._run(
             "evict", [self._conv_key(_conversation_of(name))], [name, node, self._forget_at(now)]
@@ -967,6 +1007,7 @@ class RedisStore:
         self._account(changes)
         return changes
 
+    @_reachable
     async def list_retentions(
         self, *, tenant: str, conversation: str | None, node: str | None, after: str, limit: int
     ) -> list[Retention]:
@@ -1006,6 +1047,7 @@ class RedisStore:
         flat = await self._run("due", [dl, ver], [_t(now), _BATCH])
         return [(_s(flat[i]), float(flat[i + 1]), _s(flat[i + 2])) for i in range(0, len(flat), 3)]
 
+    @_reachable
     async def expire_due(self, now: float) -> ExpiryResult:
         nodes: list[NodeExpiry] = []
         retentions: list[RetentionChange] = []

@@ -1,7 +1,9 @@
 """The registry's domain service: validates requests, applies them to the store, keeps the
-block index, fans changes out to watchers (kvshuttle.registry.watchers) and runs the expiry
-timer. One cohesive thing, the facade every RegistryService RPC calls: each method is one RPC's
-validation followed by one store operation; the rules that depend on state live in the store.
+block index, hands each applied change to the change feed (kvshuttle.registry.feed: in this
+process, or one Redis Stream all replicas share), whence this process's watchers
+(kvshuttle.registry.watchers) get them, and runs the expiry timer. One cohesive thing, the
+facade every RegistryService RPC calls: each method is one RPC's validation followed by one
+store operation; the rules that depend on state live in the store.
 
 No grpc here. Every method validates all of its input before it touches the store, so a
 rejected request changes nothing; InvalidArgument names the request field (the proto path).
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from kvshuttle.core.clock import Clock
-from kvshuttle.core.errors import FailedPrecondition, InvalidArgument
+from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvshuttle.core.kv_events import ApplyResult, BlockStored, EventBatch
 from kvshuttle.core.limits import MAX_EVENT_SEQ, MAX_GENERATION, MAX_KV_BYTES_PER_TOKEN
 from kvshuttle.core.names import (
@@ -45,6 +47,7 @@ from kvshuttle.core.nodes import (
 )
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.block_index import BlockIndex
+from kvshuttle.registry.feed import ChangeFeed, LocalFeed
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.model import (
     Conversation,
@@ -75,11 +78,17 @@ class RegistryStats:
     event_gaps: int = 0
     engine_restarts: int = 0
     watchers_dropped: int = 0
+    feed_errors: int = 0  # changes whose event the feed could not take (watchers never see them)
 
 
 class Registry:
     def __init__(
-        self, store: RegistryStore, clock: Clock, index: BlockIndex, limits: RegistryLimits | None = None
+        self,
+        store: RegistryStore,
+        clock: Clock,
+        index: BlockIndex,
+        limits: RegistryLimits | None = None,
+        feed: ChangeFeed | None = None,
     ) -> None:
         self._store = store
         self._clock = clock
@@ -87,6 +96,8 @@ class Registry:
         self.limits = limits or RegistryLimits()
         self.stats = RegistryStats()
         self._watchers = Watchers(self.limits.max_watchers, self.limits.watch_queue_size)
+        self._feed: ChangeFeed = feed or LocalFeed(self.limits.watch_history)
+        self._feed.bind(self._deliver, self._watchers.fail)
         self._wake = asyncio.Event()
         self._closed = False
 
@@ -182,7 +193,7 @@ class Registry:
         node, changes, engine_changed = await self._store.register_node(spec, lease, self._clock.now())
         if engine_changed:
             self._index.drop_node(spec.name)
-        self._publish(changes)
+        await self._publish(changes)
         self._wake.set()
         log.info(
             "node.registered", node=spec.name, incarnation=node.incarnation, engine_changed=engine_changed
@@ -203,7 +214,7 @@ class Registry:
         self._node_name(name, "name")
         changes = await self._store.deregister_node(name, incarnation or None, self._clock.now())
         self._index.drop_node(name)
-        self._publish(changes)
+        await self._publish(changes)
         return len(changes)
 
     async def get_node(self, name: str) -> Node:
@@ -268,7 +279,7 @@ class Registry:
         if changes:
             self.stats.puts += 1
             self.stats.replaced += bool(result.replaced)
-        self._publish(changes)
+        await self._publish(changes)
         self._wake.set()
         return result
 
@@ -289,7 +300,7 @@ class Registry:
         retention, changes = await self._store.renew_retention(
             name, lease, self.limits.retention_ttl.maximum, self._clock.now()
         )
-        self._publish(changes)
+        await self._publish(changes)
         return retention
 
     async def claim_retention(
@@ -307,7 +318,7 @@ class Registry:
             self.stats.claims[getattr(exc, "reason", "ERROR")] += 1
             raise
         self.stats.claims["GRANTED"] += 1
-        self._publish(changes)
+        await self._publish(changes)
         self._wake.set()
         return retention
 
@@ -317,7 +328,7 @@ class Registry:
         if keep and force:
             raise InvalidArgument("keep", "gives a claim back: not with force")
         changes = await self._store.release_retention(name, claim_id, force, self._clock.now(), keep=keep)
-        self._publish(changes)
+        await self._publish(changes)
         if keep:
             self._wake.set()  # its lease is the expiry timer's again
 
@@ -342,7 +353,7 @@ class Registry:
         if changes:
             self.stats.moves += 1
             log.info("retention.moved", node=move.node, previous_node=changes[0].previous_node)
-        self._publish(changes)
+        await self._publish(changes)
         self._wake.set()
         return retention
 
@@ -352,7 +363,7 @@ class Registry:
         self._node_name(node, "node")
         changes = await self._store.evict_retention(name, node, self._clock.now())
         self.stats.evictions += len(changes)
-        self._publish(changes)
+        await self._publish(changes)
 
     async def list_retentions(
         self, *, parent: str, node: str, page_size: int, page_token: str
@@ -372,20 +383,39 @@ class Registry:
 
     # ---- watch -----------------------------------------------------------------------------
 
-    def watch(self, *, parent: str, node: str) -> Subscription:
-        """A subscription to changes of one tenant's or one node's retentions."""
+    def watch(self, *, parent: str, node: str, resume_token: str = "") -> Subscription:
+        """A subscription to changes of one tenant's or one node's retentions; with
+        `resume_token` (a change's token), it starts with the feed's changes after that one
+        (iterating it raises FailedPrecondition WATCH_RESUME_EXPIRED if the feed no longer holds
+        them all)."""
         if bool(parent) == bool(node):
             raise InvalidArgument("parent", "set exactly one of parent or node")
         tenant = parse_tenant(parent, "parent", max_length=self.limits.max_id_length) if parent else None
         if node:
             self._node_name(node, "node")
-        return self._watchers.add(tenant, node or None)
+        if len(resume_token) > self.limits.max_id_length:
+            raise InvalidArgument("resume_token", "malformed")
+        if resume_token:
+            self._feed.position(resume_token)  # InvalidArgument if malformed
+        sub = self._watchers.add(tenant, node or None)
+        if resume_token:
+            feed = self._feed
+            sub.resume(lambda: feed.replay(resume_token), feed.position)
+        return sub
 
     def unwatch(self, sub: Subscription) -> None:
         self._watchers.discard(sub)
 
-    def _publish(self, changes: Sequence[RetentionChange]) -> None:
+    async def _publish(self, changes: Sequence[RetentionChange]) -> None:
+        if changes:
+            self.stats.feed_errors += await self._feed.publish(changes)
+
+    def _deliver(self, changes: Sequence[RetentionChange]) -> None:
         self.stats.watchers_dropped += self._watchers.publish(changes)
+
+    async def run_feed(self) -> None:
+        """What the change feed needs running (the Redis feed's reader), until cancelled."""
+        await self._feed.run()
 
     # ---- block index -----------------------------------------------------------------------
 
@@ -463,25 +493,40 @@ class Registry:
         for change in result.retentions:
             kind = "claim" if change.retention.claim is not None else "retention"
             self.stats.expirations[kind] += 1
-        self._publish(result.changes())
+        await self._publish(result.changes())
         return result
 
     async def run_expiry(self, *, max_sleep: float = 1.0) -> None:
-        """The expiry timer: sleeps until the next deadline (or a new, possibly earlier one)."""
+        """The expiry timer: sleeps until the next deadline (or a new, possibly earlier one).
+        A store that does not answer (Redis down) is swept again after `max_sleep`: the timer
+        outlives an outage, and what fell due meanwhile expires at the first sweep after it."""
+        failing = False
         while not self._closed:
             deadline = self._store.next_deadline()
             delay = max_sleep if deadline is None else min(max(deadline - self._clock.now(), 0.0), max_sleep)
+            if failing:
+                delay = max_sleep
             self._wake.clear()
             if delay > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=delay)
-            await self.expire_due()
+            try:
+                await self.expire_due()
+            except Unavailable as err:
+                if not failing:
+                    log.warning("expiry.store_unavailable", error=err.message[:300], retry_s=max_sleep)
+                failing = True
+                continue
+            if failing:
+                log.info("expiry.store_back")
+            failing = False
 
     def close(self) -> None:
         """End every watch stream and the expiry timer."""
         self._closed = True
         self._wake.set()
         self._watchers.close()
+        self._feed.close()
 
     def counts_by_kind(self) -> dict[str, int]:
         counts = self._store.counts()

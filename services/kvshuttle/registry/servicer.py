@@ -196,7 +196,9 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         request: pb.WatchRetentionsRequest,
         context: grpc.aio.ServicerContext[pb.WatchRetentionsRequest, pb.WatchRetentionsResponse],
     ) -> AsyncIterator[pb.WatchRetentionsResponse]:
-        subscription = self._registry.watch(parent=request.parent, node=request.node)
+        subscription = self._registry.watch(
+            parent=request.parent, node=request.node, resume_token=request.resume_token
+        )
         try:
             async for change in subscription:
                 yield convert.change_to_pb(change)

@@ -1,17 +1,28 @@
 """WatchRetentions fan-out: each watcher's bounded queue of retention changes, and the set of
-watchers the registry publishes to. A watcher that falls behind its queue is dropped: its stream
-ends with RESOURCE_EXHAUSTED (WATCH_OVERFLOW) and the client watches again."""
+watchers of this process that the change feed (kvshuttle.registry.feed) delivers to. A watcher
+that falls behind its queue is dropped: its stream ends, after the changes it had queued (so
+its last change's token is a gapless place to resume from), with RESOURCE_EXHAUSTED
+(WATCH_OVERFLOW); the client watches again with that token.
+
+A resumed watcher is subscribed first and replays the feed after its token second: live changes
+queue up meanwhile, and those the replay already yielded (a position not after the replay's
+last) are skipped, so each change reaches it once and in the feed's order."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
-from kvshuttle.core.errors import ResourceExhausted, Unavailable
+from kvshuttle.core.errors import KvshuttleError, ResourceExhausted, Unavailable
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.model import RetentionChange
 
-__all__ = ["Subscription", "Watchers"]
+__all__ = ["Position", "Replay", "Subscription", "Watchers"]
+
+# A change's place in the feed, comparable: what a feed reads from a token.
+Position = tuple[int, ...]
+# The feed's changes after a token, in pages (raises if the feed no longer holds them).
+Replay = Callable[[], AsyncIterator[Sequence[RetentionChange]]]
 
 
 class Subscription:
@@ -20,8 +31,18 @@ class Subscription:
     def __init__(self, tenant: str | None, node: str | None, size: int) -> None:
         self.tenant = tenant
         self.node = node
-        self._queue: asyncio.Queue[RetentionChange | None] = asyncio.Queue(maxsize=size)
+        self._size = size
+        # Unbounded as a queue (the bound is `size`, checked by offer): the end marker always fits.
+        self._queue: asyncio.Queue[RetentionChange | None] = asyncio.Queue()
+        self._closed = False
+        self._error: KvshuttleError | None = None
+        self._replay: Replay | None = None
+        self._position: Callable[[str], Position] | None = None
         self.overflowed = False
+
+    def resume(self, replay: Replay, position: Callable[[str], Position]) -> None:
+        """Start the stream with `replay` (the feed after the watcher's token)."""
+        self._replay, self._position = replay, position
 
     def matches(self, change: RetentionChange) -> bool:
         if self.node is not None:
@@ -30,33 +51,45 @@ class Subscription:
         return change.retention.tenant == self.tenant
 
     def offer(self, change: RetentionChange) -> bool:
-        try:
-            self._queue.put_nowait(change)
-        except asyncio.QueueFull:
+        if self._closed:
+            return True
+        if self._queue.qsize() >= self._size:
             self.overflowed = True
             return False
+        self._queue.put_nowait(change)
         return True
 
-    def close(self) -> None:
-        # Drop the oldest change if need be: the stream ends either way.
-        if self._queue.full():
-            self._queue.get_nowait()
+    def close(self, error: KvshuttleError | None = None) -> None:
+        """End the stream after what is queued; with `error`, the stream raises it there."""
+        if self._closed:
+            return
+        self._closed = True
+        if error is None and self.overflowed:
+            error = ResourceExhausted("watcher fell behind; watch again", reason=ErrorReason.WATCH_OVERFLOW)
+        self._error = error
         self._queue.put_nowait(None)
 
-    async def __aiter__(self) -> AsyncIterator[RetentionChange]:
+    async def __aiter__(self) -> AsyncGenerator[RetentionChange, None]:
+        last: Position | None = None
+        if self._replay is not None and self._position is not None:
+            async for page in self._replay():
+                for change in page:
+                    last = self._position(change.token)
+                    if self.matches(change):
+                        yield change
         while True:
-            change = await self._queue.get()
-            if change is None:
-                if self.overflowed:
-                    raise ResourceExhausted(
-                        "watcher fell behind; watch again", reason=ErrorReason.WATCH_OVERFLOW
-                    )
+            live = await self._queue.get()
+            if live is None:
+                if self._error is not None:
+                    raise self._error
                 return
-            yield change
+            if last is not None and self._position is not None and self._position(live.token) <= last:
+                continue  # the replay yielded it already
+            yield live
 
 
 class Watchers:
-    """The open subscriptions, at most `max_watchers` of them."""
+    """The open subscriptions of this process, at most `max_watchers` of them."""
 
     def __init__(self, max_watchers: int, queue_size: int) -> None:
         self._max = max_watchers
@@ -94,6 +127,14 @@ class Watchers:
                     sub.close()
                     break
         return dropped
+
+    def fail(self, error: KvshuttleError) -> None:
+        """End every stream with `error` (the feed lost changes they would have seen). Later
+        watches are accepted."""
+        subs = list(self._subscriptions)
+        self._subscriptions.clear()
+        for sub in subs:
+            sub.close(error)
 
     def close(self) -> None:
         """End every stream; later watches are refused."""

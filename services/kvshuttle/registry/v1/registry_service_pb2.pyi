@@ -1158,18 +1158,24 @@ class WatchRetentionsRequest(_message.Message):
 
     PARENT_FIELD_NUMBER: _builtins.int
     NODE_FIELD_NUMBER: _builtins.int
+    RESUME_TOKEN_FIELD_NUMBER: _builtins.int
     parent: _builtins.str
     """Exactly one of parent (`tenants/{tenant}`) or node (`nodes/{node}`)."""
     node: _builtins.str
+    resume_token: _builtins.str
+    """Optional: the resume_token of the last change this watcher saw; the stream starts with
+    the changes after it. Opaque; malformed: INVALID_ARGUMENT.
+    """
     def __init__(
         self,
         *,
         parent: _builtins.str = ...,
         node: _builtins.str = ...,
+        resume_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "parent", b"parent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "parent", b"parent", "resume_token", b"resume_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1183,9 +1189,12 @@ class WatchRetentionsResponse(_message.Message):
     RETENTION_FIELD_NUMBER: _builtins.int
     CHANGE_TIME_FIELD_NUMBER: _builtins.int
     PREVIOUS_NODE_FIELD_NUMBER: _builtins.int
+    RESUME_TOKEN_FIELD_NUMBER: _builtins.int
     change: Global___RetentionChange.ValueType
     previous_node: _builtins.str
     """For RETENTION_CHANGE_MOVED: the node that held it before; empty otherwise."""
+    resume_token: _builtins.str
+    """This change's position in the change feed: watch with it to resume after this change."""
     @_builtins.property
     def retention(self) -> Global___Retention:
         """The retention as it was at the change."""
@@ -1199,10 +1208,11 @@ class WatchRetentionsResponse(_message.Message):
         retention: Global___Retention | None = ...,
         change_time: _timestamp_pb2.Timestamp | None = ...,
         previous_node: _builtins.str = ...,
+        resume_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["change_time", b"change_time", "retention", b"retention"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["change", b"change", "change_time", b"change_time", "previous_node", b"previous_node", "retention", b"retention"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["change", b"change", "change_time", b"change_time", "previous_node", b"previous_node", "resume_token", b"resume_token", "retention", b"retention"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -53,7 +53,9 @@ class RegistryServiceStub:
       FENCING_GENERATION_STALE: the conversation already saw this generation or a later one.
       CONVERSATION_NOT_FOUND: the conversation has no fence and no retention.
       CAPACITY_EXCEEDED: a bounded table or a tenant's quota is full.
-      WATCH_OVERFLOW: a watcher fell behind its buffer; watch again.
+      WATCH_OVERFLOW: a watcher fell behind its buffer; watch again (with its resume_token).
+      WATCH_RESUME_EXPIRED: a resume_token older than the change feed still holds (or of another
+        registry process, with the in-memory store): list again, then watch without a token.
       SHUTTING_DOWN: the registry is draining.
       UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
         bearer token).
@@ -134,6 +136,11 @@ class RegistryServiceStub:
     """WatchRetentions streams retention changes (put, claimed, released, expired, replaced,
     node lost, moved, evicted) for one tenant or one node until the client cancels. A node's
     watcher sees a retention moved away from it as well as one moved to it.
+    Every change carries a resume_token; a watcher that reconnects with the last one it saw
+    gets every change after it that the feed still holds, then live ones. With the Redis store
+    all replicas stream one feed (one order); with the in-memory store a token is valid only
+    for the process that issued it. A token the feed no longer covers: FAILED_PRECONDITION
+    (WATCH_RESUME_EXPIRED): list again, then watch without a token.
     Server streaming is allowed by buf STANDARD (the UNARY_RPC category is not enabled), so
     no lint exception is needed; a slow watcher is disconnected with RESOURCE_EXHAUSTED
     rather than slowing the registry.
@@ -174,7 +181,9 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
       FENCING_GENERATION_STALE: the conversation already saw this generation or a later one.
       CONVERSATION_NOT_FOUND: the conversation has no fence and no retention.
       CAPACITY_EXCEEDED: a bounded table or a tenant's quota is full.
-      WATCH_OVERFLOW: a watcher fell behind its buffer; watch again.
+      WATCH_OVERFLOW: a watcher fell behind its buffer; watch again (with its resume_token).
+      WATCH_RESUME_EXPIRED: a resume_token older than the change feed still holds (or of another
+        registry process, with the in-memory store): list again, then watch without a token.
       SHUTTING_DOWN: the registry is draining.
       UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
         bearer token).
@@ -252,6 +261,11 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     """WatchRetentions streams retention changes (put, claimed, released, expired, replaced,
     node lost, moved, evicted) for one tenant or one node until the client cancels. A node's
     watcher sees a retention moved away from it as well as one moved to it.
+    Every change carries a resume_token; a watcher that reconnects with the last one it saw
+    gets every change after it that the feed still holds, then live ones. With the Redis store
+    all replicas stream one feed (one order); with the in-memory store a token is valid only
+    for the process that issued it. A token the feed no longer covers: FAILED_PRECONDITION
+    (WATCH_RESUME_EXPIRED): list again, then watch without a token.
     Server streaming is allowed by buf STANDARD (the UNARY_RPC category is not enabled), so
     no lint exception is needed; a slow watcher is disconnected with RESOURCE_EXHAUSTED
     rather than slowing the registry.
@@ -291,7 +305,9 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
       FENCING_GENERATION_STALE: the conversation already saw this generation or a later one.
       CONVERSATION_NOT_FOUND: the conversation has no fence and no retention.
       CAPACITY_EXCEEDED: a bounded table or a tenant's quota is full.
-      WATCH_OVERFLOW: a watcher fell behind its buffer; watch again.
+      WATCH_OVERFLOW: a watcher fell behind its buffer; watch again (with its resume_token).
+      WATCH_RESUME_EXPIRED: a resume_token older than the change feed still holds (or of another
+        registry process, with the in-memory store): list again, then watch without a token.
       SHUTTING_DOWN: the registry is draining.
       UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
         bearer token).
@@ -457,6 +473,11 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         """WatchRetentions streams retention changes (put, claimed, released, expired, replaced,
         node lost, moved, evicted) for one tenant or one node until the client cancels. A node's
         watcher sees a retention moved away from it as well as one moved to it.
+        Every change carries a resume_token; a watcher that reconnects with the last one it saw
+        gets every change after it that the feed still holds, then live ones. With the Redis store
+        all replicas stream one feed (one order); with the in-memory store a token is valid only
+        for the process that issued it. A token the feed no longer covers: FAILED_PRECONDITION
+        (WATCH_RESUME_EXPIRED): list again, then watch without a token.
         Server streaming is allowed by buf STANDARD (the UNARY_RPC category is not enabled), so
         no lint exception is needed; a slow watcher is disconnected with RESOURCE_EXHAUSTED
         rather than slowing the registry.

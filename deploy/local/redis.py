@@ -1,0 +1,192 @@
+"""A local `redis-server` for the registry's Redis store: loopback only, its own port and
+directory, AOF on (`appendonly yes`, `appendfsync everysec` unless told otherwise).
+
+    with RedisServer(work_dir / "redis") as redis:
+        redis.url  # redis://127.0.0.1:PORT/0, for KVSHUTTLE_REGISTRY_REDIS__URL
+
+`kill()` ends it with SIGKILL (a crash: what `appendfsync everysec` has not written in the last
+second is lost) and `restart()` starts it again on the same directory and port, so it loads its
+AOF and its clients reconnect to the same address. The server dies with the thread that started
+it (PR_SET_PDEATHSIG, when started from the main thread), so a crashed caller leaves none
+running either.
+
+Used by deploy/local/stack.py (`KvshuttleStack(registry_store="redis")`, `make demo
+REGISTRY_STORE=redis`) and the tests under tests/deploy/.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Final, Literal, Self
+
+from deploy.local.launch import _die_with_parent, _log_tail, free_ports
+
+HOST: Final = "127.0.0.1"
+INSTALL_HINT: Final = "apt-get install redis-server"
+AppendFsync = Literal["always", "everysec", "no"]
+
+
+class RedisNotInstalled(RuntimeError):
+    """No `redis-server` binary on PATH."""
+
+
+class RedisDied(RuntimeError):
+    """redis-server exited (or never answered PING); the message ends with its log tail."""
+
+
+def redis_server_binary() -> str:
+    """The `redis-server` on PATH; `RedisNotInstalled`, saying how to get it, when there is none."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RedisNotInstalled(
+            f"redis-server is not installed (Debian/Ubuntu: `{INSTALL_HINT}`); it is needed for "
+            "the registry's Redis store"
+        )
+    return binary
+
+
+def redis_available() -> bool:
+    return shutil.which("redis-server") is not None
+
+
+class RedisServer:
+    """One redis-server process on 127.0.0.1. The port is chosen at construction (so `url` is
+    known before `start`) and kept across `restart`s; the data (the AOF directory) lives in
+    `directory`, which also holds `redis.log`."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        port: int | None = None,
+        appendfsync: AppendFsync = "everysec",
+        binary: str | None = None,
+    ) -> None:
+        self.directory = Path(directory).resolve()
+        self.port = port if port is not None else free_ports(1)[0]
+        self.appendfsync = appendfsync
+        self._binary = binary
+        self.log_path = self.directory / "redis.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def argv(self, binary: str) -> list[str]:
+        return [
+            binary,
+            "--bind", HOST,
+            "--port", str(self.port),
+            "--protected-mode", "yes",
+            "--daemonize", "no",
+            "--dir", str(self.directory),
+            "--logfile", str(self.log_path),
+            "--appendonly", "yes",
+            "--appendfsync", self.appendfsync,
+            "--save", "",  # the AOF is the durability; no RDB snapshots besides its base file
+        ]  # fmt: skip
+
+    def start(self, timeout: float = 20.0) -> None:
+        """Start it and wait until it answers PING (after loading its AOF, if there is one)."""
+        if self.running:
+            return
+        binary = self._binary or redis_server_binary()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        # PDEATHSIG fires when the starting *thread* ends: arm it only from the main thread.
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        self.proc = subprocess.Popen(
+            self.argv(binary),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            cwd=self.directory,
+            # Its own session: a Ctrl-C in the terminal reaches the caller, which stops it last.
+            start_new_session=True,
+            preexec_fn=_die_with_parent if on_main_thread else None,  # noqa: PLW1509
+        )
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check()
+            if self.ping():
+                return
+            if time.monotonic() > deadline:
+                raise RedisDied(
+                    f"redis-server on {self.address} did not answer PING in {timeout:.0f} s; "
+                    f"{self.log_path}:\n{_log_tail(self.log_path)}"
+                )
+            time.sleep(0.05)
+
+    def ping(self, timeout: float = 0.5) -> bool:
+        """Whether it answers PING with PONG now (a server still loading its AOF answers LOADING)."""
+        try:
+            with socket.create_connection((HOST, self.port), timeout=timeout) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def check(self) -> None:
+        """`RedisDied` (with the log tail) when it was started and has exited."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RedisDied(
+                f"redis-server on {self.address} exited with {self.proc.returncode}; "
+                f"{self.log_path}:\n{_log_tail(self.log_path, 20)}"
+            )
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no last fsync, as a crash or an OOM kill ends it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def restart(self, timeout: float = 20.0) -> None:
+        """SIGKILL, then start again on the same directory (its AOF) and port."""
+        self.kill()
+        self.proc = None
+        self.start(timeout)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM (Redis fsyncs the AOF and exits 0), then SIGKILL after `timeout`; its exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(5)
+
+    def describe(self) -> str:
+        return f"redis-server at {self.url} (AOF, appendfsync {self.appendfsync}; data in {self.directory})"
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
