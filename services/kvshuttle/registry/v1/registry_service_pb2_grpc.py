@@ -56,6 +56,7 @@ class RegistryServiceStub:
     WATCH_RESUME_EXPIRED: a resume_token older than the change feed still holds (or of another
     registry process, with the in-memory store): list again, then watch without a token.
     SHUTTING_DOWN: the registry is draining.
+    UNAVAILABLE: the registry's store (Redis) did not answer; safe to retry (under request_id).
     UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
     bearer token).
     PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
@@ -189,6 +190,7 @@ class RegistryServiceServicer:
     WATCH_RESUME_EXPIRED: a resume_token older than the change feed still holds (or of another
     registry process, with the in-memory store): list again, then watch without a token.
     SHUTTING_DOWN: the registry is draining.
+    UNAVAILABLE: the registry's store (Redis) did not answer; safe to retry (under request_id).
     UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
     bearer token).
     PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
@@ -482,6 +484,7 @@ class RegistryService:
     WATCH_RESUME_EXPIRED: a resume_token older than the change feed still holds (or of another
     registry process, with the in-memory store): list again, then watch without a token.
     SHUTTING_DOWN: the registry is draining.
+    UNAVAILABLE: the registry's store (Redis) did not answer; safe to retry (under request_id).
     UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
     bearer token).
     PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").

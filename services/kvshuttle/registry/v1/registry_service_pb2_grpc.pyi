@@ -57,6 +57,7 @@ class RegistryServiceStub:
       WATCH_RESUME_EXPIRED: a resume_token older than the change feed still holds (or of another
         registry process, with the in-memory store): list again, then watch without a token.
       SHUTTING_DOWN: the registry is draining.
+      UNAVAILABLE: the registry's store (Redis) did not answer; safe to retry (under request_id).
       UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
         bearer token).
       PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
@@ -185,6 +186,7 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
       WATCH_RESUME_EXPIRED: a resume_token older than the change feed still holds (or of another
         registry process, with the in-memory store): list again, then watch without a token.
       SHUTTING_DOWN: the registry is draining.
+      UNAVAILABLE: the registry's store (Redis) did not answer; safe to retry (under request_id).
       UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
         bearer token).
       PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
@@ -309,6 +311,7 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
       WATCH_RESUME_EXPIRED: a resume_token older than the change feed still holds (or of another
         registry process, with the in-memory store): list again, then watch without a token.
       SHUTTING_DOWN: the registry is draining.
+      UNAVAILABLE: the registry's store (Redis) did not answer; safe to retry (under request_id).
       UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
         bearer token).
       PERMISSION_MISSING: the caller's role lacks the permission (metadata "permission").
