@@ -15,14 +15,18 @@ VOCAB = {"<tool_call>": 2048, "</tool_call>": 2049, "<think>": 2050, "</think>":
 TOOLS = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "noop", "book")]
 
 text = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=30)
+# A call whose JSON spells a tag is cut there, by vLLM's hermes parser as by this port (it finds
+# calls by their tags, not by parsing JSON): no property holds for it. Hypothesis draws the
+# module's own string constants, VOCAB's tags among them, so they are kept out explicitly.
+arg_text = text.filter(lambda t: not any(tag in t for tag in VOCAB))
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-1000, 1000) | text,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+    st.none() | st.booleans() | st.integers(-1000, 1000) | arg_text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(arg_text, inner, max_size=3),
     max_leaves=8,
 )
 calls = st.lists(
     st.tuples(
-        st.sampled_from(["get_weather", "noop", "book"]), st.dictionaries(text, json_values, max_size=4)
+        st.sampled_from(["get_weather", "noop", "book"]), st.dictionaries(arg_text, json_values, max_size=4)
     ),
     min_size=1,
     max_size=3,
