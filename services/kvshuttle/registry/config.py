@@ -4,15 +4,17 @@ KVSHUTTLE_REGISTRY_LIMITS__MAX_PAGE_SIZE=500,
 KVSHUTTLE_REGISTRY_LIMITS__RETENTION_TTL='{"default": 300, "minimum": 1, "maximum": 3600}').
 
 The store: KVSHUTTLE_REGISTRY_STORE=memory (the default: one process, state lost on restart) or
-redis (kvshuttle.registry.redis_store, with KVSHUTTLE_REGISTRY_REDIS__URL and __KEY_PREFIX); with
-redis, WatchRetentions streams every replica's changes from one Redis Stream
+redis (kvshuttle.registry.redis_store, with KVSHUTTLE_REGISTRY_REDIS__URL and __KEY_PREFIX); Redis
+is reached by __MODE: standalone (the default: __URL), sentinel (__SENTINELS='["h1:26379","h2:26379"]',
+__SERVICE_NAME, optional __DB and __PASSWORD: the master Sentinel names) or cluster (__URL of any
+seed node); with redis, WatchRetentions streams every replica's changes from one Redis Stream
 (kvshuttle.registry.redis_feed), bounded by __CHANGE_STREAM_MAXLEN."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvshuttle.registry.limits import RegistryLimits
@@ -25,7 +27,16 @@ class RedisSettings(BaseModel):
 
     model_config = {"extra": "forbid"}
 
+    # standalone: one server at `url`. sentinel: the master named `service_name`, found through
+    # `sentinels` ("host:port" each), with `db` and `password` (`url` unused). cluster: `url` of
+    # any seed node (the store's scripts each touch one hash slot).
+    mode: Literal["standalone", "sentinel", "cluster"] = "standalone"
     url: str = "redis://127.0.0.1:6379/0"
+    sentinels: list[str] = Field(default_factory=list)
+    service_name: str = ""
+    db: int = Field(default=0, ge=0)
+    # The master's password (sentinel mode): a secret, kept out of reprs and logs.
+    password: SecretStr | None = None
     # Every key starts with it (and the global keys carry it as their hash tag): several
     # registries can share one Redis under different prefixes.
     key_prefix: str = Field(default="kvshuttle", min_length=1, pattern=r"^[^{}]+$")
@@ -33,6 +44,29 @@ class RedisSettings(BaseModel):
     # watcher further behind than that cannot resume (WATCH_RESUME_EXPIRED) and lists again.
     # Each entry is one retention's change with its block hashes: memory ~ this x their size.
     change_stream_maxlen: int = Field(default=100_000, gt=0)
+
+    @model_validator(mode="after")
+    def _check_mode(self) -> RedisSettings:
+        if self.mode != "sentinel":
+            if self.sentinels or self.service_name:
+                raise ValueError(
+                    f"redis.sentinels and redis.service_name are for mode sentinel, not {self.mode}"
+                )
+            return self
+        if not self.sentinels:
+            raise ValueError('redis mode sentinel needs redis.sentinels (["host:port", ...])')
+        if not self.service_name:
+            raise ValueError("redis mode sentinel needs redis.service_name (the monitored master's name)")
+        for address in self.sentinels:
+            self.sentinel_address(address)
+        return self
+
+    @staticmethod
+    def sentinel_address(address: str) -> tuple[str, int]:
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"redis.sentinels: {address!r} is not host:port")
+        return host, int(port)
 
 
 class RegistrySettings(BaseSettings):

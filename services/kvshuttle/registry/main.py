@@ -13,12 +13,12 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from kvshuttle.core.clock import Clock, SystemClock
 from kvshuttle.registry import authz
 from kvshuttle.registry.block_index import BlockIndex
-from kvshuttle.registry.config import RegistrySettings
+from kvshuttle.registry.config import RedisSettings, RegistrySettings
 from kvshuttle.registry.feed import ChangeFeed
 from kvshuttle.registry.memory_store import InMemoryStore
 from kvshuttle.registry.metrics import register_metrics
 from kvshuttle.registry.redis_feed import RedisFeed
-from kvshuttle.registry.redis_store import RedisStore
+from kvshuttle.registry.redis_store import RedisClient, RedisStore
 from kvshuttle.registry.registry import Registry
 from kvshuttle.registry.servicer import RegistryServicer
 from kvshuttle.registry.store import RegistryStore
@@ -30,6 +30,24 @@ SERVICE = registry_service_pb2.DESCRIPTOR.services_by_name["RegistryService"].fu
 ERROR_DOMAIN = "registry.kvshuttle"
 
 
+def redis_client(settings: RedisSettings) -> RedisClient:
+    """The client for settings.mode (bytes in and out: decode_responses=False)."""
+    if settings.mode == "sentinel":
+        sentinel = aioredis.Sentinel([settings.sentinel_address(a) for a in settings.sentinels])  # type: ignore[no-untyped-call]
+        master: aioredis.Redis = sentinel.master_for(
+            settings.service_name,
+            decode_responses=False,
+            db=settings.db,
+            password=settings.password.get_secret_value() if settings.password else None,
+        )
+        return master
+    if settings.mode == "cluster":
+        cluster: aioredis.RedisCluster = aioredis.RedisCluster.from_url(settings.url, decode_responses=False)
+        return cluster
+    standalone: aioredis.Redis = aioredis.Redis.from_url(settings.url, decode_responses=False)
+    return standalone
+
+
 def build_registry(settings: RegistrySettings, clock: Clock) -> Registry:
     # Incarnations keep growing across registry restarts: agents of the previous process
     # then re-register instead of colliding with a reused number.
@@ -37,7 +55,7 @@ def build_registry(settings: RegistrySettings, clock: Clock) -> Registry:
     store: RegistryStore
     feed: ChangeFeed | None = None  # the in-memory feed
     if settings.store == "redis":
-        client = aioredis.Redis.from_url(settings.redis.url, decode_responses=False)
+        client = redis_client(settings.redis)
         store = RedisStore(
             client, settings.store_limits, prefix=settings.redis.key_prefix, incarnation_base=base
         )

@@ -44,13 +44,13 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, cast
 
-import redis.asyncio as aioredis
 import structlog
 
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.registry import convert
 from kvshuttle.registry.feed import Deliver, Fail, resume_expired
 from kvshuttle.registry.model import RetentionChange
+from kvshuttle.registry.redis_store import RedisClient, _scripting
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.registry.watchers import Position
 
@@ -102,7 +102,7 @@ class RedisFeed:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         *,
         prefix: str = "kvshuttle",
         maxlen: int = 100_000,
@@ -116,8 +116,8 @@ class RedisFeed:
         self.key = f"{{{prefix}}}:changes"
         self._maxlen = maxlen
         self._block_ms = block_ms
-        self._read = client.register_script(_READ)
-        self._last = client.register_script(_LAST)
+        self._read = _scripting(client).register_script(_READ)
+        self._last = _scripting(client).register_script(_LAST)
         self._deliver: Deliver | None = None
         self._fail: Fail | None = None
         self.started = asyncio.Event()  # the reader has its starting id

@@ -101,7 +101,7 @@ from kvshuttle.registry.model import (
 )
 from kvshuttle.registry.redis_scripts import SCRIPTS
 
-__all__ = ["RedisStore"]
+__all__ = ["RedisClient", "RedisStore"]
 
 _BATCH = 256
 _MAX_BATCHES = 64
@@ -286,12 +286,23 @@ def _reachable(method: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P, Co
     return call
 
 
+# A standalone or Sentinel-discovered master (aioredis.Redis) or a Cluster (every script and
+# MULTI-less pipeline here is Cluster-safe: each script's keys share one hash slot).
+RedisClient = aioredis.Redis | aioredis.RedisCluster
+
+
+def _scripting(client: RedisClient) -> aioredis.Redis:
+    """redis-py types register_script for Redis only; a RedisCluster's works the same (EVALSHA
+    routed by its keys' slot)."""
+    return cast("aioredis.Redis", client)
+
+
 class RedisStore:
     """See the module docstring. `client` must be created with decode_responses=False."""
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         limits: StoreLimits | None = None,
         *,
         prefix: str = "kvshuttle",
@@ -304,7 +315,7 @@ class RedisStore:
         self._p = prefix
         self._incarnation_base = incarnation_base
         self._scripts: dict[str, AsyncScript] = {
-            name: client.register_script(body) for name, body in SCRIPTS.items()
+            name: _scripting(client).register_script(body) for name, body in SCRIPTS.items()
         }
         g = f"{{{prefix}}}"
         self._k_nodes = f"{g}:nodes"
