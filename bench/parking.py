@@ -49,7 +49,6 @@ import grpc
 from deploy.local.launch import VllmPair, ensure_model
 from deploy.local.stack import KvshuttleStack
 
-from kvshuttle.agent.engine import parse_vllm_metrics
 from kvshuttle.agent.v1 import agent_service_pb2 as apb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as apb_grpc
 
@@ -117,13 +116,6 @@ def completion(prompt: list[int], conversation: str, max_tokens: int = 24) -> di
     }
 
 
-def decode_usage(pair: VllmPair) -> float:
-    with urllib.request.urlopen(f"{pair.decode.url}/metrics", timeout=10) as response:
-        usage = parse_vllm_metrics(response.read().decode()).kv_cache_usage
-    assert usage is not None, "decode's /metrics has no kv_cache_usage"
-    return usage
-
-
 def pool_used_bytes(stack: KvshuttleStack, agent: int) -> int:
     with grpc.insecure_channel(stack.agent_addrs[agent]) as channel:
         status = apb_grpc.AgentServiceStub(channel).GetStatus(
@@ -160,7 +152,7 @@ class Sampler:
 
     def run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.decode_blocks.append(decode_usage(self.pair) * self.blocks)
+            self.decode_blocks.append(self.pair.decode.kv_cache_usage() * self.blocks)
             if self.stack.pool_bytes:
                 self.pool_bytes.append(pool_used_bytes(self.stack, 1))
 
@@ -213,7 +205,7 @@ def phase_held(pair: VllmPair, work: Path, args: argparse.Namespace, parked: boo
     )
     with stack:
         rng = random.Random(7)
-        baseline = decode_usage(pair) * args.blocks
+        baseline = pair.decode.kv_cache_usage() * args.blocks
         sampler = Sampler(pair, stack, args.blocks)
         threading.Thread(target=sampler.run, daemon=True).start()
         results: list[dict[str, Any]] = []

@@ -40,7 +40,6 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display here
-import grpc
 import matplotlib.pyplot as plt
 from tokenizers import Tokenizer
 
@@ -48,8 +47,6 @@ from deploy.local.launch import EngineDied, VllmPair, ensure_model
 from deploy.local.redis import RedisDied, RedisNotInstalled, redis_server_binary
 from deploy.local.stack import REGISTRY_STORES, KvshuttleStack
 from kvshuttle.gateway.config import DEFAULT_TENANT
-from kvshuttle.registry.v1 import registry_service_pb2 as rpb
-from kvshuttle.registry.v1 import registry_service_pb2_grpc as rpb_grpc
 
 RUN_DIR = Path(".run/demo")
 STORE_ENV = "KVSHUTTLE_DEMO_REGISTRY_STORE"
@@ -258,15 +255,7 @@ def store_description(stack: KvshuttleStack) -> str:
 
 def kv_holder(stack: KvshuttleStack, conversation: str) -> str:
     """The node holding the conversation's retained KV now ("-": none), e.g. "prefill-pool"."""
-    name = f"tenants/{DEFAULT_TENANT}/conversations/{conversation}"
-    with grpc.insecure_channel(stack.registry_addr) as channel:
-        try:
-            got = rpb_grpc.RegistryServiceStub(channel).GetConversation(
-                rpb.GetConversationRequest(name=name), timeout=5, metadata=stack.admin_metadata
-            )
-        except grpc.RpcError:
-            return "-"
-    held = got.conversation.retention.node if got.conversation.HasField("retention") else ""
+    held = stack.retention_holder(f"tenants/{DEFAULT_TENANT}/conversations/{conversation}")
     return held.removeprefix("nodes/") or "-"
 
 

@@ -50,6 +50,7 @@ if __package__ in (None, ""):  # run as a script: make `deploy.local` importable
 
 from deploy.local.milestones import Milestone, MilestoneReader
 from deploy.local.models import SIZES, is_built, model_facts
+from kvshuttle.agent.engine import parse_vllm_metrics
 
 REPO_ROOT: Final = Path(__file__).resolve().parents[2]
 VENV_ENV: Final = "KVSHUTTLE_VLLM_VENV"
@@ -307,6 +308,25 @@ FATAL_LOG_MARKERS: Final = (
 )
 
 
+def kill_process(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL `proc` if it runs, as a crash or an OOM kill ends it, and reap it."""
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait(5)
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float) -> int | None:
+    """SIGTERM `proc`, SIGKILL it after `timeout`; its exit code (None: never started)."""
+    if proc is None or proc.poll() is not None:
+        return None if proc is None else proc.returncode
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(5)
+
+
 def _log_tail(path: Path, lines: int = 40) -> str:
     try:
         with path.open("rb") as fh:
@@ -360,6 +380,14 @@ class VllmEngine:
     def side_channel(self) -> tuple[str, int]:
         """The NIXL handshake endpoint (ZMQ ROUTER in the engine-core process)."""
         return self.spec.host, self.spec.side_channel_port
+
+    def kv_cache_usage(self) -> float:
+        """The fraction of its KV cache in use now (`vllm:kv_cache_usage_perc` on /metrics)."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            usage = parse_vllm_metrics(response.read().decode()).kv_cache_usage
+        if usage is None:
+            raise EngineDied(f"{self.name}'s /metrics has no vllm:kv_cache_usage_perc")
+        return usage
 
     @property
     def pid(self) -> int | None:

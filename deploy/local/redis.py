@@ -17,7 +17,6 @@ REGISTRY_STORE=redis`) and the tests under tests/deploy/.
 from __future__ import annotations
 
 import shutil
-import signal
 import socket
 import subprocess
 import threading
@@ -26,7 +25,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Final, Literal, Self
 
-from deploy.local.launch import _die_with_parent, _log_tail, free_ports
+from deploy.local.launch import _die_with_parent, _log_tail, free_ports, kill_process, stop_process
 
 HOST: Final = "127.0.0.1"
 INSTALL_HINT: Final = "apt-get install redis-server"
@@ -158,9 +157,7 @@ class RedisServer:
 
     def kill(self) -> None:
         """SIGKILL: no shutdown, no last fsync, as a crash or an OOM kill ends it."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
+        kill_process(self.proc)
 
     def restart(self, timeout: float = 20.0) -> None:
         """SIGKILL, then start again on the same directory (its AOF) and port."""
@@ -170,14 +167,7 @@ class RedisServer:
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM (Redis fsyncs the AOF and exits 0), then SIGKILL after `timeout`; its exit code."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(5)
+        return stop_process(self.proc, timeout)
 
     def describe(self) -> str:
         return f"redis-server at {self.url} (AOF, appendfsync {self.appendfsync}; data in {self.directory})"

@@ -23,7 +23,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ from typing import Any, Literal, Self
 
 import grpc
 
-from deploy.local.launch import VllmEngine, VllmPair, free_ports
+from deploy.local.launch import VllmEngine, VllmPair, free_ports, kill_process, stop_process
 from deploy.local.models import kv_bytes_per_token, model_facts
 from deploy.local.redis import RedisServer
 from kvshuttle.registry.v1 import registry_service_pb2 as rpb
@@ -76,9 +75,7 @@ class Service:
 
     def kill(self) -> None:
         """SIGKILL: no drain, nothing said to anyone, as a crash or an OOM kill ends it."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
+        kill_process(self.proc)
 
     def restart(self) -> None:
         """SIGKILL, then start again with the same environment."""
@@ -86,14 +83,7 @@ class Service:
         self.start()
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(5)
+        return stop_process(self.proc, timeout)
 
 
 class KvshuttleStack:
@@ -232,6 +222,21 @@ class KvshuttleStack:
     def admin_metadata(self) -> tuple[tuple[str, str], ...]:
         """gRPC metadata that authenticates as the stack's admin (every service accepts it)."""
         return (("authorization", f"Bearer {self._tokens.token('admin')}"),)
+
+    def retention_holder(self, conversation: str) -> str:
+        """The node holding the conversation's retained KV now (`conversation`: its full name,
+        tenants/{t}/conversations/{c}); "" when it holds none or the registry knows no such
+        conversation (its first commit is not stored yet)."""
+        with grpc.insecure_channel(self.registry_addr) as channel:
+            try:
+                got = rpb_grpc.RegistryServiceStub(channel).GetConversation(
+                    rpb.GetConversationRequest(name=conversation), timeout=5, metadata=self.admin_metadata
+                )
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    return ""
+                raise
+        return got.conversation.retention.node if got.conversation.HasField("retention") else ""
 
     @property
     def services(self) -> list[Service]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import urllib.request
 import uuid
 from typing import Any
 
@@ -24,7 +23,6 @@ from deploy.local.launch import VllmPair
 from tests.e2e.vllm_http import post_json
 
 from kvshuttle.agent.block_pool import BlockPool, PoolLayout
-from kvshuttle.agent.engine import parse_vllm_metrics
 from kvshuttle.agent.nixl_memory import NixlPoolMemory
 from kvshuttle.agent.park import Parked, Parker, RetainedBlocks
 from kvshuttle.agent.side_channel import fetch_handshake
@@ -53,13 +51,6 @@ def _turn(vllm_pair: VllmPair, prompt: list[int], salt: str) -> dict[str, Any]:
     return kept
 
 
-def _kv_usage(vllm_pair: VllmPair) -> float:
-    with urllib.request.urlopen(f"{vllm_pair.decode.url}/metrics", timeout=10) as resp:
-        usage = parse_vllm_metrics(resp.read().decode()).kv_cache_usage
-    assert usage is not None
-    return usage
-
-
 def _bytes(memory: NixlPoolMemory, parked: Parked) -> bytes:
     return b"".join(
         memory.block(region, slot).tobytes()
@@ -84,7 +75,7 @@ async def test_park_reads_decodes_retained_blocks_bit_for_bit(vllm_pair: VllmPai
         assert [r.num_tokens for r in retained] == [PROMPT + ANSWER - 1] * 2
         assert [len(r.block_ids) for r in retained] == [(PROMPT + ANSWER - 1) // BLOCK] * 2
         assert not set(retained[0].block_ids) & set(retained[1].block_ids)  # two copies, not one
-        before = _kv_usage(vllm_pair)
+        before = vllm_pair.decode.kv_cache_usage()
 
         parked = [
             await parker.park(f"{CONVERSATION}/retentions/{i}", r, engine, expire_at=time.monotonic() + 60)
@@ -95,10 +86,10 @@ async def test_park_reads_decodes_retained_blocks_bit_for_bit(vllm_pair: VllmPai
         # The notifications free `blocks` of decode's blocks (vLLM's usage leaves out its null block).
         freed = 0.9 * blocks / engine.metadata.num_blocks
         deadline = time.monotonic() + 10
-        after = _kv_usage(vllm_pair)
+        after = vllm_pair.decode.kv_cache_usage()
         while after > before - freed and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-            after = _kv_usage(vllm_pair)
+            after = vllm_pair.decode.kv_cache_usage()
         first, second = (_bytes(memory, p) for p in parked)
         ms = [round(p.read_seconds * 1000, 3) for p in parked]
         print(f"parked {blocks} blocks, {sum(p.bytes for p in parked)} bytes in {ms} ms")

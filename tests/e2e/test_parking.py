@@ -12,7 +12,6 @@ it (here). The agent kill runs last: it takes decode's agent down and brings it 
 from __future__ import annotations
 
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -22,9 +21,8 @@ import pytest
 from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
 from tests.e2e.stacks import running_stack
-from tests.e2e.test_turns import post, reference, tokens
+from tests.e2e.test_turns import reference, tokens, turn
 
-from kvshuttle.agent.engine import parse_vllm_metrics
 from kvshuttle.agent.v1 import agent_service_pb2 as apb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as apb_grpc
 from kvshuttle.gateway.config import DEFAULT_TENANT as TENANT
@@ -55,46 +53,13 @@ def stack(vllm_pair: VllmPair, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield s
 
 
-def turn(
-    stack: KvshuttleStack,
-    conversation: str,
-    prompt: list[int],
-    *,
-    max_tokens: int = 24,
-    headers: dict[str, str] | None = None,
-) -> tuple[list[int], Any]:
-    body, h = post(
-        f"{stack.gateway_url}/v1/completions",
-        {
-            "model": "m",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "conversation_id": conversation,
-        },
-        headers,
-    )
-    return list(body["choices"][0]["token_ids"]), h
-
-
 def _registry(stack: KvshuttleStack) -> rpb_grpc.RegistryServiceStub:
     return rpb_grpc.RegistryServiceStub(grpc.insecure_channel(stack.registry_addr))
 
 
 def held_by(stack: KvshuttleStack, conversation: str) -> str:
     """The node holding the conversation's retention ("" when none)."""
-    name = f"tenants/{TENANT}/conversations/{conversation}"
-    try:
-        got = _registry(stack).GetConversation(
-            rpb.GetConversationRequest(name=name), timeout=5, metadata=stack.admin_metadata
-        )
-    except grpc.RpcError as err:
-        if err.code() == grpc.StatusCode.NOT_FOUND:  # its first commit is not stored yet
-            return ""
-        raise
-    return got.conversation.retention.node if got.conversation.HasField("retention") else ""
+    return stack.retention_holder(f"tenants/{TENANT}/conversations/{conversation}")
 
 
 def live_nodes(stack: KvshuttleStack) -> set[str]:
@@ -105,13 +70,6 @@ def live_nodes(stack: KvshuttleStack) -> set[str]:
 def pool_status(stack: KvshuttleStack, agent: int) -> apb.PoolStatus:
     stub = apb_grpc.AgentServiceStub(grpc.insecure_channel(stack.agent_addrs[agent]))
     return stub.GetStatus(apb.GetStatusRequest(), timeout=5, metadata=stack.admin_metadata).pool
-
-
-def decode_kv_usage(pair: VllmPair) -> float:
-    with urllib.request.urlopen(f"{pair.decode.url}/metrics", timeout=10) as response:
-        usage = parse_vllm_metrics(response.read().decode()).kv_cache_usage
-    assert usage is not None, "decode's /metrics has no kv_cache_usage"
-    return usage
 
 
 def until(condition: Any, timeout: float = 20.0, what: str = "condition") -> None:
@@ -128,12 +86,12 @@ def test_an_idle_conversation_is_parked_and_reused_from_the_agent_past_decodes_l
     first = tokens(600, 31)
     out1, _ = turn(stack, conv, first)
     committed = time.monotonic()
-    held = decode_kv_usage(vllm_pair)
+    held = vllm_pair.decode.kv_cache_usage()
     until(lambda: held_by(stack, conv) == DECODE_POOL, what="the retention parked in decode's agent")
     # The READ's notification freed decode's copy at once, long before its lease would end.
     retained_blocks = (len(first) + len(out1) - 1 + 31) // 32
     until(
-        lambda: decode_kv_usage(vllm_pair) <= held - 0.9 * retained_blocks / 1024,
+        lambda: vllm_pair.decode.kv_cache_usage() <= held - 0.9 * retained_blocks / 1024,
         what="decode's blocks freed",
     )
     assert pool_status(stack, 1).parked_retentions >= 1

@@ -60,10 +60,15 @@ def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) 
 
 
 def turn(
-    stack: KvshuttleStack, conversation: str, prompt: list[int], max_tokens: int = 24
+    stack: KvshuttleStack,
+    conversation: str,
+    prompt: list[int],
+    max_tokens: int = 24,
+    headers: dict[str, str] | None = None,
 ) -> tuple[list[int], Any]:
-    """One completions turn through the gateway, greedy; returns the output ids and headers."""
-    body, headers = post(
+    """One completions turn through the gateway, greedy (`headers`: the request's extra ones);
+    returns the output ids and the response's headers."""
+    body, got = post(
         f"{stack.gateway_url}/v1/completions",
         {
             "model": "m",
@@ -74,8 +79,9 @@ def turn(
             "return_token_ids": True,
             "conversation_id": conversation,
         },
+        headers,
     )
-    return list(body["choices"][0]["token_ids"]), headers
+    return list(body["choices"][0]["token_ids"]), got
 
 
 def reference(pair: VllmPair, prompt: list[int], max_tokens: int = 24) -> list[int]:

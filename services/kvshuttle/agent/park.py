@@ -152,7 +152,7 @@ class Parker:
         self, name: str, retained: RetainedBlocks, engine: Handshake, *, notify: bool = True
     ) -> PreparedRead:
         """park()'s checks and allocation, at once (no await): raises what park() raises before
-        its READ. The slots are FILLING until `read` ends; read it, or `discard` it."""
+        its READ. The slots are FILLING until `read` ends: read it right away."""
         self.check(retained, engine)
         remote = engine.layout.descriptors(retained.block_ids)  # InvalidArgument when out of range
         deadline = time.monotonic() + self._timeout
@@ -165,10 +165,6 @@ class Parker:
             deadline,
         )
         return PreparedRead(name, retained, read)
-
-    def discard(self, prepared: PreparedRead) -> None:
-        """Give back the slots of a prepared READ never started."""
-        self._pool.release(prepared.name)
 
     async def read(self, prepared: PreparedRead, *, expire_at: float) -> Parked:
         """Run a prepared READ and seal its slots with `expire_at` (time.monotonic())."""

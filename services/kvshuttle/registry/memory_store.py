@@ -85,20 +85,6 @@ class _Fence:
     forget_at: float
 
 
-def _holder_mismatch(
-    holder: Holder | None, spec: NodeSpec, params_field: str = "retention.kv_transfer_params"
-) -> str | None:
-    """The first kv_transfer_params field that does not name the node as registered, or None."""
-    registered = Holder.of(spec)
-    if holder is None or holder.engine_id != registered.engine_id:
-        return f"{params_field}.remote_engine_id"
-    if holder.side_channel_host != registered.side_channel_host:
-        return f"{params_field}.remote_host"
-    if holder.side_channel_port != registered.side_channel_port:
-        return f"{params_field}.remote_port"
-    return None
-
-
 def _snapshot_node(node: Node) -> Node:
     return copy.copy(node)
 
@@ -307,7 +293,7 @@ class InMemoryStore:
             )
         # KV is read only from nodes the registry knows: the params must send readers to this
         # node's engine and side channel as registered, never to a host of the caller's choosing.
-        mismatch = _holder_mismatch(retention.holder, node.spec)
+        mismatch = Holder.mismatch(retention.holder, node.spec)
         if mismatch is not None:
             raise FailedPrecondition(
                 f"retention.kv_transfer_params do not name node {retention.node} as registered "
@@ -494,7 +480,7 @@ class InMemoryStore:
                 reason=ErrorReason.NODE_MISMATCH,
                 metadata={"node": move.node, "field": "node"},
             )
-        mismatch = _holder_mismatch(move.holder, target.spec, "kv_transfer_params")
+        mismatch = Holder.mismatch(move.holder, target.spec, "kv_transfer_params")
         if mismatch is not None:
             raise FailedPrecondition(
                 f"kv_transfer_params do not name node {move.node} as registered "
@@ -509,14 +495,8 @@ class InMemoryStore:
             source.retained_bytes -= record.kv_bytes
             source.retention_count -= 1
         self._node_retentions[previous].discard(name)
-        record.node = move.node
-        record.kv_transfer_params = move.kv_transfer_params
-        record.holder = move.holder
-        record.kv_bytes = move.kv_bytes
-        record.claim = None
+        move.apply_to(record, now + ttl)
         self._claimed -= 1
-        record.pin_expire_at = None
-        record.expire_at = now + ttl
         self._node_retentions[move.node].add(name)
         target.retained_bytes += record.kv_bytes
         target.retention_count += 1
@@ -538,13 +518,7 @@ class InMemoryStore:
                 metadata={"retention": move.name},
             )
         out = _snapshot(record)
-        out.node = move.node
-        out.kv_transfer_params = move.kv_transfer_params
-        out.holder = move.holder
-        out.kv_bytes = move.kv_bytes
-        out.claim = None
-        out.pin_expire_at = None
-        out.expire_at = first.expire_at
+        move.apply_to(out, first.expire_at)
         return out
 
     async def evict_retention(self, name: str, node: str, now: float) -> list[RetentionChange]:

@@ -54,6 +54,21 @@ class Holder:
     def of(cls, spec: NodeSpec) -> Holder:
         return cls(spec.engine_id, spec.side_channel_host, spec.side_channel_port)
 
+    @staticmethod
+    def mismatch(
+        holder: Holder | None, spec: NodeSpec, params_field: str = "retention.kv_transfer_params"
+    ) -> str | None:
+        """The first kv_transfer_params field (under `params_field`) by which `holder` does not
+        name the node `spec` as registered, or None when it does."""
+        registered = Holder.of(spec)
+        if holder is None or holder.engine_id != registered.engine_id:
+            return f"{params_field}.remote_engine_id"
+        if holder.side_channel_host != registered.side_channel_host:
+            return f"{params_field}.remote_host"
+        if holder.side_channel_port != registered.side_channel_port:
+            return f"{params_field}.remote_port"
+        return None
+
 
 class RetentionState(StrEnum):
     ACTIVE = "active"
@@ -134,6 +149,17 @@ class Move:
     kv_transfer_params: bytes
     kv_bytes: int
     holder: Holder | None = None
+
+    def apply_to(self, retention: Retention, expire_at: float) -> None:
+        """`retention` as this move leaves it: held by the new node under its params, unclaimed,
+        with no engine pin, lapsing at `expire_at`."""
+        retention.node = self.node
+        retention.kv_transfer_params = self.kv_transfer_params
+        retention.holder = self.holder
+        retention.kv_bytes = self.kv_bytes
+        retention.claim = None
+        retention.pin_expire_at = None
+        retention.expire_at = expire_at
 
 
 @dataclass(frozen=True, slots=True)

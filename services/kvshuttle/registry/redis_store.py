@@ -225,19 +225,6 @@ def _tenant_of(name: str) -> str:
     return name.split("/", 2)[1]
 
 
-def _holder_mismatch(
-    holder: Holder | None, spec: NodeSpec, params_field: str = "retention.kv_transfer_params"
-) -> str | None:
-    registered = Holder.of(spec)
-    if holder is None or holder.engine_id != registered.engine_id:
-        return f"{params_field}.remote_engine_id"
-    if holder.side_channel_host != registered.side_channel_host:
-        return f"{params_field}.remote_host"
-    if holder.side_channel_port != registered.side_channel_port:
-        return f"{params_field}.remote_port"
-    return None
-
-
 def _not_found(name: str) -> NotFound:
     return NotFound(
         f"retention {name} not found",
@@ -563,7 +550,7 @@ class RedisStore:
                 reason=ErrorReason.NODE_MISMATCH,
                 metadata={"node": retention.node},
             )
-        mismatch = _holder_mismatch(retention.holder, spec)
+        mismatch = Holder.mismatch(retention.holder, spec)
         if mismatch is not None:
             return spec, FailedPrecondition(
                 f"retention.kv_transfer_params do not name node {retention.node} as registered "
@@ -886,7 +873,7 @@ class RedisStore:
         conversation = _conversation_of(name)
         fingerprint = move_fingerprint(move).hex() if request_id else ""
         target = await self._read_node(move.node)
-        mismatch = "" if target is None else _holder_mismatch(move.holder, target.spec, "kv_transfer_params")
+        mismatch = "" if target is None else Holder.mismatch(move.holder, target.spec, "kv_transfer_params")
         expire_at = now + ttl
         attached = 0
         if target is not None and not mismatch:
@@ -923,13 +910,7 @@ class RedisStore:
             raise request_id_reused()
         if tag == "repeat":
             first = _retention_of(_pairs(out[1]))
-            first.node = move.node
-            first.kv_transfer_params = move.kv_transfer_params
-            first.holder = move.holder
-            first.kv_bytes = move.kv_bytes
-            first.claim = None
-            first.pin_expire_at = None
-            first.expire_at = float(out[2])
+            move.apply_to(first, float(out[2]))
             return first, []
         if tag == "err":
             raise self._move_error(move, out, target, request_id)
