@@ -50,7 +50,7 @@ from kvshuttle.core.kv_events import ApplyResult, EventBatch
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry import convert
 from kvshuttle.registry.block_index import BlockIndex, plan_batches
-from kvshuttle.registry.redis_store import RedisClient, _scripting
+from kvshuttle.registry.redis_codec import RedisClient, _scripting
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 
 __all__ = ["FLOOR_HORIZON", "RedisIndexFeed"]
