@@ -50,7 +50,7 @@ from kvshuttle.core.kv_events import ApplyResult, EventBatch
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry import convert
 from kvshuttle.registry.block_index import BlockIndex, plan_batches
-from kvshuttle.registry.redis_codec import RedisClient, _scripting
+from kvshuttle.registry.redis_codec import RedisClient, _reachable, _scripting
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 
 __all__ = ["FLOOR_HORIZON", "RedisIndexFeed"]
@@ -129,6 +129,7 @@ class RedisIndexFeed:
         self._moved = asyncio.Condition()
         self.gaps = 0  # times the reader missed entries and cleared the index
 
+    @_reachable  # Redis not answering: UNAVAILABLE, which the agent retries
     async def report(self, node: str, incarnation: int, batches: Sequence[EventBatch]) -> ApplyResult:
         seqs = [b.seq for b in batches]
         known = self._index.next_seq(node)
@@ -163,6 +164,7 @@ class RedisIndexFeed:
             reason=ErrorReason.ABORTED,
         )
 
+    @_reachable
     async def drop(self, node: str, floor: int, now: float) -> None:
         args: list[str | int] = [node, floor, repr(now), repr(now - FLOOR_HORIZON), self._maxlen]
         entry_id = await cast(

@@ -81,6 +81,8 @@ class RegistryStats:
     engine_restarts: int = 0
     watchers_dropped: int = 0
     feed_errors: int = 0  # changes whose event the feed could not take (watchers never see them)
+    # and node removals the index feed could not take (other replicas keep the node's blocks,
+    # never answered while the node is gone)
 
 
 class Registry:
@@ -494,7 +496,13 @@ class Registry:
         """Apply every lapse up to now. The timer calls this; tests call it after a FakeClock step."""
         result = await self._store.expire_due(self._clock.now())
         for expired in result.nodes:
-            await self._index_feed.drop(expired.node.name, expired.node.incarnation + 1, self._clock.now())
+            try:
+                await self._index_feed.drop(
+                    expired.node.name, expired.node.incarnation + 1, self._clock.now()
+                )
+            except Unavailable as err:  # the expiry committed: its changes are published still
+                self.stats.feed_errors += 1
+                log.warning("index_feed.drop_failed", node=expired.node.name, error=err.message[:300])
             self.stats.expirations["node"] += 1
             log.info("node.expired", node=expired.node.name, retentions=len(expired.changes))
         for change in result.retentions:
