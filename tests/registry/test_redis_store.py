@@ -15,10 +15,12 @@ from kvshuttle.core.errors import Aborted, FailedPrecondition, KvshuttleError, N
 from kvshuttle.core.nodes import NodeLoad
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RedisSettings, RegistrySettings
+from kvshuttle.registry.index_feed import LocalIndexFeed
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.main import build_registry
 from kvshuttle.registry.memory_store import InMemoryStore, StoreLimits
 from kvshuttle.registry.model import ChangeKind, Retention
+from kvshuttle.registry.redis_index_feed import RedisIndexFeed
 from kvshuttle.registry.redis_store import RedisStore
 from kvshuttle.registry.registry import Registry
 
@@ -195,4 +197,9 @@ async def test_the_registry_runs_on_redis_by_configuration(
     registry = build_registry(settings, clock)
     await registry.register_node(spec(), ttl=30)
     assert await redis_client.zrange("{cfg}:nodes", 0, -1) == [b"nodes/d0"]
-    assert isinstance(build_registry(RegistrySettings(), clock)._store, InMemoryStore)
+    # The block index follows the store: replicas share it through the prefix's block stream.
+    assert isinstance(registry._index_feed, RedisIndexFeed)
+    assert registry._index_feed.key == "{cfg}:blocks"
+    memory = build_registry(RegistrySettings(), clock)
+    assert isinstance(memory._store, InMemoryStore)
+    assert isinstance(memory._index_feed, LocalIndexFeed)

@@ -66,7 +66,42 @@ from kvshuttle.core.kv_events import (
     EventBatch,
 )
 
-__all__ = ["BlockIndex", "BlockIndexStats"]
+__all__ = ["BlockIndex", "BlockIndexStats", "SeqPlan", "plan_batches"]
+
+
+@dataclass(frozen=True, slots=True)
+class SeqPlan:
+    """What the sequence rule makes of a node's batches (see `plan_batches`)."""
+
+    apply: tuple[tuple[int, bool], ...]  # (index into the batches, clear the node first), in order
+    next_seq: int | None  # the seq expected next afterwards; None: nothing applied yet, ever
+    gap: bool
+    restarted: bool
+
+    def result(self) -> ApplyResult:
+        return ApplyResult(len(self.apply), self.next_seq or 0, self.gap, self.restarted)
+
+
+def plan_batches(next_seq: int | None, seqs: Sequence[int]) -> SeqPlan:
+    """The sequence rule, for a node whose index expects `next_seq` (None: no batch yet) and
+    batches of `seqs`, in the order given: a seq below the expected one was seen already and is
+    skipped, except seq 0 once the node had applied a later seq: the engine restarted (or the
+    agent replays from 0), so the node is cleared before that batch. A seq above the expected one
+    is applied and is a gap. The first batch of a node may have any seq. One rule for the
+    process's own index and for the sequence state replicas share (kvshuttle.registry.redis_blocks)."""
+    apply: list[tuple[int, bool]] = []
+    gap = restarted = False
+    for i, seq in enumerate(seqs):
+        clear = False
+        if next_seq is not None and seq < next_seq:
+            if seq != 0 or next_seq <= 1:
+                continue  # a duplicate
+            clear = restarted = True
+        elif next_seq is not None and seq > next_seq:
+            gap = True
+        apply.append((i, clear))
+        next_seq = seq + 1
+    return SeqPlan(tuple(apply), next_seq, gap, restarted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,11 +158,8 @@ class BlockIndex:
         """Apply a node's event batches, in the order given (the agent sends them in
         sequence order).
 
-        A batch whose seq is below the node's next expected seq was seen already and is
-        skipped, except seq 0 once the node had applied a later seq: the engine restarted
-        (or the agent replays from 0), so the node's index is cleared before the batch is
-        applied. A seq above the expected one is applied and reported as a gap. The first
-        batch of a node may have any seq.
+        In `plan_batches`' sequence order: duplicates skipped, the node cleared at a restart
+        (seq back to 0), gaps applied and reported.
 
         Raises InvalidArgument (and changes nothing) for an empty node name, a negative
         seq or an event of an unknown type.
@@ -146,21 +178,20 @@ class BlockIndex:
             if not batches:
                 return ApplyResult(0, 0, False, False)
             state = self._nodes[node] = _Node(node, self._take_slot(node))
-        applied = 0
-        gap = restarted = False
-        for batch in batches:
-            if state.started and batch.seq < state.next_seq:
-                if batch.seq != 0 or state.next_seq <= 1:
-                    continue  # a duplicate
+        plan = plan_batches(state.next_seq if state.started else None, [b.seq for b in batches])
+        for i, clear in plan.apply:
+            if clear:
                 self._clear(state)
-                restarted = True
-            elif state.started and batch.seq > state.next_seq:
-                gap = True
-            self._apply_batch(state, batch)
+            self._apply_batch(state, batches[i])
             state.started = True
-            state.next_seq = batch.seq + 1
-            applied += 1
-        return ApplyResult(applied, state.next_seq, gap, restarted)
+        if plan.next_seq is not None:
+            state.next_seq = plan.next_seq
+        return plan.result()
+
+    def clear(self) -> None:
+        """Forget every node (a replica that missed part of the shared stream starts over)."""
+        for node in list(self._nodes):
+            self.drop_node(node)
 
     def drop_node(self, node: str) -> None:
         """Forget everything about a node (lease lapsed, deregistered, engine restarted)."""

@@ -8,7 +8,9 @@ redis (kvshuttle.registry.redis_store, with KVSHUTTLE_REGISTRY_REDIS__URL and __
 is reached by __MODE: standalone (the default: __URL), sentinel (__SENTINELS='["h1:26379","h2:26379"]',
 __SERVICE_NAME, optional __DB and __PASSWORD: the master Sentinel names) or cluster (__URL of any
 seed node); with redis, WatchRetentions streams every replica's changes from one Redis Stream
-(kvshuttle.registry.redis_feed), bounded by __CHANGE_STREAM_MAXLEN."""
+(kvshuttle.registry.redis_feed), bounded by __CHANGE_STREAM_MAXLEN, and each replica's block
+index applies every replica's ReportBlockEvents from another (kvshuttle.registry.redis_index_feed),
+bounded by __BLOCK_STREAM_MAXLEN: agents may report to any replica."""
 
 from __future__ import annotations
 
@@ -44,6 +46,11 @@ class RedisSettings(BaseModel):
     # watcher further behind than that cannot resume (WATCH_RESUME_EXPIRED) and lists again.
     # Each entry is one retention's change with its block hashes: memory ~ this x their size.
     change_stream_maxlen: int = Field(default=100_000, gt=0)
+    # The block-event stream (`{prefix}:blocks`) keeps about this many accepted reports: what a
+    # replica that starts later can rebuild its block index from (older blocks are missing from
+    # its index until stored again: prefix hits lost, never a wrong one). Memory ~ this x a
+    # report's size (its BlockStored tokens: ~2 bytes a token; bench/block_index.py measures it).
+    block_stream_maxlen: int = Field(default=100_000, gt=0)
 
     @model_validator(mode="after")
     def _check_mode(self) -> RedisSettings:

@@ -15,9 +15,11 @@ from kvshuttle.registry import authz
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RedisSettings, RegistrySettings
 from kvshuttle.registry.feed import ChangeFeed
+from kvshuttle.registry.index_feed import IndexFeed
 from kvshuttle.registry.memory_store import InMemoryStore
 from kvshuttle.registry.metrics import register_metrics
 from kvshuttle.registry.redis_feed import RedisFeed
+from kvshuttle.registry.redis_index_feed import RedisIndexFeed
 from kvshuttle.registry.redis_store import RedisClient, RedisStore
 from kvshuttle.registry.registry import Registry
 from kvshuttle.registry.servicer import RegistryServicer
@@ -53,7 +55,9 @@ def build_registry(settings: RegistrySettings, clock: Clock) -> Registry:
     # then re-register instead of colliding with a reused number.
     base = int(clock.now() * 1000)
     store: RegistryStore
+    index = BlockIndex(settings.max_indexed_blocks_per_node)
     feed: ChangeFeed | None = None  # the in-memory feed
+    index_feed: IndexFeed | None = None  # this process's index alone
     if settings.store == "redis":
         client = redis_client(settings.redis)
         store = RedisStore(
@@ -61,9 +65,13 @@ def build_registry(settings: RegistrySettings, clock: Clock) -> Registry:
         )
         # Every replica's watchers see every replica's changes, from one stream.
         feed = RedisFeed(client, prefix=settings.redis.key_prefix, maxlen=settings.redis.change_stream_maxlen)
+        # Every replica's index applies every replica's event reports, from one stream.
+        index_feed = RedisIndexFeed(
+            client, index, prefix=settings.redis.key_prefix, maxlen=settings.redis.block_stream_maxlen
+        )
     else:
         store = InMemoryStore(settings.store_limits, incarnation_base=base)
-    return Registry(store, clock, BlockIndex(settings.max_indexed_blocks_per_node), settings.limits, feed)
+    return Registry(store, clock, index, settings.limits, feed, index_feed)
 
 
 def build_server(

@@ -50,7 +50,7 @@ from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.registry import convert
 from kvshuttle.registry.feed import Deliver, Fail, resume_expired
 from kvshuttle.registry.model import RetentionChange
-from kvshuttle.registry.redis_store import RedisClient, _scripting
+from kvshuttle.registry.redis_codec import RedisClient, _scripting
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.registry.watchers import Position
 

@@ -1,9 +1,10 @@
-"""The registry's domain service: validates requests, applies them to the store, keeps the
-block index, hands each applied change to the change feed (kvshuttle.registry.feed: in this
-process, or one Redis Stream all replicas share), whence this process's watchers
-(kvshuttle.registry.watchers) get them, and runs the expiry timer. One cohesive thing, the
-facade every RegistryService RPC calls: each method is one RPC's validation followed by one
-store operation; the rules that depend on state live in the store.
+"""The registry's domain service: validates requests, applies them to the store, hands event
+reports and node removals to the index feed (kvshuttle.registry.index_feed: this process's block
+index, or every replica's through one Redis Stream), hands each applied change to the change feed
+(kvshuttle.registry.feed: in this process, or one Redis Stream all replicas share), whence this
+process's watchers (kvshuttle.registry.watchers) get them, and runs the expiry timer. One cohesive
+thing, the facade every RegistryService RPC calls: each method is one RPC's validation followed by
+one store operation; the rules that depend on state live in the store.
 
 No grpc here. Every method validates all of its input before it touches the store, so a
 rejected request changes nothing; InvalidArgument names the request field (the proto path).
@@ -48,6 +49,7 @@ from kvshuttle.core.nodes import (
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.feed import ChangeFeed, LocalFeed
+from kvshuttle.registry.index_feed import IndexFeed, LocalIndexFeed
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.model import (
     Conversation,
@@ -79,6 +81,8 @@ class RegistryStats:
     engine_restarts: int = 0
     watchers_dropped: int = 0
     feed_errors: int = 0  # changes whose event the feed could not take (watchers never see them)
+    # and node removals the index feed could not take (other replicas keep the node's blocks,
+    # never answered while the node is gone)
 
 
 class Registry:
@@ -89,10 +93,12 @@ class Registry:
         index: BlockIndex,
         limits: RegistryLimits | None = None,
         feed: ChangeFeed | None = None,
+        index_feed: IndexFeed | None = None,
     ) -> None:
         self._store = store
         self._clock = clock
         self._index = index
+        self._index_feed: IndexFeed = index_feed or LocalIndexFeed(index)
         self.limits = limits or RegistryLimits()
         self.stats = RegistryStats()
         self._watchers = Watchers(self.limits.max_watchers, self.limits.watch_queue_size)
@@ -191,8 +197,8 @@ class Registry:
         self._check_spec(spec)
         lease = self.limits.node_ttl.pick(ttl, "ttl")
         node, changes, engine_changed = await self._store.register_node(spec, lease, self._clock.now())
-        if engine_changed:
-            self._index.drop_node(spec.name)
+        if engine_changed:  # the old engine's reports are refused from here on
+            await self._index_feed.drop(spec.name, node.incarnation, self._clock.now())
         await self._publish(changes)
         self._wake.set()
         log.info(
@@ -212,8 +218,10 @@ class Registry:
 
     async def deregister_node(self, name: str, incarnation: int) -> int:
         self._node_name(name, "name")
+        # The incarnation removed, so that its reports in flight are refused after the removal.
+        removed = incarnation or (await self._store.get_node(name)).incarnation
         changes = await self._store.deregister_node(name, incarnation or None, self._clock.now())
-        self._index.drop_node(name)
+        await self._index_feed.drop(name, removed + 1, self._clock.now())
         await self._publish(changes)
         return len(changes)
 
@@ -414,8 +422,9 @@ class Registry:
         self.stats.watchers_dropped += self._watchers.publish(changes)
 
     async def run_feed(self) -> None:
-        """What the change feed needs running (the Redis feed's reader), until cancelled."""
-        await self._feed.run()
+        """What the change feed and the index feed need running (the Redis feeds' readers),
+        until cancelled."""
+        await asyncio.gather(self._feed.run(), self._index_feed.run())
 
     # ---- block index -----------------------------------------------------------------------
 
@@ -455,7 +464,7 @@ class Registry:
                 reason=ErrorReason.NODE_INCARNATION_MISMATCH,
                 metadata={"node": node, "incarnation": str(known.incarnation)},
             )
-        result = self._index.apply(node, batches)
+        result = await self._index_feed.report(node, incarnation, batches)
         self.stats.event_batches += result.applied_batches
         self.stats.event_gaps += result.gap_detected
         self.stats.engine_restarts += result.engine_restarted
@@ -487,7 +496,13 @@ class Registry:
         """Apply every lapse up to now. The timer calls this; tests call it after a FakeClock step."""
         result = await self._store.expire_due(self._clock.now())
         for expired in result.nodes:
-            self._index.drop_node(expired.node.name)
+            try:
+                await self._index_feed.drop(
+                    expired.node.name, expired.node.incarnation + 1, self._clock.now()
+                )
+            except Unavailable as err:  # the expiry committed: its changes are published still
+                self.stats.feed_errors += 1
+                log.warning("index_feed.drop_failed", node=expired.node.name, error=err.message[:300])
             self.stats.expirations["node"] += 1
             log.info("node.expired", node=expired.node.name, retentions=len(expired.changes))
         for change in result.retentions:
