@@ -7,7 +7,7 @@ BUF := npx --yes @bufbuild/buf
 PROTOS := $(shell find proto -name '*.proto' | sort)
 GEN_OUT := services
 
-.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test unit demo bench clean
+.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test unit demo bench load clean
 
 help:
 	@echo "make demo   - real vLLM prefill/decode + kvshuttle: an agent session, TTFT with and without reuse"
@@ -17,6 +17,7 @@ help:
 	@echo "make vllm   - install the CPU build of vLLM into .venv-vllm (done by make test and demo)"
 	@echo "make proto  - regenerate Python code from proto/"
 	@echo "make bench  - run the benchmarks under bench/ (results in bench/results/)"
+	@echo "make load   - the bounded load run over stand-in engines (LOAD_ARGS=--full: 10k turns per configuration)"
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -88,6 +89,11 @@ bench: venv
 	$(BIN)/python bench/router_bench.py
 	$(BIN)/python bench/gateway_added_latency.py
 	$(BIN)/python -m bench.nixl_read
+
+# Gateway -> router -> registry (memory, Redis with 1 and 2 replicas) over stand-in engines, at
+# increasing rates; needs redis-server. A few minutes; LOAD_ARGS=--full for 10k turns each.
+load: venv
+	$(BIN)/python -m bench.load $(LOAD_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

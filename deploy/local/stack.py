@@ -9,6 +9,9 @@ tools that call the services directly.
     with VllmPair(model_dir) as pair, KvshuttleStack(pair, work_dir=...) as stack:
         stack.gateway_url  # OpenAI-compatible, conversation-aware
 
+The pair is anything shaped like `VllmPair` (`EnginePair`): real vLLM, or the stand-in engines
+of deploy/local/standin.py (no model; pools off).
+
 The registry keeps its state in memory (the default) or, with `registry_store="redis"`, in a
 `redis-server` the stack starts first on loopback (deploy/local/redis.py: its own port and
 directory under `work_dir/redis`, AOF on) and stops last; `stack.redis` is that server
@@ -30,11 +33,11 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal, Protocol, Self
 
 import grpc
 
-from deploy.local.launch import VllmEngine, VllmPair, free_ports, kill_process, stop_process
+from deploy.local.launch import free_ports, kill_process, stop_process
 from deploy.local.models import kv_bytes_per_token, model_facts
 from deploy.local.redis import RedisServer
 from kvshuttle.registry.v1 import registry_service_pb2 as rpb
@@ -48,6 +51,43 @@ REGISTRY_STORES: tuple[RegistryStore, ...] = ("memory", "redis")
 
 def _quiet(_: str) -> None:
     pass
+
+
+class EngineSpecLike(Protocol):
+    @property
+    def role(self) -> Literal["prefill", "decode"]: ...
+
+
+class Engine(Protocol):
+    """What the stack reads of one engine (deploy.local.launch.VllmEngine, or a stand-in)."""
+
+    @property
+    def spec(self) -> EngineSpecLike: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def url(self) -> str: ...
+    @property
+    def events_endpoint(self) -> str: ...
+    @property
+    def replay_endpoint(self) -> str: ...
+    @property
+    def side_channel(self) -> tuple[str, int]: ...
+
+
+class EnginePair(Protocol):
+    """What the stack reads of its engines (deploy.local.launch.VllmPair, or StandinPair)."""
+
+    @property
+    def model_dir(self) -> Path: ...
+    @property
+    def prefill(self) -> Engine: ...
+    @property
+    def decode(self) -> Engine: ...
+    @property
+    def engines(self) -> tuple[Engine, Engine]: ...
 
 
 class Service:
@@ -89,7 +129,7 @@ class Service:
 class KvshuttleStack:
     def __init__(
         self,
-        pair: VllmPair,
+        pair: EnginePair,
         *,
         work_dir: Path,
         profile: Mapping[str, Any],
@@ -185,7 +225,7 @@ class KvshuttleStack:
         self.agents = self._agents(extra.get("agent", {}))
 
     def _agents(self, extra: Mapping[str, str]) -> tuple[Service, Service]:
-        def agent(engine: VllmEngine, listen: str, metrics_port: int) -> Service:
+        def agent(engine: Engine, listen: str, metrics_port: int) -> Service:
             host, side_port = engine.side_channel
             return Service(f"agent-{engine.name}", "kvshuttle.agent.main", _prefixed("KVSHUTTLE_AGENT_", {
                 "TELEMETRY__LOG_FORMAT": "json", "SERVER__LISTEN": listen,
