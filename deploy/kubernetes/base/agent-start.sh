@@ -6,7 +6,7 @@
 set -eu
 until [ -s "$KVSHUTTLE_ENGINE_ID_FILE" ]; do sleep 1; done
 engine_id=$(cat "$KVSHUTTLE_ENGINE_ID_FILE")
-KVSHUTTLE_AGENT_NODE__ENGINE_ID="$engine_id" "${KVSHUTTLE_AGENT_COMMAND:-kvshuttle-agent}" &
+KVSHUTTLE_AGENT_NODE__ENGINE_ID="$engine_id" "${AGENT_COMMAND:-kvshuttle-agent}" &
 agent=$!
 trap 'kill -TERM "$agent" 2>/dev/null || true' TERM INT
 while kill -0 "$agent" 2>/dev/null; do
@@ -15,7 +15,7 @@ while kill -0 "$agent" 2>/dev/null; do
     kill -TERM "$agent" 2>/dev/null || true
     break
   fi
-  sleep "${KVSHUTTLE_ENGINE_ID_POLL_S:-2}" &
+  sleep "${ENGINE_ID_POLL_S:-2}" &
   wait $! || true
 done
 status=0

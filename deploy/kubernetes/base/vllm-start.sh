@@ -9,5 +9,5 @@ engine_id="${POD_NAME}-${suffix}"
 printf '%s\n' "$engine_id" >"${KVSHUTTLE_ENGINE_ID_FILE}.tmp"
 mv "${KVSHUTTLE_ENGINE_ID_FILE}.tmp" "$KVSHUTTLE_ENGINE_ID_FILE"
 kv_transfer_config=$(printf '%s' "$KV_TRANSFER_CONFIG" | sed "s/@ENGINE_ID@/${engine_id}/g")
-exec "${VLLM_PYTHON:-python3}" -m vllm.entrypoints.openai.api_server "$@" \
+exec "${ENGINE_PYTHON:-python3}" -m vllm.entrypoints.openai.api_server "$@" \
   --kv-transfer-config "$kv_transfer_config"

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,9 +51,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         with _channel(args) as channel:
-            answer = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            check = channel.unary_unary(
+                "/grpc.health.v1.Health/Check",
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=health_pb2.HealthCheckResponse.FromString,
             )
+            answer = check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
     except grpc.RpcError as err:
         print(f"grpc_probe: {args.address}: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1
