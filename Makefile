@@ -7,13 +7,14 @@ BUF := npx --yes @bufbuild/buf
 PROTOS := $(shell find proto -name '*.proto' | sort)
 GEN_OUT := services
 
-.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test unit demo bench load clean
+.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test unit deploy-check demo bench load clean
 
 help:
 	@echo "make demo   - real vLLM prefill/decode + kvshuttle: an agent session, TTFT with and without reuse"
 	@echo "              REGISTRY_STORE=redis: the registry's state in a local redis-server (apt-get install redis-server)"
 	@echo "make demo-registry - the registry alone, driven by the kvshuttle CLI"
-	@echo "make test   - buf lint/format, generated-code freshness, ruff, import layers, mypy, pytest (real vLLM included)"
+	@echo "make test   - buf lint/format, generated-code freshness, ruff, import layers, mypy, deploy-check, pytest (real vLLM included)"
+	@echo "make deploy-check - render the Kubernetes overlays (kubectl kustomize), validate them (Kubernetes 1.32, strict), test them"
 	@echo "make vllm   - install the CPU build of vLLM into .venv-vllm (done by make test and demo)"
 	@echo "make proto  - regenerate Python code from proto/"
 	@echo "make bench  - run the benchmarks under bench/ (results in bench/results/)"
@@ -73,7 +74,14 @@ typecheck: venv
 unit: venv
 	$(BIN)/pytest -q
 
-test: lint proto-check typecheck vllm unit
+# The Kubernetes manifests (deploy/kubernetes): each overlay rendered offline by kubectl's
+# kustomize, every object validated strictly against Kubernetes 1.32's schema, then the test
+# of what the rendered objects must hold (also part of `unit`).
+deploy-check: venv
+	$(BIN)/python -m deploy.kubernetes.check
+	$(BIN)/pytest -q tests/deploy/test_kubernetes_manifests.py
+
+test: lint proto-check typecheck deploy-check vllm unit
 
 # REGISTRY_STORE=memory|redis (default: memory, or $$KVSHUTTLE_DEMO_REGISTRY_STORE): where the registry keeps its state.
 demo: venv vllm

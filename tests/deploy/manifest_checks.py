@@ -1,0 +1,300 @@
+"""Checks of rendered Kubernetes objects (deploy/kubernetes), each a function returning the
+problems it finds (empty: none), so that test_kubernetes_manifests.py can show each one catching
+a broken object as well as passing the real ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from tests.deploy import manifests as m
+
+REPO = Path(__file__).resolve().parents[2]
+ENGINE_COMPONENTS = ("prefill", "decode")
+GRPC_PORTS = {"registry": 50051, "router": 50061, "agent": 50071}
+# Containers that may write their root filesystem: vLLM and its kernels write compile caches
+# beside their packages.
+WRITABLE_ROOT = frozenset({"vllm"})
+PROBE = "/opt/kvshuttle/grpc_probe.py"
+Objects = list[dict[str, Any]]
+
+
+def engines(objects: Objects) -> list[m.Workload]:
+    return [w for w in m.workloads(objects) if w.component in ENGINE_COMPONENTS]
+
+
+def service_workload(objects: Objects, role: str) -> m.Workload:
+    (found,) = [w for w in m.workloads(objects) if w.component == role]
+    return found
+
+
+def flag(args: list[str], name: str) -> str:
+    values = [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
+    assert len(values) == 1, f"--{name} given {len(values)} times"
+    return values[0]
+
+
+def port_of(endpoint: str) -> int:
+    return int(endpoint.rstrip("/").rsplit(":", 1)[1])
+
+
+def profile() -> dict[str, Any]:
+    (only,) = tomllib.loads((REPO / "deploy/kubernetes/base/profiles.toml").read_text())["profile"]
+    return dict(only)
+
+
+# --- the checks ----------------------------------------------------------------------------------
+
+
+def sidecar_problems(objects: Objects) -> list[str]:
+    """Each engine pod: vLLM plus the agent, configured alike (ports, model, block size, the
+    side-channel host from the pod IP, a fresh engine id per start, the KV-transfer settings
+    kvshuttle relies on)."""
+    problems = []
+    router = m.env(service_workload(objects, "router").container("router"), objects)
+    gateway = m.env(service_workload(objects, "gateway").container("gateway"), objects)
+    models = json.loads(gateway["KVSHUTTLE_GATEWAY_MODELS"])
+    for w in engines(objects):
+        names = sorted(c["name"] for c in w.containers())
+        if names != ["agent", "vllm"]:
+            problems.append(f"{w.name}: containers {names}, want vllm and its agent")
+            continue
+        vllm, agent = w.container("vllm"), w.container("agent")
+        v, a = m.env(vllm, objects), m.env(agent, objects)
+        args = vllm["args"]
+        kv = json.loads(v["KV_TRANSFER_CONFIG"])
+        extra = kv["kv_connector_extra_config"]
+        events = json.loads(flag(args, "kv-events-config"))
+        pod_ip = m.SAMPLE_FIELDS["status.podIP"]
+        want = {
+            "NODE__ROLE": (a["KVSHUTTLE_AGENT_NODE__ROLE"], w.component),
+            "NODE__NAME is the pod's": (a["KVSHUTTLE_AGENT_NODE__NAME"], m.SAMPLE_FIELDS["metadata.name"]),
+            "NODE__HTTP_ENDPOINT": (
+                a["KVSHUTTLE_AGENT_NODE__HTTP_ENDPOINT"],
+                f"http://{pod_ip}:{flag(args, 'port')}",
+            ),
+            "side-channel host (vLLM)": (v["VLLM_NIXL_SIDE_CHANNEL_HOST"], pod_ip),
+            "side-channel host (agent)": (a["KVSHUTTLE_AGENT_NODE__SIDE_CHANNEL_HOST"], pod_ip),
+            "side-channel port": (
+                a["KVSHUTTLE_AGENT_NODE__SIDE_CHANNEL_PORT"],
+                v["VLLM_NIXL_SIDE_CHANNEL_PORT"],
+            ),
+            "pool serve host": (a["KVSHUTTLE_AGENT_POOL__SERVE_HOST"], pod_ip),
+            "agent endpoint": (a["KVSHUTTLE_AGENT_NODE__AGENT_ENDPOINT"], f"{pod_ip}:{GRPC_PORTS['agent']}"),
+            "block size": (a["KVSHUTTLE_AGENT_NODE__BLOCK_SIZE"], flag(args, "block-size")),
+            "model": (a["KVSHUTTLE_AGENT_NODE__MODEL"], flag(args, "served-model-name")),
+            "model (router profile)": (profile()["model"], flag(args, "served-model-name")),
+            "model (gateway)": (sorted(models), [flag(args, "served-model-name")]),
+            "KV bytes per token": (
+                int(a["KVSHUTTLE_AGENT_NODE__KV_BYTES_PER_TOKEN"]),
+                profile()["kv_bytes_per_token"],
+            ),
+            "events endpoint": (
+                a["KVSHUTTLE_AGENT_EVENTS__ENDPOINT"],
+                events["endpoint"].replace("*", "127.0.0.1"),
+            ),
+            "replay endpoint": (
+                a["KVSHUTTLE_AGENT_EVENTS__REPLAY_ENDPOINT"],
+                events["replay_endpoint"].replace("*", "127.0.0.1"),
+            ),
+            "events topic": (a["KVSHUTTLE_AGENT_EVENTS__TOPIC"], events["topic"]),
+            "events on": (events["enable_kv_cache_events"], True),
+            "connector": (kv["kv_connector"], "NixlConnector"),
+            "engine id drawn at start": (kv["engine_id"], "@ENGINE_ID@"),
+            "bidirectional_kv_xfer": (extra["bidirectional_kv_xfer"], True),
+            "decoder_kv_blocks_ttl = router's": (
+                extra["decoder_kv_blocks_ttl"],
+                float(router["KVSHUTTLE_ROUTER_POLICY__DECODER_KV_BLOCKS_TTL_S"]),
+            ),
+            "kv_recompute_threshold = profile's min_reuse_tokens": (
+                extra["kv_recompute_threshold"],
+                profile()["min_reuse_tokens"],
+            ),
+            "kv_load_failure_policy": (
+                kv.get("kv_load_failure_policy"),
+                "recompute" if w.component == "prefill" else None,
+            ),
+            "engine id file": (a["KVSHUTTLE_ENGINE_ID_FILE"], v["KVSHUTTLE_ENGINE_ID_FILE"]),
+            "UCX ports": (a["UCX_TCP_PORT_RANGE"], v["UCX_TCP_PORT_RANGE"]),
+        }
+        problems += [
+            f"{w.name}: {what}: {got!r} != {expected!r}"
+            for what, (got, expected) in want.items()
+            if got != expected
+        ]
+        # The engine id file lives on a volume both containers mount, at the same place.
+        shared = {mt["name"] for mt in vllm["volumeMounts"]} & {mt["name"] for mt in agent["volumeMounts"]}
+        id_dir = str(Path(v["KVSHUTTLE_ENGINE_ID_FILE"]).parent)
+        if not any(mt["mountPath"] == id_dir and mt["name"] in shared for mt in agent["volumeMounts"]):
+            problems.append(f"{w.name}: the agent does not share {id_dir} with vLLM")
+        if "KVSHUTTLE_AGENT_NODE__ENGINE_ID" in a:
+            problems.append(f"{w.name}: a fixed engine id; agent-start.sh sets the one vLLM drew")
+    return problems
+
+
+def probe_problems(objects: Objects, overlay: str) -> list[str]:
+    problems = []
+    for w in m.workloads(objects):
+        for c in w.containers():
+            where = f"{w.name}/{c['name']}"
+            for kind in ("readinessProbe", "livenessProbe"):
+                probe = c.get(kind)
+                if probe is None:
+                    problems.append(f"{where}: no {kind}")
+                    continue
+                role = "agent" if c["name"] == "agent" else w.component
+                if role in GRPC_PORTS:
+                    problems += grpc_probe_problems(where, kind, probe, GRPC_PORTS[role], overlay)
+                elif probe.get("httpGet", {}).get("path") != "/health":
+                    problems.append(f"{where}: {kind} is not an HTTP GET of /health: {probe}")
+            if c["name"] == "vllm" and "startupProbe" not in c:
+                problems.append(f"{where}: no startupProbe (loading weights takes minutes)")
+    return problems
+
+
+def grpc_probe_problems(where: str, kind: str, probe: dict[str, Any], port: int, overlay: str) -> list[str]:
+    if overlay == "dev":  # plaintext: the kubelet's own gRPC health check
+        return [] if probe.get("grpc", {}).get("port") == port else [f"{where}: {kind} is not grpc on {port}"]
+    command = probe.get("exec", {}).get("command", [])
+    if PROBE not in command or f"127.0.0.1:{port}" not in command or "--cert" not in command:
+        return [f"{where}: {kind} is not the mTLS exec probe of port {port}: {probe}"]
+    return []
+
+
+def security_problems(objects: Objects) -> list[str]:
+    problems = []
+    for w in m.workloads(objects):
+        pod = w.spec.get("securityContext", {})
+        if w.spec.get("automountServiceAccountToken") is not False:
+            problems.append(f"{w.name}: mounts a service account token it never uses")
+        for c in w.containers():
+            where = f"{w.name}/{c['name']}"
+            sc = {**pod, **c.get("securityContext", {})}
+            if sc.get("runAsNonRoot") is not True or not sc.get("runAsUser"):
+                user = (sc.get("runAsNonRoot"), sc.get("runAsUser"))
+                problems.append(f"{where}: may run as root (runAsNonRoot, runAsUser: {user})")
+            if sc.get("allowPrivilegeEscalation") is not False:
+                problems.append(f"{where}: allowPrivilegeEscalation is not false")
+            if sc.get("capabilities", {}).get("drop") != ["ALL"]:
+                problems.append(f"{where}: does not drop all capabilities")
+            if sc.get("seccompProfile", {}).get("type") != "RuntimeDefault":
+                problems.append(f"{where}: no RuntimeDefault seccomp profile")
+            if c["name"] not in WRITABLE_ROOT and sc.get("readOnlyRootFilesystem") is not True:
+                problems.append(f"{where}: root filesystem writable")
+    return problems
+
+
+def image_problems(objects: Objects) -> list[str]:
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    problems = []
+    for w in m.workloads(objects):
+        for c in w.containers():
+            image = c["image"]
+            name, _, digest = image.partition("@")
+            repo, _, tag = name.rpartition(":") if ":" in name.rsplit("/", 1)[-1] else (name, "", "")
+            if not tag or tag == "latest":
+                problems.append(f"{w.name}/{c['name']}: image {image} has no version tag")
+            if digest and not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
+                problems.append(f"{w.name}/{c['name']}: digest {digest} is not sha256:<64 hex>")
+            if repo.endswith("/kvshuttle") and tag != version:
+                problems.append(f"{w.name}/{c['name']}: kvshuttle image {tag}, the project is {version}")
+    return problems
+
+
+def resource_problems(objects: Objects) -> list[str]:
+    problems = []
+    for w in m.workloads(objects):
+        for c in w.containers():
+            requests = c.get("resources", {}).get("requests", {})
+            if not {"cpu", "memory"} <= requests.keys():
+                problems.append(f"{w.name}/{c['name']}: requests {requests}, want cpu and memory")
+            if "memory" not in c.get("resources", {}).get("limits", {}):
+                problems.append(f"{w.name}/{c['name']}: no memory limit")
+            if c["name"] == "vllm" and "nvidia.com/gpu" not in requests:
+                problems.append(f"{w.name}/vllm: requests no GPU")
+    return problems
+
+
+def pdb_problems(objects: Objects) -> list[str]:
+    problems = []
+    pdbs = m.find(objects, "PodDisruptionBudget")
+    for w in m.workloads(objects):
+        covering = [p for p in pdbs if m.selects(p["spec"]["selector"], w.labels)]
+        if w.replicas > 1 and not covering:
+            problems.append(f"{w.name}: {w.replicas} replicas and no PodDisruptionBudget")
+        for p in covering:
+            spec = p["spec"]
+            if "minAvailable" in spec and int(spec["minAvailable"]) >= w.replicas:
+                problems.append(f"{w.name}: PodDisruptionBudget {p['metadata']['name']} never lets a pod go")
+    return problems
+
+
+def secret_problems(objects: Objects) -> list[str]:
+    """Secrets reach containers only through Secret references: a secret setting (SecretStr)
+    from a secretKeyRef, a file setting that holds one (tokens, keys, API keys) under a mounted
+    Secret or certificate volume; the Redis URL (its password) from a Secret; no literal."""
+    problems = []
+    file_fields = {"tokens_file", "token_file", "api_keys_file", "private_key", "tls_key_file"}
+    for w in m.workloads(objects):
+        for c in w.containers():
+            refs = m.secret_refs(c)
+            mounts = m.secret_mounts(w, c)
+            for name, value in m.env(c, objects).items():
+                field = m.setting_field(name)
+                if field is None:
+                    continue
+                _, path, annotation = field
+                where = f"{w.name}/{c['name']} {name}"
+                if (m.is_secret(annotation) or path == ["redis", "url"]) and name not in refs:
+                    problems.append(f"{where}: a secret set in the manifest, not from a Secret")
+                if path[-1] in file_fields and not any(value.startswith(f"{p}/") for p in mounts):
+                    problems.append(f"{where}: {value} is not on a mounted Secret")
+    for cm in m.find(objects, "ConfigMap"):
+        for key in m.data_of(cm):
+            if re.search(r"token|password|secret|key\b", key, re.IGNORECASE):
+                problems.append(f"ConfigMap {cm['metadata']['name']}: {key} looks like a secret")
+    return problems
+
+
+def settings_problems(objects: Objects, tmp_path: Path, monkeypatch: Any) -> list[str]:
+    """Every KVSHUTTLE_* variable names a real settings field, and each service's settings load
+    from its container's environment as rendered (values validated as the service would)."""
+    problems = []
+    for w in m.workloads(objects):
+        for c in w.containers():
+            environment = m.env(c, objects)
+            for name in environment:
+                service = any(name.startswith(prefix) for prefix in m.SETTINGS)
+                if service and m.setting_field(name) is None:
+                    problems.append(f"{w.name}/{c['name']}: {name} is no setting of the service")
+            prefixes = {p for p in m.SETTINGS if any(k.startswith(p) for k in environment)}
+            for prefix in prefixes:
+                problems += _load(w, c, prefix, environment, tmp_path, monkeypatch)
+    return problems
+
+
+def _load(
+    w: m.Workload, c: dict[str, Any], prefix: str, environment: dict[str, str], tmp: Path, mp: Any
+) -> list[str]:
+    with mp.context() as patch:
+        for name in [k for k in os.environ if k.startswith("KVSHUTTLE_")]:
+            patch.delenv(name)
+        for name, value in environment.items():
+            if not name.startswith(prefix) or m.setting_field(name) is None:
+                continue
+            if name.endswith("API_KEYS_FILE"):  # read while the settings load: a stand-in file
+                (tmp / "api-keys.json").write_text("{}")
+                patch.setenv(name, str(tmp / "api-keys.json"))
+            else:
+                patch.setenv(name, value)
+        if prefix == "KVSHUTTLE_AGENT_":  # agent-start.sh sets it from the id vLLM drew
+            patch.setenv("KVSHUTTLE_AGENT_NODE__ENGINE_ID", "kvshuttle-vllm-decode-0-0a1b2c3d")
+        try:
+            m.SETTINGS[prefix]()
+        except ValueError as exc:
+            return [f"{w.name}/{c['name']}: {m.SETTINGS[prefix].__name__} does not load: {exc}"]
+    return []
