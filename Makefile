@@ -7,7 +7,7 @@ BUF := npx --yes @bufbuild/buf
 PROTOS := $(shell find proto -name '*.proto' | sort)
 GEN_OUT := services
 
-.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test unit demo bench clean
+.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test unit demo bench chaos clean
 
 help:
 	@echo "make demo   - real vLLM prefill/decode + kvshuttle: an agent session, TTFT with and without reuse"
@@ -17,6 +17,8 @@ help:
 	@echo "make vllm   - install the CPU build of vLLM into .venv-vllm (done by make test and demo)"
 	@echo "make proto  - regenerate Python code from proto/"
 	@echo "make bench  - run the benchmarks under bench/ (results in bench/results/)"
+	@echo "make chaos  - the chaos suite: faults under a conversation workload on real vLLM (table and"
+	@echo "              bench/results/chaos-*.json; CHAOS_MARKERS='chaos and not slow' skips the engine restart)"
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -88,6 +90,11 @@ bench: venv
 	$(BIN)/python bench/router_bench.py
 	$(BIN)/python bench/gateway_added_latency.py
 	$(BIN)/python -m bench.nixl_read
+
+# Every scenario, then its table; the JSON report is kept with the benchmarks' results.
+CHAOS_MARKERS ?= chaos
+chaos: venv vllm
+	KVSHUTTLE_RESULTS_DIR=bench/results $(BIN)/pytest -q -m "$(CHAOS_MARKERS)" tests/chaos
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
