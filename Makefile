@@ -7,7 +7,7 @@ BUF := npx --yes @bufbuild/buf
 PROTOS := $(shell find proto -name '*.proto' | sort)
 GEN_OUT := services
 
-.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test unit deploy-check demo bench load clean
+.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test unit deploy-check demo bench load chaos clean
 
 help:
 	@echo "make demo   - real vLLM prefill/decode + kvshuttle: an agent session, TTFT with and without reuse"
@@ -19,6 +19,8 @@ help:
 	@echo "make proto  - regenerate Python code from proto/"
 	@echo "make bench  - run the benchmarks under bench/ (results in bench/results/)"
 	@echo "make load   - the bounded load run over stand-in engines (LOAD_ARGS=--full: 10k turns per configuration)"
+	@echo "make chaos  - the chaos suite: faults under a conversation workload on real vLLM (table and"
+	@echo "              bench/results/chaos-*.json; CHAOS_MARKERS='chaos and not slow' skips the engine restart)"
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -102,6 +104,11 @@ bench: venv
 # increasing rates; needs redis-server. A few minutes; LOAD_ARGS=--full for 10k turns each.
 load: venv
 	$(BIN)/python -m bench.load $(LOAD_ARGS)
+
+# Every scenario, then its table; the JSON report is kept with the benchmarks' results.
+CHAOS_MARKERS ?= chaos
+chaos: venv vllm
+	KVSHUTTLE_RESULTS_DIR=bench/results $(BIN)/pytest -q -m "$(CHAOS_MARKERS)" tests/chaos
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real registry gRPC server on 127.0.0.1 port 0, on a fake clock."""
+"""Shared fixtures: a real registry gRPC server on 127.0.0.1 port 0, on a fake clock; the
+session's real vLLM pair (tests/vllm_session.py), one for the e2e and the chaos tests alike."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 from tests.clock import FakeClock
+from tests.vllm_session import vllm_model, vllm_pair
 
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RegistrySettings
@@ -19,6 +21,9 @@ from kvshuttle.registry.registry import Registry
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as pb_grpc
 from kvshuttle.serving.server import GrpcServer
 from kvshuttle.serving.settings import ServerSettings
+
+# Session fixtures defined elsewhere, offered to every test directory from here.
+__all__ = ["vllm_model", "vllm_pair"]
 
 
 @dataclass

@@ -17,6 +17,15 @@ The registry keeps its state in memory (the default) or, with `registry_store="r
 directory under `work_dir/redis`, AOF on) and stops last; `stack.redis` is that server
 (`stack.kill("redis")` / `stack.restart("redis")` crash and restart it on its AOF).
 
+Replicas: `registry_replicas=N` (Redis store only: the replicas share its state) and
+`router_replicas=M` start N registry and M router processes, named `registry-0`, ... and
+`router-0`, ... (one replica keeps the plain name, "registry" / "router"). The routers and the
+gateway call the comma-list of every replica of the service they call (client-side round robin
+with failover, kvshuttle.client.channel); each agent calls one registry replica (agent i:
+replica i mod N), since the block index is still each registry process's own. The routers share
+one turn-signing key, so any replica commits a turn another planned. `stack.registry` /
+`stack.router` and `registry_addr` / `router_addr` are the first replica's.
+
 Used by `make demo`, the end-to-end tests and bench/e2e_vllm.py.
 """
 
@@ -30,10 +39,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Protocol, Self
+from typing import Any, Literal, Protocol, Self, TypeVar
 
 import grpc
 
@@ -47,6 +56,7 @@ HOST = "127.0.0.1"
 Progress = Callable[[str], None]
 RegistryStore = Literal["memory", "redis"]
 REGISTRY_STORES: tuple[RegistryStore, ...] = ("memory", "redis")
+_T = TypeVar("_T")
 
 
 def _quiet(_: str) -> None:
@@ -140,9 +150,10 @@ class KvshuttleStack:
         progress: Progress = _quiet,
         extra_env: Mapping[str, Mapping[str, str]] | None = None,
         registry_store: RegistryStore = "memory",
+        registry_replicas: int = 1,
+        router_replicas: int = 1,
     ) -> None:
-        if registry_store not in REGISTRY_STORES:
-            raise ValueError(f"registry_store must be one of {REGISTRY_STORES}, not {registry_store!r}")
+        _check_topology(registry_store, registry_replicas, router_replicas)
         self.pair = pair
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -154,14 +165,27 @@ class KvshuttleStack:
         # one NIXL region per attention layer.
         self.pool_bytes = pool_bytes
         self._pool_regions = model_facts(pair.model_dir, dtype="float32").layers
-        ports = free_ports(10)  # the tenth: the Redis store's server, if any
-        self.registry_addr = f"{HOST}:{ports[0]}"
-        self.router_addr = f"{HOST}:{ports[1]}"
+        # The tenth: the Redis store's server, if any; then each further replica's listen and
+        # metrics ports (one call, so no port is drawn twice).
+        ports = free_ports(10 + 2 * (registry_replicas - 1) + 2 * (router_replicas - 1))
+        more = iter(ports[10:])
+        registry_ports = _replica_ports(ports[0], registry_replicas, more)
+        router_ports = _replica_ports(ports[1], router_replicas, more)
+        registry_metrics = _replica_ports(ports[5], registry_replicas, more)
+        router_metrics = _replica_ports(ports[6], router_replicas, more)
+        self.registry_addrs = tuple(f"{HOST}:{port}" for port in registry_ports)
+        self.router_addrs = tuple(f"{HOST}:{port}" for port in router_ports)
+        self.registry_addr = self.registry_addrs[0]
+        self.router_addr = self.router_addrs[0]
         self.gateway_url = f"http://{HOST}:{ports[2]}"
         # The gateway's HMAC key of the tenants' vLLM cache salts (tests derive a tenant's salt).
         self.cache_salt_key = os.urandom(24).hex()
         self.agent_addrs = (f"{HOST}:{ports[3]}", f"{HOST}:{ports[4]}")
-        self.metrics_ports = {"registry": ports[5], "router": ports[6]}
+        registry_names = _replica_names("registry", registry_replicas)
+        router_names = _replica_names("router", router_replicas)
+        self.metrics_ports = dict(zip(registry_names, registry_metrics, strict=True)) | dict(
+            zip(router_names, router_metrics, strict=True)
+        )
         self.agent_metrics_ports = (ports[7], ports[8])
         extra = extra_env or {}
         log = {"TELEMETRY__LOG_FORMAT": "json"}
@@ -183,38 +207,29 @@ class KvshuttleStack:
         if registry_store == "redis":
             shutil.rmtree(self.work_dir / "redis", ignore_errors=True)
             self.redis = RedisServer(self.work_dir / "redis", port=ports[9])
-        self.registry = registry_service(
-            listen=self.registry_addr,
-            log_dir=self.work_dir,
-            auth=registry_auth,
-            metrics_listen=f"{HOST}:{ports[5]}",
-            redis_url=None if self.redis is None else self.redis.url,
-            extra={**log, **extra.get("registry", {})},
+        self.registries = tuple(
+            registry_service(
+                listen=addr,
+                log_dir=self.work_dir,
+                auth=registry_auth,
+                metrics_listen=f"{HOST}:{metrics}",
+                redis_url=None if self.redis is None else self.redis.url,
+                extra={**log, **extra.get("registry", {})},
+                name=name,
+            )
+            for name, addr, metrics in zip(registry_names, self.registry_addrs, registry_metrics, strict=True)
         )
-        self.router = Service(
-            "router",
-            "kvshuttle.router.main",
-            _prefixed(
-                "KVSHUTTLE_ROUTER_",
-                {
-                    **log,
-                    "SERVER__LISTEN": self.router_addr,
-                    "REGISTRY__ADDRESS": self.registry_addr,
-                    "REGISTRY__TOKEN_FILE": str(self._tokens.file("router")),
-                    # The router orders the agents' NIXL moves (park, prefetch) with its own token.
-                    "AGENTS__TOKEN_FILE": str(self._tokens.file("router")),
-                    "PROFILES": json.dumps([dict(profile)]),
-                    "TURN_SIGNING_KEY": os.urandom(24).hex(),
-                    "POLICY__DECODER_KV_BLOCKS_TTL_S": str(decoder_kv_blocks_ttl),
-                    "TELEMETRY__METRICS_LISTEN": f"{HOST}:{ports[6]}",
-                    **router_auth,
-                    **extra.get("router", {}),
-                },
-            ),
-            self.work_dir,
-        )
+        self.registry = self.registries[0]
+        # Shared by the replicas: a turn planned by one is committed or aborted by any.
+        turn_signing_key = os.urandom(24).hex()
+        self.routers = tuple(
+            self._router(name, addr, metrics, profile, turn_signing_key, decoder_kv_blocks_ttl, router_auth,
+                         {**log, **extra.get("router", {})})
+            for name, addr, metrics in zip(router_names, self.router_addrs, router_metrics, strict=True)
+        )  # fmt: skip
+        self.router = self.routers[0]
         self.gateway = Service("gateway", "kvshuttle.gateway.main", _prefixed("KVSHUTTLE_GATEWAY_", {
-            **log, "LISTEN": f"{HOST}:{ports[2]}", "ROUTER__ADDRESS": self.router_addr,
+            **log, "LISTEN": f"{HOST}:{ports[2]}", "ROUTER__ADDRESS": ",".join(self.router_addrs),
             "ROUTER__TOKEN_FILE": str(self._tokens.file("gateway")), "CACHE_SALT_KEY": self.cache_salt_key,
             # The test models' template and added tokens are Hermes-style (deploy/vllm/make_model.py).
             "MODELS": json.dumps(
@@ -222,15 +237,49 @@ class KvshuttleStack:
             ),
             **extra.get("gateway", {})}),
             self.work_dir)  # fmt: skip
-        self.agents = self._agents(extra.get("agent", {}))
+        self._agent_extra = dict(extra.get("agent", {}))
+        self.agents = self._agents(self._agent_extra)
+
+    def _router(
+        self,
+        name: str,
+        listen: str,
+        metrics_port: int,
+        profile: Mapping[str, Any],
+        turn_signing_key: str,
+        decoder_kv_blocks_ttl: float,
+        auth: Mapping[str, str],
+        extra: Mapping[str, str],
+    ) -> Service:
+        return Service(
+            name,
+            "kvshuttle.router.main",
+            _prefixed(
+                "KVSHUTTLE_ROUTER_",
+                {
+                    "SERVER__LISTEN": listen,
+                    "REGISTRY__ADDRESS": ",".join(self.registry_addrs),
+                    "REGISTRY__TOKEN_FILE": str(self._tokens.file("router")),
+                    # The router orders the agents' NIXL moves (park, prefetch) with its own token.
+                    "AGENTS__TOKEN_FILE": str(self._tokens.file("router")),
+                    "PROFILES": json.dumps([dict(profile)]),
+                    "TURN_SIGNING_KEY": turn_signing_key,
+                    "POLICY__DECODER_KV_BLOCKS_TTL_S": str(decoder_kv_blocks_ttl),
+                    "TELEMETRY__METRICS_LISTEN": f"{HOST}:{metrics_port}",
+                    **auth,
+                    **extra,
+                },
+            ),
+            self.work_dir,
+        )
 
     def _agents(self, extra: Mapping[str, str]) -> tuple[Service, Service]:
-        def agent(engine: Engine, listen: str, metrics_port: int) -> Service:
+        def agent(engine: Engine, listen: str, metrics_port: int, registry: str) -> Service:
             host, side_port = engine.side_channel
             return Service(f"agent-{engine.name}", "kvshuttle.agent.main", _prefixed("KVSHUTTLE_AGENT_", {
                 "TELEMETRY__LOG_FORMAT": "json", "SERVER__LISTEN": listen,
                 "TELEMETRY__METRICS_LISTEN": f"{HOST}:{metrics_port}",
-                "REGISTRY__ADDRESS": self.registry_addr, "NODE__NAME": f"nodes/{engine.name}",
+                "REGISTRY__ADDRESS": registry, "NODE__NAME": f"nodes/{engine.name}",
                 "REGISTRY__TOKEN_FILE": str(self._tokens.file(self._agent_ids[engine.name])),
                 **self._agent_auth,
                 "NODE__ROLE": engine.spec.role, "NODE__ENGINE_ID": engine.engine_id,
@@ -243,9 +292,11 @@ class KvshuttleStack:
                 "ENGINE__POLL_INTERVAL": "0.5", **self._pool_env(), **extra}), self.work_dir)  # fmt: skip
 
         (p_metrics, d_metrics) = self.agent_metrics_ports
+        # One registry replica per agent, spread over the replicas (the block index is per process).
+        registries = self.registry_addrs
         return (
-            agent(self.pair.prefill, self.agent_addrs[0], p_metrics),
-            agent(self.pair.decode, self.agent_addrs[1], d_metrics),
+            agent(self.pair.prefill, self.agent_addrs[0], p_metrics, registries[0]),
+            agent(self.pair.decode, self.agent_addrs[1], d_metrics, registries[1 % len(registries)]),
         )
 
     def _pool_env(self) -> dict[str, str]:
@@ -267,23 +318,42 @@ class KvshuttleStack:
         """The node holding the conversation's retained KV now (`conversation`: its full name,
         tenants/{t}/conversations/{c}); "" when it holds none or the registry knows no such
         conversation (its first commit is not stored yet)."""
-        with grpc.insecure_channel(self.registry_addr) as channel:
-            try:
-                got = rpb_grpc.RegistryServiceStub(channel).GetConversation(
-                    rpb.GetConversationRequest(name=conversation), timeout=5, metadata=self.admin_metadata
+        got = self.conversation(conversation)
+        return got.retention.node if got is not None and got.HasField("retention") else ""
+
+    def conversation(self, name: str) -> rpb.Conversation | None:
+        """The registry's record of conversation `name` (its fence and live retention, if any);
+        None when it knows no such conversation. Asks the replicas in turn until one answers."""
+        try:
+            got = self._on_a_registry(
+                lambda stub: stub.GetConversation(
+                    rpb.GetConversationRequest(name=name), timeout=5, metadata=self.admin_metadata
                 )
-            except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.NOT_FOUND:
-                    return ""
-                raise
-        return got.conversation.retention.node if got.conversation.HasField("retention") else ""
+            )
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+        return got.conversation
+
+    def _on_a_registry(self, call: Callable[[rpb_grpc.RegistryServiceStub], _T]) -> _T:
+        """`call` on the first registry replica that is up (UNAVAILABLE: the next one)."""
+        for i, addr in enumerate(self.registry_addrs):
+            with grpc.insecure_channel(addr) as channel:
+                try:
+                    return call(rpb_grpc.RegistryServiceStub(channel))
+                except grpc.RpcError as err:
+                    if err.code() != grpc.StatusCode.UNAVAILABLE or i == len(self.registry_addrs) - 1:
+                        raise
+        raise AssertionError("unreachable: registry_addrs is never empty")
 
     @property
     def services(self) -> list[Service]:
-        return [self.registry, self.router, *self.agents, self.gateway]
+        return [*self.registries, *self.routers, *self.agents, self.gateway]
 
     def service(self, name: str) -> Service:
-        """The service called `name`: "registry", "router", "gateway", "agent-prefill", ..."""
+        """The service called `name`: "registry", "router", "gateway", "agent-prefill", ...
+        (with replicas: "registry-0", "router-1", ...)."""
         for service in self.services:
             if service.name == name:
                 return service
@@ -323,7 +393,8 @@ class KvshuttleStack:
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Until every service answers and both nodes are registered and healthy."""
         deadline = time.monotonic() + timeout
-        pending = {"registry": self.registry_addr, "router": self.router_addr}
+        replicas = zip(self.registries + self.routers, self.registry_addrs + self.router_addrs, strict=True)
+        pending = {service.name: addr for service, addr in replicas}
         while time.monotonic() < deadline:
             if self.redis is not None:
                 self.redis.check()
@@ -331,16 +402,18 @@ class KvshuttleStack:
                 service.check()
             pending = {name: addr for name, addr in pending.items() if not _grpc_ready(addr)}
             if not pending and _http_ready(f"{self.gateway_url}/health") and self._nodes_ready():
-                self.progress("kvshuttle is up: registry, router, two agents, gateway")
+                self.progress(f"kvshuttle is up: {', '.join(s.name for s in self.services)}")
                 return
             time.sleep(0.2)
         raise TimeoutError(f"kvshuttle services not ready in {timeout:.0f} s; logs in {self.work_dir}")
 
     def _nodes_ready(self) -> bool:
         try:
-            with grpc.insecure_channel(self.registry_addr) as channel:
-                stub = rpb_grpc.RegistryServiceStub(channel)
-                nodes = stub.ListNodes(rpb.ListNodesRequest(), timeout=2, metadata=self.admin_metadata).nodes
+            nodes = self._on_a_registry(
+                lambda stub: (
+                    stub.ListNodes(rpb.ListNodesRequest(), timeout=2, metadata=self.admin_metadata).nodes
+                )
+            )
         except grpc.RpcError:
             return False
         engines = {self.pair.prefill.engine_id, self.pair.decode.engine_id}
@@ -353,7 +426,7 @@ class KvshuttleStack:
         """After `pair.restart()` (new engine ids and ports), agents that follow the new engines."""
         for agent in self.agents:
             agent.stop()
-        self.agents = self._agents({})
+        self.agents = self._agents(self._agent_extra)
         for agent in self.agents:
             agent.start()
         self.wait_ready(timeout)
@@ -438,6 +511,23 @@ class _Tokens:
         table.write_text(json.dumps({identity: self.token(identity) for identity in grants}))
         table.chmod(0o600)
         return {"AUTH__IDENTITIES": json.dumps(grants), "AUTH__TOKENS_FILE": str(table)}
+
+
+def _check_topology(store: str, registry_replicas: int, router_replicas: int) -> None:
+    if store not in REGISTRY_STORES:
+        raise ValueError(f"registry_store must be one of {REGISTRY_STORES}, not {store!r}")
+    if registry_replicas < 1 or router_replicas < 1:
+        raise ValueError("registry_replicas and router_replicas must be at least 1")
+    if registry_replicas > 1 and store != "redis":
+        raise ValueError("registry replicas share their state through Redis: set registry_store='redis'")
+
+
+def _replica_ports(first: int, replicas: int, more: Iterator[int]) -> tuple[int, ...]:
+    return (first, *(next(more) for _ in range(replicas - 1)))
+
+
+def _replica_names(service: str, replicas: int) -> list[str]:
+    return [service] if replicas == 1 else [f"{service}-{i}" for i in range(replicas)]
 
 
 def _prefixed(prefix: str, env: Mapping[str, str]) -> dict[str, str]:

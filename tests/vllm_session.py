@@ -1,4 +1,5 @@
-"""The real vLLM pair (CPU build, tiny model), started once per pytest session.
+"""The real vLLM pair (CPU build, tiny model), started once per pytest session (offered by
+tests/conftest.py, so the e2e and the chaos tests share one).
 
 `vllm_pair` yields a started `deploy.local.launch.VllmPair` (prefill on core 0, decode on core 1;
 `pair.describe()` has every endpoint). It skips, saying why, when the vLLM venv is missing (run
