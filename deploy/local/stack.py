@@ -21,8 +21,8 @@ Replicas: `registry_replicas=N` (Redis store only: the replicas share its state)
 `router_replicas=M` start N registry and M router processes, named `registry-0`, ... and
 `router-0`, ... (one replica keeps the plain name, "registry" / "router"). The routers and the
 gateway call the comma-list of every replica of the service they call (client-side round robin
-with failover, kvshuttle.client.channel); each agent calls one registry replica (agent i:
-replica i mod N), since the block index is still each registry process's own. The routers share
+with failover, kvshuttle.client.channel), the agents too: any replica takes their KV events (the
+block index is fed to every replica from one Redis stream). The routers share
 one turn-signing key, so any replica commits a turn another planned. `stack.registry` /
 `stack.router` and `registry_addr` / `router_addr` are the first replica's.
 
@@ -292,11 +292,10 @@ class KvshuttleStack:
                 "ENGINE__POLL_INTERVAL": "0.5", **self._pool_env(), **extra}), self.work_dir)  # fmt: skip
 
         (p_metrics, d_metrics) = self.agent_metrics_ports
-        # One registry replica per agent, spread over the replicas (the block index is per process).
-        registries = self.registry_addrs
+        registries = ",".join(self.registry_addrs)
         return (
-            agent(self.pair.prefill, self.agent_addrs[0], p_metrics, registries[0]),
-            agent(self.pair.decode, self.agent_addrs[1], d_metrics, registries[1 % len(registries)]),
+            agent(self.pair.prefill, self.agent_addrs[0], p_metrics, registries),
+            agent(self.pair.decode, self.agent_addrs[1], d_metrics, registries),
         )
 
     def _pool_env(self) -> dict[str, str]:

@@ -160,7 +160,7 @@ def test_kill_an_agent_mid_turn(
 def test_kill_a_registry_replica(
     vllm_pair: VllmPair, tmp_path: Path, chaos_report: list[ScenarioResult]
 ) -> None:
-    """Two registry replicas on one Redis; registry-1 (the decode agent's) SIGKILLed for 6 s:
+    """Two registry replicas on one Redis; registry-1 SIGKILLed for 6 s:
     plans and commits go to registry-0, turns keep reusing, nothing retained is lost."""
     started = time.monotonic()
     with (
