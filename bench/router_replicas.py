@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -242,7 +243,7 @@ def main() -> None:
     report = asyncio.run(run(args))
     print(f"3 router replicas, {args.conversations} conversations x {args.turns} turns per mode")
     print(f"{'':34}" + "".join(f"{m:>16}" for m in MODES))
-    rows = [
+    rows: list[tuple[str, Callable[[dict[str, Any]], object]]] = [
         ("hint hit rate (turns 2+)", lambda r: r["hint_hit_rate"]),
         ("hint hit / miss / refused", lambda r: "/".join(str(v) for v in r["hint_outcomes"].values())),
         ("reuse plans (turns 2+)", lambda r: r["reuse_plans"]),
