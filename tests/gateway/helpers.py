@@ -20,8 +20,7 @@ from tests.gateway.fake_engine import FakeEngine
 from tests.router.helpers import MODEL, RouterEnv, heartbeat, node, seconds, start_router
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from kvshuttle.client.settings import ServiceConnection
-from kvshuttle.gateway.config import GatewaySettings, ModelSettings
+from kvshuttle.gateway.config import GatewaySettings, ModelSettings, RouterConnection
 from kvshuttle.gateway.main import GatewayServer
 from kvshuttle.gateway.tokenizer import ChatTokenizer
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
@@ -169,7 +168,7 @@ async def start_cluster(
         await register(registry, "nodes/d0", reg_pb.NODE_ROLE_DECODE, decode.url)
     settings = GatewaySettings(
         listen="127.0.0.1:0",
-        router=ServiceConnection(address=f"127.0.0.1:{router.server.port}", timeout=router_timeout),
+        router=RouterConnection(address=f"127.0.0.1:{router.server.port}", timeout=router_timeout),
         models={
             MODEL: ModelSettings(
                 tokenizer=model_dir, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser

@@ -91,6 +91,7 @@ def make_plan(
 @dataclass
 class Commit:
     turn: str
+    conversation: str  # what routes it to the replica that planned the turn
     token_ids: list[int]
     params: KvTransferParams | None
     timings: pb.TurnTimings
@@ -105,6 +106,7 @@ class FakeRouter:
     plans: dict[str, pb.PlanTurnResponse] = field(default_factory=dict)
     commits: list[Commit] = field(default_factory=list)
     aborts: list[tuple[str, str]] = field(default_factory=list)
+    abort_conversations: list[str] = field(default_factory=list)
     # Set: CommitTurn waits for it. A failure: CommitTurn raises it.
     commit_gate: asyncio.Event | None = None
     commit_failure: RouterFailure | None = None
@@ -132,6 +134,7 @@ class FakeRouter:
         self,
         turn: str,
         *,
+        conversation: str,
         token_ids: Iterable[int],
         decode_kv_transfer_params: KvTransferParams | None,
         timings: pb.TurnTimings,
@@ -141,13 +144,14 @@ class FakeRouter:
         self.log.append(f"commit {turn}")
         if self.commit_failure is not None:
             raise self.commit_failure
-        self.commits.append(Commit(turn, list(token_ids), decode_kv_transfer_params, timings))
+        self.commits.append(Commit(turn, conversation, list(token_ids), decode_kv_transfer_params, timings))
         retained = decode_kv_transfer_params is not None
         return pb.CommitTurnResponse(retention=f"{CONVERSATION}/retentions/1" if retained else "")
 
-    async def abort_turn(self, turn: str, *, reason: str) -> None:
+    async def abort_turn(self, turn: str, *, conversation: str, reason: str) -> None:
         self.log.append(f"abort {turn}")
         self.aborts.append((turn, reason))
+        self.abort_conversations.append(conversation)
 
 
 @dataclass
@@ -357,6 +361,7 @@ async def test_a_reuse_turn_hands_prefill_the_plans_params_and_streams_decode(en
     assert all("kv_transfer_params" not in c for c in sink.chunks)
 
     (commit,) = env.router.commits
+    assert commit.conversation == turn.conversation
     assert commit.token_ids == PROMPT + OUTPUT
     assert commit.params is not None and to_vllm(commit.params) == d_params()  # from the final chunk
     assert commit.timings.remote_cached_tokens == 32 == turn.remote_cached_tokens
@@ -376,6 +381,7 @@ async def test_a_failing_prefill_aborts_the_turn_and_reaches_no_decode(env: Env)
 
     assert raised.value.status == 502 and raised.value.code == "engine_error"
     assert env.router.aborts == [("turns/3", raised.value.message)]
+    assert env.router.abort_conversations == [turn.conversation]  # to the replica that planned it
     assert env.engines.requests["decode"] == [] and env.router.commits == []
     assert (turn.outcome, turn.settled) == ("engine_error", True)
     assert turn.prefill_s is not None and turn.decode_s is None
@@ -662,6 +668,7 @@ async def test_a_reuse_prefill_whose_retry_fails_too_is_the_engine_error(env: En
         FIRST_TURN_PARAMS,
     )
     assert env.router.aborts == [("turns/3", raised.value.message)]
+    assert env.router.abort_conversations == [turn.conversation]  # to the replica that planned it
     assert env.engines.requests["decode"] == [] and env.router.commits == []
     assert (turn.outcome, turn.fallback) == ("engine_error", "reuse_prefill_failed")
     assert env.log == ["plan r1", "prefill", "prefill", "abort turns/3"]

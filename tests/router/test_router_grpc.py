@@ -571,6 +571,29 @@ async def test_decisions_are_counted_by_reason(c: Cluster) -> None:
     assert c.a.metrics.get_sample_value("kvshuttle_rpc_total", rpc) == 2
 
 
+async def test_retention_hints_are_counted_hit_miss_and_refused_per_replica(c: Cluster) -> None:
+    def hints(env: RouterEnv) -> dict[str, float | None]:
+        return {
+            outcome: env.metrics.get_sample_value(
+                "kvshuttle_router_retention_hints_total", {"outcome": outcome}
+            )
+            for outcome in ("hit", "miss", "refused")
+        }
+
+    _, sequence = await c.turn(c.tokens(PROMPT), on=c.a)  # turn 1: nothing stored yet, a miss
+    prompt = sequence + c.tokens(100)
+    await c.turn(prompt, on=c.a)  # turn 2 on the replica that stored turn 1: a hit
+    assert hints(c.a) == {"hit": 1, "miss": 1, "refused": None}
+    # Turn 3 on the other replica: it stored nothing for the conversation and reads the registry.
+    third = await c.plan(prompt + c.tokens(OUTPUT) + c.tokens(50), on=c.b)
+    assert third.decision == pb.DECISION_REUSE
+    assert hints(c.b) == {"hit": None, "miss": 1, "refused": None}
+    # Back on the first replica, its hint (turn 2's retention) was consumed by turn 3's claim:
+    # refused, and planned again on the registry's word.
+    await c.plan(prompt + c.tokens(OUTPUT) + c.tokens(60), on=c.a)
+    assert hints(c.a) == {"hit": 1, "miss": 1, "refused": 1}
+
+
 async def test_one_log_line_per_rpc_names_the_turn_by_digest() -> None:
     log = JsonLog()
     registry = await start_registry()

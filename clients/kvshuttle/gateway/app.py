@@ -30,8 +30,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from kvshuttle.client import RouterClient
 from kvshuttle.core.digest import log_digest
+from kvshuttle.gateway.affinity import affinity_key
 from kvshuttle.gateway.background import BackgroundTasks
 from kvshuttle.gateway.config import DEFAULT_TENANT, GatewaySettings
 from kvshuttle.gateway.engines import EngineClient
@@ -118,10 +118,15 @@ class Gateway:
             if m.history == "exact_tokens"
         }
         self._keys = {_key_digest(key): tenant for key, tenant in settings.tenant_keys().items()}
-        key = settings.cache_salt_key
-        self._salts = CacheSalts.from_key(None if key is None else key.get_secret_value().encode())
+        key = None if settings.cache_salt_key is None else settings.cache_salt_key.get_secret_value().encode()
+        self._salts = CacheSalts.from_key(key)
         self._engines = EngineClient(settings.engines)
-        self._router = GrpcRouterPort(settings.router, tracer_provider=tracer_provider)
+        self._router = GrpcRouterPort(
+            settings.router,
+            tracer_provider=tracer_provider,
+            metrics=self._metrics,
+            affinity_key=affinity_key(key),
+        )
         self._background = BackgroundTasks()
         self._turns = TurnRunner(
             self._router,
@@ -161,9 +166,9 @@ class Gateway:
         await self._engines.close()
 
     @property
-    def router(self) -> RouterClient:
-        """The router's client, which the turn runner calls through GrpcRouterPort."""
-        return self._router.client
+    def router(self) -> GrpcRouterPort:
+        """The router port the turn runner calls (one client per replica with affinity)."""
+        return self._router
 
     async def settle(self) -> None:
         """Wait until no commit or abort is in flight (one may start another)."""

@@ -3,6 +3,8 @@
 
     KVSHUTTLE_GATEWAY_LISTEN=0.0.0.0:8080
     KVSHUTTLE_GATEWAY_ROUTER__ADDRESS=router:50061
+    KVSHUTTLE_GATEWAY_ROUTER__ADDRESS=router-0.router:50061,router-1.router:50061,router-2.router:50061
+    KVSHUTTLE_GATEWAY_ROUTER__AFFINITY=conversation         (the default for a list; or round_robin)
     KVSHUTTLE_GATEWAY_MODELS='{"Qwen/Qwen3-32B": "/models/qwen3-32b"}'
     KVSHUTTLE_GATEWAY_MODELS='{"qwen": {"tokenizer": "/models/qwen3-32b", "served_name": "Qwen/Qwen3-32B",
                                "tool_call_parser": "hermes", "reasoning_parser": "qwen3"}}'
@@ -34,6 +36,7 @@ from typing import Any, Literal, Self
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvshuttle.client.channel import ChannelOptions, grpc_target
 from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.limits import MAX_PROMPT_TOKENS
@@ -113,6 +116,58 @@ class EngineSettings(BaseModel):
     max_connections: int = Field(default=1024, ge=1)
 
 
+class RouterConnection(ServiceConnection):
+    """How the gateway reaches the router: one address, or several replicas.
+
+    With several, `affinity` "conversation" (the default for a list) sends each conversation's
+    turns to one replica, chosen by rendezvous hashing (kvshuttle.gateway.affinity), and to the
+    next-ranked replica while that one does not answer; each address is a channel of its own,
+    so the list may name hosts ("router-0.router:50061,router-1.router:50061", a StatefulSet's
+    pods). "round_robin": one channel balancing every call over the replicas (an IP list or one
+    "dns:///name:port"), as for any service. Affinity needs the replicas listed: one DNS name
+    stands for a set the gateway does not see, so it is refused with "conversation"."""
+
+    affinity: Literal["conversation", "round_robin"] | None = None
+    # A replica that did not answer is passed over this long, doubled per failure in a row up
+    # to failover_max_backoff_s; then the next call tries it again.
+    failover_backoff_s: float = Field(default=1.0, gt=0)
+    failover_max_backoff_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("address")
+    @classmethod
+    def _target(cls, value: str) -> str:
+        """Checked with the affinity (a list for conversation affinity may name hosts)."""
+        return value
+
+    @model_validator(mode="after")
+    def _addresses(self) -> Self:
+        replicas = self.replicas()
+        if replicas is None:
+            grpc_target(self.address)  # ValueError naming the fix for a list of host names
+        elif len(set(replicas)) != len(replicas) or not all(replicas):
+            raise ValueError(f"router.address lists a replica twice or an empty one: {self.address!r}")
+        elif any(":" not in r or "/" in r for r in replicas):
+            raise ValueError(
+                "router.address: conversation affinity needs each replica as host:port, "
+                f"not a DNS resolver target (got {self.address!r}); list the replicas instead"
+            )
+        if self.failover_max_backoff_s < self.failover_backoff_s:
+            raise ValueError("router: failover_max_backoff_s must be at least failover_backoff_s")
+        return self
+
+    def replicas(self) -> list[str] | None:
+        """The addresses a conversation is routed among (conversation affinity), or None when
+        calls go over one balanced channel (one address, or round_robin)."""
+        addresses = [a.strip() for a in self.address.split(",")]
+        if self.affinity == "round_robin" or (self.affinity is None and len(addresses) < 2):
+            return None
+        return addresses
+
+    def replica_options(self, address: str) -> ChannelOptions:
+        """One replica's channel: sent once per call, since the next replica is the retry."""
+        return self.model_copy(update={"address": address, "max_attempts": 1}).channel_options()
+
+
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVSHUTTLE_GATEWAY_",
@@ -125,7 +180,7 @@ class GatewaySettings(BaseSettings):
 
     # host:port of the OpenAI-compatible HTTP server.
     listen: str = "127.0.0.1:8080"
-    router: ServiceConnection = Field(default_factory=lambda: ServiceConnection(address="127.0.0.1:50061"))
+    router: RouterConnection = Field(default_factory=lambda: RouterConnection(address="127.0.0.1:50061"))
     engines: EngineSettings = Field(default_factory=EngineSettings)
     # Client-facing model name -> its tokenizer (at least one).
     models: dict[str, ModelSettings] = Field(default_factory=dict)

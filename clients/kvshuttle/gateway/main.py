@@ -87,6 +87,7 @@ class GatewayServer:
             listen=self.settings.listen,
             port=self.port,
             router=self.settings.router.address,
+            router_affinity="round_robin" if self.gateway.router.replicas is None else "conversation",
             models=sorted(self.settings.models),
             tenants=len(set(self.gateway._keys.values())),
             tokenizer_cache={name: t.cached for name, t in self.gateway.tokenizers.items()},

@@ -12,8 +12,11 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.
 class GatewayMetrics:
     """kvshuttle_gateway_requests_total{endpoint,status}, kvshuttle_gateway_added_seconds,
     kvshuttle_gateway_ttft_seconds, kvshuttle_gateway_turns_total{decision,reason},
-    kvshuttle_gateway_reused_tokens_total, kvshuttle_gateway_commits_total{outcome} and
-    kvshuttle_gateway_reuse_fallbacks_total{why}."""
+    kvshuttle_gateway_reused_tokens_total, kvshuttle_gateway_commits_total{outcome},
+    kvshuttle_gateway_reuse_fallbacks_total{why}, and with conversation affinity over router
+    replicas kvshuttle_gateway_router_picks_total{replica} and
+    kvshuttle_gateway_router_failovers_total{replica} (the replicas are the configured
+    addresses, so the labels are bounded)."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.requests = Counter(
@@ -56,5 +59,17 @@ class GatewayMetrics:
             "Reuse turns whose prefill was run again as a plain recompute, by why: "
             "reuse_prefill_timeout or reuse_prefill_failed.",
             ["why"],
+            registry=registry,
+        )
+        self.router_picks = Counter(
+            "kvshuttle_gateway_router_picks",
+            "Router calls by the replica that answered them (conversation affinity).",
+            ["replica"],
+            registry=registry,
+        )
+        self.router_failovers = Counter(
+            "kvshuttle_gateway_router_failovers",
+            "Router calls moved on to the next-ranked replica because this one did not answer.",
+            ["replica"],
             registry=registry,
         )

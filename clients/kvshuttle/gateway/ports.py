@@ -38,12 +38,16 @@ class RouterPort(Protocol):
         self,
         turn: str,
         *,
+        conversation: str,
         token_ids: Iterable[int],
         decode_kv_transfer_params: KvTransferParams | None,
         timings: pb.TurnTimings,
-    ) -> pb.CommitTurnResponse: ...
+    ) -> pb.CommitTurnResponse:
+        """CommitTurn of the turn `turn` (its handle) of `conversation` ("": none), which
+        routes it to the router replica that planned it."""
+        ...
 
-    async def abort_turn(self, turn: str, *, reason: str) -> None: ...
+    async def abort_turn(self, turn: str, *, conversation: str, reason: str) -> None: ...
 
 
 class EnginePort(Protocol):

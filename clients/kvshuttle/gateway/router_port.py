@@ -1,22 +1,49 @@
 """RouterPort over the router's gRPC client: the calls pass through as they are, and a failed
 call (KvshuttleRpcError) becomes a RouterFailure with the status's code name, the server's
-reason, message and field, which is all the turn and the client's error response use."""
+reason, message and field, which is all the turn and the client's error response use.
+
+Over several router replicas with conversation affinity (RouterConnection.replicas), there is
+one client per replica, and each call of a conversation goes to its replica by rendezvous
+(kvshuttle.gateway.affinity): plan, commit and abort alike, so the replica that planned a turn
+commits it and holds the next turn's hint. A replica that does not answer (UNAVAILABLE or
+DEADLINE_EXCEEDED from the transport, with no ErrorInfo: a status the router itself sends, such
+as NO_LIVE_NODE, is its answer) is marked down and the call goes to the next-ranked one, within
+the one deadline of `router.timeout`; when none answers, the failure goes to the turn, which
+then runs plain P->D (the gateway's degrade path). Every call is safe to send again: PlanTurn
+and CommitTurn carry one request id across the replicas tried (the claim a plan makes and the
+put a commit makes are idempotent in the registry by ids derived from them), and an abort of a
+settled turn is refused as such.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
+import structlog
 from opentelemetry.sdk.trace import TracerProvider
 
 from kvshuttle.client import KvshuttleRpcError, RouterClient
-from kvshuttle.client.settings import ServiceConnection
+from kvshuttle.client._base import new_request_id
 from kvshuttle.core.prototime import to_duration
+from kvshuttle.gateway.affinity import Replicas
+from kvshuttle.gateway.config import RouterConnection
 from kvshuttle.gateway.errors import RouterFailure
+from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
 __all__ = ["GrpcRouterPort"]
+
+T = TypeVar("T")
+Call = Callable[[RouterClient, float], Awaitable[T]]
+
+log = structlog.get_logger("kvshuttle.gateway")
+
+# What a replica that did not answer fails with; the router's own refusals carry a reason.
+_NOT_ANSWERED = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
 
 
 @asynccontextmanager
@@ -24,32 +51,95 @@ async def _failures() -> AsyncIterator[None]:
     try:
         yield
     except KvshuttleRpcError as err:
-        raise RouterFailure(err.code_name, err.message, reason=err.reason, field=err.field) from err
+        raise _failure(err) from err
+
+
+def _failure(err: KvshuttleRpcError) -> RouterFailure:
+    return RouterFailure(err.code_name, err.message, reason=err.reason, field=err.field)
 
 
 class GrpcRouterPort:
-    """`connect()` opens the channel (on the serving loop), `close()` ends it."""
+    """`connect()` opens the channels (on the serving loop), `close()` ends them."""
 
-    def __init__(self, connection: ServiceConnection, *, tracer_provider: TracerProvider) -> None:
+    def __init__(
+        self,
+        connection: RouterConnection,
+        *,
+        tracer_provider: TracerProvider,
+        metrics: GatewayMetrics,
+        affinity_key: bytes,
+    ) -> None:
         self._connection = connection
         self._provider = tracer_provider
-        self._client: RouterClient | None = None
+        self._metrics = metrics
+        addresses = connection.replicas()
+        self.replicas = (
+            None
+            if addresses is None
+            else Replicas(
+                addresses,
+                key=affinity_key,
+                backoff_s=connection.failover_backoff_s,
+                max_backoff_s=connection.failover_max_backoff_s,
+            )
+        )
+        self._clients: dict[str, RouterClient] = {}
 
     def connect(self) -> None:
-        self._client = RouterClient.connect(
-            self._connection.channel_options(), tracer_provider=self._provider
-        )
+        if self.replicas is None:
+            client = RouterClient.connect(self._connection.channel_options(), tracer_provider=self._provider)
+            self._clients = {self._connection.address: client}
+            return
+        self._clients = {
+            address: RouterClient.connect(
+                self._connection.replica_options(address), tracer_provider=self._provider
+            )
+            for address in self.replicas.addresses
+        }
 
     async def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
             await client.close()
 
-    @property
-    def client(self) -> RouterClient:
-        if self._client is None:
+    async def _call(self, conversation: str, call: Call[T]) -> T:
+        """`call` on the conversation's replica, or the next while one does not answer; each
+        gets what is left of one `router.timeout`."""
+        if not self._clients:
             raise RuntimeError("the gateway app has not started")
-        return self._client
+        timeout = self._connection.timeout
+        if self.replicas is None:
+            (client,) = self._clients.values()
+            async with _failures():
+                return await call(client, timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        order = self.replicas.order(conversation)
+        for i, address in enumerate(order):
+            try:
+                result = await call(self._clients[address], max(deadline - loop.time(), 0.001))
+            except KvshuttleRpcError as err:
+                if err.code_name not in _NOT_ANSWERED or err.reason is not None:
+                    self.replicas.succeeded(address)  # it answered: a refusal of the call
+                    raise _failure(err) from err
+                backoff = self.replicas.failed(address)
+                self._metrics.router_failovers.labels(address).inc()
+                last = i == len(order) - 1 or loop.time() >= deadline
+                log.warning(
+                    "router.replica_failed",
+                    replica=address,
+                    code=err.code_name,
+                    backoff_s=backoff,
+                    affinity=self.replicas.digest(conversation).hex()[:16],
+                    next=None if last else order[i + 1],
+                )
+                if last:
+                    raise RouterFailure(err.code_name, err.message) from err
+                continue
+            self.replicas.succeeded(address)
+            self._metrics.router_picks.labels(address).inc()
+            return result
+        raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
 
     async def plan_turn(
         self,
@@ -64,32 +154,47 @@ class GrpcRouterPort:
         hints = None
         if expected_think_time_s is not None:
             hints = pb.PlanHints(expected_think_time=to_duration(expected_think_time_s))
-        async with _failures():
-            return await self.client.plan_turn(
+        ids = list(prompt_token_ids)  # sent again to the next replica
+
+        async def plan(client: RouterClient, deadline_s: float) -> pb.PlanTurnResponse:
+            return await client.plan_turn(
                 model,
-                prompt_token_ids,
+                ids,
                 conversation=conversation,
                 hints=hints,
                 request_id=request_id,
                 cache_salt_sha256=cache_salt_sha256,
+                timeout=deadline_s,
             )
+
+        # A turn of no conversation is spread over the replicas by its request id.
+        return await self._call(conversation or request_id, plan)
 
     async def commit_turn(
         self,
         turn: str,
         *,
+        conversation: str,
         token_ids: Iterable[int],
         decode_kv_transfer_params: KvTransferParams | None,
         timings: pb.TurnTimings,
     ) -> pb.CommitTurnResponse:
-        async with _failures():
-            return await self.client.commit_turn(
+        ids, request_id = list(token_ids), new_request_id(None)
+
+        async def commit(client: RouterClient, deadline_s: float) -> pb.CommitTurnResponse:
+            return await client.commit_turn(
                 turn,
-                token_ids=token_ids,
+                token_ids=ids,
                 decode_kv_transfer_params=decode_kv_transfer_params,
                 timings=timings,
+                request_id=request_id,
+                timeout=deadline_s,
             )
 
-    async def abort_turn(self, turn: str, *, reason: str) -> None:
-        async with _failures():
-            await self.client.abort_turn(turn, reason=reason)
+        return await self._call(conversation or turn, commit)
+
+    async def abort_turn(self, turn: str, *, conversation: str, reason: str) -> None:
+        async def abort(client: RouterClient, deadline_s: float) -> None:
+            await client.abort_turn(turn, reason=reason, timeout=deadline_s)
+
+        await self._call(conversation or turn, abort)

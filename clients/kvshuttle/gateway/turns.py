@@ -248,7 +248,7 @@ class TurnRunner:
                 if isinstance(exc, asyncio.CancelledError | ClientGone):
                     why = "client disconnected"
                 if plan.turn:  # a turn run without the router holds nothing
-                    await self._abort(plan.turn, why)
+                    await self._abort(plan.turn, turn.conversation, why)
                 if isinstance(exc, GatewayError):
                     engine = exc.status in (502, 504) or exc.code == "engine_rejected"
                     turn.outcome = "engine_error" if engine else "error"
@@ -445,7 +445,11 @@ class TurnRunner:
         tokens = turn.prompt_ids + out.token_ids if out.ids_complete else turn.prompt_ids
         try:
             result = await self._router.commit_turn(
-                handle, token_ids=tokens, decode_kv_transfer_params=params, timings=timings
+                handle,
+                conversation=turn.conversation,
+                token_ids=tokens,
+                decode_kv_transfer_params=params,
+                timings=timings,
             )
         except RouterFailure as err:
             self._metrics.commits.labels("failed").inc()
@@ -457,7 +461,7 @@ class TurnRunner:
                 commit_ms=_ms(time.perf_counter() - started),
                 request_id=turn.request_id,
             )
-            await self._abort_call(handle, "commit failed")
+            await self._abort_call(handle, turn.conversation, "commit failed")
             return
         self._metrics.commits.labels("stored" if result.retention else "nothing_retained").inc()
         log.info(
@@ -467,13 +471,14 @@ class TurnRunner:
             request_id=turn.request_id,
         )
 
-    async def _abort(self, handle: str, reason: str) -> None:
+    async def _abort(self, handle: str, conversation: str, reason: str) -> None:
         """AbortTurn, shielded from the request's cancellation; failures are logged, not raised."""
-        await asyncio.shield(self._background.spawn(self._abort_call(handle, reason[:300]), "abort"))
+        call = self._abort_call(handle, conversation, reason[:300])
+        await asyncio.shield(self._background.spawn(call, "abort"))
 
-    async def _abort_call(self, handle: str, reason: str) -> None:
+    async def _abort_call(self, handle: str, conversation: str, reason: str) -> None:
         try:
-            await self._router.abort_turn(handle, reason=reason)
+            await self._router.abort_turn(handle, conversation=conversation, reason=reason)
         except RouterFailure as err:
             # FAILED_PRECONDITION: the turn is settled already (committed, aborted or lapsed).
             level = log.debug if err.code == "FAILED_PRECONDITION" else log.warning

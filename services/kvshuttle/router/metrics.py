@@ -77,6 +77,15 @@ class RouterMetrics:
         self.commits = Counter(
             "kvshuttle_router_commits", "CommitTurn outcomes.", ["outcome"], registry=registry
         )
+        self.retention_hints = Counter(
+            "kvshuttle_router_retention_hints",
+            "Plans of a conversation by this replica's retention hint: hit = its claim confirmed "
+            "it (no registry read), refused = not confirmed (planned again on the registry's "
+            "word), miss = this replica stored none for the conversation (its last commit was "
+            "elsewhere, or none yet).",
+            ["outcome"],
+            registry=registry,
+        )
 
         self.plan_holders = Counter(
             "kvshuttle_router_plan_holders",

@@ -115,6 +115,8 @@ class Planner:
                 if err.reason != ErrorReason.REGISTRY_UNAVAILABLE:
                     raise
                 return self._degraded(self._last_known_context(call, err), err)
+            if use_hint and not ctx.from_hint and call.conversation and self._reuse_allowed(call.req):
+                self._hint_outcome("miss")
             decided = self._decide(ctx)
             verdict = await self._holder_serving(ctx, decided)
             reason, claim = verdict.reason, None
@@ -133,12 +135,18 @@ class Planner:
             if ctx.from_hint:
                 self._parts.memory.hints.forget(call.conversation)  # claimed (consumed), or not confirmed
                 call.span.set_attribute("kvshuttle.retention_hint", "confirmed" if claim else "refused")
+                self._hint_outcome("hit" if claim else "refused")
                 # Unconfirmed: plan again on the registry's word, unless the holder the hint
                 # named was just found dead (asking it twice would only wait twice).
                 if claim is None and verdict is decided:
                     use_hint = False
                     continue
             return self._issuer.issue(ctx, reason, verdict, claim)
+
+    def _hint_outcome(self, outcome: str) -> None:
+        """Counted, and on the plan's log line (`retention_hint`)."""
+        self._parts.metrics.retention_hints.labels(outcome).inc()
+        structlog.contextvars.bind_contextvars(retention_hint=outcome)
 
     async def _context(self, call: PlanCall, *, use_hint: bool) -> PlanContext:
         req, conversation, timer = call.req, call.conversation, call.timer
