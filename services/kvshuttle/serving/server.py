@@ -125,7 +125,8 @@ class GrpcServer:
         port = self._bind(server)
         health_server, health_port = None, None
         if self._settings.health_listen is not None:
-            # Plaintext whatever the main port's TLS and auth: _check_exposure does not apply.
+            # Plaintext beyond loopback whatever the main port's TLS and auth (_check_exposure
+            # guards the main port): health carries no data (health_port.health_only_server).
             health_server, health_port = health_only_server(self._health, self._settings.health_listen)
         self._telemetry.start_metrics()
         await server.start()
