@@ -13,13 +13,18 @@ from typing import Any
 
 from tests.deploy import manifests as m
 
+from kvshuttle.agent.main import SERVICE as AGENT_SERVICE
+from kvshuttle.registry.main import SERVICE as REGISTRY_SERVICE
+from kvshuttle.router.main import SERVICE as ROUTER_SERVICE
+
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_COMPONENTS = ("prefill", "decode")
 GRPC_PORTS = {"registry": 50051, "router": 50061, "agent": 50071}
+# The health name a gRPC service reports on besides the server's own ("").
+HEALTH_SERVICES = {"registry": REGISTRY_SERVICE, "router": ROUTER_SERVICE, "agent": AGENT_SERVICE}
 # Containers that may write their root filesystem: vLLM and its kernels write compile caches
 # beside their packages.
 WRITABLE_ROOT = frozenset({"vllm"})
-PROBE = "/opt/kvshuttle/grpc_probe.py"
 Objects = list[dict[str, Any]]
 
 
@@ -136,19 +141,32 @@ def sidecar_problems(objects: Objects) -> list[str]:
     return problems
 
 
-def probe_problems(objects: Objects, overlay: str) -> list[str]:
+def grpc_role(w: m.Workload, c: dict[str, Any]) -> str | None:
+    """The kvshuttle gRPC service a container runs (registry, router, agent), if any."""
+    role = "agent" if c["name"] == "agent" else w.component
+    return role if role in GRPC_PORTS else None
+
+
+def health_port(w: m.Workload, c: dict[str, Any], objects: Objects) -> int | None:
+    """The port of the container's plaintext health-only listener (SERVER__HEALTH_LISTEN)."""
+    listen = next((v for k, v in m.env(c, objects).items() if k.endswith("_SERVER__HEALTH_LISTEN")), None)
+    return None if listen is None else m.port_of_address(listen)
+
+
+def probe_problems(objects: Objects) -> list[str]:
     problems = []
     for w in m.workloads(objects):
         for c in w.containers():
             where = f"{w.name}/{c['name']}"
+            role = grpc_role(w, c)
+            if role is not None:
+                problems += health_listener_problems(w, c, objects)
             for kind in ("readinessProbe", "livenessProbe"):
                 probe = c.get(kind)
                 if probe is None:
                     problems.append(f"{where}: no {kind}")
-                    continue
-                role = "agent" if c["name"] == "agent" else w.component
-                if role in GRPC_PORTS:
-                    problems += grpc_probe_problems(where, kind, probe, GRPC_PORTS[role], overlay)
+                elif role is not None:
+                    problems += grpc_probe_problems(where, kind, probe, role, health_port(w, c, objects))
                 elif probe.get("httpGet", {}).get("path") != "/health":
                     problems.append(f"{where}: {kind} is not an HTTP GET of /health: {probe}")
             if c["name"] == "vllm" and "startupProbe" not in c:
@@ -156,12 +174,29 @@ def probe_problems(objects: Objects, overlay: str) -> list[str]:
     return problems
 
 
-def grpc_probe_problems(where: str, kind: str, probe: dict[str, Any], port: int, overlay: str) -> list[str]:
-    if overlay == "dev":  # plaintext: the kubelet's own gRPC health check
-        return [] if probe.get("grpc", {}).get("port") == port else [f"{where}: {kind} is not grpc on {port}"]
-    command = probe.get("exec", {}).get("command", [])
-    if PROBE not in command or f"127.0.0.1:{port}" not in command or "--cert" not in command:
-        return [f"{where}: {kind} is not the mTLS exec probe of port {port}: {probe}"]
+def health_listener_problems(w: m.Workload, c: dict[str, Any], objects: Objects) -> list[str]:
+    """A gRPC service serves plaintext health on a port of its own, declared once in the pod."""
+    where, port = f"{w.name}/{c['name']}", health_port(w, c, objects)
+    if port is None:
+        return [f"{where}: no SERVER__HEALTH_LISTEN (the kubelet's grpc probe speaks plaintext only)"]
+    declared = [(x["name"], p["containerPort"]) for x in w.containers() for p in x.get("ports", [])]
+    if [name for name, number in declared if number == port] != [c["name"]]:
+        return [f"{where}: health port {port} is not declared by this container alone: {declared}"]
+    return []
+
+
+def grpc_probe_problems(
+    where: str, kind: str, probe: dict[str, Any], role: str, port: int | None
+) -> list[str]:
+    """The kubelet's own grpc probe (plaintext) on the health-only listener, in every overlay: the
+    main port serves TLS in production, which that probe cannot speak."""
+    grpc = probe.get("grpc")
+    if grpc is None or set(probe) & {"exec", "httpGet", "tcpSocket"}:
+        return [f"{where}: {kind} is not a native grpc probe: {probe}"]
+    if grpc.get("port") != port:
+        return [f"{where}: {kind} probes port {grpc.get('port')}, the health listener is on {port}"]
+    if grpc.get("service", "") not in {"", HEALTH_SERVICES[role]}:
+        return [f"{where}: {kind} asks for {grpc['service']!r}, the {role} reports {HEALTH_SERVICES[role]!r}"]
     return []
 
 

@@ -1,6 +1,8 @@
 """NetworkPolicies against the calls the services really make, each derived from the rendered
 configuration (the addresses callers dial, the ports servers advertise): every call allowed,
-nothing allowed that no caller makes, every pod under a policy behind a default deny."""
+nothing allowed that no caller makes, every pod under a policy behind a default deny, and no pod
+let in to a health-only port: only the kubelet probes it, and it comes from the pod's node, which
+NetworkPolicy always admits."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tests.deploy import manifests as m
+from tests.deploy.manifest_checks import health_port
 
 Objects = list[dict[str, Any]]
 
@@ -99,4 +102,13 @@ def network_problems(objects: Objects) -> list[str]:
         problems.append(f"call not allowed by any NetworkPolicy: {call}")
     for rule in sorted(let_in - made):
         problems.append(f"allowed, but no caller makes this call: {rule}")
+    for w in m.workloads(objects):
+        for c in w.containers():
+            port = health_port(w, c, objects)
+            for rule in sorted(
+                r for r in let_in if r.dest == w.name and r.port <= (port or -1) <= r.end_port
+            ):
+                problems.append(
+                    f"{w.name}/{c['name']}: health port {port} open to {rule.source}, not the kubelet alone"
+                )
     return problems

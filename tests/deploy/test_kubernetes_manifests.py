@@ -57,7 +57,7 @@ def test_every_vllm_pod_has_the_agent_sidecar_configured_as_its_engine(overlay: 
 
 
 def test_every_container_has_probes(overlay: str) -> None:
-    assert checks.probe_problems(RENDERED[overlay], overlay) == []
+    assert checks.probe_problems(RENDERED[overlay]) == []
 
 
 def test_network_policies_allow_exactly_the_calls_made(overlay: str) -> None:
@@ -139,6 +139,36 @@ def _no_probe(o: Objects) -> None:
     del _container(o, "kvshuttle-router", "router")["readinessProbe"]
 
 
+def _probe_main_port(o: Objects) -> None:
+    _container(o, "kvshuttle-registry", "registry")["livenessProbe"]["grpc"] = {"port": 50051}
+
+
+def _health_elsewhere(o: Objects) -> None:
+    agent = _container(o, "kvshuttle-vllm-decode", "agent")
+    _set_env(agent, "KVSHUTTLE_AGENT_SERVER__HEALTH_LISTEN", "0.0.0.0:8082")
+    (port,) = [p for p in agent["ports"] if p["containerPort"] == 8081]
+    port["containerPort"] = 8082
+
+
+def _no_health_listener(o: Objects) -> None:
+    router = _container(o, "kvshuttle-router", "router")
+    router["env"] = [v for v in router["env"] if v["name"] != "KVSHUTTLE_ROUTER_SERVER__HEALTH_LISTEN"]
+
+
+def _health_port_open(o: Objects) -> None:
+    (policy,) = m.find(o, "NetworkPolicy", "kvshuttle-router")
+    (gateway_rule,) = [
+        r for r in policy["spec"]["ingress"] if r["ports"] == [{"protocol": "TCP", "port": 50061}]
+    ]
+    gateway_rule["ports"].append({"protocol": "TCP", "port": 8081})
+
+
+def _exec_probe(o: Objects) -> None:
+    probe = _container(o, "kvshuttle-router", "router")["readinessProbe"]
+    del probe["grpc"]
+    probe["exec"] = {"command": ["/opt/venv/bin/python", "-c", "0"]}
+
+
 def _open_side_channel(o: Objects) -> None:
     (policy,) = m.find(o, "NetworkPolicy", "kvshuttle-engines")
     policy["spec"]["ingress"].append({"ports": [{"protocol": "TCP", "port": 5600}]})
@@ -217,7 +247,15 @@ BROKEN: dict[str, tuple[Callable[[Objects], None], Callable[[Objects], list[str]
         checks.sidecar_problems,
         "decoder_kv_blocks_ttl",
     ),
-    "no readiness probe": (_no_probe, lambda o: checks.probe_problems(o, "dev"), "no readinessProbe"),
+    "no readiness probe": (_no_probe, checks.probe_problems, "no readinessProbe"),
+    "a probe on the main port": (_probe_main_port, checks.probe_problems, "the health listener is on 8081"),
+    "a health listener the probe does not ask": (
+        _health_elsewhere,
+        checks.probe_problems,
+        "probes port 8081, the health listener is on 8082",
+    ),
+    "no health listener": (_no_health_listener, checks.probe_problems, "no SERVER__HEALTH_LISTEN"),
+    "the health port open to a pod": (_health_port_open, network_problems, "health port 8081 open to"),
     "the side channel open to all": (_open_side_channel, network_problems, "no caller makes this call"),
     "a pod no policy lets in": (_no_policy, network_problems, "not allowed by any NetworkPolicy"),
     "a container as root": (_root, checks.security_problems, "may run as root"),
@@ -235,7 +273,12 @@ BROKEN: dict[str, tuple[Callable[[Objects], None], Callable[[Objects], list[str]
     "an agent granted another's node": (_foreign_node, auth.identity_problems, "kvshuttle-vllm-decode-0"),
 }
 BROKEN_PRODUCTION = {
-    "a ServiceMonitor on a port no Service has": (_bad_monitor, auth.crd_problems, "has no port metricz")
+    "a ServiceMonitor on a port no Service has": (_bad_monitor, auth.crd_problems, "has no port metricz"),
+    "an exec probe instead of the native one": (
+        _exec_probe,
+        checks.probe_problems,
+        "not a native grpc probe",
+    ),
 }
 _SETTINGS_ARGS: list[Any] = []
 

@@ -1,5 +1,6 @@
 """The lifecycle of one service's grpc.aio server, the same for every service: interceptors,
-health, reflection, TLS, the Prometheus endpoint, and a graceful stop."""
+health (also on a plaintext health-only port when asked), reflection, TLS, the Prometheus
+endpoint, and a graceful stop."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from kvshuttle.serving.auth import Authorizer, MethodPolicy
+from kvshuttle.serving.health_port import ServiceHealth, health_only_server
 from kvshuttle.serving.interceptor import RpcInterceptor
 from kvshuttle.serving.metrics import RpcMetrics
 from kvshuttle.serving.settings import AuthSettings, ServerSettings, TelemetrySettings
@@ -34,6 +36,8 @@ class GrpcServer:
     that provider down on stop; a provider passed in is only flushed. Without `registry` the
     metrics go to prometheus_client's default registry (so one GrpcServer per process then).
     `on_stopping` runs once health reports NOT_SERVING, before in-flight RPCs are drained.
+    With `settings.health_listen`, a second, plaintext listener serves health alone from the
+    same state (NOT_SERVING there too while stopping); it starts and stops with the server.
 
     `auth` with identities: every call is authenticated and authorized by `policy` (required
     then). Without identities, or without TLS, the server binds only a loopback address unless
@@ -69,13 +73,20 @@ class GrpcServer:
         )
         self._metrics = RpcMetrics(self._telemetry.registry)
         self._server: grpc.aio.Server | None = None
-        self._health = health.aio.HealthServicer()
+        self._health = ServiceHealth([health.OVERALL_HEALTH, *self._service_names])
         self._port: int | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self._health_port: int | None = None
 
     @property
     def port(self) -> int | None:
         """The bound gRPC port once started (useful with listen port 0)."""
         return self._port
+
+    @property
+    def health_port(self) -> int | None:
+        """The bound health-only port once started, None when health_listen is off."""
+        return self._health_port
 
     @property
     def metrics_port(self) -> int | None:
@@ -112,9 +123,17 @@ class GrpcServer:
             [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
         )
         port = self._bind(server)
+        health_server, health_port = None, None
+        if self._settings.health_listen is not None:
+            # Plaintext beyond loopback whatever the main port's TLS and auth (_check_exposure
+            # guards the main port): health carries no data (health_port.health_only_server).
+            health_server, health_port = health_only_server(self._health, self._settings.health_listen)
         self._telemetry.start_metrics()
         await server.start()
+        if health_server is not None:
+            await health_server.start()
         self._server, self._port = server, port
+        self._health_server, self._health_port = health_server, health_port
         for name in (health.OVERALL_HEALTH, *self._service_names):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         _log.info(
@@ -125,6 +144,8 @@ class GrpcServer:
             mtls=self._settings.tls_client_ca_file is not None,
             auth=self._authorizer is not None,
             metrics_port=self.metrics_port,
+            health_listen=self._settings.health_listen,
+            health_port=health_port,
         )
         return port
 
@@ -166,7 +187,14 @@ class GrpcServer:
         if self._on_stopping is not None:
             # Ends what would otherwise hold the grace period open (e.g. watch streams).
             self._on_stopping()
-        await server.stop(self._settings.grace_seconds)
+        health_server, self._health_server = self._health_server, None
+        try:
+            await server.stop(self._settings.grace_seconds)
+        finally:
+            if health_server is not None:
+                # Only now: probes see NOT_SERVING, not a refused connection, while RPCs drain.
+                # No grace: what is left are probes and Watch streams, which would hold it open.
+                await health_server.stop(0)
         await self._telemetry.close()
         _log.info("server.stopped")
 

@@ -51,6 +51,9 @@ class ServerSettings(BaseModel):
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     tls_client_ca_file: Path | None = None
+    # host:port of a second, plaintext listener that serves grpc.health.v1.Health only (e.g.
+    # "0.0.0.0:8081"), for probes that cannot speak TLS (Kubernetes' native grpc probe). None: off.
+    health_listen: str | None = None
 
     @model_validator(mode="after")
     def _tls_complete(self) -> Self:
@@ -59,6 +62,20 @@ class ServerSettings(BaseModel):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file")
+        return self
+
+    @model_validator(mode="after")
+    def _health_port_of_its_own(self) -> Self:
+        """The health listener on the main port would fail to bind at start; say so at load.
+        Port 0 on both is fine: each bind draws a port of its own."""
+        if self.health_listen is not None:
+            port = _port_of(self.health_listen)
+            if port is None:
+                raise ValueError(f"health_listen {self.health_listen!r} is not host:port")
+            if port != 0 and port == _port_of(self.listen):
+                raise ValueError(
+                    f"health_listen {self.health_listen!r} uses the port of listen {self.listen!r}"
+                )
         return self
 
     @property
@@ -75,6 +92,12 @@ class ServerSettings(BaseModel):
             return ipaddress.ip_address(host).is_loopback
         except ValueError:  # a host name, "0.0.0.0", "[::]": not provably loopback
             return False
+
+
+def _port_of(address: str) -> int | None:
+    """The port of host:port ("[::]:8081" too); None when there is none."""
+    _, sep, port = address.rpartition(":")
+    return int(port) if sep and port.isdigit() else None
 
 
 class Grant(BaseModel):
