@@ -361,13 +361,27 @@ return 1
 
 # ---- the global slot ------------------------------------------------------------------------
 
-# KEYS: deadlines, versions. ARGV: member, deadline. A deadline only ever moves earlier here
-# (LT); each write bumps the member's version, so a sweeper knows its view went stale.
-HINT = r"""
-redis.call('ZADD', KEYS[1], 'LT', ARGV[2], ARGV[1])
+# The retention deadline set's members per tenant, moved by every script that adds or removes
+# one, so the count is exact (kvshuttle.registry.redis_bounds: it is what capacity counts).
+# KEYS[3] is that count hash, given with the retention deadline set only.
+COUNTED_LIB = r"""
+local function counted(kc, member, delta)
+  if not kc or delta == 0 then return end
+  local t = string.match(member, '^tenants/([^/]+)/') or ''
+  if redis.call('HINCRBY', kc, t, delta) <= 0 then redis.call('HDEL', kc, t) end
+end
+"""
+
+# KEYS: deadlines, versions[, counts]. ARGV: member, deadline. A deadline only ever moves earlier
+# here (LT); each write bumps the member's version, so a sweeper knows its view went stale.
+HINT = (
+    COUNTED_LIB
+    + r"""
+counted(KEYS[3], ARGV[1], redis.call('ZADD', KEYS[1], 'LT', ARGV[2], ARGV[1]))
 redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
 return 1
 """
+)
 
 # KEYS: deadlines, versions. ARGV: now, limit. Reply: flat member, score, version triples.
 DUE = r"""
@@ -381,29 +395,35 @@ end
 return out
 """
 
-# KEYS: deadlines, versions. ARGV: member, version seen when due, deadline ('' : remove).
-# Unchanged since seen: set (or remove) it. Written meanwhile: only ever move it earlier.
-RESCHEDULE = r"""
+# KEYS: deadlines, versions[, counts]. ARGV: member, version seen when due, deadline ('' :
+# remove). Unchanged since seen: set (or remove) it. Written meanwhile: only ever move it earlier.
+RESCHEDULE = (
+    COUNTED_LIB
+    + r"""
 local ver = redis.call('HGET', KEYS[2], ARGV[1]) or ''
 if ver == ARGV[2] then
   if ARGV[3] == '' then
-    redis.call('ZREM', KEYS[1], ARGV[1])
+    counted(KEYS[3], ARGV[1], -redis.call('ZREM', KEYS[1], ARGV[1]))
     redis.call('HDEL', KEYS[2], ARGV[1])
   else
-    redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+    counted(KEYS[3], ARGV[1], redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1]))
   end
 elseif ARGV[3] ~= '' then
-  redis.call('ZADD', KEYS[1], 'LT', ARGV[3], ARGV[1])
+  counted(KEYS[3], ARGV[1], redis.call('ZADD', KEYS[1], 'LT', ARGV[3], ARGV[1]))
 end
 return 1
 """
+)
 
-# KEYS: deadlines, versions. ARGV: member. For a member whose record is gone for good.
-DROP = r"""
-redis.call('ZREM', KEYS[1], ARGV[1])
+# KEYS: deadlines, versions[, counts]. ARGV: member. For a member whose record is gone for good.
+DROP = (
+    COUNTED_LIB
+    + r"""
+counted(KEYS[3], ARGV[1], -redis.call('ZREM', KEYS[1], ARGV[1]))
 redis.call('HDEL', KEYS[2], ARGV[1])
 return 1
 """
+)
 
 # KEYS: directory, node deadlines, node versions. ARGV: name, max_nodes, expire_at.
 RESERVE_NODE = r"""
