@@ -58,10 +58,10 @@ class RedisStoreBase:
         self._k_nodes = f"{g}:nodes"
         self._k_ndl, self._k_nver = f"{g}:ndl", f"{g}:nver"
         self._k_rdl, self._k_rver = f"{g}:rdl", f"{g}:rver"
-        # The retention deadline set with its versions and per-tenant member counts: the keys of
-        # every script that adds or removes one of its members (kvshuttle.registry.redis_bounds).
-        self._rdl = [self._k_rdl, self._k_rver, f"{g}:rcount"]
-        self._k_rcount = self._rdl[2]
+        # The retention deadline set with its versions, per-tenant member counts and members
+        # reserved past a limit: the keys of every script that adds or removes one of its members
+        # (kvshuttle.registry.redis_bounds).
+        self._rdl = [self._k_rdl, self._k_rver, f"{g}:rcount", f"{g}:rover"]
         self._k_idem, self._k_isz = f"{g}:idem", f"{g}:isz"
         self._k_fdl, self._k_fsz = f"{g}:fdl", f"{g}:fsz"
         self._k_claimed, self._k_meta = f"{g}:claimed", f"{g}:meta"

@@ -122,10 +122,14 @@ class RedisRetentions(RedisNodes):
         )
         tag = _s(out[0])
         if tag != "ok":
+            dead, out = _s(out[1]) == "1", out[2]
+            tag = _s(out[0])
             if attached == 1:  # the name was not live: take its index steps back
                 await self._run("detach", self._node_keys(retention.node), [name])
-            # Only if no other put of this name wrote it since (that one takes it back, or holds it).
-            if reserved and await self._unreserve(name, version):
+            # The place this put reserved: back when its name can no longer be committed, or
+            # when this put added it and no other put of the name wrote it since (that one
+            # takes it back, or holds it; both refused: the sweeper drops it when it is due).
+            if (dead or reserved) and await self._unreserve(name, None if dead else version):
                 await self._redis.zrem(self._tenant_key(tenant), name)
             if tag == "reused":
                 raise request_id_reused()
