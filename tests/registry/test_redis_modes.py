@@ -24,13 +24,17 @@ from tests.registry.redis_server import NO_PERSISTENCE, RedisServer, free_port, 
 from tests.registry.test_pool_moves import POOL, POOL_HOLDER, POOLED, pool_spec
 from tests.registry.test_registry_domain import retention, spec
 
-from kvshuttle.core.errors import NotFound
+from kvshuttle.core.errors import NotFound, ResourceExhausted
 from kvshuttle.core.nodes import NodeLoad
+from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RedisSettings, RegistrySettings
+from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.main import build_registry
-from kvshuttle.registry.model import ChangeKind, Move
+from kvshuttle.registry.memory_store import StoreLimits
+from kvshuttle.registry.model import ChangeKind, Move, PutResult
 from kvshuttle.registry.redis_feed import RedisFeed
 from kvshuttle.registry.redis_store import RedisStore
+from kvshuttle.registry.registry import Registry
 
 SERVICE = "kvmaster"
 
@@ -289,3 +293,53 @@ async def test_the_store_and_its_feed_run_on_a_cluster(cluster_port: int) -> Non
             await reader
         registry.close()
         await client.aclose()
+
+
+async def test_capacity_and_remembered_answers_are_bounded_on_a_cluster(cluster_port: int) -> None:
+    """The reservation (global slot) and the commit (the conversation's) on different masters,
+    two replicas racing: exactly the free places are taken, and no CROSSSLOT."""
+    clock = FakeClock()
+    limits = StoreLimits(max_retentions_per_tenant=5, idempotency_max_entries=4)
+    clients = [aioredis.RedisCluster(host="127.0.0.1", port=cluster_port) for _ in range(2)]
+    try:
+        await clients[0].flushall()
+        stores = [RedisStore(c, limits) for c in clients]
+        registries = [Registry(s, clock, BlockIndex(100), RegistryLimits()) for s in stores]
+        await registries[0].register_node(spec(), ttl=300)
+
+        async def put(i: int, parent: str, rid: str = "", generation: int = 1) -> PutResult:
+            return await registries[i % 2].put_retention(
+                request_id=rid, parent=parent, retention=retention(generation), ttl=60
+            )
+
+        for i in range(2):
+            await put(i, f"tenants/acme/conversations/old{i}")
+        results = await asyncio.gather(
+            *(put(i, f"tenants/acme/conversations/r{i}") for i in range(12)), return_exceptions=True
+        )
+        won = [r for r in results if isinstance(r, PutResult)]
+        assert len(won) == 3
+        assert all(
+            isinstance(r, ResourceExhausted) and r.reason == "CAPACITY_EXCEEDED"
+            for r in results
+            if r not in won
+        )
+        assert await clients[1].hget("{kvshuttle}:rcount", "acme") == b"5"  # type: ignore[misc]
+        await registries[1].release_retention(won[0].retention.name, claim_id="", force=False)
+        await stores[0]._reserve("tenants/acme/conversations/crashed/retentions/1", clock.now() + 10)
+        clock.advance(10)
+        await registries[1].expire_due()  # the crashed reservation is reconciled
+        assert await clients[0].hget("{kvshuttle}:rcount", "acme") == b"4"  # type: ignore[misc]
+        # A flood of request ids: 4 remembered, the newest; a replay of one gets its first answer.
+        for i in range(12):
+            await put(i, "tenants/acme/conversations/hot", rid=f"put-{i}", generation=i + 1)
+        assert await clients[0].zcard("{kvshuttle}:idem") == 4
+        again = await put(1, "tenants/acme/conversations/hot", rid="put-11", generation=12)
+        assert again.retention.name == "tenants/acme/conversations/hot/retentions/12"
+        gone = stores[0]._idem_key(
+            "tenants/acme/conversations/hot", "put", "tenants/acme/conversations/hot", "put-0"
+        )
+        assert await clients[0].exists(gone) == 0
+    finally:
+        for c in clients:
+            await c.aclose()

@@ -46,15 +46,17 @@ class RedisClaims(RedisRetentions):
     ) -> tuple[Retention, list[RetentionChange]]:
         conversation = _conversation_of(name)
         fingerprint = claim_fingerprint(holder).hex() if request_id else ""
+        idem_key = self._idem_key(conversation, "claim", name, request_id)
+        claim_id = uuid.uuid4().hex
         out = await self._run(
             "claim",
-            [self._conv_key(conversation), self._idem_key(conversation, "claim", name, request_id)],
+            [self._conv_key(conversation), idem_key],
             [
                 name,
                 _t(now),
                 request_id,
                 fingerprint,
-                uuid.uuid4().hex,
+                claim_id,
                 holder,
                 _t(now + claim_ttl),
                 *self._idem_args(now),
@@ -75,7 +77,9 @@ class RedisClaims(RedisRetentions):
             raise self._claim_error(name, out)
         record = _retention_of(_pairs(out[1]))
         await self._redis.zadd(self._k_claimed, {name: 0})
-        await self._hint(self._k_rdl, self._k_rver, name, record.expire_at)
+        await self._hint(self._rdl, name, record.expire_at)
+        if request_id:
+            await self._remember(idem_key, [fingerprint, claim_id], now)
         changes = [RetentionChange(ChangeKind.CLAIMED, record, now)]
         self._account(changes)
         return record, changes
@@ -110,7 +114,7 @@ class RedisClaims(RedisRetentions):
         record = _retention_of(_pairs(out[1]))
         if tag == "unclaimed":
             await self._redis.zrem(self._k_claimed, name)
-            await self._hint(self._k_rdl, self._k_rver, name, record.expire_at)
+            await self._hint(self._rdl, name, record.expire_at)
             changes = [RetentionChange(ChangeKind.UNCLAIMED, record, now)]
         else:
             await self._retired(record, now)
@@ -136,9 +140,10 @@ class RedisClaims(RedisRetentions):
             )
             if not attached:
                 target = None
+        idem_key = self._idem_key(conversation, "move", name, request_id)
         out = await self._run(
             "move",
-            [self._conv_key(conversation), self._idem_key(conversation, "move", name, request_id)],
+            [self._conv_key(conversation), idem_key],
             [
                 name,
                 move.claim_id,
@@ -178,7 +183,9 @@ class RedisClaims(RedisRetentions):
                 "attach", self._node_keys(move.node)[:2], [name, move.kv_bytes, target.spec.engine_id, "1"]
             )
         await self._redis.zrem(self._k_claimed, name)
-        await self._hint(self._k_rdl, self._k_rver, name, expire_at)
+        await self._hint(self._rdl, name, expire_at)
+        if request_id:
+            await self._remember(idem_key, [fingerprint, _t(expire_at)], now)
         changes = [RetentionChange(ChangeKind.MOVED, record, now, previous_node=previous)]
         changes += await self._still_held(record, target.spec.engine_id, now)
         self._account(changes)

@@ -45,6 +45,7 @@ class RedisExpiry(RedisClaims):
             self._k_rdl, self._k_rver, now, lambda d: self._expire_retention(d, now, retentions)
         )
         await self._sweep(self._k_fdl, self._k_fsz, now, lambda d: self._forget_fence(d, now))
+        await self._trim(now)
         await self._refresh()
         return ExpiryResult(tuple(nodes), tuple(retentions))
 
@@ -94,7 +95,7 @@ class RedisExpiry(RedisClaims):
         )
         tag = _s(out[0])
         if tag == "alive":
-            await self._run("reschedule", [self._k_rdl, self._k_rver], [name, version, _s(out[1])])
+            await self._run("reschedule", self._rdl, [name, version, _s(out[1])])
         elif tag == "expired":
             record = _retention_of(_pairs(out[1]))
             await self._retired(record, now)
@@ -107,7 +108,7 @@ class RedisExpiry(RedisClaims):
                 await self._run("detach", self._node_keys(tomb_node), [name])
             await self._redis.zrem(self._tenant_key(_tenant_of(name)), name)
             await self._redis.zrem(self._k_claimed, name)
-            await self._run("reschedule", [self._k_rdl, self._k_rver], [name, version, ""])
+            await self._run("reschedule", self._rdl, [name, version, ""])
 
     async def _forget_fence(self, due: tuple[str, float, str], now: float) -> None:
         conversation, score, _ = due
@@ -126,10 +127,11 @@ class RedisExpiry(RedisClaims):
         pipe.zcard(self._k_rdl)
         pipe.zcard(self._k_claimed)
         pipe.zcard(self._k_fdl)
-        pipe.hmget(self._k_meta, ["lb", "early"])
+        pipe.zcard(self._k_idem)
+        pipe.hmget(self._k_meta, ["lb", "early", "ib"])
         for dl in (self._k_ndl, self._k_rdl, self._k_fdl):
             pipe.zrange(dl, 0, 0, withscores=True)
-        nodes, retentions, claimed, lingering, (lb, early), *firsts = await pipe.execute()
+        nodes, retentions, claimed, lingering, remembered, (lb, early, ib), *firsts = await pipe.execute()
         self._counts = StoreCounts(
             nodes=nodes,
             retentions=retentions,
@@ -138,6 +140,8 @@ class RedisExpiry(RedisClaims):
             lingering_fences=lingering,
             lingering_fence_bytes=int(lb or 0),
             fences_forgotten_early=int(early or 0),
+            remembered_requests=remembered,
+            remembered_request_bytes=int(ib or 0),
         )
         deadlines = [float(first[0][1]) for first in firsts if first]
         self._deadline = min(deadlines) if deadlines else None

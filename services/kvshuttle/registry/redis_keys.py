@@ -3,9 +3,10 @@ this replica's counts view, and the NODE_LOST cascade and retirement of a remove
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Awaitable, Sequence
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 from redis.commands.core import AsyncScript
 
@@ -33,6 +34,9 @@ class RedisStoreBase:
     """The store's keys, its accounting and the node-removal cascade every part uses (see
     kvshuttle.registry.redis_store). `client` must be created with decode_responses=False."""
 
+    # The Lua scripts by name (a subclass adds the ones of its steps).
+    _SCRIPTS: ClassVar[dict[str, str]] = SCRIPTS
+
     def __init__(
         self,
         client: RedisClient,
@@ -48,12 +52,17 @@ class RedisStoreBase:
         self._p = prefix
         self._incarnation_base = incarnation_base
         self._scripts: dict[str, AsyncScript] = {
-            name: _scripting(client).register_script(body) for name, body in SCRIPTS.items()
+            name: _scripting(client).register_script(body) for name, body in self._SCRIPTS.items()
         }
         g = f"{{{prefix}}}"
         self._k_nodes = f"{g}:nodes"
         self._k_ndl, self._k_nver = f"{g}:ndl", f"{g}:nver"
         self._k_rdl, self._k_rver = f"{g}:rdl", f"{g}:rver"
+        # The retention deadline set with its versions, per-tenant member counts and members
+        # reserved past a limit: the keys of every script that adds or removes one of its members
+        # (kvshuttle.registry.redis_bounds).
+        self._rdl = [self._k_rdl, self._k_rver, f"{g}:rcount", f"{g}:rover"]
+        self._k_idem, self._k_isz = f"{g}:idem", f"{g}:isz"
         self._k_fdl, self._k_fsz = f"{g}:fdl", f"{g}:fsz"
         self._k_claimed, self._k_meta = f"{g}:claimed", f"{g}:meta"
         self._counts = StoreCounts(0, 0, 0, 0)
@@ -104,18 +113,12 @@ class RedisStoreBase:
                 claimed += 1
             elif change.kind in (ChangeKind.UNCLAIMED, ChangeKind.MOVED):
                 claimed -= 1
-        self._counts = StoreCounts(
-            nodes=max(0, c.nodes + nodes),
-            retentions=max(0, retentions),
-            claimed=max(0, claimed),
-            fenced_conversations=c.fenced_conversations,
-            lingering_fences=c.lingering_fences,
-            lingering_fence_bytes=c.lingering_fence_bytes,
-            fences_forgotten_early=c.fences_forgotten_early,
+        self._counts = dataclasses.replace(
+            c, nodes=max(0, c.nodes + nodes), retentions=max(0, retentions), claimed=max(0, claimed)
         )
 
-    async def _hint(self, dl: str, ver: str, member: str, deadline: float) -> None:
-        await self._run("hint", [dl, ver], [member, _t(deadline)])
+    async def _hint(self, keys: list[str], member: str, deadline: float) -> None:
+        await self._run("hint", keys, [member, _t(deadline)])
         self._soon(deadline)
 
     async def _cascade(self, node: str, lost: Sequence[Any], now: float) -> list[RetentionChange]:
@@ -142,7 +145,7 @@ class RedisStoreBase:
         await self._redis.zrem(self._tenant_key(record.tenant), record.name)
         if record.claim is not None:
             await self._redis.zrem(self._k_claimed, record.name)
-        await self._run("drop", [self._k_rdl, self._k_rver], [record.name])
+        await self._run("drop", self._rdl, [record.name])
         if linger:
             await self._linger(record.conversation, now)
 

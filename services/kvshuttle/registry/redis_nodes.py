@@ -14,6 +14,7 @@ from kvshuttle.registry.model import (
     Node,
     RetentionChange,
 )
+from kvshuttle.registry.redis_bounds import RedisBounds
 from kvshuttle.registry.redis_codec import (
     _BATCH,
     _incarnation_mismatch,
@@ -26,10 +27,9 @@ from kvshuttle.registry.redis_codec import (
     _spec_json,
     _t,
 )
-from kvshuttle.registry.redis_keys import RedisStoreBase
 
 
-class RedisNodes(RedisStoreBase):
+class RedisNodes(RedisBounds):
     """Node leases: register, heartbeat, deregister, read, list."""
 
     async def _read_node(self, name: str) -> Node | None:
@@ -82,7 +82,7 @@ class RedisNodes(RedisStoreBase):
             if _s(out[1]) == "NODE_NOT_FOUND":
                 raise _node_not_found(name)
             raise _incarnation_mismatch(name, _s(out[2]), incarnation)
-        await self._hint(self._k_ndl, self._k_nver, name, now + ttl)
+        await self._hint([self._k_ndl, self._k_nver], name, now + ttl)
         return _node_of(_pairs(out[1]))
 
     @_reachable

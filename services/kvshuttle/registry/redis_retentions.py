@@ -78,22 +78,27 @@ class RedisRetentions(RedisNodes):
         name = retention.name
         fingerprint = put_fingerprint(retention).hex() if request_id else ""
         spec, node_error = await self._holding_node(retention)
-        capacity = await self._capacity(tenant)
         expire_at = now + ttl
         if retention.pin_expire_at is not None and retention.pin_expire_at > now:
             expire_at = min(expire_at, retention.pin_expire_at)
         # Index steps first: a replica dying right after the commit still leaves the deadline
-        # that expires it, and a replacement's detach always comes after this attach.
-        added = attached = 0
+        # that expires it, and a replacement's detach always comes after this attach. The
+        # deadline is the put's reservation too: the commit refuses a new retention past the
+        # limit its count gave (kvshuttle.registry.redis_bounds).
+        attached = version = 0
+        reserved = False
+        capacity = ""
         if node_error is None:
             assert spec is not None
             attached, node_error = await self._attach_for_put(retention, spec)
         if node_error is None:
-            added = await self._redis.zadd(self._tenant_key(tenant), {name: 0})
-            await self._hint(self._k_rdl, self._k_rver, name, expire_at)
+            reserved, version, capacity = await self._reserve(name, expire_at)
+            await self._redis.zadd(self._tenant_key(tenant), {name: 0})
+        idem_key = self._idem_key(conversation, "put", conversation, request_id)
+        idem_until = self._idem_args(now)
         out = await self._run(
             "put",
-            [self._conv_key(conversation), self._idem_key(conversation, "put", conversation, request_id)],
+            [self._conv_key(conversation), idem_key],
             [
                 _t(now),
                 request_id,
@@ -103,7 +108,7 @@ class RedisRetentions(RedisNodes):
                 "" if retention.pin_expire_at is None else _t(retention.pin_expire_at),
                 "" if node_error is None else "NODE",
                 capacity,
-                *self._idem_args(now),
+                *idem_until,
                 name,
                 retention.node,
                 retention.model,
@@ -117,11 +122,15 @@ class RedisRetentions(RedisNodes):
         )
         tag = _s(out[0])
         if tag != "ok":
+            dead, out = _s(out[1]) == "1", out[2]
+            tag = _s(out[0])
             if attached == 1:  # the name was not live: take its index steps back
                 await self._run("detach", self._node_keys(retention.node), [name])
-            if added:
+            # The place this put reserved: back when its name can no longer be committed, or
+            # when this put added it and no other put of the name wrote it since (that one
+            # takes it back, or holds it; both refused: the sweeper drops it when it is due).
+            if (dead or reserved) and await self._unreserve(name, None if dead else version):
                 await self._redis.zrem(self._tenant_key(tenant), name)
-                await self._run("drop", [self._k_rdl, self._k_rver], [name])
             if tag == "reused":
                 raise request_id_reused()
             if tag == "repeat":
@@ -134,6 +143,8 @@ class RedisRetentions(RedisNodes):
             await self._retired(old, now, linger=False)
             changes.append(RetentionChange(ChangeKind.REPLACED, old, now))
         await self._run("unlinger", [self._k_fdl, self._k_fsz, self._k_meta], [conversation, ""])
+        if request_id:
+            await self._remember(idem_key, [fingerprint, name, old_name, *idem_until], now)
         record = copy_retention(retention)
         record.create_time = now
         record.expire_at = expire_at
@@ -144,18 +155,6 @@ class RedisRetentions(RedisNodes):
         changes += await self._still_held(record, spec.engine_id, now)
         self._account(changes)
         return result, changes
-
-    async def _capacity(self, tenant: str) -> str:
-        """The capacity bound a new conversation's put would break ("" none), as read now."""
-        pipe = self._redis.pipeline(transaction=False)
-        pipe.zcard(self._k_rdl)
-        pipe.zcard(self._tenant_key(tenant))
-        total, in_tenant = await pipe.execute()
-        if total >= self._limits.max_retentions:
-            return "max_retentions"
-        if in_tenant >= self._limits.max_retentions_per_tenant:
-            return "max_retentions_per_tenant"
-        return ""
 
     async def _attach_for_put(
         self, retention: Retention, spec: NodeSpec

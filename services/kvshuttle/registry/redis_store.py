@@ -18,18 +18,22 @@ Keys (P is the configured prefix; the braces are Redis Cluster hash tags):
   incarnation whose NODE_LOST cascade is not done yet), one slot per node.
 - `P:{tenants/t}:names`: the tenant's retention names (a lexicographic ZSET), for listing.
 - `{P}:...`, the global slot: `nodes` (node directory), `ndl`/`nver`, `rdl`/`rver` and `fdl`
-  (node, retention and fence deadlines, with write versions), `fsz` (lingering fence sizes),
-  `claimed` (claimed retention names), `meta` (incarnation counter, lingering bytes, fences
-  forgotten early).
+  (node, retention and fence deadlines, with write versions), `rcount`/`rover` (the retention
+  deadlines per tenant, which capacity counts, and those reserved past a limit), `fsz`
+  (lingering fence sizes), `claimed` (claimed retention names), `idem`/`isz` (the remembered
+  answers' index), `meta` (incarnation counter, lingering and remembered bytes, fences forgotten
+  early).
 
 Operations that touch several slots run as per-slot scripts driven from Python, each step
 idempotent and each index a hint that the deciding record overrides:
 
-- put: node record read (validation), tenant-index add and expiry hint BEFORE the commit (so a
-  replica dying after the commit still leaves a deadline that expires it), the conversation's
-  commit script, then the node attach (a node gone meanwhile: the retention is dropped at once as
-  NODE_LOST) and the replaced retention's clean-up. Capacity (max_retentions, per tenant) is
-  read before the commit: concurrent puts into a full tenant may overshoot by their number.
+- put: node record read (validation), node attach, the reservation (its expiry deadline, added
+  under the capacity limits in one script: kvshuttle.registry.redis_bounds) and tenant-index add
+  BEFORE the commit (so a replica dying after the commit still leaves a deadline that expires
+  it), the conversation's commit script (a new retention past the limit refused, a replacement
+  let in), then the replaced retention's clean-up, the node check (a node gone meanwhile: the
+  retention is dropped at once as NODE_LOST) and the remembered answer's indexing. A refused put
+  gives its reservation back.
 - node removal (deregister, expiry, engine change): the node script moves `held` to `lost`
   atomically with the record's removal; Python then drops each lost retention with a
   conversation script that removes it only if it is still that retention on that node, and
@@ -46,15 +50,17 @@ idempotent and each index a hint that the deciding record overrides:
   changed is skipped), until the page is full.
 
 Time is the registry's clock, passed in as `now`; Redis's clock is used only to bound memory
-(each remembered answer also gets a PEXPIRE of idempotency_ttl).
+(each remembered answer also gets a PEXPIRE of idempotency_ttl, besides the index's count,
+bytes and age bounds).
 
 `counts()` and `next_deadline()` are sync in the protocol: they answer from a view held in this
 process, refreshed from the server by every `expire_due` (the registry's expiry timer runs it
 at least every `expiry_max_sleep` seconds) and moved by this replica's own operations in between.
 So on one replica they are exact after each operation; with several, another replica's changes
-show after this one's next sweep. `fenced_conversations` counts conversations with a retention
-plus lingering fences; `remembered_requests` / `remembered_request_bytes` are not tracked (0):
-Redis bounds them by TTL.
+show after this one's next sweep, read from the shared counters every replica moves (the same
+figures on every replica then). `retentions` is what capacity counts: live retentions plus
+puts in flight; `fenced_conversations` counts it plus lingering fences; `remembered_requests` /
+`remembered_request_bytes` are the remembered answers' index (as of the sweep).
 """
 
 from __future__ import annotations
