@@ -8,10 +8,10 @@ rarely waits for the registry. A failed background read is logged; the next plan
 A plan the list in hand cannot place (no healthy node of a role it needs: a node that just
 registered, or just reported its engine healthy, is not in it yet) asks for the registry's list
 now (`reread`) instead of failing for up to `refresh_s`. One read serves every plan that asks
-while it runs (the background refresh included), and none is made while the list in hand is
-younger than `miss_refresh_s`: with a role really missing, the registry sees at most one
-ListNodes per `miss_refresh_s` from this replica (counted from the last read, failed or not),
-however many plans fail.
+while it runs (the background refresh included), and none is made while the last read, answered
+or failed, began less than `miss_refresh_s` ago: with a role really missing (or the registry
+down), the registry sees at most one ListNodes per `miss_refresh_s` from this replica, however
+many plans fail.
 
 The last list a read returned stays in hand after reads fail: with the registry unreachable, a
 plan falls back to it (`last_known`) while it is younger than `degraded_max_age_s`, so turns
