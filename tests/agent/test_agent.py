@@ -329,6 +329,26 @@ async def load_healthy(registry: RegistryEnv) -> bool:
     return node is not None and node.load.engine_healthy
 
 
+async def test_an_engine_that_turns_healthy_is_reported_at_once_not_a_heartbeat_interval_later(
+    registry_env: RegistryEnv, engine: FakeEngineHttp
+) -> None:
+    # An agent back after a restart registers before its first poll of the engine: its first
+    # heartbeat says unhealthy, and the router places nothing on the node until one says healthy.
+    engine.health_status = 503
+    settings = agent_settings(registry_env.address, engine.url)
+    settings.lease.ttl, settings.lease.heartbeat_interval = 300.0, 90.0  # the longest the registry allows
+    env = await start_agent(settings)
+    try:
+        await eventually(lambda: node_or_none(registry_env), what="the registration")
+        await eventually(lambda: env.agent.poller.state.polls > 0, what="a poll of the unhealthy engine")
+        assert not await load_healthy(registry_env)
+        engine.health_status = 200
+        await eventually(lambda: load_healthy(registry_env), within=60, what="the healthy engine reported")
+        assert env.agent.lease.state.heartbeats <= 3  # the registration's, maybe one more, this one
+    finally:
+        await env.stop()
+
+
 async def test_shutdown_flushes_and_deregisters(
     registry_env: RegistryEnv, engine: FakeEngineHttp, publisher: FakePublisher
 ) -> None:

@@ -70,3 +70,43 @@ async def test_a_registration_is_followed_at_once_by_a_heartbeat_with_the_engine
     finally:
         task.cancel()
     assert lease.state.registered and port.loads[0].engine_healthy
+
+
+class HeldPort(Port):
+    """Holds each heartbeat until `release` is set (then clears it for the next)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def heartbeat_node(self, name: str, incarnation: int, ttl: float, load: NodeLoad) -> None:
+        self.entered.set()
+        await self.release.wait()
+        self.release.clear()
+        await super().heartbeat_node(name, incarnation, ttl, load)
+
+
+async def test_report_now_sends_a_heartbeat_with_the_new_load_before_the_interval_ends() -> None:
+    # The registration's first heartbeat read the load before the engine's first poll (not
+    # healthy yet); the poll then finds it healthy while that heartbeat is in flight. The next
+    # heartbeat must follow at once, not an interval later: until then no plan places on it.
+    port = HeldPort()
+    load = NodeLoad(engine_healthy=False)
+    lease = NodeLease(
+        port, SPEC, ttl=7200, heartbeat_interval=3600, load=lambda: load, backoff=Backoff(0.01, 0.02)
+    )
+    task = asyncio.create_task(lease.run())
+    try:
+        await port.entered.wait()
+        load = NodeLoad(engine_healthy=True)
+        lease.report_now()
+        port.release.set()
+        await port.beat.wait()
+        port.beat.clear()
+        port.release.set()
+        async with asyncio.timeout(60):  # the interval is an hour
+            await port.beat.wait()
+    finally:
+        task.cancel()
+    assert [x.engine_healthy for x in port.loads] == [False, True]

@@ -102,7 +102,7 @@ def record(
         retentions_lost=len(lost(dict(before or {}), dict(after or {}))) if kept else None,
         seconds=time.monotonic() - started,
         allowance=allowance,
-        notes=notes,
+        notes={**(notes or {}), **({"marks": load.marks} if load.marks else {})},
     )
     report.append(result)
     return result
@@ -133,10 +133,13 @@ def outage(stack: KvshuttleStack, load: Workload, name: str, down_s: float = DOW
     load.phase = f"{name}_down"
     in_flight = load.wait_in_flight()
     stack.kill(name)
+    load.mark(f"{name}_killed")
     time.sleep(down_s)
     load.phase = f"{name}_back"
     stack.restart(name)
+    load.mark(f"{name}_restarted")
     stack.wait_ready(WAIT_S)
+    load.mark("ready")
     return in_flight
 
 
@@ -351,7 +354,9 @@ def test_restart_the_decode_engine(
         load.resume()
         load.wait_turns(AFTER_TURNS, timeout=WAIT_S, phase="old_agents")
         load.phase = "agents_back"
+        load.mark("agents_restarting")
         stack.restart_agents(WAIT_S)
+        load.mark("ready")
         load.wait_turns(AFTER_TURNS, timeout=WAIT_S, phase="agents_back")
         load.stop()
     result = record(chaos_report, "restart the decode engine", stack, load, vllm_pair, started,

@@ -46,6 +46,7 @@ class TurnRecord:
     reused_tokens: int = 0
     error: str = ""
     ms: float = 0.0
+    sent_at: float = 0.0  # wall clock (time.time()), to line turns up with the services' logs
     wrong: bool = False  # set by Workload.verify
 
     @property
@@ -76,6 +77,7 @@ def send_turn(gateway_url: str, conversation: str, prompt: list[int], max_tokens
         method="POST",
         headers={"Content-Type": "application/json"},
     )
+    record.sent_at = time.time()
     started = time.monotonic()
     try:
         with urllib.request.urlopen(request, timeout=TURN_TIMEOUT_S) as response:
@@ -111,6 +113,8 @@ class Workload:
         self.conversations = [f"{name}-{seed}-{i}-{uuid.uuid4().hex[:6]}" for i in range(conversations)]
         self.phase = "warmup"
         self.turns: list[TurnRecord] = []
+        # What the scenario did when (wall clock, as TurnRecord.sent_at): see mark().
+        self.marks: dict[str, float] = {}
         self._seed = seed
         self._think_s = think_s
         self._lock = threading.Lock()
@@ -159,6 +163,10 @@ class Workload:
                 self._stopping.wait(self._think_s(rng))
             else:
                 self._stopping.wait(RETRY_PAUSE_S)
+
+    def mark(self, event: str) -> None:
+        """Note the wall-clock time of a scenario's step ("killed", "ready", ...) for the report."""
+        self.marks[event] = round(time.time(), 3)
 
     def add(self, record: TurnRecord) -> None:
         """A turn the scenario sent itself, verified and counted with the workload's."""
@@ -252,6 +260,7 @@ def records_json(turns: list[TurnRecord]) -> list[dict[str, Any]]:
             "reason": t.reason,
             "reused_tokens": t.reused_tokens,
             "ms": t.ms,
+            "sent_at": round(t.sent_at, 3),
             "wrong": t.wrong,
             **({"error": t.error} if t.error else {}),
         }

@@ -51,8 +51,9 @@ def settings(registry_address: str, key: str = KEY, **policy: Any) -> RouterSett
         registry=ServiceConnection(address=registry_address),
         profiles_file=PROFILES,
         turn_signing_key=SecretStr(key),
-        # The node list is re-read on every plan: a lapsed node shows at once.
-        policy=RouterPolicy(node_max_age_s=0.0, **policy),
+        # The node list is re-read on every plan unless a test says otherwise: a lapsed node
+        # shows at once.
+        policy=RouterPolicy(**{"node_max_age_s": 0.0, **policy}),
     )
 
 

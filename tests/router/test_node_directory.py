@@ -109,3 +109,72 @@ async def test_a_failed_refresh_keeps_the_list_and_a_list_too_old_is_read_in_the
     with pytest.raises(Unavailable):
         await nodes.nodes("m")
     assert port.reads == 4
+
+
+def rereading(port: Lister, clock: Monotonic) -> NodeDirectory:
+    """Refreshed in the background only after a minute: what a plan sees sooner is reread()."""
+    return NodeDirectory(port, refresh_s=60.0, max_age_s=600.0, miss_refresh_s=0.5, monotonic=clock)  # type: ignore[arg-type]
+
+
+async def test_a_reread_reads_the_registry_at_once_unless_the_list_in_hand_is_that_young() -> None:
+    clock = Monotonic()
+    port = Lister([], [node("a")], [node("a"), node("b")])
+    nodes = rereading(port, clock)
+    assert await nodes.nodes("m") == []
+    clock.now += 0.25  # younger than miss_refresh_s: the list in hand, no read
+    assert await nodes.reread("m") == [] and port.reads == 1
+    clock.now += 0.25
+    assert [n.name for n in await nodes.reread("m")] == ["a"] and port.reads == 2
+    # The list it read is in hand for the plans after it, and starts the interval again.
+    assert [n.name for n in await nodes.nodes("m")] == ["a"]
+    clock.now += 0.25
+    assert [n.name for n in await nodes.reread("m")] == ["a"] and port.reads == 2
+    clock.now += 0.25
+    assert [n.name for n in await nodes.reread("m")] == ["a", "b"] and port.reads == 3
+
+
+async def test_plans_that_reread_together_share_one_read_and_join_the_background_refresh() -> None:
+    clock = Monotonic()
+    port = Lister([], [node("a")], [node("b")])
+    nodes = NodeDirectory(port, refresh_s=1.0, max_age_s=600.0, miss_refresh_s=0.5, monotonic=clock)  # type: ignore[arg-type]
+    await nodes.nodes("m")
+    port.gate = asyncio.Event()
+    clock.now += 2
+    await nodes.nodes("m")  # starts the background refresh, held at the gate
+    plans = [asyncio.create_task(nodes.reread("m")) for _ in range(5)]
+    await settle()
+    assert port.reads == 2
+    port.gate.set()
+    assert [[n.name for n in got] for got in await asyncio.gather(*plans)] == [["a"]] * 5
+    assert port.reads == 2
+
+
+async def test_a_plan_cancelled_while_it_rereads_leaves_the_read_to_the_others() -> None:
+    clock = Monotonic()
+    port = Lister([], [node("a")])
+    nodes = rereading(port, clock)
+    await nodes.nodes("m")
+    port.gate = asyncio.Event()
+    clock.now += 1
+    gone, waiting = asyncio.create_task(nodes.reread("m")), asyncio.create_task(nodes.reread("m"))
+    await settle()
+    gone.cancel()
+    await settle()
+    port.gate.set()
+    assert [n.name for n in await waiting] == ["a"]
+    assert gone.cancelled() and port.reads == 2
+
+
+async def test_a_failed_reread_answers_the_list_in_hand_and_counts_toward_the_interval() -> None:
+    clock = Monotonic()
+    failure = Unavailable("down", reason="REGISTRY_UNAVAILABLE")
+    port = Lister([node("a")], failure, [node("a"), node("b")])
+    nodes = rereading(port, clock)
+    await nodes.nodes("m")
+    clock.now += 1
+    assert [n.name for n in await nodes.reread("m")] == ["a"] and port.reads == 2
+    # The registry is not asked again until the list in hand is miss_refresh_s older.
+    clock.now += 0.25
+    assert [n.name for n in await nodes.reread("m")] == ["a"] and port.reads == 2
+    clock.now += 0.25
+    assert [n.name for n in await nodes.reread("m")] == ["a", "b"] and port.reads == 3

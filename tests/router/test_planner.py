@@ -223,4 +223,4 @@ async def test_without_a_prefill_node_nothing_is_read_but_the_nodes(
         await plan(planner(port, clock, memory))
 
     assert err.value.reason == "NO_PREFILL_NODE"
-    assert port.calls == ["list_nodes"]
+    assert set(port.calls) == {"list_nodes"}  # read, and reread in case a node just joined

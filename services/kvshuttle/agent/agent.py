@@ -129,6 +129,7 @@ class Agent:
             load=self.poller.load,
             backoff=Backoff(lease_cfg.retry_initial, lease_cfg.retry_max),
         )
+        self.poller.add_listener(lambda _: self.lease.report_now())
         self.events = EventStreamStats(endpoint=events_cfg.endpoint or "")
         self.decoder = KvEventDecoder(group=events_cfg.kv_cache_group)
         self.queue: asyncio.Queue[LiveBatch | None] = asyncio.Queue(maxsize=events_cfg.queue_size)

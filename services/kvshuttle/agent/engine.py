@@ -9,7 +9,8 @@ lease's heartbeats carry.
   despite its name; averaged over the sets; `vllm:gpu_cache_usage_perc` of older vLLM when the
   new name is missing). A metric the text lacks keeps its last value and is counted.
 
-Timeouts are short: a poll that hangs must not delay the next heartbeat's view of health.
+Timeouts are short: a poll that hangs must not delay the next heartbeat's view of health. A
+change of health is told to the listeners (the lease heartbeats at once) as the poll sees it.
 """
 
 from __future__ import annotations
@@ -100,6 +101,12 @@ class EnginePoller:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._now = wall_clock
         self.state = EngineState()
+        self._listeners: list[Callable[[bool], None]] = []
+
+    def add_listener(self, on_health_change: Callable[[bool], None]) -> None:
+        """Call `on_health_change(healthy)` whenever a poll finds the engine's health changed
+        (the first healthy poll included); it must not block."""
+        self._listeners.append(on_health_change)
 
     def load(self) -> NodeLoad:
         """What the next heartbeat reports."""
@@ -145,6 +152,7 @@ class EnginePoller:
             log.warning("engine.poll_failed", engine=self._base, errors=errors)
         elif healthy and not state.healthy:
             log.info("engine.healthy", engine=self._base)
+        changed = state.healthy != healthy
         state.healthy = healthy
         if metrics is not None:
             if metrics.running_requests is not None:
@@ -159,3 +167,6 @@ class EnginePoller:
         state.failed_polls += bool(errors)
         state.last_error = "; ".join(errors)
         state.last_poll_time = self._now()
+        if changed:
+            for listener in self._listeners:
+                listener(healthy)

@@ -9,7 +9,11 @@ again at once. Each successful registration starts a new `epoch`: the event forw
 re-synchronises its sequence with the registry whenever the epoch changes (incarnation numbers
 alone may repeat across registry restarts).
 
-Other tasks that learn the lease is gone (a ReportBlockEvents refused) call `lost(epoch)`.
+Other tasks that learn the lease is gone (a ReportBlockEvents refused) call `lost(epoch)`. The
+engine poller calls `report_now()` when the engine's health changes: the router places turns
+only on nodes whose last heartbeat said healthy, so a node back (or an engine gone) must not
+wait out the interval (a registration's first heartbeat may carry the load read before the
+engine's first poll).
 """
 
 from __future__ import annotations
@@ -95,6 +99,11 @@ class NodeLease:
         self._registered.clear()
         self._wake.set()
 
+    def report_now(self) -> None:
+        """Heartbeat now, not at the end of the interval: the load changed in a way the registry
+        must know (the engine's health). A lease not registered heartbeats as soon as it is."""
+        self._wake.set()
+
     async def run(self) -> None:
         """Register, then heartbeat every interval, until cancelled."""
         delay = 0.0
@@ -103,12 +112,13 @@ class NodeLease:
                 await self._sleep(delay)
                 if self._closed:
                     return
-            # Cleared before the step: a `lost()` during it cuts the following sleep short.
+            # Cleared before the step: a `lost()` or `report_now()` during it cuts the following
+            # sleep short.
             self._wake.clear()
             delay = await (self._heartbeat() if self.state.registered else self._register())
 
     async def _sleep(self, seconds: float) -> None:
-        """Sleep, woken early by `lost()`."""
+        """Sleep, woken early by `lost()` or `report_now()`."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), seconds)
 

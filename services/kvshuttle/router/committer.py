@@ -179,8 +179,12 @@ class Committer:
         num_tokens = min(num_tokens, len(block_groups(params)[0]) * bs, MAX_BLOCK_HASHES * bs)
         if num_tokens <= 0:
             return _NOTHING_STORED
+        directory = self._parts.nodes
         try:
-            nodes = {x.name: x for x in await self._registry(self._parts.nodes.nodes(state.model), timer)}
+            nodes = {x.name: x for x in await self._registry(directory.nodes(state.model), timer)}
+            if state.decode_node not in nodes:
+                # Planned on a newer list than this replica's (a node that just registered).
+                nodes = {x.name: x for x in await self._registry(directory.reread(state.model), timer)}
         except Unavailable as err:
             return _not_stored(err, state.decode_node)
         node = nodes.get(state.decode_node)

@@ -86,10 +86,10 @@ class RouterSettings(BaseSettings):
             raise ValueError("policy: decoder_kv_blocks_ttl_s - retention_margin_s must be at least 1 s")
         if min(policy.claim_ttl_s, policy.turn_ttl_s) <= 0 or policy.max_prompt_tokens <= 0:
             raise ValueError("policy: claim_ttl_s, turn_ttl_s and max_prompt_tokens must be positive")
-        if policy.degraded_nodes_max_age_s < 0 or policy.commit_registry_timeout_s <= 0:
-            raise ValueError(
-                "policy: degraded_nodes_max_age_s must be at least 0, commit_registry_timeout_s positive"
-            )
+        if min(policy.degraded_nodes_max_age_s, policy.node_miss_refresh_s) < 0:
+            raise ValueError("policy: degraded_nodes_max_age_s and node_miss_refresh_s must be at least 0")
+        if policy.commit_registry_timeout_s <= 0:
+            raise ValueError("policy: commit_registry_timeout_s must be positive")
         _check_parking(policy)
         return self
 

@@ -103,6 +103,11 @@ class RouterPolicy:
     # plan waits for the registry only when it is node_max_age_s old (or missing).
     node_refresh_s: float = 0.5
     node_max_age_s: float = 5.0
+    # A plan the list in hand cannot place (no healthy prefill or decode node: one that just
+    # registered is not in it yet) reads the registry's list at once, unless the last read
+    # began less than this ago: a role really missing costs the registry at most one ListNodes
+    # per this many seconds from each replica.
+    node_miss_refresh_s: float = 0.1
     # With the registry unreachable, plans fall back to the last node list it gave while that
     # list is younger than this (plain P->D, REGISTRY_UNAVAILABLE); older, PlanTurn is
     # UNAVAILABLE. 0: no fallback.

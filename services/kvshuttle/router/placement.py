@@ -22,10 +22,19 @@ from kvshuttle.router.model import NodeInfo, PlacementWeights
 _NO_NODE = {NodeRole.PREFILL: ErrorReason.NO_PREFILL_NODE, NodeRole.DECODE: ErrorReason.NO_DECODE_NODE}
 
 
+def _serving(nodes: Sequence[NodeInfo], role: NodeRole, model: str) -> list[NodeInfo]:
+    return [n for n in nodes if n.healthy and n.model == model and n.role.serves(role)]
+
+
+def placeable(nodes: Sequence[NodeInfo], model: str) -> bool:
+    """Whether `nodes` has a healthy prefill and a healthy decode candidate for `model`."""
+    return all(_serving(nodes, role, model) for role in (NodeRole.PREFILL, NodeRole.DECODE))
+
+
 def candidates(nodes: Sequence[NodeInfo], role: NodeRole, model: str) -> list[NodeInfo]:
     """The healthy nodes serving `model` in `role`; Unavailable (NO_PREFILL_NODE or
     NO_DECODE_NODE) when there is none."""
-    pool = [n for n in nodes if n.healthy and n.model == model and n.role.serves(role)]
+    pool = _serving(nodes, role, model)
     if not pool:
         raise Unavailable(
             f"no healthy {role} node serves model {model!r}",

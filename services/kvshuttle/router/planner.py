@@ -46,7 +46,7 @@ from kvshuttle.router.model import (
     RetentionInfo,
 )
 from kvshuttle.router.parts import RouterParts
-from kvshuttle.router.placement import candidates, choose_decode, choose_prefill, pool_owner_of
+from kvshuttle.router.placement import candidates, choose_decode, choose_prefill, placeable, pool_owner_of
 from kvshuttle.router.plan_issue import PlanCall, PlanContext, PlanIssuer, Verdict
 from kvshuttle.router.timing import CallTimer
 from kvshuttle.router.turn_memory import plan_fingerprint
@@ -156,6 +156,9 @@ class Planner:
             # or this one did not wait): what this turn may read is what it stores.
             await timer.registry(asyncio.wait({storing}, timeout=self._parts.policy.commit_wait_s))
         nodes = await timer.registry(self._parts.nodes.nodes(req.model))  # cached: usually no round trip
+        if not placeable(nodes, req.model):
+            # A node that just registered (an agent back) is not in the list in hand yet.
+            nodes = await timer.registry(self._parts.nodes.reread(req.model))
         prefill_pool = candidates(nodes, NodeRole.PREFILL, req.model)
         block_size = prefill_pool[0].block_size
         # Prefill's own prefix-cache hits, asked only when a candidate has indexed blocks at all

@@ -60,6 +60,7 @@ class Router:
             port,
             refresh_s=policy.node_refresh_s,
             max_age_s=policy.node_max_age_s,
+            miss_refresh_s=policy.node_miss_refresh_s,
             degraded_max_age_s=policy.degraded_nodes_max_age_s,
         )
         memory = TurnMemory(
