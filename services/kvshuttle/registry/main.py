@@ -7,6 +7,7 @@ import contextlib
 
 import grpc
 import redis.asyncio as aioredis
+import redis.exceptions
 import structlog
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -46,7 +47,13 @@ def redis_client(settings: RedisSettings) -> RedisClient:
     if settings.mode == "cluster":
         cluster: aioredis.RedisCluster = aioredis.RedisCluster.from_url(settings.url, decode_responses=False)
         return cluster
-    standalone: aioredis.Redis = aioredis.Redis.from_url(settings.url, decode_responses=False)
+    # READONLY: the address now reaches a replica (a failover behind a DNS name or a virtual IP).
+    # The connection is closed and the command tried once more on a new one (the name resolved
+    # again); still READONLY, the store answers UNAVAILABLE. Sentinel's connections do the same
+    # (asking the Sentinels again), a Cluster follows MOVED.
+    standalone: aioredis.Redis = aioredis.Redis.from_url(
+        settings.url, decode_responses=False, retry_on_error=[redis.exceptions.ReadOnlyError]
+    )
     return standalone
 
 
