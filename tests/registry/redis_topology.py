@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -120,9 +121,12 @@ class SentinelGroup:
             wait_for("a Sentinel to see the group", functools.partial(self._sees_all, sentinel))
 
     @staticmethod
-    def _server(stack: contextlib.ExitStack, directory: Path, options: tuple[str, ...]) -> RedisServer:
+    def _server(
+        stack: contextlib.ExitStack, directory: Path, options: tuple[str, ...], port: int = 0
+    ) -> RedisServer:
         directory.mkdir(parents=True)
         server = RedisServer(directory, options)
+        server.port = port  # tried first (0: any free port)
         stack.callback(server.kill)
         return server.start()
 
@@ -160,14 +164,106 @@ def redis_cli() -> str:
     return cli
 
 
+def cluster_port() -> int:
+    """A free port whose cluster bus port (the port + 10000) exists and is free too: a node
+    without one exits at once."""
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as bus:
+            try:
+                bus.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+class ReplicatedCluster:
+    """A Redis Cluster of `masters` masters with one replica each (`redis-cli --cluster create
+    --cluster-replicas 1`), `cluster-node-timeout` `node_timeout_ms` and
+    `cluster-require-full-coverage` `full_coverage`: up once every node says cluster_state:ok and
+    every replica is in sync."""
+
+    def __init__(
+        self,
+        stack: contextlib.ExitStack,
+        root: Path,
+        *,
+        masters: int = 3,
+        node_timeout_ms: int = 1000,
+        full_coverage: bool = True,
+    ) -> None:
+        cli = redis_cli()
+        options = (
+            *AOF,
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", str(node_timeout_ms),
+            "--cluster-require-full-coverage", "yes" if full_coverage else "no",
+        )  # fmt: skip
+        self.nodes = [
+            SentinelGroup._server(stack, root / f"node{i}", options, cluster_port())
+            for i in range(2 * masters)
+        ]
+        addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", "1", "--cluster-yes"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=30,
+        )
+        for n in self.nodes:
+            wait_for("cluster_state:ok", functools.partial(self.state_ok, n.port))
+        for n in self.nodes:
+            wait_for("every replica in sync", functools.partial(self._settled, n.port))
+
+    @staticmethod
+    def state_ok(port: int) -> bool:
+        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
+        try:
+            return bool(cast("dict[str, Any]", client.cluster("info"))["cluster_state"] == "ok")
+        finally:
+            client.close()
+
+    @staticmethod
+    def _settled(port: int) -> bool:
+        replication = info(port, "replication")
+        return replication["role"] == "master" or replication.get("master_link_status") == "up"
+
+    def master_of(self, slot: int, asking: RedisServer) -> int:
+        """The port of the master serving `slot`, as the node `asking` sees it."""
+        client = redis.Redis(host="127.0.0.1", port=asking.port, socket_timeout=2)
+        try:
+            ranges = client.execute_command("CLUSTER", "SLOTS")  # type: ignore[no-untyped-call]
+        finally:
+            client.close()
+        for start, end, master, *_ in ranges:
+            if int(start) <= slot <= int(end):
+                return int(master[1])
+        raise AssertionError(f"slot {slot} is not served")
+
+    def server(self, port: int) -> RedisServer:
+        return next(n for n in self.nodes if n.port == port)
+
+
+@contextlib.contextmanager
+def replicated_cluster(root: Path, **kwargs: Any) -> Iterator[ReplicatedCluster]:
+    with contextlib.ExitStack() as stack:
+        yield ReplicatedCluster(stack, root, **kwargs)
+
+
 __all__ = [
     "AOF",
     "SERVICE",
+    "ReplicatedCluster",
     "Sentinel",
     "SentinelGroup",
     "in_sync",
     "info",
     "redis_cli",
+    "replicated_cluster",
     "sentinel_group",
     "wait_for",
 ]

@@ -154,6 +154,9 @@ async def run_writers(client: Client, writers: list[Writer], kill: Callable[[], 
         killed.set()
         while not all(len(w.after_ok) >= 3 for w in writers):
             assert time.monotonic() < kill_time + RECOVERY_LIMIT, "writes did not resume within 30 s"
+            for task in tasks:  # a writer that met a wrong answer fails the test now
+                if task.done():
+                    task.result()
             await asyncio.sleep(0.1)
         done.set()
         await asyncio.gather(*tasks)
