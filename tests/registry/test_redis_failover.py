@@ -20,6 +20,7 @@ $KVSHUTTLE_RESULTS_DIR). No timed assertion: the figures are for the README. Wit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -99,6 +100,100 @@ async def test_a_replica_or_a_master_short_of_replicas_answers_unavailable(tmp_p
                     registry.close()
                     assert isinstance(registry._store, RedisStore)
                     await registry._store._redis.aclose()
+
+
+class ReplyCutter:
+    """A TCP proxy to Redis on 127.0.0.1 that, once `arm(sha)` is called, forwards the next
+    EVALSHA of that script and closes the connection instead of forwarding its reply: the script
+    ran, its reply was lost, as when a master dies or a client resets its connections."""
+
+    def __init__(self, redis_port: int) -> None:
+        self._redis_port = redis_port
+        self._sha: bytes | None = None
+        self.cut = 0
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    def arm(self, sha: str) -> None:
+        self._sha = sha.encode()
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", self._redis_port)
+        watched = asyncio.Event()  # this connection sent the armed script
+
+        async def up() -> None:
+            while data := await client_r.read(65536):
+                if self._sha is not None and self._sha in data:
+                    self._sha = None
+                    watched.set()
+                server_w.write(data)
+                await server_w.drain()
+
+        async def down() -> None:
+            while data := await server_r.read(65536):
+                if watched.is_set():
+                    self.cut += 1
+                    return  # the reply is dropped with the connection
+                client_w.write(data)
+                await client_w.drain()
+
+        pumps = [asyncio.create_task(up()), asyncio.create_task(down())]
+        with contextlib.suppress(OSError):
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        for pump in pumps:
+            pump.cancel()
+        for writer in (client_w, server_w):
+            writer.close()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+async def test_a_lost_reply_is_unavailable_and_the_put_ran_once(tmp_path: Path) -> None:
+    """A put whose script ran but whose reply was lost: UNAVAILABLE (its outcome unknown), and
+    redis-py sent it once. Sent again, the put would meet its own fence and answer ABORTED for a
+    put that was stored. The caller's retry under its request id gets the first answer."""
+    (tmp_path / "r").mkdir()
+    with running_redis(tmp_path / "r") as server:
+        cutter = ReplyCutter(server.port)
+        port = await cutter.start()
+        settings = RegistrySettings(store="redis", redis=RedisSettings(url=f"redis://127.0.0.1:{port}/0"))
+        registry = build_registry(settings, FakeClock())
+        store = registry._store
+        assert isinstance(store, RedisStore)
+        try:
+            await registry.register_node(domain.spec(), ttl=60)
+            await registry.put_retention(
+                request_id="", parent=domain.CONV, retention=domain.retention(1), ttl=60
+            )
+            # Without a request id: sent again, it would answer ABORTED (FENCING_GENERATION_STALE).
+            cutter.arm(store._scripts["put"].sha)
+            with pytest.raises(Unavailable):
+                await registry.put_retention(
+                    request_id="", parent=domain.CONV, retention=domain.retention(2), ttl=60
+                )
+            assert cutter.cut == 1
+            assert (await registry.get_conversation(domain.CONV)).fence_generation == 2  # it ran
+            # With one: the caller's retry gets the first answer.
+            cutter.arm(store._scripts["put"].sha)
+            with pytest.raises(Unavailable):
+                await registry.put_retention(
+                    request_id="r3", parent=domain.CONV, retention=domain.retention(3), ttl=60
+                )
+            assert cutter.cut == 2
+            again = await registry.put_retention(
+                request_id="r3", parent=domain.CONV, retention=domain.retention(3), ttl=60
+            )
+            assert (again.retention.generation, again.replaced) == (3, f"{domain.CONV}/retentions/2")
+        finally:
+            registry.close()
+            await store._redis.aclose()
+            await cutter.close()
 
 
 @dataclass
