@@ -15,7 +15,11 @@ the promoted replica kept of the first is what had been replicated: the test cou
 puts above the fence it kept, and with the time until writes succeed again and the failed calls
 by code prints them and keeps them (tests/registry/failover_registry.py: .run/results, or
 $KVSHUTTLE_RESULTS_DIR). No timed assertion: the figures are for the README. Without a
-`redis-server` these skip, unless KVSHUTTLE_REQUIRE_REDIS is set."""
+`redis-server` these skip, unless KVSHUTTLE_REQUIRE_REDIS is set.
+
+Beside it, what a registry meets around a failover, in process: a replica's READONLY and a
+master's NOREPLICAS are UNAVAILABLE, and a put whose reply is lost after its script ran is
+UNAVAILABLE and ran once (redis-py never sends a command twice)."""
 
 from __future__ import annotations
 
