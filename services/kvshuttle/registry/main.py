@@ -7,8 +7,11 @@ import contextlib
 
 import grpc
 import redis.asyncio as aioredis
+import redis.exceptions
 import structlog
 from prometheus_client import REGISTRY, CollectorRegistry
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from kvshuttle.core.clock import Clock, SystemClock
 from kvshuttle.registry import authz
@@ -33,7 +36,16 @@ ERROR_DOMAIN = "registry.kvshuttle"
 
 
 def redis_client(settings: RedisSettings) -> RedisClient:
-    """The client for settings.mode (bytes in and out: decode_responses=False)."""
+    """The client for settings.mode (bytes in and out: decode_responses=False).
+
+    redis-py never sends a command again after a connection error: the script may have run and
+    only its reply been lost, and run twice a put would meet its own fence (ABORTED for a put that
+    was stored). The store answers UNAVAILABLE instead and the caller retries under its request
+    id, which replays the first answer. Tried again are only refusals that ran nothing: a
+    standalone client's READONLY (its address now reaches a replica, after a failover behind a
+    DNS name or a virtual IP: on a new connection, the name resolved again), a Cluster's MOVED and
+    ASK. Sentinel connections meeting READONLY drop and ask the Sentinels again on the next call."""
+    once = Retry(NoBackoff(), 0)
     if settings.mode == "sentinel":
         sentinel = aioredis.Sentinel([settings.sentinel_address(a) for a in settings.sentinels])  # type: ignore[no-untyped-call]
         master: aioredis.Redis = sentinel.master_for(
@@ -41,12 +53,18 @@ def redis_client(settings: RedisSettings) -> RedisClient:
             decode_responses=False,
             db=settings.db,
             password=settings.password.get_secret_value() if settings.password else None,
+            retry=once,
         )
         return master
     if settings.mode == "cluster":
-        cluster: aioredis.RedisCluster = aioredis.RedisCluster.from_url(settings.url, decode_responses=False)
+        cluster: aioredis.RedisCluster = aioredis.RedisCluster.from_url(
+            settings.url, decode_responses=False, retry=once
+        )
         return cluster
-    standalone: aioredis.Redis = aioredis.Redis.from_url(settings.url, decode_responses=False)
+    readonly_again = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ReadOnlyError,))
+    standalone: aioredis.Redis = aioredis.Redis.from_url(
+        settings.url, decode_responses=False, retry=readonly_again
+    )
     return standalone
 
 

@@ -178,22 +178,49 @@ def _incarnation_mismatch(name: str, have: str, wanted: int) -> FailedPreconditi
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
-# Redis not answering (down, restarting, loading its AOF, past the client's timeout): the
-# registry is unavailable, which its callers degrade around, never an internal error.
-_STORE_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+# Redis not answering (down, restarting, loading its AOF, past the client's timeout), or
+# answering that it takes no writes now: a replica (READONLY: a demoted master, or a client still
+# on the old address), a master short of in-sync replicas (NOREPLICAS, min-replicas-to-write), a
+# Cluster slot without a master (CLUSTERDOWN, MASTERDOWN, or redis-py's own SlotNotCoveredError)
+# or being moved (TRYAGAIN). The registry is unavailable, which its callers degrade around, never
+# an internal error. Each is refused before the script's first write: it ran whole or not at all.
+_STORE_DOWN = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,
+)
+# Refusals redis-py has no class for: a ResponseError whose message starts with the code.
+_REFUSED_CODES = ("NOREPLICAS", "MASTERDOWN")
+
+
+def _store_down(exc: Exception) -> str | None:
+    """What to call `exc` in the answer when it is one of the above (Redis's addresses and
+    message stay out of it), else None."""
+    if isinstance(exc, _STORE_DOWN):
+        return type(exc).__name__
+    if isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith(_REFUSED_CODES):
+        return str(exc).split(" ", 1)[0]
+    return None
 
 
 def _reachable(method: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
-    """`method`, with Redis not answering raised as Unavailable (UNAVAILABLE): the operation's
-    script either ran whole on the server or not at all; a retry under its request id is safe."""
+    """`method`, with Redis not answering or not taking writes raised as Unavailable
+    (UNAVAILABLE): the operation's script either ran whole on the server or not at all; a retry
+    under its request id is safe."""
 
     @functools.wraps(method)
     async def call(*args: _P.args, **kwargs: _P.kwargs) -> _T:
         try:
             return await method(*args, **kwargs)
-        except _STORE_DOWN as exc:
+        except Exception as exc:
+            what = _store_down(exc)
+            if what is None:
+                raise
             raise Unavailable(
-                f"the registry's Redis did not answer ({type(exc).__name__}): retry",
+                f"the registry's Redis did not answer or took no writes ({what}): retry",
                 reason=ErrorReason.UNAVAILABLE,
             ) from None
 
