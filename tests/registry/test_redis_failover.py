@@ -26,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -357,3 +359,32 @@ async def test_the_registry_rides_out_a_sentinel_failover(
         f"{figures['kill_to_every_writer_writing_s']} s); meanwhile {errors}; {lost} of {acked} "
         f"acknowledged puts lost; figures in {out}"
     )
+
+
+async def test_a_redis_that_stops_answering_is_unavailable_after_the_socket_timeout(tmp_path: Path) -> None:
+    """A Redis that keeps its connections open and answers nothing (SIGSTOP: as a partitioned or
+    frozen host): a call fails UNAVAILABLE after REDIS__SOCKET_TIMEOUT_S instead of holding on
+    until the caller's deadline; once it answers again, so does the registry."""
+    (tmp_path / "r").mkdir()
+    with running_redis(tmp_path / "r") as server:
+        redis_settings = RedisSettings(url=f"redis://127.0.0.1:{server.port}/0", socket_timeout_s=1.5)
+        registry = build_registry(RegistrySettings(store="redis", redis=redis_settings), FakeClock())
+        store = registry._store
+        assert isinstance(store, RedisStore)
+        try:
+            await registry.register_node(domain.spec(), ttl=60)
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(Unavailable) as stopped:
+                    # Far past the socket timeout: only that ends the call.
+                    await asyncio.wait_for(registry.get_conversation(domain.CONV), timeout=30)
+                assert stopped.value.reason == "UNAVAILABLE"
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            put = await registry.put_retention(
+                request_id="", parent=domain.CONV, retention=domain.retention(1), ttl=60
+            )
+            assert put.retention.generation == 1
+        finally:
+            registry.close()
+            await store._redis.aclose()

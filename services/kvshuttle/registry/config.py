@@ -51,6 +51,12 @@ class RedisSettings(BaseModel):
     # its index until stored again: prefix hits lost, never a wrong one). Memory ~ this x a
     # report's size (its BlockStored tokens: ~2 bytes a token; bench/block_index.py measures it).
     block_stream_maxlen: int = Field(default=100_000, gt=0)
+    # A Redis that stops answering without closing its connections (a partition, a stopped
+    # host) fails a call after socket_timeout_s (UNAVAILABLE) instead of holding it until the
+    # caller's deadline, and the expiry loop and the feeds' readers with it. Longer than the
+    # feeds' XREAD BLOCK (1 s), which waits on the socket by design.
+    socket_timeout_s: float = Field(default=5.0, gt=1.0)
+    socket_connect_timeout_s: float = Field(default=2.0, gt=0)
 
     @model_validator(mode="after")
     def _check_mode(self) -> RedisSettings:

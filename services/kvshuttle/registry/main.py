@@ -46,24 +46,38 @@ def redis_client(settings: RedisSettings) -> RedisClient:
     DNS name or a virtual IP: on a new connection, the name resolved again), a Cluster's MOVED and
     ASK. Sentinel connections meeting READONLY drop and ask the Sentinels again on the next call."""
     once = Retry(NoBackoff(), 0)
+    timeout, connect_timeout = settings.socket_timeout_s, settings.socket_connect_timeout_s
     if settings.mode == "sentinel":
-        sentinel = aioredis.Sentinel([settings.sentinel_address(a) for a in settings.sentinels])  # type: ignore[no-untyped-call]
+        sentinel = aioredis.Sentinel(  # type: ignore[no-untyped-call]
+            [settings.sentinel_address(a) for a in settings.sentinels],
+            sentinel_kwargs={"socket_timeout": timeout, "socket_connect_timeout": connect_timeout},
+        )
         master: aioredis.Redis = sentinel.master_for(
             settings.service_name,
             decode_responses=False,
             db=settings.db,
             password=settings.password.get_secret_value() if settings.password else None,
             retry=once,
+            socket_timeout=timeout,
+            socket_connect_timeout=connect_timeout,
         )
         return master
     if settings.mode == "cluster":
         cluster: aioredis.RedisCluster = aioredis.RedisCluster.from_url(
-            settings.url, decode_responses=False, retry=once
+            settings.url,
+            decode_responses=False,
+            retry=once,
+            socket_timeout=timeout,
+            socket_connect_timeout=connect_timeout,
         )
         return cluster
     readonly_again = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ReadOnlyError,))
     standalone: aioredis.Redis = aioredis.Redis.from_url(
-        settings.url, decode_responses=False, retry=readonly_again
+        settings.url,
+        decode_responses=False,
+        retry=readonly_again,
+        socket_timeout=timeout,
+        socket_connect_timeout=connect_timeout,
     )
     return standalone
 
