@@ -9,7 +9,8 @@ again at once. Each successful registration starts a new `epoch`: the event forw
 re-synchronises its sequence with the registry whenever the epoch changes (incarnation numbers
 alone may repeat across registry restarts).
 
-Other tasks that learn the lease is gone (a ReportBlockEvents refused) call `lost(epoch)`.
+Other tasks that learn the lease is gone (a ReportBlockEvents refused) call `lost(epoch)`; the
+agent calls `register_again()` after changing the spec (the engine restarted with a new id).
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class NodeLease:
         self._registered = asyncio.Event()
         self._wake = asyncio.Event()
         self._closed = False
+        # Bumped by register_again(): a registration begun before it registered the old spec.
+        self._spec_version = 0
         self._listeners: list[Callable[[int], None]] = []
 
     @property
@@ -95,6 +98,14 @@ class NodeLease:
         self._registered.clear()
         self._wake.set()
 
+    def register_again(self, reason: str) -> None:
+        """The spec changed: register it anew (a new incarnation), whatever the lease's state."""
+        log.info("lease.register_again", node=self._spec.name, engine_id=self._spec.engine_id, reason=reason)
+        self._spec_version += 1
+        self.state.registered = False
+        self._registered.clear()
+        self._wake.set()
+
     async def run(self) -> None:
         """Register, then heartbeat every interval, until cancelled."""
         delay = 0.0
@@ -115,6 +126,7 @@ class NodeLease:
     async def _register(self) -> float:
         """One registration attempt; returns the delay before the next step."""
         state = self.state
+        version = self._spec_version
         try:
             incarnation = await self._port.register_node(self._spec, self._ttl)
         except Exception as exc:
@@ -126,6 +138,8 @@ class NodeLease:
             )
             return delay
         self._backoff.reset()
+        if version != self._spec_version:  # registered what the spec was: again, as it is now
+            return 0.0
         state.incarnation = incarnation
         state.epoch += 1
         state.registered = True
