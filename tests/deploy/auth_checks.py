@@ -11,6 +11,10 @@ from typing import Any
 from tests.deploy import manifests as m
 from tests.deploy.manifest_checks import engines, service_workload
 
+from kvshuttle.core.auth import Role
+from kvshuttle.serving.identities import Identities
+from kvshuttle.serving.settings import AuthSettings
+
 Objects = list[dict[str, Any]]
 # Who calls whom, and the role the callee must grant the caller.
 CALLERS = (("router", "registry", "REGISTRY", "router"), ("gateway", "router", "ROUTER", "gateway"))
@@ -132,15 +136,30 @@ def identity_problems(objects: Objects) -> list[str]:
     ident = _presented(objects, router, router.container("router"), "ROUTER_AGENTS", "agent", router.name)
     if (_grants(servers["agent"], "AGENT").get(ident or "") or {}).get("role") != "router":
         problems.append(f"router -> agents: identity {ident} not granted role router by the agents")
-    registry_grants = _grants(servers["registry"], "REGISTRY")
+    # The registry's own reading of its grants (named, or by pattern for certificates).
+    registry_identities = Identities(
+        AuthSettings.model_validate({"identities": _grants(servers["registry"], "REGISTRY")}).identities
+    )
+    pods = [f"{w.name}-{ordinal}" for w in engines(objects) for ordinal in range(w.replicas)]
     for w in engines(objects):
         for ordinal in range(w.replicas):
             pod = f"{w.name}-{ordinal}"
-            ident = _presented(objects, w, w.container("agent"), "AGENT_REGISTRY", "registry", pod)
-            want = {"role": "agent", "node": f"nodes/{pod}"}
-            if registry_grants.get(ident or "") != want:
+            agent = w.container("agent")
+            ident = _presented(objects, w, agent, "AGENT_REGISTRY", "registry", pod)
+            by_certificate = "KVSHUTTLE_AGENT_REGISTRY__CERT_CHAIN" in m.env(agent, objects)
+            granted = (
+                registry_identities.of_certificate([ident or ""], [])
+                if by_certificate
+                else registry_identities.named(ident or "")
+            )
+            scope = (
+                []
+                if granted is None or granted.role is not Role.AGENT
+                else [f"nodes/{p}" for p in pods if granted.acts_for_node(f"nodes/{p}")]
+            )
+            if scope != [f"nodes/{pod}"] or not granted or not granted.acts_for_node(f"nodes/{pod}-pool"):
                 problems.append(
-                    f"{pod}: its agent's identity {ident} has {registry_grants.get(ident or '')}, want {want}"
+                    f"{pod}: its agent's identity {ident} acts for {scope}, want nodes/{pod} alone"
                 )
     return problems
 

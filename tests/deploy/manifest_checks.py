@@ -123,7 +123,8 @@ def sidecar_problems(objects: Objects) -> list[str]:
                 kv.get("kv_load_failure_policy"),
                 "recompute" if w.component == "prefill" else None,
             ),
-            "engine id file": (a["KVSHUTTLE_ENGINE_ID_FILE"], v["KVSHUTTLE_ENGINE_ID_FILE"]),
+            "engine id file": (a["KVSHUTTLE_AGENT_NODE__ENGINE_ID_FILE"], v["KVSHUTTLE_ENGINE_ID_FILE"]),
+            "the agent itself, no wrapper": (agent.get("command"), ["kvshuttle-agent"]),
             "UCX ports": (a["UCX_TCP_PORT_RANGE"], v["UCX_TCP_PORT_RANGE"]),
         }
         problems += [
@@ -137,7 +138,7 @@ def sidecar_problems(objects: Objects) -> list[str]:
         if not any(mt["mountPath"] == id_dir and mt["name"] in shared for mt in agent["volumeMounts"]):
             problems.append(f"{w.name}: the agent does not share {id_dir} with vLLM")
         if "KVSHUTTLE_AGENT_NODE__ENGINE_ID" in a:
-            problems.append(f"{w.name}: a fixed engine id; agent-start.sh sets the one vLLM drew")
+            problems.append(f"{w.name}: a fixed engine id; the agent follows the one vLLM drew (its file)")
     return problems
 
 
@@ -326,8 +327,6 @@ def _load(
                 patch.setenv(name, str(tmp / "api-keys.json"))
             else:
                 patch.setenv(name, value)
-        if prefix == "KVSHUTTLE_AGENT_":  # agent-start.sh sets it from the id vLLM drew
-            patch.setenv("KVSHUTTLE_AGENT_NODE__ENGINE_ID", "kvshuttle-vllm-decode-0-0a1b2c3d")
         try:
             m.SETTINGS[prefix]()
         except ValueError as exc:

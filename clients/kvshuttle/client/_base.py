@@ -1,8 +1,12 @@
-"""What the three service clients share: the channel's lifetime, unary calls with the retry
-policy, server-streaming calls, and errors as KvshuttleRpcError."""
+"""What the three service clients share: the channel's lifetime (made again when its certificate
+files change), unary calls with the retry policy, server-streaming calls, and errors as
+KvshuttleRpcError."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator
 from types import TracebackType
@@ -13,12 +17,17 @@ import grpc.aio
 from google.protobuf.message import Message
 from opentelemetry import trace
 
-from kvshuttle.client.channel import ChannelOptions, create_channel
+from kvshuttle.client.channel import ChannelOptions, create_channel, tls_files_signature
 from kvshuttle.client.errors import KvshuttleRpcError
 from kvshuttle.client.retry import call_unary, retry_policy
 from kvshuttle.client.tracing import record_status, traced_attempt
 
 RespT = TypeVar("RespT", bound=Message)
+
+log = logging.getLogger("kvshuttle.client")
+
+# Calls begun on a channel replaced for new certificates get this long to finish before it closes.
+_DRAIN_GRACE = 60.0
 
 
 def new_request_id(request_id: str | None) -> str:
@@ -35,6 +44,11 @@ class ServiceClient:
 
     Every RPC method takes `timeout`: seconds for the call, retries included; None means
     `options.default_timeout`.
+
+    A client that made its channel over TLS checks the certificate files every
+    `options.tls_reload_interval` seconds (at a call, never between calls) and, when they
+    changed, sends the calls that follow on a new channel made from them; the old one closes
+    when its calls are done (`_DRAIN_GRACE` at most). Files that fail to load keep the old one.
     """
 
     SERVICE: ClassVar[str]
@@ -47,6 +61,10 @@ class ServiceClient:
         self._options = options or ChannelOptions("(caller's channel)")
         self._owns_channel = owns_channel
         self._callables: dict[str, Any] = {}
+        reload = owns_channel and self._options.secure and self._options.tls_reload_interval is not None
+        self._tls_files = tls_files_signature(self._options) if reload else None
+        self._tls_checked_at = time.monotonic()
+        self._draining: set[asyncio.Task[None]] = set()
         provider = self._options.tracer_provider
         self._tracer = (
             None if provider is None else trace.get_tracer("kvshuttle.client", tracer_provider=provider)
@@ -70,11 +88,36 @@ class ServiceClient:
 
     @property
     def channel(self) -> grpc.aio.Channel:
-        return self._channel
+        return self._current_channel()
+
+    def _current_channel(self) -> grpc.aio.Channel:
+        """The channel for the next call: a new one when the certificate files changed."""
+        interval = self._options.tls_reload_interval
+        if self._tls_files is None or interval is None or time.monotonic() - self._tls_checked_at < interval:
+            return self._channel
+        self._tls_checked_at = time.monotonic()
+        files = tls_files_signature(self._options)
+        if files == self._tls_files:
+            return self._channel
+        try:
+            channel = create_channel(self._options)
+        except OSError as exc:  # mid-rotation or gone: keep the old channel, look again later
+            log.warning("client.tls_reload_failed target=%s error=%s", self._options.target, exc)
+            return self._channel
+        old, self._channel, self._tls_files = self._channel, channel, files
+        self._callables.clear()
+        drain = asyncio.get_running_loop().create_task(old.close(_DRAIN_GRACE))
+        self._draining.add(drain)
+        drain.add_done_callback(self._draining.discard)
+        log.info("client.tls_reloaded target=%s drain_grace_s=%s", self._options.target, _DRAIN_GRACE)
+        return channel
 
     async def close(self, grace: float | None = None) -> None:
-        """Close the channel if this client opened it (in-flight calls are cancelled after `grace`)."""
+        """Close the channel if this client opened it (in-flight calls are cancelled after `grace`),
+        and any it replaced that is still draining."""
         if self._owns_channel:
+            for drain in list(self._draining):
+                drain.cancel()
             await self._channel.close(grace)
 
     async def __aenter__(self) -> Self:
@@ -99,9 +142,10 @@ class ServiceClient:
     ) -> RespT:
         """Call unary `method` with the retry policy of the table in kvshuttle.client.retry."""
         path = self._path(method)
+        channel = self._current_channel()
         multicallable = self._callables.get(path)
         if multicallable is None:
-            multicallable = self._channel.unary_unary(
+            multicallable = channel.unary_unary(
                 path,
                 request_serializer=type(request).SerializeToString,
                 response_deserializer=response_type.FromString,
@@ -128,7 +172,7 @@ class ServiceClient:
         """
         path = self._path(method)
         retry_policy(self.SERVICE, method)  # every RPC is classified, streams included
-        multicallable = self._channel.unary_stream(
+        multicallable = self._current_channel().unary_stream(
             path,
             request_serializer=type(request).SerializeToString,
             response_deserializer=response_type.FromString,

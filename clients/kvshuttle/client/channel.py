@@ -5,6 +5,12 @@ IP literals) or one DNS name ("dns:///registry.kvshuttle:50051", every address i
 Either way the channel balances calls round robin over the replicas that are up (gRPC's
 `round_robin` policy: a replica that stops answering is left out until it reconnects), and a
 call that failed UNAVAILABLE is retried (`max_attempts`) on the next one.
+
+A channel's TLS credentials are fixed when it is made (gRPC Python has no reloading channel
+credentials), so a client that made its channel checks the certificate files every
+`tls_reload_interval` seconds (`tls_files_signature`) and, when they changed (a renewal), makes
+a new channel for the calls that follow and closes the old one once its calls are done
+(kvshuttle.client._base).
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ import grpc
 import grpc.aio
 from opentelemetry.trace import TracerProvider
 
-__all__ = ["ChannelOptions", "create_channel"]
+__all__ = ["ChannelOptions", "TlsFilesSignature", "create_channel", "tls_files_signature"]
+
+# What identifies one version of the TLS files: per file, (inode, size, mtime) or None when absent.
+TlsFilesSignature = tuple[tuple[int, int, int] | None, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +58,9 @@ class ChannelOptions:
         grpc_options: extra channel arguments, e.g. ("grpc.max_receive_message_length", n).
         token: a bearer token sent with every call (`authorization: Bearer <token>`), for a
             service that authenticates by tokens; kept out of repr.
+        tls_reload_interval: seconds between checks of the three certificate files by a client
+            that made its channel: changed files get a new channel (see the module); None:
+            they are read once.
     """
 
     target: str
@@ -66,6 +78,7 @@ class ChannelOptions:
     tracer_provider: TracerProvider | None = None
     grpc_options: Sequence[tuple[str, Any]] = field(default=())
     token: str | None = field(default=None, repr=False)
+    tls_reload_interval: float | None = 10.0
 
     def __post_init__(self) -> None:
         if not self.target:
@@ -83,6 +96,8 @@ class ChannelOptions:
             raise ValueError("cert_chain and private_key go together (mTLS)")
         if self.token is not None and (not self.token or any(c.isspace() for c in self.token)):
             raise ValueError("a token is one word, not empty")
+        if self.tls_reload_interval is not None and self.tls_reload_interval <= 0:
+            raise ValueError("tls_reload_interval must be positive (or None: never reload)")
 
     @property
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
@@ -144,6 +159,22 @@ def grpc_target(target: str) -> str:
 def balanced(target: str) -> bool:
     """Whether `target` may name several replicas (a list, or a name to resolve)."""
     return "," in target or target.startswith("dns:")
+
+
+def tls_files_signature(options: ChannelOptions) -> TlsFilesSignature | None:
+    """The current version of the channel's certificate files (their paths followed, as a
+    Kubernetes secret volume swaps them); None when the channel reads none."""
+    paths = (options.root_certificates, options.cert_chain, options.private_key)
+    if all(p is None for p in paths):
+        return None
+    signature = []
+    for path in paths:
+        try:
+            stat = Path(path).stat() if path is not None else None
+        except FileNotFoundError:
+            stat = None
+        signature.append(None if stat is None else (stat.st_ino, stat.st_size, stat.st_mtime_ns))
+    return tuple(signature)
 
 
 def _read(path: str | Path | None) -> bytes | None:

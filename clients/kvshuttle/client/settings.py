@@ -28,6 +28,9 @@ class ServiceConnection(BaseModel):
     cert_chain: Path | None = None
     private_key: Path | None = None
     tls_server_name: str | None = None
+    # Seconds between checks of those files: changed ones (a renewal) get a new channel for the
+    # calls that follow (kvshuttle.client.channel). None: read once.
+    tls_reload_interval: float | None = Field(default=10.0, gt=0)
     # This caller's bearer token (for a service that authenticates by tokens): inline, or a
     # file holding it (a mounted secret; read when the channel is built).
     token: SecretStr | None = None
@@ -63,4 +66,5 @@ class ServiceConnection(BaseModel):
             tls_server_name=self.tls_server_name,
             max_attempts=self.max_attempts,
             token=self.bearer_token(),
+            tls_reload_interval=self.tls_reload_interval,
         )

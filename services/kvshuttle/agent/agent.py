@@ -10,6 +10,13 @@ it serves the pool on a side channel of its own (kvshuttle.agent.serve) unless c
 A served pool is registered as a node of its own (`pool_node_name(node)`, role POOL: a second
 lease, heartbeated with the pool's use as its load), and KV moves into it through the mover
 (kvshuttle.agent.mover), which ParkRetention, Prefetch and PullBlocks call.
+
+With node.engine_id_file, `start()` first waits for the engine's id there, and the agent follows
+the file (kvshuttle.agent.engine_id): a new id is a new engine, so `follow_engine` registers the
+node again with it (the registry drops the old engine's retentions and block index; the event
+forwarder re-synchronises, the new engine's sequence starting over), and a pool starts anew
+beside it: its node deregistered (what was parked from the old engine goes with it), the new
+engine checked over its side channel, the pool registered again.
 """
 
 from __future__ import annotations
@@ -29,20 +36,17 @@ import zmq.asyncio
 from kvshuttle.agent.block_pool import BlockPool
 from kvshuttle.agent.config import AgentSettings
 from kvshuttle.agent.engine import EnginePoller
+from kvshuttle.agent.engine_id import EngineIdWatcher, wait_for_engine_id
 from kvshuttle.agent.events import EventReceiver, ZmqReplayer
 from kvshuttle.agent.forwarder import EventForwarder
 from kvshuttle.agent.lease import NodeLease
 from kvshuttle.agent.model import AgentStatus, Backoff, EventStreamStats, LiveBatch
+from kvshuttle.agent.node_specs import node_spec, pool_node_spec
 from kvshuttle.agent.ports import RegistryPort, ReplayPort
 from kvshuttle.agent.side_channel import Handshake, side_channel_endpoint, verify_engine
 from kvshuttle.core.errors import FailedPrecondition, KvshuttleError, Unavailable
 from kvshuttle.core.nodes import (
-    POOL_CAPACITY_LABEL,
-    POOL_OF_LABEL,
     NodeLoad,
-    NodeRole,
-    NodeSpec,
-    pool_node_name,
 )
 from kvshuttle.vllm.kv_events import KvEventDecoder
 from kvshuttle.vllm.nixl_compat import Expected
@@ -53,7 +57,7 @@ if TYPE_CHECKING:  # NIXL is imported only by an agent with a pool (see start)
     from kvshuttle.agent.park import Parker
     from kvshuttle.agent.serve import PoolServer
 
-__all__ = ["Agent", "node_spec", "pool_node_spec"]
+__all__ = ["Agent"]
 
 log = structlog.get_logger("kvshuttle.agent")
 
@@ -61,43 +65,6 @@ log = structlog.get_logger("kvshuttle.agent")
 _RESTART_PAUSE = 1.0
 # Seconds between warnings while the engine's side channel does not answer.
 _UNREACHABLE_LOG_EVERY = 30.0
-
-
-def node_spec(settings: AgentSettings, agent_endpoint: str = "") -> NodeSpec:
-    node = settings.node
-    return NodeSpec(
-        name=node.name,
-        role=NodeRole(node.role),
-        engine_id=node.engine_id,
-        http_endpoint=node.http_endpoint,
-        side_channel_host=node.side_channel_host,
-        side_channel_port=node.side_channel_port,
-        agent_endpoint=agent_endpoint,
-        model=node.model,
-        block_size=node.block_size,
-        kv_bytes_per_token=node.kv_bytes_per_token,
-        labels=dict(node.labels),
-    )
-
-
-def pool_node_spec(
-    engine: NodeSpec, *, engine_id: str, host: str, port: int, capacity_bytes: int
-) -> NodeSpec:
-    """The node an agent's served pool registers as: named after the engine's node, role POOL,
-    the pool server's engine id and side channel, the engine's model and block geometry."""
-    return NodeSpec(
-        name=pool_node_name(engine.name),
-        role=NodeRole.POOL,
-        engine_id=engine_id,
-        http_endpoint=engine.http_endpoint,
-        side_channel_host=host,
-        side_channel_port=port,
-        agent_endpoint=engine.agent_endpoint,
-        model=engine.model,
-        block_size=engine.block_size,
-        kv_bytes_per_token=engine.kv_bytes_per_token,
-        labels={POOL_OF_LABEL: engine.name, POOL_CAPACITY_LABEL: str(capacity_bytes)},
-    )
 
 
 class Agent:
@@ -177,6 +144,7 @@ class Agent:
         self.server: PoolServer | None = None
         self.mover: Mover | None = None
         self.pool_lease: NodeLease | None = None  # the served pool's node
+        self.engine_ids: EngineIdWatcher | None = None  # with node.engine_id_file
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     async def start(self, *, agent_endpoint: str = "") -> None:
@@ -184,85 +152,126 @@ class Agent:
         if self._tasks:
             raise RuntimeError("the agent is already started")
         self.lease.spec.agent_endpoint = agent_endpoint
+        node, engine = self.settings.node, self.settings.engine
+        if node.engine_id_file is not None:
+            engine_id = await wait_for_engine_id(
+                node.engine_id_file, wait_s=engine.id_wait_timeout, interval=engine.id_poll_interval
+            )
+            self.lease.spec.engine_id = engine_id
+            self.engine_ids = EngineIdWatcher(
+                node.engine_id_file, engine_id, self.follow_engine, interval=engine.id_poll_interval
+            )
         if self.pool is not None:
-            # Here, not at module import: an agent without a pool runs without NIXL installed.
-            from kvshuttle.agent.mover import Mover  # noqa: PLC0415
-            from kvshuttle.agent.nixl_memory import NixlPoolMemory  # noqa: PLC0415
-            from kvshuttle.agent.park import Parker  # noqa: PLC0415
-            from kvshuttle.agent.serve import PoolServer  # noqa: PLC0415
-
-            self.engine_nixl = await self._verify_engine(self.pool)
-            # A fresh NIXL name per start: peers cache remote agents by name.
-            node = self.lease.spec.name.removeprefix("nodes/")
-            self.pool_memory = NixlPoolMemory(
-                self.pool.layout, agent_name=f"kvshuttle-{node}-{uuid.uuid4().hex[:12]}"
-            )
-            pool_cfg = self.settings.pool
-            self.parker = Parker(
-                self.pool,
-                self.pool_memory,
-                timeout=pool_cfg.park_timeout,
-                max_remotes=pool_cfg.max_remote_agents,
-            )
-            if pool_cfg.serve_port is not None:
-                assert self._context is not None  # made for the pool in __init__
-                self.server = PoolServer(
-                    self.pool,
-                    self.pool_memory,
-                    self.engine_nixl,
-                    self._context,
-                    host=pool_cfg.serve_host,
-                    port=pool_cfg.serve_port,
-                    lease=pool_cfg.serve_lease,
-                    grace=pool_cfg.serve_grace,
-                )
-                await self.server.start()
-                spec = pool_node_spec(
-                    self.lease.spec,
-                    engine_id=self.server.engine_id,
-                    host=self.server.host,
-                    port=self.server.port,
-                    capacity_bytes=self.pool.layout.total_bytes,
-                )
-                self.mover = Mover(
-                    pool=self.pool,
-                    parker=self.parker,
-                    server=self.server,
-                    registry=self._registry,
-                    engine=self.engine_nixl,
-                    context=self._context,
-                    node=self.lease.spec.name,
-                    pool_node=spec.name,
-                    serve_grace=pool_cfg.serve_grace,
-                    max_ttl=pool_cfg.max_move_ttl,
-                    handshake_timeout=pool_cfg.holder_handshake_timeout,
-                    remembered=pool_cfg.remembered_moves,
-                )
-                lease_cfg = self.settings.lease
-                self.pool_lease = NodeLease(
-                    self._registry,
-                    spec,
-                    ttl=lease_cfg.ttl,
-                    heartbeat_interval=lease_cfg.heartbeat_interval,
-                    load=self.pool_load,
-                    backoff=Backoff(lease_cfg.retry_initial, lease_cfg.retry_max),
-                )
-                self._spawn("pool.lease", self.pool_lease.run)
-            self._spawn("pool.expire", functools.partial(self._expire_pool, self.pool))
+            await self._start_pool(self.pool)
         self._spawn("lease", self.lease.run)
         self._spawn("engine", self.poller.run)
         if self.receiver is not None and self.forwarder is not None:
             self._spawn("events.receive", self.receiver.run)
             self._spawn("events.forward", self.forwarder.run)
+        if self.engine_ids is not None:
+            self._spawn("engine_id", self.engine_ids.run)
         log.info(
             "agent.started",
             node=self.lease.spec.name,
             engine=self.settings.node.http_endpoint,
+            engine_id=self.lease.spec.engine_id,
             events=self.settings.events.endpoint,
             replay=self.settings.events.replay_endpoint,
             agent_endpoint=agent_endpoint,
             pool_bytes=self.pool.layout.total_bytes if self.pool is not None else 0,
         )
+
+    async def follow_engine(self, engine_id: str) -> None:
+        """The engine beside the agent restarted as `engine_id`: register the node again with
+        it, and start the pool anew beside the new engine. Safe to call again after a failure."""
+        if self.pool is not None:
+            await self._stop_pool(self.pool)
+        self.lease.spec.engine_id = engine_id
+        self.lease.register_again("engine_id_changed")
+        if self.pool is not None:
+            await self._start_pool(self.pool)
+        log.info("agent.engine_followed", node=self.lease.spec.name, engine_id=engine_id)
+
+    async def _start_pool(self, pool: BlockPool) -> None:
+        """Check the engine, then serve the pool and register its node (when configured)."""
+        # Here, not at module import: an agent without a pool runs without NIXL installed.
+        from kvshuttle.agent.mover import Mover  # noqa: PLC0415
+        from kvshuttle.agent.nixl_memory import NixlPoolMemory  # noqa: PLC0415
+        from kvshuttle.agent.park import Parker  # noqa: PLC0415
+        from kvshuttle.agent.serve import PoolServer  # noqa: PLC0415
+
+        self.engine_nixl = await self._verify_engine(pool)
+        # A fresh NIXL name per start: peers cache remote agents by name.
+        node = self.lease.spec.name.removeprefix("nodes/")
+        self.pool_memory = NixlPoolMemory(pool.layout, agent_name=f"kvshuttle-{node}-{uuid.uuid4().hex[:12]}")
+        pool_cfg = self.settings.pool
+        self.parker = Parker(
+            pool,
+            self.pool_memory,
+            timeout=pool_cfg.park_timeout,
+            max_remotes=pool_cfg.max_remote_agents,
+        )
+        if pool_cfg.serve_port is not None:
+            assert self._context is not None  # made for the pool in __init__
+            self.server = PoolServer(
+                pool,
+                self.pool_memory,
+                self.engine_nixl,
+                self._context,
+                host=pool_cfg.serve_host,
+                port=pool_cfg.serve_port,
+                lease=pool_cfg.serve_lease,
+                grace=pool_cfg.serve_grace,
+            )
+            await self.server.start()
+            spec = pool_node_spec(
+                self.lease.spec,
+                engine_id=self.server.engine_id,
+                host=self.server.host,
+                port=self.server.port,
+                capacity_bytes=pool.layout.total_bytes,
+            )
+            self.mover = Mover(
+                pool=pool,
+                parker=self.parker,
+                server=self.server,
+                registry=self._registry,
+                engine=self.engine_nixl,
+                context=self._context,
+                node=self.lease.spec.name,
+                pool_node=spec.name,
+                serve_grace=pool_cfg.serve_grace,
+                max_ttl=pool_cfg.max_move_ttl,
+                handshake_timeout=pool_cfg.holder_handshake_timeout,
+                remembered=pool_cfg.remembered_moves,
+            )
+            lease_cfg = self.settings.lease
+            self.pool_lease = NodeLease(
+                self._registry,
+                spec,
+                ttl=lease_cfg.ttl,
+                heartbeat_interval=lease_cfg.heartbeat_interval,
+                load=self.pool_load,
+                backoff=Backoff(lease_cfg.retry_initial, lease_cfg.retry_max),
+            )
+            self._spawn("pool.lease", self.pool_lease.run)
+        self._spawn("pool.expire", functools.partial(self._expire_pool, pool))
+
+    async def _stop_pool(self, pool: BlockPool) -> None:
+        """Undo _start_pool (whatever of it was done): the pool node deregistered, its server
+        closed, its memory released; the pool empty."""
+        await self._cancel("pool.lease", "pool.expire")
+        if self.pool_lease is not None:
+            await self.pool_lease.deregister(deadline_s=self.settings.lease.deregister_timeout)
+        self.pool_lease, self.mover, self.parker = None, None, None
+        if self.server is not None:
+            await self.server.close()
+            self.server = None
+        if self.pool_memory is not None:
+            await asyncio.to_thread(self.pool_memory.close)  # waits for a READ in flight
+            self.pool_memory = None
+        self.engine_nixl = None
+        self.pool = BlockPool(pool.layout)
 
     async def _verify_engine(self, pool: BlockPool) -> Handshake:
         """The engine's NIXL handshake, checked against the pin and the pool's layout. Retries
@@ -273,7 +282,7 @@ class Agent:
         where = side_channel_endpoint(node.side_channel_host, node.side_channel_port)
         expected = Expected(
             block_size=node.block_size,
-            engine_id=node.engine_id,
+            engine_id=self.lease.spec.engine_id,
             nixl_version=importlib.metadata.version("nixl"),
         )
         backoff = Backoff(self.settings.lease.retry_initial, self.settings.lease.retry_max)
@@ -373,7 +382,7 @@ class Agent:
     async def shutdown(self) -> None:
         """Stop receiving and polling, forward what is queued (within
         shutdown_flush_timeout), stop heartbeating, deregister. Never raises."""
-        await self._cancel("events.receive", "engine", "pool.expire", "pool.lease")
+        await self._cancel("engine_id", "events.receive", "engine", "pool.expire", "pool.lease")
         forward = self._tasks.pop("events.forward", None)
         if forward is not None and self.forwarder is not None:
             self.forwarder.stop()
@@ -403,7 +412,7 @@ class Agent:
         return AgentStatus(
             lease=self.lease.state,
             http_endpoint=self.settings.node.http_endpoint,
-            engine_id=self.settings.node.engine_id,
+            engine_id=self.lease.spec.engine_id,
             engine=self.poller.state,
             events=self.events,
             pool=self.pool.stats() if self.pool is not None else None,

@@ -6,6 +6,7 @@ with "__"), e.g. for the decode worker of a P/D pair:
     KVSHUTTLE_AGENT_NODE__NAME=decode-0                  (or nodes/decode-0)
     KVSHUTTLE_AGENT_NODE__ROLE=decode                    (prefill | decode | both)
     KVSHUTTLE_AGENT_NODE__ENGINE_ID=...                  (vLLM kv_transfer_config.engine_id)
+    KVSHUTTLE_AGENT_NODE__ENGINE_ID_FILE=/run/engine/id  (or: a file holding it, followed; see below)
     KVSHUTTLE_AGENT_NODE__HTTP_ENDPOINT=http://10.0.0.7:8000
     KVSHUTTLE_AGENT_NODE__SIDE_CHANNEL_HOST=10.0.0.7     (VLLM_NIXL_SIDE_CHANNEL_HOST)
     KVSHUTTLE_AGENT_NODE__SIDE_CHANNEL_PORT=5600
@@ -20,11 +21,18 @@ with "__"), e.g. for the decode worker of a P/D pair:
     KVSHUTTLE_AGENT_EVENTS__TOPIC=kv-events
     KVSHUTTLE_AGENT_LEASE__TTL=10
     KVSHUTTLE_AGENT_ENGINE__POLL_INTERVAL=1
+    KVSHUTTLE_AGENT_ENGINE__ID_POLL_INTERVAL=2           (how often node.engine_id_file is read)
+    KVSHUTTLE_AGENT_ENGINE__ID_WAIT_TIMEOUT=600          (how long start waits for that file)
     KVSHUTTLE_AGENT_POOL__SIZE_BYTES=8589934592          (host memory for parked KV; 0: no pool)
     KVSHUTTLE_AGENT_POOL__REGIONS=128                    (the engine's NIXL regions: one per layer)
     KVSHUTTLE_AGENT_POOL__SERVE_HOST=10.0.0.7            (the side channel prefill reads parked KV
     KVSHUTTLE_AGENT_POOL__SERVE_PORT=5660                 through; port 0: any free one)
     KVSHUTTLE_AGENT_POOL__MAX_MOVE_TTL=3600              (the longest ttl a park may ask for)
+
+Exactly one of node.engine_id and node.engine_id_file. With the file (written by whatever starts
+the engine, with a fresh id per start), the agent waits for it at start and follows it: when its
+content changes, the engine restarted, and the agent registers the node again with the new id
+(kvshuttle.agent.engine_id).
 
 With a pool and a serve port, the agent also registers its pool as node `{node.name}-pool`
 (role pool), which parked and prefetched retentions are moved to.
@@ -38,6 +46,7 @@ connects to the same ports on the engine's host.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal, Self
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -70,8 +79,10 @@ class NodeSettings(BaseModel):
     name: str
     role: Literal["prefill", "decode", "both"]
     # vLLM's NixlConnector engine id (kv_transfer_config.engine_id): readers name it as
-    # remote_engine_id. Give a restarted engine a fresh one.
-    engine_id: str
+    # remote_engine_id. Give a restarted engine a fresh one. Exactly one of engine_id and
+    # engine_id_file: a file holding the id, read at start and followed while running.
+    engine_id: str | None = None
+    engine_id_file: Path | None = None
     # Base URL of the worker's OpenAI-compatible server; /health and /metrics are polled there.
     http_endpoint: str
     # The engine's NIXL side channel (VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT).
@@ -95,6 +106,12 @@ class NodeSettings(BaseModel):
         except InvalidArgument as exc:
             raise ValueError(exc.message) from exc
         return f"nodes/{node}"
+
+    @model_validator(mode="after")
+    def _one_engine_id(self) -> Self:
+        if (self.engine_id is None) == (self.engine_id_file is None):
+            raise ValueError("set exactly one of engine_id and engine_id_file")
+        return self
 
     @field_validator("http_endpoint")
     @classmethod
@@ -153,11 +170,15 @@ class EventsSettings(BaseModel):
 
 
 class EngineSettings(BaseModel):
-    """Polling of the engine's /health and /metrics."""
+    """Polling of the engine's /health and /metrics, and of its id file."""
 
     poll_interval: float = Field(default=1.0, gt=0)
     # Deadline of one HTTP request.
     poll_timeout: float = Field(default=1.0, gt=0)
+    # node.engine_id_file: seconds between reads of it, and how long start waits for it (the
+    # engine beside the agent writes it as it starts; past this the agent refuses to start).
+    id_poll_interval: float = Field(default=2.0, gt=0)
+    id_wait_timeout: float = Field(default=600.0, gt=0)
 
 
 class PoolSettings(BaseModel):

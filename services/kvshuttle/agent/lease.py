@@ -13,7 +13,8 @@ Other tasks that learn the lease is gone (a ReportBlockEvents refused) call `los
 engine poller calls `report_now()` when the engine's health changes: the router places turns
 only on nodes whose last heartbeat said healthy, so a node back (or an engine gone) must not
 wait out the interval (a registration's first heartbeat may carry the load read before the
-engine's first poll).
+engine's first poll). The agent calls `register_again()` after changing the spec (the engine
+restarted with a new id).
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class NodeLease:
         self._registered = asyncio.Event()
         self._wake = asyncio.Event()
         self._closed = False
+        # Bumped by register_again(): a registration begun before it registered the old spec.
+        self._spec_version = 0
         self._listeners: list[Callable[[int], None]] = []
 
     @property
@@ -104,6 +107,14 @@ class NodeLease:
         must know (the engine's health). A lease not registered heartbeats as soon as it is."""
         self._wake.set()
 
+    def register_again(self, reason: str) -> None:
+        """The spec changed: register it anew (a new incarnation), whatever the lease's state."""
+        log.info("lease.register_again", node=self._spec.name, engine_id=self._spec.engine_id, reason=reason)
+        self._spec_version += 1
+        self.state.registered = False
+        self._registered.clear()
+        self._wake.set()
+
     async def run(self) -> None:
         """Register, then heartbeat every interval, until cancelled."""
         delay = 0.0
@@ -125,6 +136,7 @@ class NodeLease:
     async def _register(self) -> float:
         """One registration attempt; returns the delay before the next step."""
         state = self.state
+        version = self._spec_version
         try:
             incarnation = await self._port.register_node(self._spec, self._ttl)
         except Exception as exc:
@@ -136,6 +148,8 @@ class NodeLease:
             )
             return delay
         self._backoff.reset()
+        if version != self._spec_version:  # registered what the spec was: again, as it is now
+            return 0.0
         state.incarnation = incarnation
         state.epoch += 1
         state.registered = True

@@ -1,8 +1,9 @@
 """Authentication of every RPC, and the one authorization decision per call.
 
 Identity, in order:
-1. mTLS: the verified client certificate's URI SANs (SPIFFE-style, "spiffe://kvshuttle/router"),
-   then its DNS SANs; the first one configured in `AuthSettings.identities` is the caller.
+1. mTLS: the verified client certificate's URI SANs (SPIFFE-style, "spiffe://kvshuttle/router")
+   and DNS SANs: the one configured in `AuthSettings.identities`, by name or, for agents, by a
+   pattern (kvshuttle.serving.identities); a certificate naming several is refused.
 2. A bearer token in the `authorization` metadata ("Bearer <token>"), compared in constant time
    (HMAC digests, every configured token checked) with the tokens of the configured identities.
 
@@ -25,6 +26,7 @@ from typing import Any
 from kvshuttle.core.auth import Caller, Permission, authorize
 from kvshuttle.core.errors import PermissionDenied, Unauthenticated
 from kvshuttle.core.reasons import ErrorReason
+from kvshuttle.serving.identities import Identities
 from kvshuttle.serving.settings import AuthSettings
 
 __all__ = ["Authorizer", "MethodPolicy", "Requirement", "load_tokens", "unknown_method"]
@@ -66,18 +68,16 @@ class Authorizer:
 
     def __init__(self, settings: AuthSettings, policy: MethodPolicy) -> None:
         self._policy = policy
-        self._callers = {
-            identity: Caller(identity, grant.role, frozenset(grant.tenants), grant.node)
-            for identity, grant in settings.identities.items()
-        }
+        self._identities = Identities(settings.identities)
         # Tokens are compared as HMACs under a per-process key: equal length, constant time.
         self._key = secrets.token_bytes(32)
         self._tokens: list[tuple[bytes, str]] = [
             (self._digest(token), identity) for identity, token in load_tokens(settings).items()
         ]
-        unknown = sorted({identity for _, identity in self._tokens} - set(self._callers))
+        # A token's identity is granted by name: patterns are for certificates alone.
+        unknown = sorted({identity for _, identity in self._tokens} - self._identities.names)
         if unknown:
-            raise ValueError(f"tokens for identities with no grant: {', '.join(unknown)}")
+            raise ValueError(f"tokens for identities with no grant of their own: {', '.join(unknown)}")
 
     def _digest(self, token: str) -> bytes:
         return hmac.new(self._key, token.encode(), hashlib.sha256).digest()
@@ -86,11 +86,12 @@ class Authorizer:
         self, metadata: Iterable[tuple[str, str | bytes]], auth_context: Mapping[str, Iterable[bytes]]
     ) -> Caller:
         """The caller, or Unauthenticated."""
-        for key in ("peer_uri", "peer_dns"):
-            for value in auth_context.get(key, ()):
-                caller = self._callers.get(value.decode(errors="replace"))
-                if caller is not None:
-                    return caller
+        caller = self._identities.of_certificate(
+            [value.decode(errors="replace") for value in auth_context.get("peer_uri", ())],
+            [value.decode(errors="replace") for value in auth_context.get("peer_dns", ())],
+        )
+        if caller is not None:
+            return caller
         token = _bearer(metadata)
         if token is not None:
             presented = self._digest(token)
@@ -98,8 +99,9 @@ class Authorizer:
             for digest, identity in self._tokens:  # every one, so the time says nothing
                 if hmac.compare_digest(digest, presented):
                     found = identity
-            if found is not None:
-                return self._callers[found]
+            named = None if found is None else self._identities.named(found)
+            if named is not None:
+                return named
             raise Unauthenticated("unknown bearer token", reason=ErrorReason.UNAUTHENTICATED)
         if auth_context.get("transport_security_type") and auth_context.get("x509_subject"):
             raise Unauthenticated(

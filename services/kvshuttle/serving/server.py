@@ -1,6 +1,6 @@
 """The lifecycle of one service's grpc.aio server, the same for every service: interceptors,
-health (also on a plaintext health-only port when asked), reflection, TLS, the Prometheus
-endpoint, and a graceful stop."""
+health (also on a plaintext health-only port when asked), reflection, TLS (its files re-read
+once they change: kvshuttle.serving.server_tls), the Prometheus endpoint, and a graceful stop."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from kvshuttle.serving.auth import Authorizer, MethodPolicy
 from kvshuttle.serving.health_port import ServiceHealth, health_only_server
 from kvshuttle.serving.interceptor import RpcInterceptor
 from kvshuttle.serving.metrics import RpcMetrics
+from kvshuttle.serving.server_tls import ReloadingServerCertificates
 from kvshuttle.serving.settings import AuthSettings, ServerSettings, TelemetrySettings
 from kvshuttle.serving.telemetry import Telemetry
 
@@ -77,6 +78,8 @@ class GrpcServer:
         self._port: int | None = None
         self._health_server: grpc.aio.Server | None = None
         self._health_port: int | None = None
+        # The main port's certificate files, when it serves TLS (set at start).
+        self.tls_files: ReloadingServerCertificates | None = None
 
     @property
     def port(self) -> int | None:
@@ -168,13 +171,11 @@ class GrpcServer:
         settings = self._settings
         if settings.tls_cert_file is None or settings.tls_key_file is None:
             return server.add_insecure_port(settings.listen)
-        client_ca = None if settings.tls_client_ca_file is None else settings.tls_client_ca_file.read_bytes()
-        credentials = grpc.ssl_server_credentials(
-            [(settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())],
-            root_certificates=client_ca,
-            require_client_auth=client_ca is not None,
+        # Re-read at handshakes once changed: a renewed certificate is served without a restart.
+        self.tls_files = ReloadingServerCertificates(
+            settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file
         )
-        return server.add_secure_port(settings.listen, credentials)
+        return server.add_secure_port(settings.listen, self.tls_files.credentials())
 
     async def stop(self) -> None:
         """Report NOT_SERVING, refuse new RPCs and give in-flight ones grace_seconds to finish

@@ -100,6 +100,12 @@ def _port_of(address: str) -> int | None:
     return int(port) if sep and port.isdigit() else None
 
 
+# An identity pattern ends in NODE_PLACEHOLDER and grants an agent PATTERN_NODE: the node its own
+# identity names (kvshuttle.serving.identities).
+NODE_PLACEHOLDER = "{node}"
+PATTERN_NODE = "nodes/{node}"
+
+
 class Grant(BaseModel):
     """What one identity may do: its role, and for a gateway the tenants it acts for ("*": all),
     for an agent the node it acts for."""
@@ -126,7 +132,10 @@ class AuthSettings(BaseModel):
     only on a loopback address (or with `insecure`, warned at every start).
 
     identities: identity -> grant. An identity is a client certificate's URI or DNS SAN
-        ("spiffe://kvshuttle/router") or the name a bearer token stands for.
+        ("spiffe://kvshuttle/router") or the name a bearer token stands for. A key ending in
+        "{node}" granted {"role": "agent", "node": "nodes/{node}"} is a pattern of client
+        certificate URI SANs: each is the agent of the node it names
+        (kvshuttle.serving.identities).
     tokens: identity -> bearer token (e.g. KVSHUTTLE_REGISTRY_AUTH__TOKENS='{"router": "..."}').
     tokens_file: a JSON file of the same shape (a mounted secret); merged over `tokens`.
     insecure: serve a non-loopback address without TLS client certificates or identities.
@@ -140,3 +149,30 @@ class AuthSettings(BaseModel):
     @property
     def enabled(self) -> bool:
         return bool(self.identities)
+
+    @model_validator(mode="after")
+    def _patterns(self) -> Self:
+        """A pattern is `prefix{node}` granting an agent `nodes/{node}`, and no identity falls
+        under two of them (or under one and a grant of its own)."""
+        prefixes = []
+        for identity, grant in self.identities.items():
+            if NODE_PLACEHOLDER not in identity and NODE_PLACEHOLDER not in (grant.node or ""):
+                continue
+            prefix = identity.removesuffix(NODE_PLACEHOLDER)
+            well_formed = identity.endswith(NODE_PLACEHOLDER) and prefix and NODE_PLACEHOLDER not in prefix
+            if not well_formed or grant.role is not Role.AGENT:
+                raise ValueError(
+                    f"identity pattern {identity!r}: one {NODE_PLACEHOLDER} at the end, for an agent"
+                )
+            if grant.node != PATTERN_NODE:
+                raise ValueError(f"identity pattern {identity!r}: its grant's node must be {PATTERN_NODE!r}")
+            prefixes.append(prefix)
+        for prefix in prefixes:
+            overlapping = [p for p in prefixes if p != prefix and p.startswith(prefix)]
+            named = [i for i in self.identities if NODE_PLACEHOLDER not in i and i.startswith(prefix)]
+            if overlapping or named:
+                raise ValueError(
+                    f"identity pattern {prefix}{NODE_PLACEHOLDER} also covers "
+                    f"{', '.join(overlapping + named)}: an identity has one grant"
+                )
+        return self
