@@ -262,6 +262,16 @@ def allowed_ingress(policy: Obj, pods: list[Workload]) -> list[Allowed]:
     return out
 
 
+def addresses(target: str) -> list[str]:
+    """The addresses of a client's target: one, or each of a comma-separated list."""
+    return [a.strip() for a in target.split(",")]
+
+
+def host_of_address(address: str) -> str:
+    """The host of host:port or dns:///host:port."""
+    return address.removeprefix("dns:///").rsplit(":", 1)[0]
+
+
 def port_of_address(address: str) -> int:
     """The port of host:port, dns:///host:port or http://host:port."""
     return int(address.rstrip("/").rsplit(":", 1)[1])

@@ -26,10 +26,10 @@ class Call:
     end_port: int
 
 
-def _dialled(objects: Objects, address: str) -> m.Workload:
+def dialled(objects: Objects, address: str) -> m.Workload:
     """The workload a client address reaches: a Service name, or a StatefulSet pod's
     <pod>.<service> name, with an optional dns:/// scheme."""
-    host = address.removeprefix("dns:///").rsplit(":", 1)[0]
+    host = m.host_of_address(address)
     service = m.one(objects, "Service", host.split(".")[-1] if "." in host else host)
     (workload,) = [
         w for w in m.workloads(objects) if m.selects({"matchLabels": service["spec"]["selector"]}, w.labels)
@@ -45,7 +45,9 @@ def calls(objects: Objects) -> set[Call]:
             env = m.env(c, objects)
             for name, value in env.items():
                 if name.endswith("__ADDRESS"):  # a client of another kvshuttle service
-                    found.add(Call(w.name, _dialled(objects, value).name, *[m.port_of_address(value)] * 2))
+                    for address in m.addresses(value):
+                        port = m.port_of_address(address)
+                        found.add(Call(w.name, dialled(objects, address).name, port, port))
                 if name.endswith("TELEMETRY__METRICS_LISTEN"):
                     found.add(Call("monitoring", w.name, *[m.port_of_address(value)] * 2))
             if c["name"] == "gateway":

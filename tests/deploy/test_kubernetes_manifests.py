@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from deploy.kubernetes import check
+from tests.deploy import address_checks as addresses
 from tests.deploy import auth_checks as auth
 from tests.deploy import manifest_checks as checks
 from tests.deploy import manifests as m
@@ -98,6 +99,18 @@ def test_every_caller_has_an_identity_the_callee_grants(overlay: str) -> None:
 
 def test_crd_objects_have_the_right_shape(overlay: str) -> None:
     assert auth.crd_problems(RENDERED[overlay]) == []
+
+
+def test_the_gateway_lists_every_router_pod_by_name(overlay: str) -> None:
+    assert addresses.router_list_problems(RENDERED[overlay]) == []
+
+
+def test_agents_reach_every_registry_replica_as_the_router_does(overlay: str) -> None:
+    assert addresses.registry_address_problems(RENDERED[overlay]) == []
+
+
+def test_every_tls_client_checks_a_name_the_server_certificate_has(overlay: str) -> None:
+    assert addresses.tls_name_problems(RENDERED[overlay]) == []
 
 
 def test_the_router_profile_is_the_shipped_one() -> None:
@@ -200,7 +213,7 @@ def _no_pdb(o: Objects) -> None:
         if not (x["kind"] == "PodDisruptionBudget" and x["metadata"]["name"] == "kvshuttle-router")
     ]
     _workload_spec(o, "kvshuttle-router")  # still there
-    (router,) = [x for x in o if x["kind"] == "Deployment" and x["metadata"]["name"] == "kvshuttle-router"]
+    (router,) = [x for x in o if x["kind"] == "StatefulSet" and x["metadata"]["name"] == "kvshuttle-router"]
     router["spec"]["replicas"] = 3
 
 
@@ -232,6 +245,52 @@ def _foreign_node(o: Objects) -> None:
     c = _container(o, "kvshuttle-registry", "registry")
     (var,) = [v for v in c["env"] if v["name"] == "KVSHUTTLE_REGISTRY_AUTH__IDENTITIES"]
     var["value"] = var["value"].replace("nodes/kvshuttle-vllm-decode-0", "nodes/kvshuttle-vllm-prefill-0")
+
+
+def _workload(o: Objects, name: str) -> dict[str, Any]:
+    (found,) = [x for x in o if x["kind"] in m.WORKLOAD_KINDS and x["metadata"]["name"] == name]
+    return found
+
+
+def _more_routers(o: Objects) -> None:
+    _workload(o, "kvshuttle-router")["spec"]["replicas"] = 3
+
+
+def _router_deployment(o: Objects) -> None:
+    router = _workload(o, "kvshuttle-router")
+    router["kind"] = "Deployment"
+    del router["spec"]["serviceName"], router["spec"]["podManagementPolicy"]
+
+
+def _routers_by_one_name(o: Objects) -> None:
+    _set_env(
+        _container(o, "kvshuttle-gateway", "gateway"),
+        "KVSHUTTLE_GATEWAY_ROUTER__ADDRESS",
+        "dns:///kvshuttle-router:50061",
+    )
+
+
+def _round_robin(o: Objects) -> None:
+    _set_env(
+        _container(o, "kvshuttle-gateway", "gateway"), "KVSHUTTLE_GATEWAY_ROUTER__AFFINITY", "round_robin"
+    )
+
+
+def _agent_on_one_replica(o: Objects) -> None:
+    address = "kvshuttle-registry-0.kvshuttle-registry:50051"
+    _set_env(_container(o, "kvshuttle-vllm-prefill", "agent"), "KVSHUTTLE_AGENT_REGISTRY__ADDRESS", address)
+
+
+def _two_memory_registries(o: Objects) -> None:
+    _workload(o, "kvshuttle-registry")["spec"]["replicas"] = 2
+
+
+def _router_certificate_names(names: list[str]) -> Callable[[Objects], None]:
+    def rename(o: Objects) -> None:
+        (certificate,) = m.find(o, "Certificate", "kvshuttle-router")
+        certificate["spec"]["dnsNames"] = names
+
+    return rename
 
 
 def _bad_monitor(o: Objects) -> None:
@@ -271,6 +330,23 @@ BROKEN: dict[str, tuple[Callable[[Objects], None], Callable[[Objects], list[str]
     ),
     "dev with Redis": (_redis_in_dev, lambda o: auth.overlay_problems(o, "dev"), "want memory"),
     "an agent granted another's node": (_foreign_node, auth.identity_problems, "kvshuttle-vllm-decode-0"),
+    "the routers by one DNS name": (
+        _routers_by_one_name,
+        addresses.router_list_problems,
+        "ROUTER__ADDRESS names",
+    ),
+    "round robin over the routers": (_round_robin, addresses.router_list_problems, "want 'conversation'"),
+    "routers without stable names": (_router_deployment, addresses.router_list_problems, "not a StatefulSet"),
+    "an agent on one registry replica": (
+        _agent_on_one_replica,
+        addresses.registry_address_problems,
+        "want every replica",
+    ),
+    "two replicas of the in-memory registry": (
+        _two_memory_registries,
+        addresses.registry_address_problems,
+        "2 replicas of the in-memory store",
+    ),
 }
 BROKEN_PRODUCTION = {
     "a ServiceMonitor on a port no Service has": (_bad_monitor, auth.crd_problems, "has no port metricz"),
@@ -278,6 +354,21 @@ BROKEN_PRODUCTION = {
         _exec_probe,
         checks.probe_problems,
         "not a native grpc probe",
+    ),
+    "a router replica the gateway does not list": (
+        _more_routers,
+        addresses.router_list_problems,
+        "kvshuttle-router-2.kvshuttle-router:50061",
+    ),
+    "a router pod the certificate does not name": (
+        _router_certificate_names(["kvshuttle-router", "kvshuttle-router-0.kvshuttle-router"]),
+        addresses.tls_name_problems,
+        "for 'kvshuttle-router-1.kvshuttle-router'",
+    ),
+    "a wildcard gRPC refuses for the router pods": (
+        _router_certificate_names(["kvshuttle-router", "*.kvshuttle-router"]),
+        addresses.tls_name_problems,
+        "for 'kvshuttle-router-0.kvshuttle-router'",
     ),
 }
 _SETTINGS_ARGS: list[Any] = []
