@@ -2,7 +2,9 @@
 checked for what a deployment needs to be right: every vLLM pod has the agent sidecar configured
 as its engine is, probes on every container, NetworkPolicies that allow exactly the calls made,
 no container as root, versioned images, resource requests, PodDisruptionBudgets, secrets only
-through Secrets, settings that exist and load, and each overlay's promises. `make deploy-check`
+through Secrets, settings that exist and load, each overlay's promises, and addresses that name
+the replicas there are (the gateway's router pods, every registry replica, certificate names).
+`make deploy-check`
 also validates every object against Kubernetes' schema (deploy/kubernetes/check.py); the CRD
 objects (cert-manager, Prometheus Operator) are checked here by shape.
 
