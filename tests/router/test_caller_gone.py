@@ -1,8 +1,10 @@
-"""A plan its caller will never receive claims nothing (kvshuttle.router.claiming): a call whose
-deadline passed before its claim, or while the claim was in flight, or that was cancelled with
-its claim in flight, leaves the retention unclaimed for the conversation's next turn. A real
-registry over gRPC; the router's registry port holds its claims back or lets the fake clock
-pass during them, as a saturated machine does."""
+"""Turns whose caller stopped waiting. A plan its caller will never receive claims nothing
+(kvshuttle.router.claiming): a call whose deadline passed before its claim, or while the claim
+was in flight, or that was cancelled with its claim in flight, leaves the retention unclaimed for
+the conversation's next turn. A commit whose caller left runs to its end (Router._to_the_end):
+the consumed claim is released and decode's KV stored. A real registry over gRPC; the router's
+registry port holds calls back or lets the fake clock pass during them, as a saturated machine
+does."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 from tests.clock import FakeClock
@@ -21,7 +24,7 @@ from kvshuttle.core.errors import Unavailable
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 from kvshuttle.router import convert
 from kvshuttle.router.main import build_router
-from kvshuttle.router.model import ClaimInfo, Decision, Plan, PlanRequest, Reason
+from kvshuttle.router.model import ClaimInfo, Decision, NewRetention, Plan, PlanRequest, Reason, RetentionInfo
 from kvshuttle.router.registry_port import GrpcRegistryPort
 from kvshuttle.router.router import Router
 from kvshuttle.router.v1 import router_service_pb2 as pb
@@ -31,8 +34,8 @@ OUTPUT = 70
 
 
 class SlowClaims(GrpcRegistryPort):
-    """The real port; a claim waits for `go` when told to, and the clock passes `takes_s`
-    while the registry answers it."""
+    """The real port; a claim or a put waits for `go` when told to, and the clock passes
+    `takes_s` while the registry answers a claim."""
 
     def __init__(self, client: RegistryClient, clock: FakeClock) -> None:
         super().__init__(client)
@@ -50,6 +53,12 @@ class SlowClaims(GrpcRegistryPort):
         self.clock.advance(self.takes_s)
         return got
 
+    async def put_retention(self, new: NewRetention) -> RetentionInfo:
+        self.started.set()
+        if self.hold:
+            await self.go.wait()
+        return await super().put_retention(new)
+
 
 @dataclass
 class Env:
@@ -63,18 +72,27 @@ class Env:
         req = PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV, deadline_s=deadline_s)
         return await self.router.plan_turn(req)
 
-    async def first_turn(self) -> list[int]:
-        """Turn 1 planned and committed: the conversation's retention 1 is stored, unclaimed."""
-        prompt = self.tokens(PROMPT)
-        plan = await self.plan(prompt)
+    async def commit(self, plan: Plan, prompt: list[int]) -> list[int]:
+        """The turn committed as a gateway does once decode answered; its whole sequence."""
         sequence = prompt + self.tokens(OUTPUT)
         params = self.tokens.decode_params(convert.plan_to_pb(plan), len(sequence))
         commit = pb.CommitTurnRequest(turn=plan.turn, token_ids=sequence, decode_kv_transfer_params=params)
         await self.router.commit_turn(convert.commit_request_from_pb(commit))
         return sequence
 
-    async def state(self) -> int:
-        got = await self.registry.stub.GetRetention(reg_pb.GetRetentionRequest(name=f"{CONV}/retentions/1"))
+    async def first_turn(self) -> list[int]:
+        """Turn 1 planned and committed: the conversation's retention 1 is stored, unclaimed."""
+        prompt = self.tokens(PROMPT)
+        return await self.commit(await self.plan(prompt), prompt)
+
+    async def state(self, generation: int = 1) -> int:
+        """The retention's state; 0 (unspecified) once it is gone."""
+        name = f"{CONV}/retentions/{generation}"
+        try:
+            got = await self.registry.stub.GetRetention(reg_pb.GetRetentionRequest(name=name))
+        except grpc.aio.AioRpcError as err:
+            assert err.code() == grpc.StatusCode.NOT_FOUND
+            return reg_pb.RETENTION_STATE_UNSPECIFIED
         return got.retention.state
 
     def given_back(self) -> float:
@@ -133,6 +151,7 @@ async def test_a_deadline_passed_during_the_claim_gives_it_back(env: Env) -> Non
 async def test_a_call_cancelled_with_its_claim_in_flight_gives_it_back_once_it_lands(env: Env) -> None:
     sequence = await env.first_turn()
     env.port.hold = True
+    env.port.started.clear()
     planning = asyncio.ensure_future(env.plan(sequence + env.tokens(100), deadline_s=2.0))
     await env.port.started.wait()
     planning.cancel()
@@ -146,3 +165,28 @@ async def test_a_call_cancelled_with_its_claim_in_flight_gives_it_back_once_it_l
         await asyncio.sleep(0.01)
     assert env.given_back() == 1
     assert await env.state() == reg_pb.RETENTION_STATE_ACTIVE
+
+
+async def test_a_commit_whose_caller_left_still_stores_and_releases(env: Env) -> None:
+    sequence = await env.first_turn()
+    prompt = sequence + env.tokens(100)
+    plan = await env.plan(prompt)
+    assert plan.decision == Decision.REUSE
+    env.port.hold = True
+    env.port.started.clear()
+    committing = asyncio.ensure_future(env.commit(plan, prompt))
+    await env.port.started.wait()
+    committing.cancel()  # the gateway's CommitTurn deadline passed
+    with pytest.raises(asyncio.CancelledError):
+        await committing
+    env.port.hold = False
+    env.port.go.set()
+    for _ in range(500):
+        if await env.state(2) == reg_pb.RETENTION_STATE_ACTIVE:
+            break
+        await asyncio.sleep(0.01)
+    # Turn 2's KV is the conversation's retention, turn 1's consumed claim released.
+    assert await env.state(2) == reg_pb.RETENTION_STATE_ACTIVE
+    assert await env.state(1) == reg_pb.RETENTION_STATE_UNSPECIFIED
+    nxt = await env.plan(prompt + env.tokens(OUTPUT + 100))
+    assert (nxt.decision, nxt.reason, nxt.generation) == (Decision.REUSE, Reason.REUSE_CHEAPER, 3)
