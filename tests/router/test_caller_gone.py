@@ -2,7 +2,8 @@
 (kvshuttle.router.claiming): a call whose deadline passed before its claim, or while the claim
 was in flight, or that was cancelled with its claim in flight, leaves the retention unclaimed for
 the conversation's next turn. A commit whose caller left runs to its end (Router._to_the_end):
-the consumed claim is released and decode's KV stored. A real registry over gRPC; the router's
+the consumed claim is released and decode's KV stored; so does a registry call a commit stopped
+waiting for (commit_registry_timeout_s). A real registry over gRPC; the router's
 registry port holds calls back or lets the fake clock pass during them, as a saturated machine
 does."""
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import pytest
@@ -67,6 +69,13 @@ class Env:
     port: SlowClaims
     metrics: CollectorRegistry
     tokens: Tokens
+    client: RegistryClient
+
+    async def close(self) -> None:
+        await self.client.close()
+        await self.registry.channel.close()
+        self.registry.registry.close()
+        await self.registry.server.stop()
 
     async def plan(self, prompt: list[int], *, deadline_s: float | None = None) -> Plan:
         req = PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV, deadline_s=deadline_s)
@@ -99,21 +108,23 @@ class Env:
         return self.metrics.get_sample_value("kvshuttle_router_claims_given_back_total") or 0.0
 
 
-@pytest.fixture(name="env")
-async def environment() -> AsyncIterator[Env]:
+async def open_env(**policy: Any) -> Env:
     registry = await start_registry()
-    config = settings(registry.address)
+    config = settings(registry.address, **policy)
     client = RegistryClient.connect(config.registry.channel_options())
     port = SlowClaims(client, registry.clock)
     metrics = CollectorRegistry()
     router = build_router(config, port, registry.clock, metrics)
     await add_node(registry, "nodes/p0", reg_pb.NODE_ROLE_PREFILL)
     await add_node(registry, "nodes/d0", reg_pb.NODE_ROLE_DECODE)
-    yield Env(registry, router, port, metrics, Tokens())
-    await client.close()
-    await registry.channel.close()
-    registry.registry.close()
-    await registry.server.stop()
+    return Env(registry, router, port, metrics, Tokens(), client)
+
+
+@pytest.fixture(name="env")
+async def environment() -> AsyncIterator[Env]:
+    env = await open_env()
+    yield env
+    await env.close()
 
 
 async def test_a_caller_that_waits_gets_its_claim(env: Env) -> None:
@@ -190,3 +201,30 @@ async def test_a_commit_whose_caller_left_still_stores_and_releases(env: Env) ->
     assert await env.state(1) == reg_pb.RETENTION_STATE_UNSPECIFIED
     nxt = await env.plan(prompt + env.tokens(OUTPUT + 100))
     assert (nxt.decision, nxt.reason, nxt.generation) == (Decision.REUSE, Reason.REUSE_CHEAPER, 3)
+
+
+async def test_a_put_past_the_commits_wait_still_lands_and_the_next_turn_reuses_it() -> None:
+    env = await open_env(commit_registry_timeout_s=0.05)
+    try:
+        sequence = await env.first_turn()
+        prompt = sequence + env.tokens(100)
+        plan = await env.plan(prompt)
+        env.port.hold = True
+        env.port.started.clear()
+        committing = asyncio.ensure_future(env.commit(plan, prompt))
+        await env.port.started.wait()
+        # The commit answers without waiting longer (nothing stored, as far as it knows) ...
+        await committing
+        assert await env.state(2) == reg_pb.RETENTION_STATE_UNSPECIFIED
+        # ... and its put, slow but not lost, lands.
+        env.port.hold = False
+        env.port.go.set()
+        for _ in range(500):
+            if await env.state(2) == reg_pb.RETENTION_STATE_ACTIVE:
+                break
+            await asyncio.sleep(0.01)
+        assert await env.state(2) == reg_pb.RETENTION_STATE_ACTIVE
+        nxt = await env.plan(prompt + env.tokens(OUTPUT + 100))
+        assert (nxt.decision, nxt.reason, nxt.generation) == (Decision.REUSE, Reason.REUSE_CHEAPER, 3)
+    finally:
+        await env.close()
