@@ -419,34 +419,50 @@ def main() -> None:
     def log(line: str) -> None:
         print(f"[{time.monotonic() - began:6.0f} s] {line}", flush=True)
 
-    results = []
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"load-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json"
+    results: list[dict[str, Any]] = []
     for config in configs:
+        results.append(run_one(config, args, log))
+        # Written after every configuration: a long run that stops early keeps what it measured.
+        out = {
+            "bench": "load",
+            "utc": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "total_wall_s": round(time.monotonic() - began, 1),
+            "results": results,
+            "control_plane_definition": "client latency - the stand-in engines' own time for the turn",
+        }
+        path.write_text(json.dumps(out, indent=2) + "\n")
+    print(table(results))
+    print(f"total {round(time.monotonic() - began, 1)} s; wrote {path}")
+
+
+def run_one(config: str, args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    """One configuration, started afresh once more when it does not come up (on a shared
+    machine another process may take a port between its probe and the service's bind)."""
+    retried = False
+    while True:
         work = Path(tempfile.mkdtemp(prefix=f"kvshuttle-load-{config}-", dir=args.dir))
         run = Run(config, args, work)
         log(f"{config}: starting")
-        run.start()
         try:
-            results.append(asyncio.run(run_config(run, args, log)))
+            run.start()
+        except (RuntimeError, TimeoutError) as exc:
+            if retried:
+                raise
+            retried = True
+            log(f"{config}: did not start ({str(exc).splitlines()[0]}); once more, on new ports")
+            continue
+        try:
+            return asyncio.run(run_config(run, args, log))
         finally:
             run.stop()
             if args.keep_logs:
                 log(f"{config}: logs kept in {work}")
             else:
                 shutil.rmtree(work, ignore_errors=True)
-    out = {
-        "bench": "load",
-        "utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "total_wall_s": round(time.monotonic() - began, 1),
-        "results": results,
-        "control_plane_definition": "client latency - the stand-in engines' own time for the turn",
-    }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"load-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(table(results))
-    print(f"total {out['total_wall_s']} s; wrote {path}")
 
 
 if __name__ == "__main__":
