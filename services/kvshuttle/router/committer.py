@@ -298,7 +298,8 @@ class Committer:
     def _landed(self, task: asyncio.Future[Any]) -> None:
         self._landing.discard(task)
         if not task.cancelled() and (err := task.exception()) is not None:
-            log.info("commit.late_call_failed", error=repr(err)[:300])
+            # The reason only: an error's message may name the conversation (tenant data).
+            log.info("commit.late_call_failed", reason=getattr(err, "reason", type(err).__name__))
 
     async def _release(self, state: TurnState, rpc: str) -> None:
         """Release the retention the turn claimed. Best effort when the registry does not answer:
