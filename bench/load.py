@@ -6,8 +6,8 @@ registry configurations in one run:
     memory     the in-memory store (one registry process)
     redis-1    the Redis store, one registry replica (AOF on, appendfsync everysec)
     redis-2    the Redis store, two registry replicas over the same redis-server: the router
-               balances over both (`REGISTRY__ADDRESS` "a,b", round robin); both agents report
-               KV events to the first (the block index is per process)
+               and both agents balance over both (`REGISTRY__ADDRESS` "a,b", round robin; the
+               block index is shared through Redis, so a report to either replica counts)
 
     python -m bench.load [--turns 2100] [--conversations 200] [--rates 15,30,45,60,80,110]
     python -m bench.load --full          # 10,000 turns per configuration
@@ -35,7 +35,11 @@ answers, errors, and CPU seconds per process (from /proc: registry replicas, rou
 agents, engines, redis-server, this client) with each one's share of a core. The knee is the
 highest rate whose achieved rate is >= 90% of the offered and whose control-plane p99 is at most
 4x the first step's. RSS of every process before the first step, after the last and after
-`--cool-down-s` idle. Prints a table, writes bench/results/load-<utc time>.json.
+`--cool-down-s` idle. The machine's busy cores per step (/proc/stat) and those not this run's
+(`others_cores`): on a shared machine, a step slowed by other work shows there.
+Prints a table, writes bench/results/load-<utc time>.json; `--keep-logs` keeps each
+configuration's work folder under `--dir` (every service's structlog JSON: the gateway's
+`request.done` per turn, one `rpc.done` per RPC with its duration).
 """
 
 from __future__ import annotations
@@ -79,6 +83,13 @@ _TICK = os.sysconf("SC_CLK_TCK")
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy since boot (every core, every process: the
+    other work on a shared machine included), from /proc/stat's first line."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / _TICK  # all but idle and iowait (no guests)
 
 
 def rss_mib(pid: int) -> float:
@@ -147,6 +158,10 @@ class Run:
             )  # fmt: skip
             both = f"{self.stack.registry_addr},{self.replica_addr}"
             self.stack.router.env["KVSHUTTLE_ROUTER_REGISTRY__ADDRESS"] = both
+            # The block index is shared (kvshuttle.registry.redis_index_feed): agents may report
+            # to either replica, round robin as the router plans.
+            for agent in self.stack.agents:
+                agent.env["KVSHUTTLE_AGENT_REGISTRY__ADDRESS"] = both
 
     def processes(self) -> dict[str, int]:
         found = {s.name: s.proc.pid for s in self.stack.services if s.proc is not None}
@@ -268,7 +283,7 @@ class Run:
         return step
 
 
-def summarize_step(step: Step, cpu: dict[str, float]) -> dict[str, Any]:
+def summarize_step(step: Step, cpu: dict[str, float], machine_s: float) -> dict[str, Any]:
     ms = 1e3
     done = len(step.latency_s)
     p = {f"{name}_{q}_ms": (None if (v := pct(values, qq)) is None else round(v * ms, 2))
@@ -289,6 +304,12 @@ def summarize_step(step: Step, cpu: dict[str, float]) -> dict[str, Any]:
         "cpu_s": {k: round(v, 2) for k, v in cpu.items()},
         "cpu_share_all": round(sum(cpu.values()) / step.wall_s, 2) if step.wall_s else 0.0,
         "cpu_share_of_core": {k: round(v / step.wall_s, 2) for k, v in cpu.items()} if step.wall_s else {},
+        # Cores the whole machine kept busy, and those of it not this run's processes (other
+        # work on a shared machine): low cpu_share_all with a busy machine is contention.
+        "machine_busy_cores": round(machine_s / step.wall_s, 2) if step.wall_s else 0.0,
+        "others_cores": round(max(machine_s - sum(cpu.values()), 0.0) / step.wall_s, 2)
+        if step.wall_s
+        else 0.0,
     }
 
 
@@ -322,14 +343,15 @@ async def run_config(run: Run, args: argparse.Namespace, log: Callable[[str], No
         rss_before = {k: round(rss_mib(p), 1) for k, p in procs.items()}
         steps = []
         for rate in args.rates:
-            cpu0 = {k: cpu_seconds(p) for k, p in procs.items()}
+            cpu0, machine0 = {k: cpu_seconds(p) for k, p in procs.items()}, machine_busy_seconds()
             step = await run.step(session, rate, per_step, conversations)
             cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in procs.items()}
-            steps.append(summarize_step(step, cpu))
+            steps.append(summarize_step(step, cpu, machine_busy_seconds() - machine0))
             s = steps[-1]
             log(f"{run.config:8} {rate:6.0f}/s -> {s['achieved_turns_s']:6.1f}/s  cp p50 "
                 f"{s['control_plane_p50_ms']} p99 {s['control_plane_p99_ms']} ms  reuse {s['reuse_ratio']}  "
-                f"wrong {s['wrong']} errors {s['errors']}  cpu {s['cpu_share_all']} cores")  # fmt: skip
+                f"wrong {s['wrong']} errors {s['errors']}  cpu {s['cpu_share_all']} cores "
+                f"(machine {s['machine_busy_cores']}, others {s['others_cores']})")  # fmt: skip
         rss_after = {k: round(rss_mib(p), 1) for k, p in procs.items()}
         await asyncio.sleep(args.cool_down_s)
         rss_cool = {k: round(rss_mib(p), 1) for k, p in procs.items()}
@@ -344,7 +366,8 @@ async def run_config(run: Run, args: argparse.Namespace, log: Callable[[str], No
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = [f"{'config':8} {'offered':>8} {'achieved':>8} {'cp p50':>7} {'cp p99':>7} {'lat p99':>7} "
-             f"{'reuse':>5} {'wrong':>5} {'err':>4} {'cores':>5}  busiest (share of a core)"]  # fmt: skip
+             f"{'reuse':>5} {'wrong':>5} {'err':>4} {'cores':>5} {'others':>6}  "
+             "busiest (share of a core)"]  # fmt: skip
     for r in results:
         for s in r["steps"]:
             top = sorted(s["cpu_share_of_core"].items(), key=lambda kv: -kv[1])[:3]
@@ -352,8 +375,8 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"{r['config']:8} {s['offered_turns_s']:8.0f} {s['achieved_turns_s']:8.1f} "
                 f"{s['control_plane_p50_ms']:7.1f} {s['control_plane_p99_ms']:7.1f} "
                 f"{s['latency_p99_ms']:7.1f} "
-                f"{s['reuse_ratio']:5.2f} {s['wrong']:5d} {s['errors']:4d} {s['cpu_share_all']:5.2f}  "
-                + ", ".join(f"{k} {v:.2f}" for k, v in top)
+                f"{s['reuse_ratio']:5.2f} {s['wrong']:5d} {s['errors']:4d} {s['cpu_share_all']:5.2f} "
+                f"{s['others_cores']:6.2f}  " + ", ".join(f"{k} {v:.2f}" for k, v in top)
             )
         lines.append(
             f"{r['config']:8} knee {r['knee_offered_turns_s']}/s offered "
@@ -378,7 +401,14 @@ def main() -> None:
     ap.add_argument("--read-us-per-block", type=float, default=20.0)
     ap.add_argument("--num-blocks", type=int, default=65536)
     ap.add_argument("--cool-down-s", type=float, default=10.0)
-    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    ap.add_argument(
+        "--dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()),
+        help="where each configuration's work folder (logs, tokens, Redis) is made",
+    )
+    ap.add_argument("--keep-logs", action="store_true",
+                    help="keep the work folders (services' structlog JSON, engines' logs)")  # fmt: skip
     args = ap.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
     if args.full:
@@ -389,31 +419,50 @@ def main() -> None:
     def log(line: str) -> None:
         print(f"[{time.monotonic() - began:6.0f} s] {line}", flush=True)
 
-    results = []
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"load-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json"
+    results: list[dict[str, Any]] = []
     for config in configs:
+        results.append(run_one(config, args, log))
+        # Written after every configuration: a long run that stops early keeps what it measured.
+        out = {
+            "bench": "load",
+            "utc": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "total_wall_s": round(time.monotonic() - began, 1),
+            "results": results,
+            "control_plane_definition": "client latency - the stand-in engines' own time for the turn",
+        }
+        path.write_text(json.dumps(out, indent=2) + "\n")
+    print(table(results))
+    print(f"total {round(time.monotonic() - began, 1)} s; wrote {path}")
+
+
+def run_one(config: str, args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    """One configuration, started afresh once more when it does not come up (on a shared
+    machine another process may take a port between its probe and the service's bind)."""
+    retried = False
+    while True:
         work = Path(tempfile.mkdtemp(prefix=f"kvshuttle-load-{config}-", dir=args.dir))
         run = Run(config, args, work)
         log(f"{config}: starting")
-        run.start()
         try:
-            results.append(asyncio.run(run_config(run, args, log)))
+            run.start()
+        except (RuntimeError, TimeoutError) as exc:
+            if retried:
+                raise
+            retried = True
+            log(f"{config}: did not start ({str(exc).splitlines()[0]}); once more, on new ports")
+            continue
+        try:
+            return asyncio.run(run_config(run, args, log))
         finally:
             run.stop()
-            shutil.rmtree(work, ignore_errors=True)
-    out = {
-        "bench": "load",
-        "utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "total_wall_s": round(time.monotonic() - began, 1),
-        "results": results,
-        "control_plane_definition": "client latency - the stand-in engines' own time for the turn",
-    }
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"load-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(table(results))
-    print(f"total {out['total_wall_s']} s; wrote {path}")
+            if args.keep_logs:
+                log(f"{config}: logs kept in {work}")
+            else:
+                shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ from typing import Any, Literal, Self
 from tokenizers import Tokenizer
 
 from deploy.local.launch import free_ports, kill_process, new_engine_id, stop_process
-from deploy.local.standin_engine import HOST, plain_vocabulary
+from deploy.local.standin_engine import HOST
+from deploy.local.standin_http import plain_vocabulary
 from deploy.local.standin_kv import output_tokens
 from kvshuttle.agent.engine import parse_vllm_metrics
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import signal
 import time
 import uuid
@@ -49,6 +48,7 @@ import zmq.asyncio
 from aiohttp import web
 from tokenizers import Tokenizer
 
+from deploy.local import standin_http as http
 from deploy.local.standin_kv import CacheFull, KvCache, output_tokens, vllm_block_hashes
 
 HOST: Final = "127.0.0.1"
@@ -56,24 +56,6 @@ TOPIC: Final = b"kv-events"
 _END_SEQ: Final = b"\xff" * 8
 _REPLAY_BUFFER: Final = 10_000  # vLLM's default buffer_steps
 _MAX_TIMINGS: Final = 200_000
-_DEFAULT_MAX_TOKENS: Final = 16  # vLLM's for /v1/completions
-
-
-def plain_vocabulary(tokenizer: Tokenizer) -> tuple[list[int], dict[int, str]]:
-    """Output ids that decode to plain ASCII letters and digits, alone and side by side (so no
-    concatenation spells a special or tool tag), with their texts; never EOS or an added token."""
-    ids, texts = [], {}
-    special = set(tokenizer.get_added_tokens_decoder())
-    for i in range(tokenizer.get_vocab_size(with_added_tokens=False)):
-        text = tokenizer.decode([i])
-        if i in special or not text or not text.isascii() or not text.replace(" ", "").isalnum():
-            continue
-        if tokenizer.decode([i, i]) == text + text:
-            ids.append(i)
-            texts[i] = text
-    if not ids:
-        raise ValueError("the tokenizer has no plain-text ids to answer with")
-    return ids, texts
 
 
 @dataclass(frozen=True)
@@ -99,24 +81,12 @@ class StandinConfig:
     kv_recompute_threshold: int = 64
 
 
-class _BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def _error(message: str, status: int) -> web.Response:
-    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.json_response(body, status=status)
-
-
 class StandinEngine:
     def __init__(self, config: StandinConfig) -> None:
         self.config = config
         tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.vocabulary, self.texts = plain_vocabulary(tokenizer)
+        self.vocabulary, self.texts = http.plain_vocabulary(tokenizer)
         self.cache = KvCache(config.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
         self.counters = {"requests": 0, "kv_reads": 0, "kv_blocks_read": 0, "kv_load_failures": 0,
                          "kv_reads_declined": 0, "holdings_expired": 0}  # fmt: skip
@@ -255,53 +225,28 @@ class StandinEngine:
 
     # -- HTTP --------------------------------------------------------------------------------
 
-    def _parse(self, body: Any) -> tuple[list[int], int, list[str], dict[str, Any], str | None]:
-        if not isinstance(body, dict):
-            raise _BadRequest("the body must be a JSON object")
-        if body.get("model") != self.config.served_model_name:
-            raise _BadRequest(f"The model `{body.get('model')}` does not exist.", 404)
-        prompt = body.get("prompt")
-        if not isinstance(prompt, list) or not prompt or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):  # fmt: skip
-            raise _BadRequest("the stand-in takes token-id prompts only (a non-empty list of ints)")
-        if (bad := next((t for t in prompt if not 0 <= t < self.vocab_size), None)) is not None:
-            raise _BadRequest(f"Token id {bad} is out of vocabulary")
-        max_tokens = body.get("max_tokens", _DEFAULT_MAX_TOKENS)
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise _BadRequest("max_tokens must be at least 1")
-        if len(prompt) + max_tokens > self.config.max_model_len:
-            raise _BadRequest(
-                f"This model's maximum context length is {self.config.max_model_len} tokens. However, you "
-                f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} "
-                "in the completion)."
-            )
-        stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str)]
-        params = body.get("kv_transfer_params")
-        salt = body.get("cache_salt")
-        return (prompt, max_tokens, stops, params if isinstance(params, dict) else {},
-                salt if isinstance(salt, str) and salt else None)  # fmt: skip
-
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         self.running += 1
         self.counters["requests"] += 1
+        cfg = self.config
         try:
             try:
-                body = await request.json()
-                prompt, max_tokens, stops, params, salt = self._parse(body)
-            except ValueError:
-                return _error("the body is not JSON", 400)
-            except _BadRequest as exc:
-                return _error(str(exc), exc.status)
-            try:
-                return await self._complete(
-                    request, request_id, body, prompt, max_tokens, stops, params, salt
+                req = http.parse_completion(
+                    await request.json(),
+                    model=cfg.served_model_name,
+                    vocab_size=self.vocab_size,
+                    max_model_len=cfg.max_model_len,
                 )
+            except ValueError:
+                return http.error_response("the body is not JSON", 400)
+            except http.BadRequest as exc:
+                return http.error_response(str(exc), exc.status)
+            try:
+                return await self._complete(request, request_id, req)
             except CacheFull as exc:
-                return _error(str(exc), 400)
+                return http.error_response(str(exc), 400)
         finally:
             self.running -= 1
             self.timings[request_id] = time.perf_counter() - started
@@ -309,91 +254,32 @@ class StandinEngine:
                 self.timings.popitem(last=False)
 
     async def _complete(
-        self,
-        request: web.Request,
-        request_id: str,
-        body: dict[str, Any],
-        prompt: list[int],
-        max_tokens: int,
-        stops: list[str],
-        params: dict[str, Any],
-        salt: str | None,
+        self, request: web.Request, request_id: str, req: http.CompletionRequest
     ) -> web.StreamResponse:
-        content, found, _ = await self._prompt_kv(prompt, params, salt)
+        prompt, salt = req.prompt, req.cache_salt
+        content, found, _ = await self._prompt_kv(prompt, req.kv_transfer_params, salt)
         cfg = self.config
-        if cfg.role == "prefill":
-            max_tokens = 1  # prefill answers one token whatever was asked
+        max_tokens = 1 if cfg.role == "prefill" else req.max_tokens  # prefill answers one token
         ids = output_tokens(content, max_tokens, self.vocabulary)
-        texts = [self.texts[i] for i in ids]
-        finish, stop_reason, aborted = "length", None, False
-        for i in range(len(ids)):
-            done = "".join(texts[: i + 1])
-            hit = next((s for s in stops if s in done), None)
-            if hit is not None:  # vLLM: a detokenizer match, then an abort: nothing is retained
-                ids, texts = ids[: i + 1], [done[: done.index(hit)]]
-                finish, stop_reason, aborted = "stop", hit, True
-                break
-        out_params = None if aborted else self._retain(prompt, content, ids, found, params, salt)
-        usage = {
-            "prompt_tokens": len(prompt),
-            "total_tokens": len(prompt) + len(ids),
-            "completion_tokens": len(ids),
-            "prompt_tokens_details": {"cached_tokens": found},
-        }
-        head = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
-                "model": cfg.served_model_name}  # fmt: skip
-        if body.get("stream"):
-            return await self._stream(
-                request, body, head, prompt, ids, texts, finish, stop_reason, out_params, usage
-            )
-        await asyncio.sleep(self._per_token_s * len(ids))
-        choice: dict[str, Any] = {"index": 0, "text": "".join(texts), "logprobs": None,
-                                  "finish_reason": finish, "stop_reason": stop_reason,
-                                  "prompt_logprobs": None}  # fmt: skip
-        if body.get("return_token_ids"):
-            choice.update(token_ids=ids, prompt_token_ids=prompt)
-        return web.json_response(
-            {**head, "choices": [choice], "usage": usage, "kv_transfer_params": out_params}
+        answer = http.apply_stops(ids, [self.texts[i] for i in ids], req.stops)
+        out_params = (
+            None
+            if answer.aborted
+            else self._retain(prompt, content, answer.ids, found, req.kv_transfer_params, salt)
         )
-
-    async def _stream(
-        self,
-        request: web.Request,
-        body: dict[str, Any],
-        head: dict[str, Any],
-        prompt: list[int],
-        ids: list[int],
-        texts: list[str],
-        finish: str,
-        stop_reason: str | None,
-        out_params: dict[str, Any] | None,
-        usage: dict[str, Any],
-    ) -> web.StreamResponse:
-        with_ids = bool(body.get("return_token_ids"))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        pieces = list(zip(ids, texts, strict=True)) if len(texts) == len(ids) else [(ids[-1], texts[0])]
-        for i, (token, text) in enumerate(pieces):
-            await asyncio.sleep(self._per_token_s)
-            last = i == len(pieces) - 1
-            chunk_choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
-                                            "finish_reason": finish if last else None,
-                                            "stop_reason": stop_reason if last else None}  # fmt: skip
-            if with_ids:
-                chunk_choice["token_ids"] = ids if len(pieces) == 1 else [token]
-                if i == 0:
-                    chunk_choice["prompt_token_ids"] = prompt
-            chunk: dict[str, Any] = {**head, "choices": [chunk_choice]}
-            if last and out_params is not None:
-                chunk["kv_transfer_params"] = out_params
-            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        if (body.get("stream_options") or {}).get("include_usage"):
-            await response.write(
-                b"data: " + json.dumps({**head, "choices": [], "usage": usage}).encode() + b"\n\n"
-            )
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        used = http.usage(prompt, answer.ids, found)
+        top = http.head(request_id, cfg.served_model_name)
+        if req.stream:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for chunk in http.sse_chunks(req, top, answer, out_params):
+                await asyncio.sleep(self._per_token_s)
+                await response.write(chunk)
+            await response.write(http.sse_tail(req, top, used))
+            await response.write_eof()
+            return response
+        await asyncio.sleep(self._per_token_s * len(answer.ids))
+        return web.json_response(http.completion_body(req, top, answer, out_params, used))
 
     @property
     def _per_token_s(self) -> float:
@@ -424,15 +310,9 @@ class StandinEngine:
         return web.Response(status=200)
 
     async def _metrics(self, _: web.Request) -> web.Response:
-        labels = f'{{engine="0",model_name="{self.config.served_model_name}"}}'
-        lines = [
-            "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{labels} {self.running}",
-            "# TYPE vllm:num_requests_waiting gauge", f"vllm:num_requests_waiting{labels} 0",
-            "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{labels} {self.cache.usage()}",
-        ]  # fmt: skip
-        for name, value in self.stats().items():
-            lines += [f"# TYPE standin_{name} gauge", f"standin_{name} {value}"]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        model, usage = self.config.served_model_name, self.cache.usage()
+        text = http.metrics_text(model, self.running, usage, self.stats())
+        return web.Response(text=text, content_type="text/plain")
 
     def stats(self) -> dict[str, int]:
         return {**{f"{k}_total": v for k, v in self.counters.items()},
@@ -440,10 +320,8 @@ class StandinEngine:
                 "dropped_holdings_total": self.cache.dropped_holdings}  # fmt: skip
 
     async def _models(self, _: web.Request) -> web.Response:
-        model = {"id": self.config.served_model_name, "object": "model", "created": int(time.time()),
-                 "owned_by": "vllm", "root": str(self.config.model_dir), "parent": None,
-                 "max_model_len": self.config.max_model_len}  # fmt: skip
-        return web.json_response({"object": "list", "data": [model]})
+        cfg = self.config
+        return web.json_response(http.models_body(cfg.served_model_name, cfg.model_dir, cfg.max_model_len))
 
     async def _timings(self, request: web.Request) -> web.Response:
         got = dict(self.timings)

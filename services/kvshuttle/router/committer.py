@@ -10,7 +10,10 @@ Neither fails for a registry that does not answer: its calls here give up after
 next turn, which waits for it, longer than that), and then the commit succeeds with nothing
 stored (an empty `retention`; logged `commit.not_stored reason=REGISTRY_UNAVAILABLE`, counted as
 outcome `registry_unavailable`), and a release that did not reach the registry is logged: the
-claim lapses on its own TTL, and the retention with it.
+claim lapses on its own TTL, and the retention with it. The call itself is not cut short then: it
+goes on (within the registry client's own deadline), so a registry that is slow, not dead (an
+overloaded machine), still stores the retention and releases the claim, and the conversation's
+later turns reuse it instead of recomputing until the claim's TTL (CLAIM_LOST).
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ _REGISTRY_UNAVAILABLE = CommitResult("", None, not_stored="registry_unavailable"
 class Committer:
     def __init__(self, parts: RouterParts) -> None:
         self._parts = parts
+        # Registry calls a commit or an abort stopped waiting for, held so that they land.
+        self._landing: set[asyncio.Future[Any]] = set()
 
     def _unfinished(self, handle: str) -> TurnState:
         """The turn of `handle`; FailedPrecondition when it was committed or aborted here."""
@@ -278,15 +283,27 @@ class Committer:
         self._parts.metrics.own_seconds.labels("AbortTurn").observe(timer.own_cpu_s())
 
     async def _registry(self, call: Awaitable[T], timer: CallTimer) -> T:
-        """A registry call of a commit or an abort, given up after commit_registry_timeout_s
-        (Unavailable, REGISTRY_UNAVAILABLE, as when the registry cannot be reached)."""
+        """A registry call of a commit or an abort, waited for at most commit_registry_timeout_s
+        (then Unavailable, REGISTRY_UNAVAILABLE, as when the registry cannot be reached, while
+        the call itself goes on and lands if it can)."""
+        task = asyncio.ensure_future(call)
         try:
-            return await timer.registry(asyncio.wait_for(call, self._parts.policy.commit_registry_timeout_s))
+            return await timer.registry(
+                asyncio.wait_for(asyncio.shield(task), self._parts.policy.commit_registry_timeout_s)
+            )
         except TimeoutError as err:
+            self._landing.add(task)
+            task.add_done_callback(self._landed)
             raise Unavailable(
                 f"the registry did not answer within {self._parts.policy.commit_registry_timeout_s} s",
                 reason=ErrorReason.REGISTRY_UNAVAILABLE,
             ) from err
+
+    def _landed(self, task: asyncio.Future[Any]) -> None:
+        self._landing.discard(task)
+        if not task.cancelled() and (err := task.exception()) is not None:
+            # The reason only: an error's message may name the conversation (tenant data).
+            log.info("commit.late_call_failed", reason=getattr(err, "reason", type(err).__name__))
 
     async def _release(self, state: TurnState, rpc: str) -> None:
         """Release the retention the turn claimed. Best effort when the registry does not answer:

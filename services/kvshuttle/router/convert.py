@@ -59,7 +59,7 @@ def _optional_duration_s(parent: Any, name: str, field: str) -> float | None:
 # ---- PlanTurn -----------------------------------------------------------------------------
 
 
-def plan_request_from_pb(request: pb.PlanTurnRequest) -> PlanRequest:
+def plan_request_from_pb(request: pb.PlanTurnRequest, *, deadline_s: float | None = None) -> PlanRequest:
     hints = request.hints
     return PlanRequest(
         model=request.model,
@@ -71,6 +71,7 @@ def plan_request_from_pb(request: pb.PlanTurnRequest) -> PlanRequest:
         expected_think_time_s=_optional_duration_s(hints, "expected_think_time", "hints.expected_think_time"),
         disable_reuse=hints.disable_reuse,
         cache_salt_sha256=request.cache_salt_sha256,
+        deadline_s=deadline_s,
     )
 
 

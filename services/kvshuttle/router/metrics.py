@@ -99,6 +99,12 @@ class RouterMetrics:
             "(planned as recomputes, NODE_DOWN).",
             registry=registry,
         )
+        self.claims_given_back = Counter(
+            "kvshuttle_router_claims_given_back",
+            "Claims a plan gave back unread because its caller had stopped waiting (the RPC's "
+            "deadline passed, or it was cancelled): the retention stays for the next turn.",
+            registry=registry,
+        )
         self.moves = Counter(
             "kvshuttle_router_moves",
             "Shuttle moves of retentions into agents' pools: kind park|prefetch, why it was "

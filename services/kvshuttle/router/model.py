@@ -245,6 +245,9 @@ class PlanRequest:
     # SHA-256 of the vLLM cache_salt the caller sends the engines (b"": none): the prompt's
     # chain starts from its salted root (kvshuttle.core.hashing.salted_root).
     cache_salt_sha256: bytes = b""
+    # Seconds the caller still waited for the plan when its call arrived (its RPC deadline;
+    # None: none). A plan that is ready only after that claims nothing (Planner._claim).
+    deadline_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

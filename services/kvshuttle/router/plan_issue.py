@@ -50,6 +50,8 @@ class PlanCall:
     # The request's fingerprint (b"" without a request id): a retry of it on another replica
     # makes the same claim, another request with its id does not.
     fingerprint: bytes = b""
+    # When the caller stops waiting, on the router's clock (None: never).
+    give_up_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

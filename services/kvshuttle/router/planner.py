@@ -10,6 +10,8 @@ not verify, a claim lost to another router replica. Wrong KV is never served; sl
 A hint is only confirmed by its claim: when a plan made on a hint claims nothing, it is made
 again, once, on what the registry says.
 
+A plan its caller will never receive claims nothing (kvshuttle.router.claiming).
+
 A registry that does not answer (Unavailable, REGISTRY_UNAVAILABLE: unreachable or past its
 deadline) degrades the plan, never fails it: plain P->D on the last node list it gave (no
 retention read, no local hits, nothing claimed), decision RECOMPUTE, reason
@@ -24,19 +26,19 @@ writes the decided plan down (its signed handle, params, counters and span).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import structlog
 
-from kvshuttle.core.errors import Aborted, FailedPrecondition, NotFound, Unavailable
+from kvshuttle.core.errors import Unavailable
 from kvshuttle.core.limits import MAX_BLOCK_HASHES
 from kvshuttle.core.names import check_id
 from kvshuttle.core.nodes import NodeRole
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.router import checks
 from kvshuttle.router.chains import NO_CHAIN, Chain
+from kvshuttle.router.claiming import Claimer
 from kvshuttle.router.model import (
     ClaimInfo,
     NodeInfo,
@@ -62,6 +64,7 @@ class Planner:
     def __init__(self, parts: RouterParts) -> None:
         self._parts = parts
         self._issuer = PlanIssuer(parts)
+        self._claimer = Claimer(parts)
 
     async def plan_turn(self, req: PlanRequest) -> Plan:
         timer = CallTimer()
@@ -88,10 +91,12 @@ class Planner:
             if earlier is not None:
                 return earlier
 
+        give_up_at = None if req.deadline_s is None else self._parts.clock.now() + req.deadline_s
         with self._parts.tracer.start_as_current_span("plan") as span:
             plan = await self._plan(
-                PlanCall(req, cost, tokens, conversation, parent, root, timer, span, fingerprint=fingerprint)
-            )
+                PlanCall(req, cost, tokens, conversation, parent, root, timer, span,
+                         fingerprint=fingerprint, give_up_at=give_up_at)
+            )  # fmt: skip
         if req.request_id:
             self._parts.memory.remember_plan(req.conversation, req.model, req.request_id, fingerprint, plan)
 
@@ -122,7 +127,7 @@ class Planner:
             reason, claim = verdict.reason, None
             if verdict.claim is not None:
                 try:
-                    claim, reason = await self._claim(ctx, verdict.claim)
+                    claim, reason = await self._claimer.claim(ctx, verdict.claim)
                     if claim is not None:
                         verdict, claim, reason = await self._where_claimed(ctx, verdict, claim)
                 except Unavailable as err:
@@ -389,33 +394,3 @@ class Planner:
         self._parts.metrics.holders_not_serving.inc()
         ctx.call.span.set_attribute("kvshuttle.holder_serving", False)
         return Verdict(Reason.NODE_DOWN, verdict.prefix, verdict.reuse_cost)
-
-    async def _claim(self, ctx: PlanContext, retention: RetentionInfo) -> tuple[ClaimInfo | None, Reason]:
-        req = ctx.call.req
-        # The registry scopes claim ids by retention; a digest keeps the id within its bounds. The
-        # request's fingerprint is in it: another prompt planned under the same request id makes
-        # a claim of its own (and loses it), never shares the first plan's.
-        request_id = (
-            hashlib.sha256(f"claim|{req.request_id}|{ctx.call.fingerprint.hex()}".encode()).hexdigest()[:32]
-            if req.request_id
-            else ""
-        )
-        with self._parts.tracer.start_as_current_span("claim") as span:
-            span.set_attribute("kvshuttle.retention.generation", retention.generation)
-            try:
-                claim = await ctx.call.timer.registry(
-                    self._parts.port.claim(
-                        retention.name,
-                        holder=f"router:{req.request_id or 'plan'}",
-                        claim_ttl=self._parts.policy.claim_ttl_s,
-                        request_id=request_id,
-                    )
-                )
-            except Aborted:
-                span.set_attribute("kvshuttle.claim", "lost")
-                return None, Reason.FORK_UNSAFE if ctx.fork else Reason.CLAIM_LOST
-            except (FailedPrecondition, NotFound) as err:
-                span.set_attribute("kvshuttle.claim", err.reason)
-                return None, Reason.EXPIRED
-            span.set_attribute("kvshuttle.claim", "won")
-            return claim, Reason.REUSE_CHEAPER

@@ -12,8 +12,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import contextvars
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
+import structlog
 from opentelemetry import trace
 
 from kvshuttle.core.clock import Clock
@@ -31,6 +35,8 @@ from kvshuttle.router.turn_memory import TurnMemory
 from kvshuttle.router.turns import TurnCodec
 
 __all__ = ["Router"]
+
+T = TypeVar("T")
 
 
 class Router:
@@ -103,15 +109,38 @@ class Router:
         )
         self._planner = Planner(parts)
         self._committer = Committer(parts)
+        # Commits and aborts whose callers stopped waiting, held so that they run to their end.
+        self._finishing: set[asyncio.Future[Any]] = set()
 
     async def plan_turn(self, req: PlanRequest) -> Plan:
         return await self._planner.plan_turn(req)
 
     async def commit_turn(self, req: CommitRequest) -> CommitResult:
-        return await self._committer.commit_turn(req)
+        return await self._to_the_end(self._committer.commit_turn(req))
 
     async def abort_turn(self, handle: str, reason: str) -> None:
-        await self._committer.abort_turn(handle, reason)
+        await self._to_the_end(self._committer.abort_turn(handle, reason))
+
+    async def _to_the_end(self, call: Coroutine[Any, Any, T]) -> T:
+        """A commit or an abort runs to its end even when its caller stops waiting (the RPC's
+        deadline passed, or it was cancelled). Cut short, it would leave the claim it consumed
+        claimed until the claim's TTL and decode's retained KV unstored, and the conversation's
+        next turns would recompute (CLAIM_LOST, NO_RETENTION) long after the moment that made
+        the caller give up. Its registry calls are bounded (commit_registry_timeout_s), so it
+        ends soon; what it stores is fenced by the turn's generation as any commit is."""
+        context = contextvars.copy_context()
+        task = asyncio.get_running_loop().create_task(call, context=context)
+        self._finishing.add(task)
+        task.add_done_callback(self._settled)
+        result = await asyncio.shield(task)
+        # What the call bound for the RPC's one log line (rpc.done), bound in its own context.
+        structlog.contextvars.bind_contextvars(**context.run(structlog.contextvars.get_contextvars))
+        return result
+
+    def _settled(self, task: asyncio.Future[Any]) -> None:
+        self._finishing.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a caller that left does not read it
 
     async def run_shuttle(self) -> None:
         """The shuttle's loop, until cancelled (returns at once without a shuttle)."""

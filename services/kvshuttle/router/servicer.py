@@ -31,7 +31,9 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         context: grpc.aio.ServicerContext[pb.PlanTurnRequest, pb.PlanTurnResponse],
     ) -> pb.PlanTurnResponse:
         bind_contextvars(conversation=log_name(request.conversation[:300]), model=request.model[:200])
-        plan = await self._router.plan_turn(convert.plan_request_from_pb(request))
+        plan = await self._router.plan_turn(
+            convert.plan_request_from_pb(request, deadline_s=context.time_remaining())
+        )
         bind_contextvars(turn=log_digest(plan.turn), generation=plan.generation)
         return convert.plan_to_pb(plan)
 
