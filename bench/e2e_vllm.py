@@ -30,8 +30,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-from deploy.local.launch import VllmPair, ensure_model
+from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
+from deploy.local.vllm_venv import ensure_model
 from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
 RESULTS = Path(__file__).parent / "results"

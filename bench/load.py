@@ -63,9 +63,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from deploy.local.launch import ensure_model, free_ports
-from deploy.local.stack import HOST, KvshuttleStack, RegistryStore, Service, _grpc_ready, registry_service
+from deploy.local.processes import free_ports
+from deploy.local.services import Service, grpc_ready, registry_service
+from deploy.local.stack import HOST, KvshuttleStack, RegistryStore
 from deploy.local.standin import StandinPair
+from deploy.local.vllm_venv import ensure_model
 
 RESULTS = Path(__file__).parent / "results"
 CONFIGS = ("memory", "redis-1", "redis-2")
@@ -182,7 +184,7 @@ class Run:
             if self.replica is not None:
                 self.replica.start()
                 deadline = time.monotonic() + 30
-                while not _grpc_ready(self.replica_addr):
+                while not grpc_ready(self.replica_addr):
                     self.replica.check()
                     if time.monotonic() > deadline:
                         raise TimeoutError("the second registry replica is not serving")

@@ -40,8 +40,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from deploy.local.launch import VllmPair, ensure_model, free_ports
-from deploy.local.stack import HOST, KvshuttleStack, Service, _http_ready
+from deploy.local.launch import VllmPair
+from deploy.local.processes import free_ports
+from deploy.local.services import Service, http_ready
+from deploy.local.stack import HOST, KvshuttleStack
+from deploy.local.vllm_venv import ensure_model
 from tokenizers import Tokenizer
 
 RESULTS = Path(__file__).parent / "results"
@@ -147,7 +150,7 @@ def second_lane(stack: KvshuttleStack, work: Path) -> tuple[Service, Service, st
     gateway.start()
     url = f"http://{HOST}:{gw_port}"
     deadline = time.monotonic() + 60
-    while not _http_ready(f"{url}/health"):
+    while not http_ready(f"{url}/health"):
         router.check()
         gateway.check()
         if time.monotonic() > deadline:

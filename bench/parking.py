@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from deploy.local.launch import VllmPair, ensure_model
+from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
+from deploy.local.vllm_venv import ensure_model
 
 from kvshuttle.agent.v1 import agent_service_pb2 as apb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as apb_grpc

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the stand-in engine and tokenizer helper live in tests/
 
 from deploy.local.control_plane import ControlPlane  # noqa: E402
-from deploy.local.launch import free_ports  # noqa: E402
+from deploy.local.processes import free_ports  # noqa: E402
 from tests.gateway.fake_engine import BS, FakeEngine  # noqa: E402
 from tests.gateway.helpers import WORDS, make_tokenizer  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402

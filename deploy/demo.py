@@ -43,9 +43,11 @@ matplotlib.use("Agg")  # files only: no display here
 import matplotlib.pyplot as plt
 from tokenizers import Tokenizer
 
-from deploy.local.launch import EngineDied, VllmPair, ensure_model
+from deploy.local.launch import VllmPair
 from deploy.local.redis import RedisDied, RedisNotInstalled, redis_server_binary
 from deploy.local.stack import REGISTRY_STORES, KvshuttleStack
+from deploy.local.vllm_engine import EngineDied
+from deploy.local.vllm_venv import ensure_model
 from kvshuttle.gateway.config import DEFAULT_TENANT
 
 RUN_DIR = Path(".run/demo")

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from deploy.local.launch import VllmNotInstalled, VllmPair, ensure_model, vllm_python
+from deploy.local.launch import VllmPair
+from deploy.local.vllm_venv import VllmNotInstalled, ensure_model, vllm_python
 
 E2E_BLOCKS = 1024
 

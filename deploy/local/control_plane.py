@@ -26,17 +26,11 @@ import grpc
 from google.protobuf.duration_pb2 import Duration
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.local.launch import free_ports
+from deploy.local.processes import free_ports
 from deploy.local.redis import RedisServer
-from deploy.local.stack import (
-    HOST,
-    RegistryStore,
-    Service,
-    _grpc_ready,
-    _prefixed,
-    _Tokens,
-    registry_service,
-)
+from deploy.local.services import Service, grpc_ready, prefixed, registry_service
+from deploy.local.stack import HOST, RegistryStore
+from deploy.local.tokens import Tokens
 from kvshuttle.registry.v1 import registry_service_pb2 as rpb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as rpb_grpc
 
@@ -75,7 +69,7 @@ class ControlPlane:
         if store == "redis":
             shutil.rmtree(self.work_dir / "redis", ignore_errors=True)
             self.redis = RedisServer(self.work_dir / "redis", port=redis_port)
-        self._tokens = _Tokens(self.work_dir / "tokens")
+        self._tokens = Tokens(self.work_dir / "tokens")
         registry_auth = self._tokens.auth({"router": {"role": "router"}, "admin": {"role": "admin"}})
         router_auth = self._tokens.auth(
             {"gateway": {"role": "gateway", "tenants": ["*"]}, "admin": {"role": "admin"}}
@@ -99,7 +93,7 @@ class ControlPlane:
             Service(
                 f"router-{i}",
                 "kvshuttle.router.main",
-                _prefixed(
+                prefixed(
                     "KVSHUTTLE_ROUTER_",
                     {
                         "TELEMETRY__LOG_FORMAT": "json",
@@ -146,7 +140,7 @@ class ControlPlane:
         while pending:
             for service in [*self.registries, *self.routers]:
                 service.check()
-            pending = [a for a in pending if not _grpc_ready(a)]
+            pending = [a for a in pending if not grpc_ready(a)]
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not serving after {timeout:.0f} s: {pending}; logs in {self.work_dir}")
 
@@ -157,7 +151,7 @@ class ControlPlane:
     def restart_router(self, i: int, timeout: float = 60.0) -> None:
         self.routers[i].restart()
         deadline = time.monotonic() + timeout
-        while not _grpc_ready(self.router_addrs[i]):
+        while not grpc_ready(self.router_addrs[i]):
             self.routers[i].check()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"router-{i} not serving after {timeout:.0f} s")

@@ -3,8 +3,8 @@
 A vLLM start logs hundreds of lines (banners, config dumps, deprecation and performance warnings)
 that say little to someone watching it come up. `MilestoneReader` maps the few lines that mark
 progress to short milestones and reports each once; every other line is ignored (it stays in the
-log file). `VllmEngine` (launch.py) feeds it each new log line and adds the two milestones no log
-line marks reliably: the process start and readiness (`/health` answers 200).
+log file). `VllmEngine` (vllm_engine.py) feeds it each new log line and adds the two milestones
+no log line marks reliably: the process start and readiness (`/health` answers 200).
 
     reader = MilestoneReader(block_size=32)
     for line in log_lines:

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Final, Literal, Self
 
-from deploy.local.launch import _die_with_parent, _log_tail, free_ports, kill_process, stop_process
+from deploy.local.processes import die_with_parent, free_ports, kill_process, log_tail, stop_process
 
 HOST: Final = "127.0.0.1"
 INSTALL_HINT: Final = "apt-get install redis-server"
@@ -117,7 +117,7 @@ class RedisServer:
             cwd=self.directory,
             # Its own session: a Ctrl-C in the terminal reaches the caller, which stops it last.
             start_new_session=True,
-            preexec_fn=_die_with_parent if on_main_thread else None,  # noqa: PLW1509
+            preexec_fn=die_with_parent if on_main_thread else None,  # noqa: PLW1509
         )
         try:
             self.wait_ready(timeout)
@@ -134,7 +134,7 @@ class RedisServer:
             if time.monotonic() > deadline:
                 raise RedisDied(
                     f"redis-server on {self.address} did not answer PING in {timeout:.0f} s; "
-                    f"{self.log_path}:\n{_log_tail(self.log_path)}"
+                    f"{self.log_path}:\n{log_tail(self.log_path)}"
                 )
             time.sleep(0.05)
 
@@ -152,7 +152,7 @@ class RedisServer:
         if self.proc is not None and self.proc.poll() is not None:
             raise RedisDied(
                 f"redis-server on {self.address} exited with {self.proc.returncode}; "
-                f"{self.log_path}:\n{_log_tail(self.log_path, 20)}"
+                f"{self.log_path}:\n{log_tail(self.log_path, 20)}"
             )
 
     def kill(self) -> None:

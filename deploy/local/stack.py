@@ -9,8 +9,8 @@ tools that call the services directly.
     with VllmPair(model_dir) as pair, KvshuttleStack(pair, work_dir=...) as stack:
         stack.gateway_url  # OpenAI-compatible, conversation-aware
 
-The pair is anything shaped like `VllmPair` (`EnginePair`): real vLLM, or the stand-in engines
-of deploy/local/standin.py (no model; pools off).
+The pair is anything shaped like `VllmPair` (`EnginePair`, deploy/local/engine_pair.py): real
+vLLM, or the stand-in engines of deploy/local/standin.py (no model; pools off).
 
 The registry keeps its state in memory (the default) or, with `registry_store="redis"`, in a
 `redis-server` the stack starts first on loopback (deploy/local/redis.py: its own port and
@@ -33,22 +33,21 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Protocol, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
 import grpc
 
-from deploy.local.launch import free_ports, kill_process, stop_process
+from deploy.local.engine_pair import Engine, EnginePair
 from deploy.local.models import kv_bytes_per_token, model_facts
+from deploy.local.processes import free_ports
 from deploy.local.redis import RedisServer
+from deploy.local.services import Service, grpc_ready, http_ready, prefixed, registry_service
+from deploy.local.tokens import Tokens
 from kvshuttle.registry.v1 import registry_service_pb2 as rpb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as rpb_grpc
 
@@ -61,79 +60,6 @@ _T = TypeVar("_T")
 
 def _quiet(_: str) -> None:
     pass
-
-
-class EngineSpecLike(Protocol):
-    @property
-    def role(self) -> Literal["prefill", "decode"]: ...
-
-
-class Engine(Protocol):
-    """What the stack reads of one engine (deploy.local.launch.VllmEngine, or a stand-in)."""
-
-    @property
-    def spec(self) -> EngineSpecLike: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def engine_id(self) -> str: ...
-    @property
-    def url(self) -> str: ...
-    @property
-    def events_endpoint(self) -> str: ...
-    @property
-    def replay_endpoint(self) -> str: ...
-    @property
-    def side_channel(self) -> tuple[str, int]: ...
-
-
-class EnginePair(Protocol):
-    """What the stack reads of its engines (deploy.local.launch.VllmPair, or StandinPair)."""
-
-    @property
-    def model_dir(self) -> Path: ...
-    @property
-    def prefill(self) -> Engine: ...
-    @property
-    def decode(self) -> Engine: ...
-    @property
-    def engines(self) -> tuple[Engine, Engine]: ...
-
-
-class Service:
-    """One kvshuttle process: started with its environment, stopped with SIGTERM; `kill` and
-    `restart` end it with SIGKILL (a crash), `restart` then starts it again as it was (the same
-    environment, so the same listen port; its log continues)."""
-
-    def __init__(self, name: str, module: str, env: Mapping[str, str], log_dir: Path) -> None:
-        self.name = name
-        self.module = module
-        self.env = dict(env)
-        self.log_path = log_dir / f"{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        base = {k: v for k, v in os.environ.items() if not k.startswith("KVSHUTTLE_")}
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", self.module], env=base | self.env,
-                                     stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-
-    def check(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
-            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
-            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log tail:\n{tail}")
-
-    def kill(self) -> None:
-        """SIGKILL: no drain, nothing said to anyone, as a crash or an OOM kill ends it."""
-        kill_process(self.proc)
-
-    def restart(self) -> None:
-        """SIGKILL, then start again with the same environment."""
-        self.kill()
-        self.start()
-
-    def stop(self, timeout: float = 15.0) -> int | None:
-        return stop_process(self.proc, timeout)
 
 
 class KvshuttleStack:
@@ -189,7 +115,7 @@ class KvshuttleStack:
         self.agent_metrics_ports = (ports[7], ports[8])
         extra = extra_env or {}
         log = {"TELEMETRY__LOG_FORMAT": "json"}
-        self._tokens = _Tokens(self.work_dir / "tokens")
+        self._tokens = Tokens(self.work_dir / "tokens")
         agent_ids = {engine.name: f"agent-{engine.name}" for engine in (pair.prefill, pair.decode)}
         registry_auth = self._tokens.auth(
             {"router": {"role": "router"}, "admin": {"role": "admin"}}
@@ -228,7 +154,7 @@ class KvshuttleStack:
             for name, addr, metrics in zip(router_names, self.router_addrs, router_metrics, strict=True)
         )  # fmt: skip
         self.router = self.routers[0]
-        self.gateway = Service("gateway", "kvshuttle.gateway.main", _prefixed("KVSHUTTLE_GATEWAY_", {
+        self.gateway = Service("gateway", "kvshuttle.gateway.main", prefixed("KVSHUTTLE_GATEWAY_", {
             **log, "LISTEN": f"{HOST}:{ports[2]}", "ROUTER__ADDRESS": ",".join(self.router_addrs),
             "ROUTER__TOKEN_FILE": str(self._tokens.file("gateway")), "CACHE_SALT_KEY": self.cache_salt_key,
             # The test models' template and added tokens are Hermes-style (deploy/vllm/make_model.py).
@@ -254,7 +180,7 @@ class KvshuttleStack:
         return Service(
             name,
             "kvshuttle.router.main",
-            _prefixed(
+            prefixed(
                 "KVSHUTTLE_ROUTER_",
                 {
                     "SERVER__LISTEN": listen,
@@ -276,7 +202,7 @@ class KvshuttleStack:
     def _agents(self, extra: Mapping[str, str]) -> tuple[Service, Service]:
         def agent(engine: Engine, listen: str, metrics_port: int, registry: str) -> Service:
             host, side_port = engine.side_channel
-            return Service(f"agent-{engine.name}", "kvshuttle.agent.main", _prefixed("KVSHUTTLE_AGENT_", {
+            return Service(f"agent-{engine.name}", "kvshuttle.agent.main", prefixed("KVSHUTTLE_AGENT_", {
                 "TELEMETRY__LOG_FORMAT": "json", "SERVER__LISTEN": listen,
                 "TELEMETRY__METRICS_LISTEN": f"{HOST}:{metrics_port}",
                 "REGISTRY__ADDRESS": registry, "NODE__NAME": f"nodes/{engine.name}",
@@ -399,8 +325,8 @@ class KvshuttleStack:
                 self.redis.check()
             for service in self.services:
                 service.check()
-            pending = {name: addr for name, addr in pending.items() if not _grpc_ready(addr)}
-            if not pending and _http_ready(f"{self.gateway_url}/health") and self._nodes_ready():
+            pending = {name: addr for name, addr in pending.items() if not grpc_ready(addr)}
+            if not pending and http_ready(f"{self.gateway_url}/health") and self._nodes_ready():
                 self.progress(f"kvshuttle is up: {', '.join(s.name for s in self.services)}")
                 return
             time.sleep(0.2)
@@ -460,58 +386,6 @@ class KvshuttleStack:
         self.stop()
 
 
-def registry_service(
-    *,
-    listen: str,
-    log_dir: Path,
-    auth: Mapping[str, str],
-    metrics_listen: str = "",
-    redis_url: str | None = None,
-    extra: Mapping[str, str] | None = None,
-    name: str = "registry",
-) -> Service:
-    """The registry process as the stack runs it: listening on `listen`, accepting the
-    identities of `auth` (`_Tokens.auth`), its state in memory or, with `redis_url`, in Redis
-    (KVSHUTTLE_REGISTRY_STORE=redis). `extra`: more KVSHUTTLE_REGISTRY_* settings, unprefixed."""
-    store = {"STORE": "memory"} if redis_url is None else {"STORE": "redis", "REDIS__URL": redis_url}
-    env = {
-        "SERVER__LISTEN": listen,
-        "TELEMETRY__METRICS_LISTEN": metrics_listen,
-        **store,
-        **auth,
-        **(extra or {}),
-    }
-    return Service(name, "kvshuttle.registry.main", _prefixed("KVSHUTTLE_REGISTRY_", env), log_dir)
-
-
-class _Tokens:
-    """A bearer token per identity, each in its own file (mode 0600), and the files a service
-    needs to know who may call it."""
-
-    def __init__(self, directory: Path) -> None:
-        self._dir = directory
-        self._dir.mkdir(parents=True, exist_ok=True)
-        self._tokens: dict[str, str] = {}
-
-    def token(self, identity: str) -> str:
-        if identity not in self._tokens:
-            self._tokens[identity] = secrets.token_urlsafe(24)
-            path = self.file(identity)
-            path.write_text(self._tokens[identity])
-            path.chmod(0o600)
-        return self._tokens[identity]
-
-    def file(self, identity: str) -> Path:
-        return self._dir / f"{identity}.token"
-
-    def auth(self, grants: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
-        """AUTH__* settings of a service that accepts exactly these identities."""
-        table = self._dir / f"accepts-{secrets.token_hex(4)}.json"
-        table.write_text(json.dumps({identity: self.token(identity) for identity in grants}))
-        table.chmod(0o600)
-        return {"AUTH__IDENTITIES": json.dumps(grants), "AUTH__TOKENS_FILE": str(table)}
-
-
 def _check_topology(store: str, registry_replicas: int, router_replicas: int) -> None:
     if store not in REGISTRY_STORES:
         raise ValueError(f"registry_store must be one of {REGISTRY_STORES}, not {store!r}")
@@ -527,24 +401,3 @@ def _replica_ports(first: int, replicas: int, more: Iterator[int]) -> tuple[int,
 
 def _replica_names(service: str, replicas: int) -> list[str]:
     return [service] if replicas == 1 else [f"{service}-{i}" for i in range(replicas)]
-
-
-def _prefixed(prefix: str, env: Mapping[str, str]) -> dict[str, str]:
-    return {f"{prefix}{key}": value for key, value in env.items()}
-
-
-def _grpc_ready(addr: str) -> bool:
-    with grpc.insecure_channel(addr) as channel:
-        try:
-            grpc.channel_ready_future(channel).result(timeout=0.5)
-        except grpc.FutureTimeoutError:
-            return False
-    return True
-
-
-def _http_ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as response:
-            return bool(response.status == 200)
-    except OSError:
-        return False

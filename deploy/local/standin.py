@@ -28,10 +28,11 @@ from typing import Any, Literal, Self
 
 from tokenizers import Tokenizer
 
-from deploy.local.launch import free_ports, kill_process, new_engine_id, stop_process
+from deploy.local.processes import free_ports, kill_process, stop_process
 from deploy.local.standin_engine import HOST
 from deploy.local.standin_http import plain_vocabulary
 from deploy.local.standin_kv import output_tokens
+from deploy.local.vllm_engine import new_engine_id
 from kvshuttle.agent.engine import parse_vllm_metrics
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deploy.local.launch import VllmPair, free_ports
+from deploy.local.launch import VllmPair
+from deploy.local.processes import free_ports
 from deploy.local.redis import redis_available
 from deploy.local.stack import KvshuttleStack, RegistryStore
 from tests.chaos.report import ScenarioResult, scenario_result

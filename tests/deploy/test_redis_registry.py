@@ -17,9 +17,12 @@ from typing import TypeVar
 
 import grpc
 import pytest
-from deploy.local.launch import VllmPair, free_ports
+from deploy.local.launch import VllmPair
+from deploy.local.processes import free_ports
 from deploy.local.redis import RedisNotInstalled, RedisServer, redis_available
-from deploy.local.stack import KvshuttleStack, Service, _grpc_ready, _Tokens, registry_service
+from deploy.local.services import Service, grpc_ready, registry_service
+from deploy.local.stack import KvshuttleStack
+from deploy.local.tokens import Tokens
 from google.protobuf.duration_pb2 import Duration
 
 from kvshuttle.core.hashing import chain_hashes
@@ -76,7 +79,7 @@ class Registry:
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
-        while not _grpc_ready(self.addr):
+        while not grpc_ready(self.addr):
             self.service.check()
             assert time.monotonic() < deadline, f"registry not serving in {timeout:.0f} s"
 
@@ -111,7 +114,7 @@ def redis_registry(tmp_path: Path) -> Iterator[tuple[RedisServer, Registry]]:
     admin's token); both stopped at the end, and asserted gone."""
     registry_port, redis_port = free_ports(2)
     redis = RedisServer(tmp_path / "redis", port=redis_port)
-    tokens = _Tokens(tmp_path / "tokens")
+    tokens = Tokens(tmp_path / "tokens")
     addr = f"{HOST}:{registry_port}"
     service = registry_service(
         listen=addr,

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from deploy.local.launch import free_ports
+from deploy.local.processes import free_ports
 from deploy.local.redis import RedisServer, redis_available
-from deploy.local.stack import Service, _grpc_ready, _Tokens, registry_service
+from deploy.local.services import Service, grpc_ready, registry_service
+from deploy.local.tokens import Tokens
 from tests.deploy.test_redis_registry import CONV, node, retention, seconds
 
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
@@ -41,7 +42,7 @@ def replicas(tmp_path: Path) -> Iterator[tuple[list[str], tuple[tuple[str, str],
     """Two registry processes on one RedisServer: their addresses and an admin's metadata."""
     ports = free_ports(3)
     redis = RedisServer(tmp_path / "redis", port=ports[0])
-    tokens = _Tokens(tmp_path / "tokens")
+    tokens = Tokens(tmp_path / "tokens")
     auth = tokens.auth({"admin": {"role": "admin"}})
     addrs = [f"{HOST}:{p}" for p in ports[1:]]
     services: list[Service] = [
@@ -56,7 +57,7 @@ def replicas(tmp_path: Path) -> Iterator[tuple[list[str], tuple[tuple[str, str],
         for service in services:
             service.start()
         deadline = time.monotonic() + 30
-        while not all(_grpc_ready(a) for a in addrs):
+        while not all(grpc_ready(a) for a in addrs):
             for service in services:
                 service.check()
             assert time.monotonic() < deadline, "registry replicas not serving"

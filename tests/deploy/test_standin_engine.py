@@ -43,7 +43,7 @@ BS = 32
 
 if not (MODEL / "tokenizer.json").exists():
     pytest.skip(
-        "the tiny model is not built (deploy.local.launch.ensure_model('tiny'))", allow_module_level=True
+        "the tiny model is not built (deploy.local.vllm_venv.ensure_model('tiny'))", allow_module_level=True
     )
 
 

@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from deploy.local import launch
-from deploy.local.launch import EngineSpec, VllmEngine, free_ports, raise_fd_limit
+from deploy.local import vllm_venv
 from deploy.local.milestones import MilestoneReader
+from deploy.local.processes import free_ports
+from deploy.local.vllm_engine import EngineSpec, VllmEngine, raise_fd_limit
 
 # The start-up part of a real `make demo` prefill log (small model; vLLM's route list left out).
 STARTUP_LOG = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu-startup.log"
@@ -98,7 +99,7 @@ def test_an_engine_reports_its_milestones_while_it_starts(
     python.parent.mkdir(parents=True)
     python.write_text(FAKE_VLLM.format(python=sys.executable, log=str(STARTUP_LOG)))
     python.chmod(0o755)
-    monkeypatch.setenv(launch.VENV_ENV, str(tmp_path / "venv"))
+    monkeypatch.setenv(vllm_venv.VENV_ENV, str(tmp_path / "venv"))
     http, side, events, replay = free_ports(4)
     spec = EngineSpec("prefill", "prefill", tmp_path, http, side, events, replay)
     engine = VllmEngine(spec, tmp_path / "logs")

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 import zmq.asyncio
-from deploy.local.launch import VllmEngine, VllmPair
+from deploy.local.launch import VllmPair
 from deploy.local.models import model_facts
+from deploy.local.vllm_engine import VllmEngine
 from tests.e2e.vllm_http import post_json
 
 from kvshuttle.agent.side_channel import Handshake, fetch_handshake, verify_engine

@@ -16,7 +16,8 @@ from typing import Any
 
 import grpc
 import pytest
-from deploy.local.launch import VllmPair, free_ports
+from deploy.local.launch import VllmPair
+from deploy.local.processes import free_ports
 from deploy.local.stack import KvshuttleStack
 from tests.e2e.stacks import running_stack
 

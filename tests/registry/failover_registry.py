@@ -1,5 +1,5 @@
 """What the Redis failover tests drive: the registry process as the stack runs it
-(`deploy.local.stack.registry_service`, auth on, an admin's token) on a replicated Redis, an async
+(`deploy.local.services.registry_service`, auth on, an admin's token) on a replicated Redis, an async
 gRPC client to it that checks every failed call is UNAVAILABLE with the registry's ErrorInfo, and
 where the figures go (.run/results, or $KVSHUTTLE_RESULTS_DIR: bench/results keeps a run's)."""
 
@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from deploy.local.launch import free_ports
-from deploy.local.stack import Service, _grpc_ready, _Tokens, registry_service
+from deploy.local.processes import free_ports
+from deploy.local.services import Service, grpc_ready, registry_service
+from deploy.local.tokens import Tokens
 from tests.registry.redis_topology import wait_for
 from tests.registry.test_registry_grpc import error_info, node, retention, seconds
 
@@ -78,7 +79,7 @@ def registry_process(tmp: Path, redis_env: Mapping[str, str]) -> Iterator[tuple[
     gRPC: (service, address, admin token). Stopped on the way out."""
     (port,) = free_ports(1)
     addr = f"127.0.0.1:{port}"
-    tokens = _Tokens(tmp / "tokens")
+    tokens = Tokens(tmp / "tokens")
     env = {"STORE": "redis", **redis_env, "TELEMETRY__LOG_FORMAT": "json"}
     service = registry_service(
         listen=addr, log_dir=tmp, auth=tokens.auth({"admin": {"role": "admin"}}), extra=env
@@ -88,7 +89,7 @@ def registry_process(tmp: Path, redis_env: Mapping[str, str]) -> Iterator[tuple[
 
         def serving() -> bool:
             service.check()
-            return _grpc_ready(addr)
+            return grpc_ready(addr)
 
         wait_for("the registry to serve", serving)
         yield service, addr, tokens.token("admin")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deploy.local.launch import VllmNotInstalled, vllm_python
+from deploy.local.vllm_venv import VllmNotInstalled, vllm_python
 
 from kvshuttle.vllm.nixl_compat import (
     NIXL_CONNECTOR_VERSION,
