@@ -44,15 +44,6 @@ def vllm_python() -> Path:
     return python
 
 
-def vllm_available() -> bool:
-    """True when the vLLM venv exists (tests skip without it)."""
-    try:
-        vllm_python()
-    except VllmNotInstalled:
-        return False
-    return True
-
-
 def ensure_model(size: str, root: Path = DEFAULT_MODEL_ROOT) -> Path:
     """`root/size`, built by deploy/vllm/make_model.py with the vLLM python unless already there."""
     if size not in SIZES:
