@@ -350,7 +350,9 @@ def test_restart_the_decode_engine(
             for key in ("http_port", "side_channel_port", "kv_events_port", "kv_replay_port")
         ]
         keep[1], keep[5] = free_ports(2)  # new side-channel ports: the old ones linger in TIME_WAIT
+        load.mark("engines_stopping")
         restart_s = vllm_pair.restart(ports=keep)
+        load.mark("engines_up")
         load.phase = "old_agents"
         load.resume()
         load.wait_turns(AFTER_TURNS, timeout=WAIT_S, phase="old_agents")
@@ -361,10 +363,13 @@ def test_restart_the_decode_engine(
         load.wait_turns(AFTER_TURNS, timeout=WAIT_S, phase="agents_back")
         load.stop()
     result = record(chaos_report, "restart the decode engine", stack, load, vllm_pair, started,
-                    allowance="turns in flight when the engines stopped (phase engines_down)",
+                    allowance="turns in flight while the engines restarted",
                     notes={"in_flight_at_restart": in_flight, "pair_restart_s": round(restart_s, 1),
                            "retentions_before": sum(1 for h in before.values() if h.retention)})  # fmt: skip
     assert result.wrong == 0, result.phases
-    unserved = {t["phase"] for t in result.turn_log if t["status"] != 200}
-    assert unserved <= {"engines_down"}, result.phases
+    # A turn the restart cut short may fail (its engine died under it), whatever phase sent it.
+    stopping, up = load.marks["engines_stopping"], load.marks["engines_up"]
+    unserved = [t for t in result.turn_log if t["status"] != 200]
+    cut_short = [t for t in unserved if t["sent_at"] <= up and t["sent_at"] + t["ms"] / 1e3 >= stopping]
+    assert unserved == cut_short, result.phases
     assert result.phases["agents_back"]["reused"] > 0, result.phases

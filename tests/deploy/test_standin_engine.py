@@ -37,14 +37,8 @@ from kvshuttle.core.kv_events import BlockStored
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.vllm.kv_events import KvEventDecoder
 
-MODEL = Path(__file__).resolve().parents[2] / ".run" / "models" / "tiny"
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32.0-cpu-kv-events.json"
 BS = 32
-
-if not (MODEL / "tokenizer.json").exists():
-    pytest.skip(
-        "the tiny model is not built (deploy.local.vllm_venv.ensure_model('tiny'))", allow_module_level=True
-    )
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -66,9 +60,10 @@ def complete(url: str, prompt: list[int], **fields: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-def pair(tmp_path: Path) -> Iterator[StandinPair]:
-    # Prefix caching off on prefill: every reuse turn reads decode's blocks over the side channel.
-    with StandinPair(MODEL, log_dir=tmp_path / "engines", prefill_prefix_caching=False) as started:
+def pair(vllm_model: Path, tmp_path: Path) -> Iterator[StandinPair]:
+    # The tiny model's tokenizer (built once per session, as the vLLM tests build it). Prefix
+    # caching off on prefill: every reuse turn reads decode's blocks over the side channel.
+    with StandinPair(vllm_model, log_dir=tmp_path / "engines", prefill_prefix_caching=False) as started:
         yield started
     assert not any(engine.running for engine in started.engines)
 

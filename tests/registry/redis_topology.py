@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import shutil
 import socket
 import subprocess
@@ -160,6 +161,8 @@ def redis_cli() -> str:
     redis_binary()
     cli = shutil.which("redis-cli")
     if cli is None:
+        if os.environ.get("KVSHUTTLE_REQUIRE_REDIS"):
+            pytest.fail("KVSHUTTLE_REQUIRE_REDIS is set and redis-cli is not installed")
         pytest.skip("redis-cli is not installed")
     return cli
 

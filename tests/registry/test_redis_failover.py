@@ -29,7 +29,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +51,19 @@ from kvshuttle.registry.registry import Registry
 
 WRITERS = 8
 RECOVERY_LIMIT = 30.0  # seconds after the kill within which every writer must be writing again
+
+
+async def until_writable(write: Callable[[], Awaitable[object]]) -> None:
+    """`write` once it stops answering UNAVAILABLE (at most 15 s)."""
+    deadline = time.monotonic() + 15.0
+    while True:
+        try:
+            await write()
+            return
+        except Unavailable:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
 
 
 async def test_a_replica_or_a_master_short_of_replicas_answers_unavailable(tmp_path: Path) -> None:
@@ -82,7 +95,8 @@ async def test_a_replica_or_a_master_short_of_replicas_answers_unavailable(tmp_p
                     with pytest.raises(Unavailable, match="NOREPLICAS"):
                         await on_master.register_node(domain.spec(), ttl=60)
                     admin.config_set("min-replicas-to-write", 1)
-                    await on_master.register_node(domain.spec(), ttl=60)
+                    # The master counts its good replicas once a second: until then, NOREPLICAS.
+                    await until_writable(lambda: on_master.register_node(domain.spec(), ttl=60))
                     put = await on_master.put_retention(
                         request_id="", parent=domain.CONV, retention=domain.retention(1), ttl=60
                     )

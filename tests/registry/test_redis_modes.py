@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -164,6 +165,8 @@ def cluster_port() -> Iterator[int]:
     redis_binary()
     cli = shutil.which("redis-cli")
     if cli is None:
+        if os.environ.get("KVSHUTTLE_REQUIRE_REDIS"):
+            pytest.fail("KVSHUTTLE_REQUIRE_REDIS is set and redis-cli is not installed")
         pytest.skip("redis-cli is not installed")
     with contextlib.ExitStack() as stack:
         servers: list[RedisServer] = []

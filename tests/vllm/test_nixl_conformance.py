@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import subprocess
 from pathlib import Path
@@ -151,6 +152,8 @@ def vllm_side(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     try:
         python = vllm_python()
     except VllmNotInstalled as exc:
+        if os.environ.get("KVSHUTTLE_REQUIRE_VLLM"):
+            pytest.fail(f"KVSHUTTLE_REQUIRE_VLLM is set: {exc}")
         pytest.skip(str(exc))
     metas = _metadata_cases()
     payloads = [

@@ -8,6 +8,7 @@ import functools
 import json
 from array import array
 from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any, ParamSpec, TypeVar, cast
 
 import redis.asyncio as aioredis
@@ -196,11 +197,25 @@ _STORE_DOWN = (
 _REFUSED_CODES = ("NOREPLICAS", "MASTERDOWN")
 
 
+def _closed_under_the_call(exc: Exception) -> bool:
+    """redis-py 6's asyncio connection writing to a socket another task closed meanwhile (its
+    Cluster client resets every connection when one node fails, and with a socket timeout the
+    write awaits): an AttributeError raised in redis-py's connection module, nowhere else."""
+    if not isinstance(exc, AttributeError) or exc.__traceback__ is None:
+        return False
+    tb = exc.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).parts[-3:] == ("redis", "asyncio", "connection.py")
+
+
 def _store_down(exc: Exception) -> str | None:
     """What to call `exc` in the answer when it is one of the above (Redis's addresses and
     message stay out of it), else None."""
     if isinstance(exc, _STORE_DOWN):
         return type(exc).__name__
+    if _closed_under_the_call(exc):
+        return "ConnectionClosed"
     if isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith(_REFUSED_CODES):
         return str(exc).split(" ", 1)[0]
     return None
