@@ -26,11 +26,12 @@ from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RegistrySettings
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.main import build_server
-from kvshuttle.registry.memory_store import InMemoryStore, StoreLimits
+from kvshuttle.registry.memory_store import InMemoryStore
 from kvshuttle.registry.model import ChangeKind, RetentionChange
 from kvshuttle.registry.redis_feed import RedisFeed
 from kvshuttle.registry.redis_store import RedisStore
 from kvshuttle.registry.registry import Registry
+from kvshuttle.registry.store import StoreLimits
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as pb_grpc
 from kvshuttle.registry.watchers import Subscription

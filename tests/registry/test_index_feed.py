@@ -20,10 +20,10 @@ from kvshuttle.core.kv_events import EventBatch
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.index_feed import IndexFeed, LocalIndexFeed
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.memory_store import StoreLimits
 from kvshuttle.registry.redis_index_feed import RedisIndexFeed
 from kvshuttle.registry.redis_store import RedisStore
 from kvshuttle.registry.registry import Registry
+from kvshuttle.registry.store import StoreLimits
 
 BS = 4
 NODE = "nodes/d0"

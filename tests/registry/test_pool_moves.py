@@ -21,9 +21,9 @@ from kvshuttle.core.nodes import (
 )
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.memory_store import StoreLimits
 from kvshuttle.registry.model import ChangeKind, Holder, Move, Retention, RetentionState
 from kvshuttle.registry.registry import Registry
+from kvshuttle.registry.store import StoreLimits
 
 NAME = f"{CONV}/retentions/1"
 POOL = "nodes/d0-pool"

@@ -17,10 +17,10 @@ from tests.registry.test_registry_domain import retention, spec
 from kvshuttle.core.errors import Aborted, ResourceExhausted
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.memory_store import StoreLimits
 from kvshuttle.registry.model import PutResult
 from kvshuttle.registry.redis_store import RedisStore
 from kvshuttle.registry.registry import Registry
+from kvshuttle.registry.store import StoreLimits
 
 TENANT_LIMIT = 10
 

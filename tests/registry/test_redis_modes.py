@@ -31,11 +31,11 @@ from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RedisSettings, RegistrySettings
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.main import build_registry
-from kvshuttle.registry.memory_store import StoreLimits
 from kvshuttle.registry.model import ChangeKind, Move, PutResult
 from kvshuttle.registry.redis_feed import RedisFeed
 from kvshuttle.registry.redis_store import RedisStore
 from kvshuttle.registry.registry import Registry
+from kvshuttle.registry.store import StoreLimits
 
 SERVICE = "kvmaster"
 

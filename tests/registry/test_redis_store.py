@@ -18,11 +18,12 @@ from kvshuttle.registry.config import RedisSettings, RegistrySettings
 from kvshuttle.registry.index_feed import LocalIndexFeed
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.main import build_registry
-from kvshuttle.registry.memory_store import InMemoryStore, StoreLimits
+from kvshuttle.registry.memory_store import InMemoryStore
 from kvshuttle.registry.model import ChangeKind, Retention
 from kvshuttle.registry.redis_index_feed import RedisIndexFeed
 from kvshuttle.registry.redis_store import RedisStore
 from kvshuttle.registry.registry import Registry
+from kvshuttle.registry.store import StoreLimits
 
 LIMITS = StoreLimits(max_retentions_per_tenant=1000, fence_ttl=100)
 

@@ -22,9 +22,9 @@ from kvshuttle.core.kv_events import BlockStored, EventBatch
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.memory_store import StoreLimits
 from kvshuttle.registry.model import ChangeKind, Holder, Retention, RetentionState
 from kvshuttle.registry.registry import Registry
+from kvshuttle.registry.store import StoreLimits
 
 CONV = "tenants/acme/conversations/c1"
 BLOCK = 16

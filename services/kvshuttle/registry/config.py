@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.memory_store import StoreLimits
+from kvshuttle.registry.store import StoreLimits
 from kvshuttle.serving.settings import AuthSettings, ServerSettings, TelemetrySettings
 
 

@@ -10,7 +10,6 @@ from typing import Any, ClassVar, cast
 
 from redis.commands.core import AsyncScript
 
-from kvshuttle.registry.memory_store import FENCE_OVERHEAD, StoreLimits
 from kvshuttle.registry.model import (
     ChangeKind,
     Retention,
@@ -28,6 +27,7 @@ from kvshuttle.registry.redis_codec import (
     _t,
 )
 from kvshuttle.registry.redis_scripts import SCRIPTS
+from kvshuttle.registry.store import FENCE_OVERHEAD, StoreLimits
 
 
 class RedisStoreBase:

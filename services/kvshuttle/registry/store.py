@@ -5,11 +5,12 @@ Each method is one atomic domain operation: it either applies completely or rais
 KvshuttleError and changes nothing. Inputs are already validated by the Registry facade;
 the store enforces the rules that depend on state (existence, incarnations, fencing,
 single-use claims, capacity). `now` is the registry clock, passed in so every replica and
-every test agrees on time.
+every test agrees on time. StoreLimits are the bounds every store enforces, the same in both.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
@@ -23,6 +24,30 @@ from kvshuttle.registry.model import (
     RetentionChange,
     StoreCounts,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class StoreLimits:
+    max_nodes: int = 10_000
+    max_retentions: int = 1_000_000
+    max_retentions_per_tenant: int = 100_000
+    # How long a conversation's fencing generation outlives its last retention, so a late
+    # commit of an older turn is still rejected.
+    fence_ttl: float = 3600.0
+    # Lingering fences (their conversation holds no retention), by count and estimated bytes.
+    max_lingering_fences: int = 1_000_000
+    lingering_fence_max_bytes: int = 128 * 2**20
+    # Request ids remembered (fingerprint and compact first answer), by age, count and bytes.
+    idempotency_ttl: float = 600.0
+    idempotency_max_entries: int = 100_000
+    idempotency_max_bytes: int = 64 * 2**20
+
+
+# Bytes one lingering fence costs beyond its name's characters: the name's string object, its
+# _Fence (kvshuttle.registry.memory_state), the dict and OrderedDict entries (measured with
+# tracemalloc on CPython 3.11: 334 bytes with a 63-character name). Both stores count
+# lingering_fence_max_bytes by this estimate.
+FENCE_OVERHEAD = 280
 
 
 class RegistryStore(Protocol):
