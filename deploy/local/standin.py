@@ -28,6 +28,7 @@ from typing import Any, Literal, Self
 
 from tokenizers import Tokenizer
 
+from deploy.local.engine_pair import EngineEndpoints
 from deploy.local.processes import free_ports, kill_process, stop_process
 from deploy.local.standin_engine import HOST
 from deploy.local.standin_http import plain_vocabulary
@@ -76,37 +77,15 @@ class StandinSpec:
         return args if self.prefix_caching else [*args, "--no-prefix-caching"]
 
 
-class StandinEngineProcess:
+class StandinEngineProcess(EngineEndpoints):
     """One stand-in engine process; its endpoints as VllmEngine names them."""
+
+    spec: StandinSpec
 
     def __init__(self, spec: StandinSpec, log_dir: Path) -> None:
         self.spec = spec
         self.log_path = Path(log_dir) / f"{spec.engine_id}.log"
         self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def engine_id(self) -> str:
-        return self.spec.engine_id
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.spec.host}:{self.spec.http_port}"
-
-    @property
-    def events_endpoint(self) -> str:
-        return f"tcp://{self.spec.host}:{self.spec.kv_events_port}"
-
-    @property
-    def replay_endpoint(self) -> str:
-        return f"tcp://{self.spec.host}:{self.spec.kv_replay_port}"
-
-    @property
-    def side_channel(self) -> tuple[str, int]:
-        return self.spec.host, self.spec.side_channel_port
 
     @property
     def pid(self) -> int | None:

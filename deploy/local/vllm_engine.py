@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from deploy.local.engine_pair import EngineEndpoints
 from deploy.local.milestones import Milestone, MilestoneReader
 from deploy.local.processes import die_with_parent, log_tail, stop_group, terminate_group
 from deploy.local.vllm_venv import REPO_ROOT, vllm_python
@@ -204,8 +205,10 @@ FATAL_LOG_MARKERS: Final = (
 )
 
 
-class VllmEngine:
+class VllmEngine(EngineEndpoints):
     """One vLLM API server (plus its engine-core and worker processes) in its own process group."""
+
+    spec: EngineSpec
 
     def __init__(self, spec: EngineSpec, log_dir: Path) -> None:
         self.spec = spec
@@ -217,35 +220,6 @@ class VllmEngine:
         self.ready_after_s: float | None = None
         self._milestones = MilestoneReader(spec.block_size)
         self._new_milestones: list[Milestone] = []
-
-    # endpoints
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def engine_id(self) -> str:
-        return self.spec.engine_id
-
-    @property
-    def url(self) -> str:
-        """Base URL of the OpenAI-compatible HTTP server (no trailing slash, no /v1)."""
-        return f"http://{self.spec.host}:{self.spec.http_port}"
-
-    @property
-    def events_endpoint(self) -> str:
-        """Where a ZMQ SUB connects for KV events."""
-        return f"tcp://{self.spec.host}:{self.spec.kv_events_port}"
-
-    @property
-    def replay_endpoint(self) -> str:
-        """Where a ZMQ DEALER asks for a replay of KV events from a sequence number."""
-        return f"tcp://{self.spec.host}:{self.spec.kv_replay_port}"
-
-    @property
-    def side_channel(self) -> tuple[str, int]:
-        """The NIXL handshake endpoint (ZMQ ROUTER in the engine-core process)."""
-        return self.spec.host, self.spec.side_channel_port
 
     def kv_cache_usage(self) -> float:
         """The fraction of its KV cache in use now (`vllm:kv_cache_usage_perc` on /metrics)."""
