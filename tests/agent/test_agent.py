@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import pytest
-import zmq.asyncio
 from prometheus_client import generate_latest
 from tests.agent.helpers import (
     NODE,
@@ -36,28 +35,6 @@ from kvshuttle.registry.v1 import registry_service_pb2 as rpb
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
 LIVE_FRAMES = load_frames()["live"]
-
-
-@pytest.fixture
-async def zmq_context() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[FakeEngineHttp]:
-    server = FakeEngineHttp()
-    await server.start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
-async def publisher(zmq_context: zmq.asyncio.Context) -> AsyncIterator[FakePublisher]:
-    pub = FakePublisher(zmq_context)
-    yield pub
-    await pub.close()
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ event sequence (from 0 again) fills the index."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -41,28 +40,6 @@ from kvshuttle.vllm.v1.kv_transfer_params_pb2 import BlockIdList, KvTransferPara
 LIVE_FRAMES = load_frames()["live"]
 CONVERSATION = "tenants/t/conversations/c"
 POOL_NODE = f"{NODE}-pool"
-
-
-@pytest.fixture
-async def zmq_context() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[FakeEngineHttp]:
-    server = FakeEngineHttp()
-    await server.start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
-async def publisher(zmq_context: zmq.asyncio.Context) -> AsyncIterator[FakePublisher]:
-    pub = FakePublisher(zmq_context)
-    yield pub
-    await pub.close()
 
 
 def following(settings: AgentSettings, id_file: Path) -> AgentSettings:

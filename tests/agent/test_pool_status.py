@@ -45,14 +45,6 @@ MIB = 1024 * 1024
 
 
 @pytest.fixture
-async def engine() -> AsyncIterator[FakeEngineHttp]:
-    server = FakeEngineHttp()
-    await server.start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
 async def side_channel() -> AsyncIterator[FakeSideChannel]:
     # The fixture's engine block: 32 tokens x 4096 bytes = 128 KiB, in 4 regions of 32 KiB.
     channel = FakeSideChannel(zmq.asyncio.Context.instance(), engine_metadata(PoolLayout(4, 64, 32 * 1024)))
