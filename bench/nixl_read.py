@@ -52,8 +52,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvshuttle.agent.block_pool import PoolLayout
-from kvshuttle.agent.nixl_memory import NixlPoolMemory
+from kvshuttle.agent.pool.blocks import PoolLayout
+from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory
 
 RESULTS = Path(__file__).parent / "results"
 KIB = 1024

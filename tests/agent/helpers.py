@@ -23,7 +23,6 @@ from tests.conftest import RegistryEnv
 from tests.fixtures_vllm import FIXTURE_TOPIC, live_batches
 
 from kvshuttle.agent.agent import Agent
-from kvshuttle.agent.block_pool import PoolLayout
 from kvshuttle.agent.config import (
     AgentSettings,
     EngineSettings,
@@ -32,6 +31,7 @@ from kvshuttle.agent.config import (
     NodeSettings,
 )
 from kvshuttle.agent.main import build_server, connect_registry
+from kvshuttle.agent.pool.blocks import PoolLayout
 from kvshuttle.agent.registry_port import GrpcRegistryPort
 from kvshuttle.client import AgentClient, RegistryClient
 from kvshuttle.client.settings import ServiceConnection

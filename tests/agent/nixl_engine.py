@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 from tests.agent.helpers import engine_metadata
 
-from kvshuttle.agent.block_pool import PoolLayout
-from kvshuttle.agent.nixl_memory import NixlPoolMemory
-from kvshuttle.agent.side_channel import Handshake
+from kvshuttle.agent.pool.blocks import PoolLayout
+from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory
+from kvshuttle.agent.pool.side_channel import Handshake
 from kvshuttle.vllm.nixl_layout import RemoteLayout
 from kvshuttle.vllm.nixl_wire import ClockOffset, NixlHandshakePayload, encode_agent_metadata
 

@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from kvshuttle.agent.block_pool import BlockPool, PoolLayout, SlotState
+from kvshuttle.agent.pool.blocks import BlockPool, PoolLayout, SlotState
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvshuttle.core.reasons import ErrorReason
 

@@ -31,8 +31,8 @@ from tests.agent.test_pool_status import pooled_settings
 from tests.conftest import RegistryEnv
 from tests.fixtures_vllm import live_batches, load_frames
 
-from kvshuttle.agent.block_pool import PoolLayout
 from kvshuttle.agent.config import AgentSettings
+from kvshuttle.agent.pool.blocks import PoolLayout
 from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.registry.v1 import registry_service_pb2 as rpb
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import BlockIdList, KvTransferParams

@@ -1,4 +1,4 @@
-"""The mover (kvshuttle.agent.mover): real NIXL READs in this process from a stand-in engine, or
+"""The mover (kvshuttle.agent.pool.mover): real NIXL READs in this process from a stand-in engine, or
 from another agent's pool server over its real side channel, into an agent's pool served on a
 real side channel; the registry is a fake that records evictions."""
 
@@ -17,12 +17,12 @@ import zmq.asyncio
 from tests.agent.helpers import FakeSideChannel, eventually
 from tests.agent.nixl_engine import ENGINE, HASH, Engine
 
-from kvshuttle.agent.block_pool import BlockPool, PoolLayout, SlotState
-from kvshuttle.agent.mover import Moved, Mover
-from kvshuttle.agent.nixl_memory import NixlPoolMemory
-from kvshuttle.agent.park import Parker
+from kvshuttle.agent.pool.blocks import BlockPool, PoolLayout, SlotState
+from kvshuttle.agent.pool.mover import Moved, Mover
+from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory
+from kvshuttle.agent.pool.park import Parker
+from kvshuttle.agent.pool.serve import PoolServer
 from kvshuttle.agent.ports import RegistryRefused
-from kvshuttle.agent.serve import PoolServer
 from kvshuttle.core.errors import (
     FailedPrecondition,
     InvalidArgument,

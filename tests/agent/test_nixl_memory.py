@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvshuttle.agent.block_pool import BlockPool, PoolLayout
-from kvshuttle.agent.nixl_memory import NixlPoolMemory
+from kvshuttle.agent.pool.blocks import BlockPool, PoolLayout
+from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory
 from kvshuttle.core.errors import FailedPrecondition
 
 LAYOUT = PoolLayout(regions=3, blocks=6, block_bytes=16 * 1024)

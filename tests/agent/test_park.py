@@ -15,9 +15,9 @@ import pytest
 from tests.agent.helpers import eventually
 from tests.agent.nixl_engine import ENGINE, Engine
 
-from kvshuttle.agent.block_pool import BlockPool, PoolLayout, SlotState
-from kvshuttle.agent.nixl_memory import NixlPoolMemory
-from kvshuttle.agent.park import QUARANTINE, Parker, RetainedBlocks
+from kvshuttle.agent.pool.blocks import BlockPool, PoolLayout, SlotState
+from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory
+from kvshuttle.agent.pool.park import QUARANTINE, Parker, RetainedBlocks
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.vllm.kv_transfer_params import from_vllm

@@ -28,11 +28,11 @@ from tests.client.cli_runner import arun_cli
 from tests.conftest import RegistryEnv
 
 from kvshuttle.agent.agent import Agent
-from kvshuttle.agent.block_pool import PoolLayout
 from kvshuttle.agent.config import AgentSettings, PoolSettings
 from kvshuttle.agent.main import connect_registry
+from kvshuttle.agent.pool.blocks import PoolLayout
+from kvshuttle.agent.pool.side_channel import fetch_handshake
 from kvshuttle.agent.registry_port import GrpcRegistryPort
-from kvshuttle.agent.side_channel import fetch_handshake
 from kvshuttle.agent.v1 import agent_service_pb2 as apb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as apb_grpc
 from kvshuttle.client import KvshuttleRpcError

@@ -1,4 +1,4 @@
-"""Serving the pool (kvshuttle.agent.serve): its side channel on a real ZMQ ROUTER (127.0.0.1,
+"""Serving the pool (kvshuttle.agent.pool.serve): its side channel on a real ZMQ ROUTER (127.0.0.1,
 port 0), and a reader that plays vLLM's prefill with a NIXL agent of its own: handshake, READ of
 the published slots with the read-done notification, heartbeats."""
 
@@ -19,10 +19,10 @@ import zmq.asyncio
 from tests.agent.helpers import engine_metadata, eventually
 from tests.clock import FakeClock
 
-from kvshuttle.agent.block_pool import Allocation, BlockPool, PoolLayout, SlotState
-from kvshuttle.agent.nixl_memory import NixlPoolMemory
-from kvshuttle.agent.serve import PREFILL_EXPIRY_MARGIN, PoolServer, Served
-from kvshuttle.agent.side_channel import Handshake, fetch_handshake
+from kvshuttle.agent.pool.blocks import Allocation, BlockPool, PoolLayout, SlotState
+from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory
+from kvshuttle.agent.pool.serve import PREFILL_EXPIRY_MARGIN, PoolServer, Served
+from kvshuttle.agent.pool.side_channel import Handshake, fetch_handshake
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from kvshuttle.vllm.nixl_layout import RemoteLayout
 from kvshuttle.vllm.nixl_wire import (

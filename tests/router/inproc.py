@@ -17,29 +17,6 @@ from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
 
-def node_info(node: reg.Node, indexed_blocks: int = 0) -> NodeInfo:
-    spec = node.spec
-    return NodeInfo(
-        name=spec.name,
-        role=spec.role,
-        engine_id=spec.engine_id,
-        http_endpoint=spec.http_endpoint,
-        model=spec.model,
-        block_size=spec.block_size,
-        kv_bytes_per_token=spec.kv_bytes_per_token,
-        healthy=node.load.engine_healthy,
-        running_requests=node.load.running_requests,
-        waiting_requests=node.load.waiting_requests,
-        kv_cache_usage=node.load.kv_cache_usage,
-        retained_bytes=node.retained_bytes,
-        indexed_blocks=indexed_blocks,
-        side_channel_host=spec.side_channel_host,
-        side_channel_port=spec.side_channel_port,
-        agent_endpoint=spec.agent_endpoint,
-        labels=dict(spec.labels),
-    )
-
-
 def retention_info(r: reg.Retention) -> RetentionInfo:
     return RetentionInfo(
         name=r.name,
@@ -74,7 +51,15 @@ class InProcessPort:
     async def list_nodes(self, model: str) -> list[NodeInfo]:
         self._count("list_nodes")
         nodes, _ = await self.registry.list_nodes(role=None, model=model, page_size=1000, page_token="")
-        return [node_info(n, self.registry.indexed_blocks(n.spec.name)) for n in nodes]
+        return [
+            NodeInfo.of(
+                n.spec,
+                n.load,
+                retained_bytes=n.retained_bytes,
+                indexed_blocks=self.registry.indexed_blocks(n.spec.name),
+            )
+            for n in nodes
+        ]
 
     async def lookup_blocks(self, chain: Hashes, model: str, role: NodeRole) -> dict[str, int]:
         self._count("lookup_blocks")

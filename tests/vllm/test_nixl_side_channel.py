@@ -1,4 +1,4 @@
-"""kvshuttle.agent.side_channel against a ROUTER that answers as vLLM 0.32's handshake listener
+"""kvshuttle.agent.pool.side_channel against a ROUTER that answers as vLLM 0.32's handshake listener
 does (identity, empty delimiter, payload frame, perf_counter frame), or misbehaves."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 from tests.vllm.nixl_samples import HASH, META
 
-from kvshuttle.agent.side_channel import fetch_handshake, side_channel_endpoint, verify_engine
+from kvshuttle.agent.pool.side_channel import fetch_handshake, side_channel_endpoint, verify_engine
 from kvshuttle.core.errors import InvalidArgument, Unavailable
 from kvshuttle.vllm.nixl_compat import Expected
 from kvshuttle.vllm.nixl_wire import (

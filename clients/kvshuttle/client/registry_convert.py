@@ -23,7 +23,9 @@ __all__ = [
     "ROLE_TO_PB",
     "apply_result_from_pb",
     "batch_to_pb",
+    "load_from_pb",
     "load_to_pb",
+    "spec_from_pb",
     "spec_to_pb",
 ]
 
@@ -50,6 +52,33 @@ def spec_to_pb(spec: NodeSpec) -> pb.Node:
         block_size=spec.block_size,
         kv_bytes_per_token=spec.kv_bytes_per_token,
         labels=spec.labels,
+    )
+
+
+def spec_from_pb(node: pb.Node, role: NodeRole) -> NodeSpec:
+    """A node's descriptive fields, of the role the caller resolved from node.role (ROLE_FROM_PB:
+    the registry refuses a role it does not know, the router skips the node)."""
+    return NodeSpec(
+        name=node.name,
+        role=role,
+        engine_id=node.engine_id,
+        http_endpoint=node.http_endpoint,
+        side_channel_host=node.side_channel_host,
+        side_channel_port=node.side_channel_port,
+        agent_endpoint=node.agent_endpoint,
+        model=node.model,
+        block_size=node.block_size,
+        kv_bytes_per_token=node.kv_bytes_per_token,
+        labels=dict(node.labels),
+    )
+
+
+def load_from_pb(load: pb.NodeLoad) -> NodeLoad:
+    return NodeLoad(
+        running_requests=load.running_requests,
+        waiting_requests=load.waiting_requests,
+        kv_cache_usage=load.kv_cache_usage,
+        engine_healthy=load.engine_healthy,
     )
 
 

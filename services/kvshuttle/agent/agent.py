@@ -6,10 +6,10 @@ pause, so a bug in one part never takes the sidecar (and the node's lease) down 
 
 With a block pool, `start()` first checks the engine over its NIXL side channel: it waits (with
 backoff) for an engine that does not answer yet, and raises for one it cannot read from; then
-it serves the pool on a side channel of its own (kvshuttle.agent.serve) unless configured off.
+it serves the pool on a side channel of its own (kvshuttle.agent.pool.serve) unless configured off.
 A served pool is registered as a node of its own (`pool_node_name(node)`, role POOL: a second
 lease, heartbeated with the pool's use as its load), and KV moves into it through the mover
-(kvshuttle.agent.mover), which ParkRetention, Prefetch and PullBlocks call.
+(kvshuttle.agent.pool.mover), which ParkRetention, Prefetch and PullBlocks call.
 
 With node.engine_id_file, `start()` first waits for the engine's id there, and the agent follows
 the file (kvshuttle.agent.engine_id): a new id is a new engine, so `follow_engine` registers the
@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import zmq.asyncio
 
-from kvshuttle.agent.block_pool import BlockPool
 from kvshuttle.agent.config import AgentSettings
 from kvshuttle.agent.engine import EnginePoller
 from kvshuttle.agent.engine_id import EngineIdWatcher, wait_for_engine_id
@@ -42,8 +41,9 @@ from kvshuttle.agent.forwarder import EventForwarder
 from kvshuttle.agent.lease import NodeLease
 from kvshuttle.agent.model import AgentStatus, Backoff, EventStreamStats, LiveBatch
 from kvshuttle.agent.node_specs import node_spec, pool_node_spec
+from kvshuttle.agent.pool.blocks import BlockPool
+from kvshuttle.agent.pool.side_channel import Handshake, side_channel_endpoint, verify_engine
 from kvshuttle.agent.ports import RegistryPort, ReplayPort
-from kvshuttle.agent.side_channel import Handshake, side_channel_endpoint, verify_engine
 from kvshuttle.core.errors import FailedPrecondition, KvshuttleError, Unavailable
 from kvshuttle.core.nodes import (
     NodeLoad,
@@ -52,10 +52,10 @@ from kvshuttle.vllm.kv_events import KvEventDecoder
 from kvshuttle.vllm.nixl_compat import Expected
 
 if TYPE_CHECKING:  # NIXL is imported only by an agent with a pool (see start)
-    from kvshuttle.agent.mover import Mover
-    from kvshuttle.agent.nixl_memory import NixlPoolMemory
-    from kvshuttle.agent.park import Parker
-    from kvshuttle.agent.serve import PoolServer
+    from kvshuttle.agent.pool.mover import Mover
+    from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory
+    from kvshuttle.agent.pool.park import Parker
+    from kvshuttle.agent.pool.serve import PoolServer
 
 __all__ = ["Agent"]
 
@@ -195,10 +195,10 @@ class Agent:
     async def _start_pool(self, pool: BlockPool) -> None:
         """Check the engine, then serve the pool and register its node (when configured)."""
         # Here, not at module import: an agent without a pool runs without NIXL installed.
-        from kvshuttle.agent.mover import Mover  # noqa: PLC0415
-        from kvshuttle.agent.nixl_memory import NixlPoolMemory  # noqa: PLC0415
-        from kvshuttle.agent.park import Parker  # noqa: PLC0415
-        from kvshuttle.agent.serve import PoolServer  # noqa: PLC0415
+        from kvshuttle.agent.pool.mover import Mover  # noqa: PLC0415
+        from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory  # noqa: PLC0415
+        from kvshuttle.agent.pool.park import Parker  # noqa: PLC0415
+        from kvshuttle.agent.pool.serve import PoolServer  # noqa: PLC0415
 
         self.engine_nixl = await self._verify_engine(pool)
         # A fresh NIXL name per start: peers cache remote agents by name.

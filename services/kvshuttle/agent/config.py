@@ -52,7 +52,7 @@ from typing import Literal, Self
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvshuttle.agent.block_pool import PoolLayout
+from kvshuttle.agent.pool.blocks import PoolLayout
 from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.limits import MAX_EVENT_BATCHES
@@ -196,7 +196,7 @@ class PoolSettings(BaseModel):
     expire_interval: float = Field(default=1.0, gt=0)
     # Deadline of one park's NIXL READ (seconds); the engine's pin on the blocks must outlast it.
     park_timeout: float = Field(default=10.0, gt=0)
-    # The side channel prefill engines read parked KV through (kvshuttle.agent.serve): bound and
+    # The side channel prefill engines read parked KV through (kvshuttle.agent.pool.serve): bound and
     # advertised as is, so a host they reach, never a wildcard. Port 0: any free port; None:
     # parked KV is not served.
     serve_host: str = "127.0.0.1"

@@ -9,10 +9,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvshuttle.agent.agent import Agent
-from kvshuttle.agent.block_pool import PoolStats
+from kvshuttle.agent.pool.blocks import PoolStats
 
 if TYPE_CHECKING:  # NIXL is imported only by an agent with a pool
-    from kvshuttle.agent.mover import MoveStats
+    from kvshuttle.agent.pool.mover import MoveStats
 
 _Family = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
 
@@ -116,7 +116,7 @@ class AgentCollector(Collector):
 
 
 def _move_metrics(stats: MoveStats) -> Iterator[_Family]:
-    from kvshuttle.agent.mover import READ_SECONDS_BUCKETS, MoveKind  # noqa: PLC0415
+    from kvshuttle.agent.pool.mover import READ_SECONDS_BUCKETS, MoveKind  # noqa: PLC0415
 
     moves = CounterMetricFamily(
         "kvshuttle_agent_moves",

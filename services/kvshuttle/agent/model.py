@@ -7,7 +7,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvshuttle.agent.block_pool import PoolStats
+from kvshuttle.agent.pool.blocks import PoolStats
 from kvshuttle.core.kv_events import EventBatch
 
 __all__ = [

@@ -1,6 +1,6 @@
 """AgentService over gRPC: translates requests to the agent's domain calls and answers to
 protobuf, nothing more. GetStatus reads the agent's status; ParkRetention, Prefetch and
-PullBlocks call the mover (kvshuttle.agent.mover), whose domain errors the serving interceptor
+PullBlocks call the mover (kvshuttle.agent.pool.mover), whose domain errors the serving interceptor
 maps to statuses.
 """
 
@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from kvshuttle.agent.block_pool import PoolStats
 from kvshuttle.agent.model import AgentStatus
+from kvshuttle.agent.pool.blocks import PoolStats
 from kvshuttle.agent.v1 import agent_service_pb2 as pb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as pb_grpc
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument
@@ -20,7 +20,7 @@ from kvshuttle.core.prototime import duration_seconds, to_duration, to_timestamp
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
 if TYPE_CHECKING:  # the mover needs NIXL, which an agent without a pool may lack
-    from kvshuttle.agent.mover import Mover
+    from kvshuttle.agent.pool.mover import Mover
 
 __all__ = ["AgentServicer", "add_to_server", "pool_to_pb", "status_to_pb"]
 

@@ -13,7 +13,7 @@ import numpy.typing as npt
 
 from kvshuttle.core.hashing import TokenIds
 from kvshuttle.core.limits import MAX_ID_LENGTH, MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS
-from kvshuttle.core.nodes import NodeRole
+from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
 
 # A prefix-hash chain: uint64s, as a sequence or an array.
 Hashes = Sequence[int] | npt.NDArray[np.uint64]
@@ -163,6 +163,31 @@ class NodeInfo:
     # pool node's kvshuttle.io/pool-of names the engine node whose agent holds the pool).
     agent_endpoint: str = ""
     labels: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    @classmethod
+    def of(
+        cls, spec: NodeSpec, load: NodeLoad, *, retained_bytes: int = 0, indexed_blocks: int = 0
+    ) -> NodeInfo:
+        """The router's view of a registered node: its spec, its load and the registry's sums."""
+        return cls(
+            name=spec.name,
+            role=spec.role,
+            engine_id=spec.engine_id,
+            http_endpoint=spec.http_endpoint,
+            model=spec.model,
+            block_size=spec.block_size,
+            kv_bytes_per_token=spec.kv_bytes_per_token,
+            healthy=load.engine_healthy,
+            running_requests=load.running_requests,
+            waiting_requests=load.waiting_requests,
+            kv_cache_usage=load.kv_cache_usage,
+            retained_bytes=retained_bytes,
+            indexed_blocks=indexed_blocks,
+            side_channel_host=spec.side_channel_host,
+            side_channel_port=spec.side_channel_port,
+            agent_endpoint=spec.agent_endpoint,
+            labels=dict(spec.labels),
+        )
 
 
 @dataclass(frozen=True, slots=True)

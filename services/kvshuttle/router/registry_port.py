@@ -31,7 +31,7 @@ import structlog
 
 from kvshuttle.client.errors import KvshuttleRpcError, as_domain, domain_error
 from kvshuttle.client.registry import RegistryClient
-from kvshuttle.client.registry_convert import ROLE_FROM_PB, ROLE_TO_PB
+from kvshuttle.client.registry_convert import ROLE_FROM_PB, ROLE_TO_PB, load_from_pb, spec_from_pb
 from kvshuttle.core.errors import Aborted
 from kvshuttle.core.nodes import NodeRole
 from kvshuttle.core.prototime import from_timestamp, to_timestamp
@@ -53,24 +53,11 @@ def node_info(node: pb.Node) -> NodeInfo | None:
     role = ROLE_FROM_PB.get(node.role)
     if role is None:
         return None
-    return NodeInfo(
-        name=node.name,
-        role=role,
-        engine_id=node.engine_id,
-        http_endpoint=node.http_endpoint,
-        model=node.model,
-        block_size=node.block_size,
-        kv_bytes_per_token=node.kv_bytes_per_token,
-        healthy=node.load.engine_healthy,
-        running_requests=node.load.running_requests,
-        waiting_requests=node.load.waiting_requests,
-        kv_cache_usage=node.load.kv_cache_usage,
+    return NodeInfo.of(
+        spec_from_pb(node, role),
+        load_from_pb(node.load),
         retained_bytes=node.retained_bytes,
         indexed_blocks=node.indexed_blocks,
-        side_channel_host=node.side_channel_host,
-        side_channel_port=node.side_channel_port,
-        agent_endpoint=node.agent_endpoint,
-        labels=dict(node.labels),
     )
 
 

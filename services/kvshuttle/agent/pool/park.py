@@ -1,14 +1,14 @@
 """Park: move one retention's blocks from a holder into the agent's block pool.
 
 The holder is whatever answers a vLLM side channel: the agent's own engine (its handshake from
-kvshuttle.agent.side_channel.verify_engine), another engine, or another agent's pool server
-(kvshuttle.agent.serve), which stands in for an engine. One NIXL READ into freshly allocated
+kvshuttle.agent.pool.side_channel.verify_engine), another engine, or another agent's pool server
+(kvshuttle.agent.pool.serve), which stands in for an engine. One NIXL READ into freshly allocated
 pool slots, carrying (unless told not to) the notification that frees the blocks at the holder
 (`read_done_message(remote_request_id, 1)`), then `seal`. Anything short of a complete READ
 releases the slots and raises, so the pool never holds a half-moved retention.
 
 NIXL calls block, and the pool's NIXL agent runs without thread synchronisation or a progress
-thread (kvshuttle.agent.nixl_memory): every READ runs on the memory's one NIXL thread, polled to
+thread (kvshuttle.agent.pool.nixl_memory): every READ runs on the memory's one NIXL thread, polled to
 its deadline there (pumping the notifications serving waits for meanwhile). Pool bookkeeping
 stays on the event loop, beside the expiry sweep. Holders' NIXL agents are added once and kept,
 by engine id, up to `max_remotes` (the least recently read from is removed past it).
@@ -28,9 +28,9 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from kvshuttle.agent.block_pool import Allocation, BlockPool
-from kvshuttle.agent.nixl_memory import NixlPoolMemory
-from kvshuttle.agent.side_channel import Handshake
+from kvshuttle.agent.pool.blocks import Allocation, BlockPool
+from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory
+from kvshuttle.agent.pool.side_channel import Handshake
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.vllm.nixl_wire import read_done_message

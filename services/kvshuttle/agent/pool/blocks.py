@@ -1,6 +1,6 @@
 """The agent's block pool: fixed-size slots of host memory, handed out to retentions whole.
 
-Pure bookkeeping, no NIXL and no clock of its own (kvshuttle.agent.nixl_memory holds the bytes;
+Pure bookkeeping, no NIXL and no clock of its own (kvshuttle.agent.pool.nixl_memory holds the bytes;
 the caller passes `now`, seconds on a monotonic clock). The layout is vLLM's: `regions` arrays
 (one per attention layer, or per K and V) of `blocks` blocks of `block_bytes` each; slot `s` is
 block `s` of every region, so one slot holds one engine block.
@@ -12,7 +12,7 @@ Allocation, so handing out a slot that a live retention names cannot happen: the
 never holds it. Who may read a parked retention is the registry's single-use claim, not the
 pool's: the mover releases (evicts) one only once the registry dropped it, which it refuses
 while a reader holds the claim, and prefill declines a read within 5 s of the deadline the pool
-advertised (kvshuttle.agent.serve).
+advertised (kvshuttle.agent.pool.serve).
 """
 
 from __future__ import annotations

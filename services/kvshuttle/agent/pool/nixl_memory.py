@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 from nixl._api import nixl_agent, nixl_agent_config
 
-from kvshuttle.agent.block_pool import Allocation, PoolLayout, SlotState
+from kvshuttle.agent.pool.blocks import Allocation, PoolLayout, SlotState
 from kvshuttle.core.errors import FailedPrecondition
 
 __all__ = ["MAX_PENDING_NOTIFICATIONS", "NixlPoolMemory"]

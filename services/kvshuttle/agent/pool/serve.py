@@ -39,9 +39,9 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from kvshuttle.agent.block_pool import Allocation, BlockPool, SlotState
-from kvshuttle.agent.nixl_memory import NixlPoolMemory
-from kvshuttle.agent.side_channel import Handshake
+from kvshuttle.agent.pool.blocks import Allocation, BlockPool, SlotState
+from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory
+from kvshuttle.agent.pool.side_channel import Handshake
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvshuttle.vllm.nixl_wire import (
     Heartbeat,

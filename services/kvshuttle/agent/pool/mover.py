@@ -1,9 +1,9 @@
 """The mover: ParkRetention, Prefetch and PullBlocks as one domain operation. No grpc here.
 
 A move reads the blocks a retention's params (`source`, addressed to their holder as the
-registry lists it) describe into fresh pool slots with one NIXL READ (kvshuttle.agent.park),
+registry lists it) describe into fresh pool slots with one NIXL READ (kvshuttle.agent.pool.park),
 seals them until `ttl` + the pool's serve grace from receipt, publishes them on the agent's pool
-server under a fresh read id (kvshuttle.agent.serve), and answers the `pooled` params that read
+server under a fresh read id (kvshuttle.agent.pool.serve), and answers the `pooled` params that read
 them from the agent's pool node. The caller (the router) holds the retention's registry claim
 meanwhile and re-points the retention at the pool node afterwards (MoveRetention): the agent
 never writes retentions.
@@ -47,11 +47,11 @@ from typing import Final
 import structlog
 import zmq.asyncio
 
-from kvshuttle.agent.block_pool import Allocation, BlockPool, SlotState
-from kvshuttle.agent.park import Parker, RetainedBlocks
+from kvshuttle.agent.pool.blocks import Allocation, BlockPool, SlotState
+from kvshuttle.agent.pool.park import Parker, RetainedBlocks
+from kvshuttle.agent.pool.serve import PoolServer
+from kvshuttle.agent.pool.side_channel import Handshake, fetch_handshake
 from kvshuttle.agent.ports import RegistryPort, RegistryRefused
-from kvshuttle.agent.serve import PoolServer
-from kvshuttle.agent.side_channel import Handshake, fetch_handshake
 from kvshuttle.core.errors import (
     FailedPrecondition,
     InvalidArgument,
