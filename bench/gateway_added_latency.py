@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from tests.gateway.helpers import WORDS, make_tokenizer  # noqa: E402
 
 from kvshuttle.gateway.config import ModelSettings  # noqa: E402
-from kvshuttle.gateway.tokenizer import ChatTokenizer  # noqa: E402
+from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer  # noqa: E402
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb  # noqa: E402
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as reg_grpc  # noqa: E402
 

@@ -34,7 +34,7 @@ from tests.router.helpers import MODEL, Tokens
 from kvshuttle.client import RouterClient
 from kvshuttle.gateway.config import GatewaySettings, ModelSettings, RouterConnection
 from kvshuttle.gateway.main import GatewayServer
-from kvshuttle.gateway.tokenizer import ChatTokenizer
+from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.router.v1 import router_service_pb2 as pb
 
 CONVERSATIONS = 8

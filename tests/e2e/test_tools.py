@@ -19,11 +19,11 @@ from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
 from tests.e2e.stacks import running_stack
 
-from kvshuttle.gateway.background import BackgroundTasks
 from kvshuttle.gateway.config import ModelSettings
-from kvshuttle.gateway.prompts import prompt_ids
-from kvshuttle.gateway.protocol import parse_request
-from kvshuttle.gateway.tokenizer import ChatTokenizer
+from kvshuttle.gateway.http.protocol import parse_request
+from kvshuttle.gateway.prompts.prompt import prompt_ids
+from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
+from kvshuttle.gateway.turns.background import BackgroundTasks
 
 pytestmark = pytest.mark.vllm
 # Strict, with small argument spaces (enums, booleans): vLLM then holds the arguments to the

@@ -25,7 +25,7 @@ from kvshuttle.agent.v1 import agent_service_pb2 as apb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as apb_grpc
 from kvshuttle.core.hashing import ROOT_HASH, cache_salt_digest, chain_hashes, salted_root
 from kvshuttle.gateway.config import DEFAULT_TENANT as TENANT
-from kvshuttle.gateway.salts import CacheSalts
+from kvshuttle.gateway.prompts.salts import CacheSalts
 from kvshuttle.registry.v1 import registry_service_pb2 as rpb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as rpb_grpc
 

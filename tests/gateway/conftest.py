@@ -10,7 +10,7 @@ from tests.gateway.helpers import Cluster, cluster_fixture, make_tokenizer
 from tests.router.helpers import MODEL
 
 from kvshuttle.gateway.config import ModelSettings
-from kvshuttle.gateway.tokenizer import ChatTokenizer
+from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from kvshuttle.gateway.config import GatewaySettings, ModelSettings, RouterConnection
 from kvshuttle.gateway.main import GatewayServer
-from kvshuttle.gateway.tokenizer import ChatTokenizer
+from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 from kvshuttle.serving.settings import TelemetrySettings
 from kvshuttle.serving.tracing import configure_tracing, shutdown_tracing

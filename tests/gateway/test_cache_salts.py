@@ -22,8 +22,8 @@ from tests.serving.echo import JsonLog
 from kvshuttle.core.digest import log_digest, log_name
 from kvshuttle.core.hashing import cache_salt_digest, chain_hashes, salted_root
 from kvshuttle.gateway.config import GatewaySettings, ModelSettings
-from kvshuttle.gateway.salts import CacheSalts
-from kvshuttle.gateway.tokenizer import ChatTokenizer
+from kvshuttle.gateway.prompts.salts import CacheSalts
+from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.serving.logging import configure_logging
 from kvshuttle.serving.settings import TelemetrySettings
 

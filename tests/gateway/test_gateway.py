@@ -35,7 +35,7 @@ from tokenizers import Tokenizer
 
 from kvshuttle.core.digest import log_name
 from kvshuttle.core.hashing import cache_salt_digest, chain_hashes, salted_root
-from kvshuttle.gateway.tokenizer import ChatTokenizer
+from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 
 CHAT = "/v1/chat/completions"

@@ -1,11 +1,11 @@
-"""Exact-token history (kvshuttle.gateway.history): a chat is spliced onto its conversation's last
+"""Exact-token history (kvshuttle.gateway.prompts.history): a chat is spliced onto its conversation's last
 turn only when it repeats that turn's rendered text and answer byte for byte."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvshuttle.gateway.history import ExactHistory
+from kvshuttle.gateway.prompts.history import ExactHistory
 
 A = "tenants/a/conversations/c"
 B = "tenants/b/conversations/c"

@@ -15,9 +15,9 @@ from tests.conftest import RegistryEnv, start_registry
 from tests.router.helpers import MODEL, RouterEnv, Tokens, add_node, start_router
 
 from kvshuttle.gateway.config import RouterConnection
-from kvshuttle.gateway.errors import RouterFailure
+from kvshuttle.gateway.http.errors import RouterFailure
 from kvshuttle.gateway.metrics import GatewayMetrics
-from kvshuttle.gateway.router_port import GrpcRouterPort
+from kvshuttle.gateway.turns.router_port import GrpcRouterPort
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 from kvshuttle.router.v1 import router_service_pb2 as pb
 

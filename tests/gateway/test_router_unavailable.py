@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 from tests.gateway.helpers import Cluster, cluster_fixture
 from tests.router.helpers import MODEL
 
-from kvshuttle.gateway.tokenizer import ChatTokenizer
+from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 
 CHAT = "/v1/chat/completions"
 FIRST_TURN_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}

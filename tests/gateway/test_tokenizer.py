@@ -17,8 +17,9 @@ from tests.gateway.helpers import SPECIAL, WORDS, make_tokenizer
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from kvshuttle.gateway.config import ModelSettings
-from kvshuttle.gateway.protocol import normalize_messages
-from kvshuttle.gateway.tokenizer import ChatTokenizer, TemplateError
+from kvshuttle.gateway.http.protocol import normalize_messages
+from kvshuttle.gateway.prompts.chat_template import TemplateError
+from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 
 # Whitespace control, loop controls, tojson, special-token variables, namespaces, macros:
 # everything a real template (Qwen3's, Llama's) leans on.

@@ -15,7 +15,7 @@ from tests.gateway.helpers import Cluster, cluster_fixture, make_tokenizer
 from tests.router.helpers import MODEL
 
 from kvshuttle.gateway.config import ModelSettings
-from kvshuttle.gateway.tokenizer import ChatTokenizer
+from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 
 TOOLS: list[dict[str, Any]] = [
     {

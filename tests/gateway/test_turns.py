@@ -24,13 +24,13 @@ from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
 from kvshuttle.core.prototime import to_duration
-from kvshuttle.gateway.app import turn_headers
-from kvshuttle.gateway.background import BackgroundTasks
-from kvshuttle.gateway.errors import GatewayError, RouterFailure, engine_error
+from kvshuttle.gateway.http.app import turn_headers
+from kvshuttle.gateway.http.errors import GatewayError, RouterFailure, engine_error
 from kvshuttle.gateway.metrics import GatewayMetrics
-from kvshuttle.gateway.request_log import RequestLog
-from kvshuttle.gateway.turn_record import Turn
-from kvshuttle.gateway.turns import ClientGone, TurnRunner
+from kvshuttle.gateway.turns.background import BackgroundTasks
+from kvshuttle.gateway.turns.record import Turn
+from kvshuttle.gateway.turns.request_log import RequestLog
+from kvshuttle.gateway.turns.runner import ClientGone, TurnRunner
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
@@ -448,7 +448,15 @@ async def test_a_failed_plan_is_the_routers_error_and_aborts_nothing(env: Env) -
 
 
 def test_the_turn_runner_and_its_domain_modules_import_no_transport() -> None:
-    modules = ["background", "errors", "metrics", "ports", "request_log", "responses", "turns"]
+    modules = [
+        "turns.background",
+        "http.errors",
+        "metrics",
+        "turns.ports",
+        "turns.request_log",
+        "http.responses",
+        "turns.runner",
+    ]
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}: importlib.import_module('kvshuttle.gateway.' + m)\n"

@@ -4,6 +4,6 @@ For users without a gateway of their own: POST /v1/chat/completions and /v1/comp
 (streaming or not), GET /v1/models and /health. Each request is a turn of a conversation
 (`conversation_id` in the body or the X-Conversation-ID header, scoped by the API key's
 tenant) driven through the router: PlanTurn, prefill (max_tokens 1), decode (streamed to the
-client), CommitTurn. See kvshuttle.gateway.turns for the turn, kvshuttle.gateway.app for its HTTP
+client), CommitTurn. See kvshuttle.gateway.turns.runner for the turn, kvshuttle.gateway.http.app for its HTTP
 server, kvshuttle.gateway.config for the settings.
 """

@@ -21,7 +21,7 @@ engine would, so the token ids the router verifies are the ids vLLM computes.
 Without API keys every request belongs to tenant "default"; with them, a request must carry
 `Authorization: Bearer KEY` of a known key and belongs to that key's tenant.
 
-Each tenant's requests reach vLLM with a cache salt of their own (kvshuttle.gateway.salts), an
+Each tenant's requests reach vLLM with a cache salt of their own (kvshuttle.gateway.prompts.salts), an
 HMAC under `KVSHUTTLE_GATEWAY_CACHE_SALT_KEY` (secret, at least 16 bytes). Set it in production,
 the same on every replica; unset, each process draws a random key and warns (tenants stay
 isolated, but KV is reused only within one gateway process).
@@ -41,8 +41,8 @@ from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.limits import MAX_PROMPT_TOKENS
 from kvshuttle.core.names import check_id
-from kvshuttle.gateway.history import DEFAULT_HISTORY_BYTES
 from kvshuttle.gateway.parsing import REASONING_PARSERS, TOOL_PARSERS
+from kvshuttle.gateway.prompts.history import DEFAULT_HISTORY_BYTES
 from kvshuttle.serving.settings import TelemetrySettings
 
 DEFAULT_TENANT = "default"

@@ -16,10 +16,10 @@ from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from kvshuttle.gateway.app import Gateway
 from kvshuttle.gateway.config import GatewaySettings
+from kvshuttle.gateway.http.app import Gateway
 from kvshuttle.gateway.metrics import GatewayMetrics
-from kvshuttle.gateway.tokenizer import ChatTokenizer
+from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.serving.logging import configure_logging
 from kvshuttle.serving.server import wait_for_signal
 from kvshuttle.serving.telemetry import Telemetry

@@ -23,10 +23,11 @@ Where this differs from vLLM 0.32 (each found by tests/gateway/parsing against v
   field, e.g. `tools[2].function.name`); `tools` is bounded (128 tools, 1 MiB of JSON).
 """
 
-from kvshuttle.gateway.parsing import deepseek_r1, hermes, llama3_json, qwen3
 from kvshuttle.gateway.parsing.base import REASONING_REGISTRY, TOOL_REGISTRY
 from kvshuttle.gateway.parsing.output import OutputParser, check_parsers, reasoning_decode_params
-from kvshuttle.gateway.parsing.requests import ToolRequest, parse_tool_request
+from kvshuttle.gateway.parsing.reasoning import deepseek_r1, qwen3
+from kvshuttle.gateway.parsing.request.validate import ToolRequest, parse_tool_request
+from kvshuttle.gateway.parsing.tools import hermes, llama3_json
 
 __all__ = [
     "REASONING_PARSERS",

@@ -24,12 +24,22 @@ __all__ = [
     "ToolParser",
     "Vocab",
     "make_tool_call_id",
+    "partial_tag_overlap",
     "register_reasoning_parser",
     "register_tool_parser",
 ]
 
 Delta = dict[str, Any]
 Vocab = Callable[[str], "int | None"]
+
+
+def partial_tag_overlap(text: str, tag: str) -> int:
+    """Length of the longest proper prefix of `tag` that ends `text` (text a streaming parser
+    holds back: it may be the start of a marker). Shared by tool and reasoning parsers."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
 
 
 def make_tool_call_id() -> str:

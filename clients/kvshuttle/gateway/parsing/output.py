@@ -22,7 +22,7 @@ from kvshuttle.gateway.parsing.base import (
     Vocab,
     make_tool_call_id,
 )
-from kvshuttle.gateway.parsing.requests import ToolRequest
+from kvshuttle.gateway.parsing.request.validate import ToolRequest
 
 __all__ = ["OutputParser", "check_parsers", "reasoning_decode_params"]
 

@@ -10,7 +10,7 @@ import json
 from typing import Any, ClassVar
 
 from kvshuttle.gateway.parsing.base import Delta, Extracted, ToolCall, make_tool_call_id, register_tool_parser
-from kvshuttle.gateway.parsing.json_util import (
+from kvshuttle.gateway.parsing.tools.json_util import (
     Allow,
     MalformedJSON,
     find_common_prefix,

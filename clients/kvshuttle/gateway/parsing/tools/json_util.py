@@ -14,18 +14,9 @@ __all__ = [
     "find_common_prefix",
     "is_complete_json",
     "partial_json_loads",
-    "partial_tag_overlap",
 ]
 
 MalformedJSON = partial_json_parser.core.exceptions.MalformedJSON
-
-
-def partial_tag_overlap(text: str, tag: str) -> int:
-    """Length of the longest proper prefix of `tag` that ends `text`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def is_complete_json(text: str) -> bool:

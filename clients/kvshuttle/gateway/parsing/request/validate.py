@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvshuttle.gateway.errors import GatewayError
+from kvshuttle.gateway.http.errors import GatewayError
 from kvshuttle.gateway.parsing.base import TOOL_REGISTRY
-from kvshuttle.gateway.parsing.structural_tags import structural_tag
+from kvshuttle.gateway.parsing.request.structural_tags import structural_tag
 
 __all__ = ["MAX_TOOLS", "MAX_TOOLS_JSON", "ToolRequest", "parse_tool_request"]
 

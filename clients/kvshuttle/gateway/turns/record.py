@@ -1,4 +1,4 @@
-"""A turn as the runner records it (kvshuttle.gateway.turns), and what is made from the record:
+"""A turn as the runner records it (kvshuttle.gateway.turns.runner), and what is made from the record:
 the engines' request bodies and CommitTurn's timings."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvshuttle.core.prototime import to_duration
-from kvshuttle.gateway.responses import DecodeOutput
+from kvshuttle.gateway.http.responses import DecodeOutput
 from kvshuttle.router.v1 import router_service_pb2 as pb
 
 __all__ = ["Turn", "decode_body", "prompt_json", "request_body", "timings"]

@@ -59,7 +59,7 @@ class GatewayError(Exception):
 class RouterFailure(Exception):
     """A failed router call, as the turn sees it: the gRPC status's code name ("NOT_FOUND"),
     the server's ErrorInfo reason and the field an INVALID_ARGUMENT names, with no gRPC type
-    (kvshuttle.gateway.router_port makes them from the client's errors)."""
+    (kvshuttle.gateway.turns.router_port makes them from the client's errors)."""
 
     def __init__(
         self, code: str, message: str = "", *, reason: str | None = None, field: str | None = None

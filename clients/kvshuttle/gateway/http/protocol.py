@@ -1,5 +1,5 @@
 """The OpenAI request surface: what a client request may carry and what of it goes on to the
-engines (kvshuttle.gateway.responses translates decode's answer back).
+engines (kvshuttle.gateway.http.responses translates decode's answer back).
 
 The engines only ever see `/v1/completions` with a token-id prompt, so parameters are copied
 by allow-list: a client can never smuggle `kv_transfer_params` (or anything else that steers
@@ -10,7 +10,7 @@ the gateway's: rendered into the prompt by the chat template, forced calls const
 JSON schema vLLM would use, and decode's output parsed (kvshuttle.gateway.parsing).
 
 `cache_salt` is never forwarded as sent: the engines get the tenant's salt, which folds the
-client's in (kvshuttle.gateway.salts), so a client can partition its own tenant's cache but never
+client's in (kvshuttle.gateway.prompts.salts), so a client can partition its own tenant's cache but never
 reach another tenant's.
 
 Text `stop` strings are passed through, with a cost: vLLM finds stop strings in its front end
@@ -30,10 +30,10 @@ from typing import Any, Literal
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.limits import MAX_ID_LENGTH
 from kvshuttle.core.names import check_id
-from kvshuttle.gateway.errors import GatewayError
+from kvshuttle.gateway.http.errors import GatewayError
 from kvshuttle.gateway.parsing import ToolRequest, parse_tool_request
-from kvshuttle.gateway.salts import client_salt_problem
-from kvshuttle.gateway.tokenizer import RESERVED_TEMPLATE_KWARGS
+from kvshuttle.gateway.prompts.chat_template import RESERVED_TEMPLATE_KWARGS
+from kvshuttle.gateway.prompts.salts import client_salt_problem
 
 Kind = Literal["chat", "completions"]
 

@@ -9,8 +9,15 @@ import json
 import re
 from typing import Any, ClassVar
 
-from kvshuttle.gateway.parsing.base import Delta, Extracted, ToolCall, make_tool_call_id, register_tool_parser
-from kvshuttle.gateway.parsing.json_util import is_complete_json, partial_tag_overlap
+from kvshuttle.gateway.parsing.base import (
+    Delta,
+    Extracted,
+    ToolCall,
+    make_tool_call_id,
+    partial_tag_overlap,
+    register_tool_parser,
+)
+from kvshuttle.gateway.parsing.tools.json_util import is_complete_json
 
 __all__ = ["HermesToolParser"]
 

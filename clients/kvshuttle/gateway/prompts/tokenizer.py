@@ -1,5 +1,5 @@
 """Token ids exactly as the engine will compute them: the model's tokenizer.json (`tokenizers`)
-and chat template (jinja2, set up the way transformers' apply_chat_template sets it up), with
+and chat template (kvshuttle.gateway.prompts.chat_template: jinja2 as transformers sets it up), with
 vLLM's special-token handling (chat: the template's text encoded with add_special_tokens=False;
 completions with a text prompt: the tokenizer's default, add_special_tokens=True).
 
@@ -20,8 +20,8 @@ only where that equivalence holds: the tokenizer is checked when loaded (no Meta
 cleanly) and self-tested on sample renderings; a sampled fraction of requests is re-checked
 against a full tokenization off the request path, and any mismatch turns the cache off.
 
-One module on purpose: the template's setup, the segment cache and the checks that decide when
-the cache may be used make one argument (cached ids equal the engine's), read together.
+One module on purpose: the segment cache and the checks that decide when it may be used make
+one argument (cached ids equal the engine's), read together.
 """
 
 from __future__ import annotations
@@ -33,18 +33,18 @@ import re
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
 import structlog
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, processors
 
 from kvshuttle.gateway.config import ModelSettings
+from kvshuttle.gateway.prompts.chat_template import (
+    ChatTemplate,
+    TemplateError,
+    find_chat_template,
+    read_json_object,
+)
 
 log = structlog.get_logger("kvshuttle.gateway")
 
@@ -58,93 +58,10 @@ SPECIAL_TOKEN_ATTRIBUTES = (
     "cls_token",
     "mask_token",
 )
-# Template variables the gateway sets itself; a request's chat_template_kwargs may not.
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "tools", "documents", "add_generation_prompt", "chat_template", "tokenize"}
-)
 # Uncached text longer than this is tokenized on a worker thread, not on the event loop.
 _THREAD_CHARS = 32_768
 # A cache entry's bookkeeping beyond its text and ids.
 _ENTRY_OVERHEAD = 120
-
-
-class TemplateError(ValueError):
-    """The chat template refused the conversation (its raise_exception, or a template error)."""
-
-
-# ---- chat templates -------------------------------------------------------------------------
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers' AssistantTracker) renders its body."""
-
-    tags = {"generation"}  # noqa: RUF012 (jinja2's API: a class attribute)
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> Any:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # transformers' override: no HTML escaping, json.dumps' options exposed.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def compile_chat_template(source: str) -> jinja2.Template:
-    """The template compiled as transformers compiles it for apply_chat_template."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else {}
-
-
-def find_chat_template(directory: Path, override: Path | None = None) -> str | None:
-    """The configured file, else chat_template.jinja, else tokenizer_config.json's
-    "chat_template" (its "default" entry when it holds named templates), else
-    chat_template.json's; None when the model has none."""
-    if override is not None:
-        return override.read_text(encoding="utf-8")
-    jinja_file = directory / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    for name in ("tokenizer_config.json", "chat_template.json"):
-        template = _read_json(directory / name).get("chat_template")
-        if isinstance(template, str):
-            return template
-        if isinstance(template, list):
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            default = named.get("default")
-            if isinstance(default, str):
-                return default
-    return None
 
 
 def _token_text(value: Any) -> str | None:
@@ -266,7 +183,7 @@ class ChatTokenizer:
         self.content_format = content_format
         self.template_kwargs = dict(template_kwargs or {})
         self.verify_fraction = verify_fraction
-        self._template = compile_chat_template(chat_template) if chat_template is not None else None
+        self._template = ChatTemplate(chat_template) if chat_template is not None else None
         self._cache = _SegmentCache(cache_bytes)
         self._split: re.Pattern[str] | None = None
         self._special_ids: dict[str, int] = {}
@@ -306,8 +223,8 @@ class ChatTokenizer:
         # vLLM neither truncates nor pads prompts (unless asked per request); tokenizer.json may.
         tokenizer.no_truncation()
         tokenizer.no_padding()
-        config = _read_json(directory / "tokenizer_config.json")
-        legacy = _read_json(directory / "special_tokens_map.json")
+        config = read_json_object(directory / "tokenizer_config.json")
+        legacy = read_json_object(directory / "special_tokens_map.json")
         special = {
             attr: text
             for attr in SPECIAL_TOKEN_ATTRIBUTES
@@ -349,18 +266,9 @@ class ChatTokenizer:
         if self._template is None:
             raise LookupError(f"model {self.name!r} has no chat template")
         kwargs = {**self.special_tokens, **self.template_kwargs, **(template_kwargs or {})}
-        try:
-            return self._template.render(
-                messages=messages,
-                tools=tools,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **kwargs,
-            )
-        except jinja2.TemplateError as exc:
-            raise TemplateError(str(exc)) from exc
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
-            raise TemplateError(f"{type(exc).__name__}: {exc}") from exc
+        return self._template.render(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, variables=kwargs
+        )
 
     # ---- encoding ---------------------------------------------------------------------------
 

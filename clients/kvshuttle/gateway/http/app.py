@@ -1,13 +1,13 @@
 """The gateway's HTTP server: OpenAI-compatible endpoints, each request one turn that
-kvshuttle.gateway.turns runs (PlanTurn -> prefill -> decode -> CommitTurn).
+kvshuttle.gateway.turns.runner runs (PlanTurn -> prefill -> decode -> CommitTurn).
 
-Per request, here: authenticate (API key -> tenant), validate (kvshuttle.gateway.protocol),
-tokenize the prompt exactly as the engine would (kvshuttle.gateway.tokenizer), derive the turn's
-vLLM cache salt from the tenant (kvshuttle.gateway.salts), hand the turn to the runner, and
+Per request, here: authenticate (API key -> tenant), validate (kvshuttle.gateway.http.protocol),
+tokenize the prompt exactly as the engine would (kvshuttle.gateway.prompts.tokenizer), derive the turn's
+vLLM cache salt from the tenant (kvshuttle.gateway.prompts.salts), hand the turn to the runner, and
 answer: one JSON body, or server-sent events as decode streams (a failure after
 the first byte ends the stream with an error event). Errors are OpenAI-style bodies
-(kvshuttle.gateway.errors); a client that leaves mid-answer is logged with status 499. Every
-request ends with one `request.done` line (kvshuttle.gateway.request_log).
+(kvshuttle.gateway.http.errors); a client that leaves mid-answer is logged with status 499. Every
+request ends with one `request.done` line (kvshuttle.gateway.turns.request_log).
 
 One module: the gateway's whole HTTP surface (routes, auth, the two ways of answering a turn).
 """
@@ -32,15 +32,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from kvshuttle.core.digest import log_digest
 from kvshuttle.gateway.affinity import affinity_key
-from kvshuttle.gateway.background import BackgroundTasks
 from kvshuttle.gateway.config import DEFAULT_TENANT, GatewaySettings
-from kvshuttle.gateway.engines import EngineClient
-from kvshuttle.gateway.errors import GatewayError
-from kvshuttle.gateway.history import ExactHistory
-from kvshuttle.gateway.metrics import GatewayMetrics
-from kvshuttle.gateway.parsing import OutputParser, check_parsers, reasoning_decode_params
-from kvshuttle.gateway.prompts import prompt_ids, remember_turn
-from kvshuttle.gateway.protocol import (
+from kvshuttle.gateway.http.errors import GatewayError
+from kvshuttle.gateway.http.protocol import (
     CONVERSATION_HEADER,
     THINK_TIME_HEADER,
     Kind,
@@ -48,8 +42,7 @@ from kvshuttle.gateway.protocol import (
     expected_think_time,
     parse_request,
 )
-from kvshuttle.gateway.request_log import RequestLog
-from kvshuttle.gateway.responses import (
+from kvshuttle.gateway.http.responses import (
     SSE_DONE,
     ChatStream,
     CompletionStream,
@@ -59,11 +52,18 @@ from kvshuttle.gateway.responses import (
     sse,
     with_cached_tokens,
 )
-from kvshuttle.gateway.router_port import GrpcRouterPort
-from kvshuttle.gateway.salts import CacheSalts
-from kvshuttle.gateway.tokenizer import ChatTokenizer
-from kvshuttle.gateway.turn_record import Turn
-from kvshuttle.gateway.turns import ClientGone, TurnRunner
+from kvshuttle.gateway.metrics import GatewayMetrics
+from kvshuttle.gateway.parsing import OutputParser, check_parsers, reasoning_decode_params
+from kvshuttle.gateway.prompts.history import ExactHistory
+from kvshuttle.gateway.prompts.prompt import prompt_ids, remember_turn
+from kvshuttle.gateway.prompts.salts import CacheSalts
+from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
+from kvshuttle.gateway.turns.background import BackgroundTasks
+from kvshuttle.gateway.turns.engines import EngineClient
+from kvshuttle.gateway.turns.record import Turn
+from kvshuttle.gateway.turns.request_log import RequestLog
+from kvshuttle.gateway.turns.router_port import GrpcRouterPort
+from kvshuttle.gateway.turns.runner import ClientGone, TurnRunner
 
 __all__ = ["Gateway"]
 

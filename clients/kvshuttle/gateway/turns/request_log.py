@@ -13,7 +13,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from kvshuttle.gateway.metrics import GatewayMetrics
-from kvshuttle.gateway.turn_record import Turn
+from kvshuttle.gateway.turns.record import Turn
 
 __all__ = ["RequestLog"]
 

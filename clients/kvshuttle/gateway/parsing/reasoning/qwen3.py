@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from kvshuttle.gateway.parsing.base import Delta, Vocab, register_reasoning_parser
-from kvshuttle.gateway.parsing.json_util import partial_tag_overlap
+from kvshuttle.gateway.parsing.base import Delta, Vocab, partial_tag_overlap, register_reasoning_parser
 
 __all__ = ["Qwen3ReasoningParser"]
 

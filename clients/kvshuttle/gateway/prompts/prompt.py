@@ -1,9 +1,9 @@
 """A request's prompt as the token ids the engines get and the router verifies, computed
-exactly as the engine would (kvshuttle.gateway.tokenizer): a token-id prompt as it is, a text
+exactly as the engine would (kvshuttle.gateway.prompts.tokenizer): a token-id prompt as it is, a text
 prompt with the tokenizer's default special tokens, a chat through its template and the
 segment cache. Tokenizing that would hold the event loop up runs in a thread.
 
-With exact-token history (kvshuttle.gateway.history, the model's `history: exact_tokens`), a
+With exact-token history (kvshuttle.gateway.prompts.history, the model's `history: exact_tokens`), a
 chat that extends its conversation's last turn exactly gets that turn's prompt ids and decode's
 output ids, and only the rest of the text is tokenized; each finished turn is remembered for the
 next (remember_turn).
@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from kvshuttle.gateway.background import BackgroundTasks
-from kvshuttle.gateway.errors import GatewayError
-from kvshuttle.gateway.history import ExactHistory
-from kvshuttle.gateway.protocol import TurnRequest
-from kvshuttle.gateway.responses import DecodeOutput
-from kvshuttle.gateway.tokenizer import ChatTokenizer, TemplateError
+from kvshuttle.gateway.http.errors import GatewayError
+from kvshuttle.gateway.http.protocol import TurnRequest
+from kvshuttle.gateway.http.responses import DecodeOutput
+from kvshuttle.gateway.prompts.chat_template import TemplateError
+from kvshuttle.gateway.prompts.history import ExactHistory
+from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
+from kvshuttle.gateway.turns.background import BackgroundTasks
 
 __all__ = ["Prompt", "prompt_ids", "remember_turn"]
 

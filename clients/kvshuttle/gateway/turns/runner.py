@@ -1,7 +1,7 @@
 """The turn runner: one request's turn, PlanTurn -> prefill -> decode -> CommitTurn (or
 AbortTurn), and the order of a conversation's turns. It knows no HTTP server and no gRPC: it
-calls a RouterPort and an EnginePort (kvshuttle.gateway.ports) and streams decode's chunks to
-a DecodeSink, which kvshuttle.gateway.app implements over its HTTP response.
+calls a RouterPort and an EnginePort (kvshuttle.gateway.turns.ports) and streams decode's chunks to
+a DecodeSink, which kvshuttle.gateway.http.app implements over its HTTP response.
 
 1. PlanTurn(model, prompt ids, `tenants/{tenant}/conversations/{id}`, request id, the SHA-256
    of the turn's cache salt): placement, and the `kv_transfer_params` prefill must get (with
@@ -9,7 +9,7 @@ a DecodeSink, which kvshuttle.gateway.app implements over its HTTP response.
    once its previous turn's commit, in flight at this gateway, has landed, so it finds that
    turn's retention; a turn that reaches another gateway replica first recomputes.
 2. Prefill: `/v1/completions` with the token-id prompt, `max_tokens: 1`, `stream: false`, the
-   turn's `cache_salt` (the tenant's: kvshuttle.gateway.salts) and the plan's params. Its
+   turn's `cache_salt` (the tenant's: kvshuttle.gateway.prompts.salts) and the plan's params. Its
    answer's `kv_transfer_params` go to decode unchanged, or none at all (never a hand-made
    dict: decode would hold such a request's blocks forever).
 3. Decode: `/v1/completions` with the same prompt and `cache_salt`, P's params,
@@ -61,12 +61,12 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from kvshuttle.core.digest import log_name
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.hashing import cache_salt_digest
-from kvshuttle.gateway import turn_record as record
-from kvshuttle.gateway.background import BackgroundTasks
-from kvshuttle.gateway.errors import GatewayError, RouterFailure, engine_error, router_error
+from kvshuttle.gateway.http.errors import GatewayError, RouterFailure, engine_error, router_error
 from kvshuttle.gateway.metrics import GatewayMetrics
-from kvshuttle.gateway.ports import EnginePort, RouterPort
-from kvshuttle.gateway.turn_record import Turn
+from kvshuttle.gateway.turns import record
+from kvshuttle.gateway.turns.background import BackgroundTasks
+from kvshuttle.gateway.turns.ports import EnginePort, RouterPort
+from kvshuttle.gateway.turns.record import Turn
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams

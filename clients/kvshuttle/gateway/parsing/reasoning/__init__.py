@@ -1,0 +1,1 @@
+"""Reasoning parsers, one module per vLLM `--reasoning-parser` name."""
