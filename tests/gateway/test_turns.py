@@ -521,6 +521,33 @@ async def test_a_router_out_of_reach_serves_plain_pd_on_the_models_last_placemen
     assert env.metrics.get_sample_value("kvshuttle_gateway_turns_total", labels) == 1
 
 
+@pytest.mark.parametrize(
+    ("router_reason", "reason"), [("NO_PREFILL_NODE", "no_prefill_node"), ("NO_DECODE_NODE", "no_decode_node")]
+)
+async def test_a_router_with_no_node_of_a_role_serves_plain_pd_under_its_own_reason(
+    env: Env, router_reason: str, reason: str
+) -> None:
+    """A router that answers but finds no healthy node of a role (an agent's lease lapsed, an
+    engine restarting) is not a router out of reach: the turn runs plain P->D on the model's last
+    placement, as then, under a reason of its own."""
+    await placed_once(env)
+    env.router.plan_failure = RouterFailure("UNAVAILABLE", "no decode node", reason=router_reason)
+    turn = make_turn("r1")
+    with capture_logs() as logs:
+        answer = await env.runner.complete(turn)
+        await env.background.settle()
+
+    assert answer["choices"][0]["text"] == "abcd"
+    assert env.engines.endpoints == [("prefill", "http://p-last"), ("decode", "http://d-last")]
+    assert (turn.decision, turn.reason, turn.reused_tokens) == ("recompute", reason, 0)
+    assert env.router.commits == [] and env.router.aborts == []
+    (warned,) = [e for e in logs if e["event"] == "turn.no_node"]
+    assert (warned["code"], warned["reason"]) == ("UNAVAILABLE", router_reason)
+    assert not [e for e in logs if e["event"] == "turn.router_unavailable"]
+    labels = {"decision": "recompute", "reason": reason}
+    assert env.metrics.get_sample_value("kvshuttle_gateway_turns_total", labels) == 1
+
+
 async def test_an_engine_failing_a_turn_run_without_the_router_aborts_nothing(env: Env) -> None:
     await placed_once(env)
     env.router.plan_failure = unreachable()

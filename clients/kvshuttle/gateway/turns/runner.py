@@ -39,7 +39,10 @@ the turn: it runs plain P->D on the last prefill and decode endpoints a plan nam
 (remembered per model from every successful PlanTurn), prefill getting turn 1's params
 (`do_remote_decode: true, do_remote_prefill: false`, so decode still reads prefill's KV), with
 decision `recompute` and reason `router_unavailable`, and nothing to commit or abort (no turn
-handle). Only a model no plan ever placed gets the router's error (503).
+handle). A router that answers but has no healthy node of a role for the model (UNAVAILABLE
+with NO_PREFILL_NODE / NO_DECODE_NODE: an agent's lease lapsed, an engine restarting) does the
+same with reason `no_prefill_node` / `no_decode_node`, so the two causes read apart. Only a model
+no plan ever placed gets the router's error (503).
 
 One module: a turn's steps, what each measures and when the turn must be aborted belong
 together (the Turn record, the engines' request bodies and the CommitTurn timings with them).
@@ -74,6 +77,7 @@ from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 __all__ = [
     "REUSE_PREFILL_FAILED",
     "REUSE_PREFILL_TIMEOUT",
+    "NO_NODE",
     "ROUTER_UNAVAILABLE",
     "ClientGone",
     "DecodeSink",
@@ -85,6 +89,9 @@ log = structlog.get_logger("kvshuttle.gateway")
 
 # The reason of a turn run without the router (X-Kvshuttle-Reason, the request.done line).
 ROUTER_UNAVAILABLE = "router_unavailable"
+# The reason of a turn run without a plan because the router found no node of a role (its
+# ErrorInfo reason -> the turn's reason).
+NO_NODE = {"NO_PREFILL_NODE": "no_prefill_node", "NO_DECODE_NODE": "no_decode_node"}
 # PlanTurn failures that mean the router could not answer: the turn runs plain P->D instead.
 _ROUTER_UNREACHABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
 # Turn.fallback of a reuse turn whose prefill ran again as a plain recompute.
@@ -217,10 +224,10 @@ class TurnRunner:
         """The turn's plan without the router: plain P->D on the model's last placement, with
         no turn handle (nothing to commit or abort)."""
         prefill, decode = placed
-        turn.decision, turn.reason = "recompute", ROUTER_UNAVAILABLE
+        turn.decision, turn.reason = "recompute", NO_NODE.get(err.reason, ROUTER_UNAVAILABLE)
         self._metrics.turns.labels(turn.decision, turn.reason).inc()
         log.warning(
-            "turn.router_unavailable",
+            "turn.no_node" if err.reason in NO_NODE else "turn.router_unavailable",
             code=err.code,
             reason=err.reason,
             prefill=prefill.node,
