@@ -522,7 +522,8 @@ async def test_a_router_out_of_reach_serves_plain_pd_on_the_models_last_placemen
 
 
 @pytest.mark.parametrize(
-    ("router_reason", "reason"), [("NO_PREFILL_NODE", "no_prefill_node"), ("NO_DECODE_NODE", "no_decode_node")]
+    ("router_reason", "reason"),
+    [("NO_PREFILL_NODE", "no_prefill_node"), ("NO_DECODE_NODE", "no_decode_node")],
 )
 async def test_a_router_with_no_node_of_a_role_serves_plain_pd_under_its_own_reason(
     env: Env, router_reason: str, reason: str

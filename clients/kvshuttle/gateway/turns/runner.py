@@ -75,9 +75,9 @@ from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
 __all__ = [
+    "NO_NODE",
     "REUSE_PREFILL_FAILED",
     "REUSE_PREFILL_TIMEOUT",
-    "NO_NODE",
     "ROUTER_UNAVAILABLE",
     "ClientGone",
     "DecodeSink",
