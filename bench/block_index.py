@@ -3,7 +3,7 @@ measurement, in one run, on one redis-server (127.0.0.1, no persistence):
 
   memory   one process's BlockIndex (kvshuttle.registry.block_index), the single-process baseline;
   stream   each replica keeps that BlockIndex, fed from one Redis Stream of accepted reports
-           (kvshuttle.registry.redis_index_feed, the production code): ingestion through
+           (kvshuttle.registry.feeds.redis_index, the production code): ingestion through
            RedisIndexFeed.report on replica A (which waits until A's own index applied it) with
            replica B's reader applying the same stream in the same process; lookups read a
            replica's own index;
@@ -53,7 +53,7 @@ from bench.redis_store import RESULTS, cpu_seconds, redis_server
 from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.core.kv_events import BlockEvent, BlockRemoved, BlockStored, EventBatch
 from kvshuttle.registry.block_index import BlockIndex, plan_batches
-from kvshuttle.registry.redis_index_feed import RedisIndexFeed
+from kvshuttle.registry.feeds.redis_index import RedisIndexFeed
 
 VOCAB = 32_000
 

@@ -160,7 +160,7 @@ class Run:
             )  # fmt: skip
             both = f"{self.stack.registry_addr},{self.replica_addr}"
             self.stack.router.env["KVSHUTTLE_ROUTER_REGISTRY__ADDRESS"] = both
-            # The block index is shared (kvshuttle.registry.redis_index_feed): agents may report
+            # The block index is shared (kvshuttle.registry.feeds.redis_index): agents may report
             # to either replica, round robin as the router plans.
             for agent in self.stack.agents:
                 agent.env["KVSHUTTLE_AGENT_REGISTRY__ADDRESS"] = both

@@ -46,10 +46,10 @@ from kvshuttle.core.clock import SystemClock
 from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.memory_store import InMemoryStore
-from kvshuttle.registry.redis_store import RedisStore
-from kvshuttle.registry.registry import Registry
-from kvshuttle.registry.store import RegistryStore, StoreLimits
+from kvshuttle.registry.service.registry import Registry
+from kvshuttle.registry.store.contract import RegistryStore, StoreLimits
+from kvshuttle.registry.store.memory.store import InMemoryStore
+from kvshuttle.registry.store.redis.store import RedisStore
 
 RESULTS = Path(__file__).parent / "results"
 CONFIGS: dict[str, list[str] | None] = {

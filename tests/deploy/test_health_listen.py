@@ -18,9 +18,9 @@ from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RegistrySettings
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.main import SERVICE, build_server
-from kvshuttle.registry.memory_store import InMemoryStore
-from kvshuttle.registry.registry import Registry
-from kvshuttle.registry.store import StoreLimits
+from kvshuttle.registry.service.registry import Registry
+from kvshuttle.registry.store.contract import StoreLimits
+from kvshuttle.registry.store.memory.store import InMemoryStore
 from kvshuttle.router.config import RouterSettings
 from kvshuttle.serving.settings import ServerSettings
 

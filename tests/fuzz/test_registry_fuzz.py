@@ -34,8 +34,8 @@ from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RegistrySettings
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.main import build_server
-from kvshuttle.registry.memory_store import InMemoryStore
-from kvshuttle.registry.registry import Registry
+from kvshuttle.registry.service.registry import Registry
+from kvshuttle.registry.store.memory.store import InMemoryStore
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as pb_grpc
 from kvshuttle.serving.settings import ServerSettings

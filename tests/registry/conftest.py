@@ -14,9 +14,9 @@ import pytest
 import redis.asyncio as aioredis
 from tests.registry.redis_server import running_redis
 
-from kvshuttle.registry.memory_store import InMemoryStore
-from kvshuttle.registry.redis_store import RedisStore
-from kvshuttle.registry.store import RegistryStore, StoreLimits
+from kvshuttle.registry.store.contract import RegistryStore, StoreLimits
+from kvshuttle.registry.store.memory.store import InMemoryStore
+from kvshuttle.registry.store.redis.store import RedisStore
 
 StoreFactory = Callable[..., RegistryStore]
 

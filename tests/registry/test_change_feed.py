@@ -1,4 +1,4 @@
-"""The change feed behind WatchRetentions (kvshuttle.registry.feed, kvshuttle.registry.redis_feed):
+"""The change feed behind WatchRetentions (kvshuttle.registry.feeds.change and .redis_change):
 with the Redis store, two replicas over one redis-server, each replica's watchers see the changes
 of both, in one order, each once; a watcher resumes with its last token and gets exactly what it
 missed; a token the stream no longer covers is refused. The in-memory feed resumes within its
@@ -24,17 +24,17 @@ from tests.registry.test_registry_grpc import put as grpc_put
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RegistrySettings
+from kvshuttle.registry.feeds.redis_change import RedisFeed
+from kvshuttle.registry.feeds.watchers import Subscription
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.main import build_server
-from kvshuttle.registry.memory_store import InMemoryStore
 from kvshuttle.registry.model import ChangeKind, RetentionChange
-from kvshuttle.registry.redis_feed import RedisFeed
-from kvshuttle.registry.redis_store import RedisStore
-from kvshuttle.registry.registry import Registry
-from kvshuttle.registry.store import StoreLimits
+from kvshuttle.registry.service.registry import Registry
+from kvshuttle.registry.store.contract import StoreLimits
+from kvshuttle.registry.store.memory.store import InMemoryStore
+from kvshuttle.registry.store.redis.store import RedisStore
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as pb_grpc
-from kvshuttle.registry.watchers import Subscription
 from kvshuttle.serving.settings import ServerSettings
 
 LIMITS = StoreLimits(max_retentions_per_tenant=1000, fence_ttl=100)

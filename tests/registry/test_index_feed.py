@@ -1,4 +1,4 @@
-"""The block index across registry replicas (kvshuttle.registry.redis_index_feed): two Registry
+"""The block index across registry replicas (kvshuttle.registry.feeds.redis_index): two Registry
 domain objects over one real redis-server, each with its own index fed from the shared stream,
 an agent's reports landing on either. The sequence rules run against both index feeds."""
 
@@ -18,12 +18,12 @@ from kvshuttle.core.errors import FailedPrecondition
 from kvshuttle.core.hashing import ROOT_HASH, chain_hashes
 from kvshuttle.core.kv_events import EventBatch
 from kvshuttle.registry.block_index import BlockIndex
-from kvshuttle.registry.index_feed import IndexFeed, LocalIndexFeed
+from kvshuttle.registry.feeds.index import IndexFeed, LocalIndexFeed
+from kvshuttle.registry.feeds.redis_index import RedisIndexFeed
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.redis_index_feed import RedisIndexFeed
-from kvshuttle.registry.redis_store import RedisStore
-from kvshuttle.registry.registry import Registry
-from kvshuttle.registry.store import StoreLimits
+from kvshuttle.registry.service.registry import Registry
+from kvshuttle.registry.store.contract import StoreLimits
+from kvshuttle.registry.store.redis.store import RedisStore
 
 BS = 4
 NODE = "nodes/d0"

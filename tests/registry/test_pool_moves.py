@@ -22,8 +22,8 @@ from kvshuttle.core.nodes import (
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.model import ChangeKind, Holder, Move, Retention, RetentionState
-from kvshuttle.registry.registry import Registry
-from kvshuttle.registry.store import StoreLimits
+from kvshuttle.registry.service.registry import Registry
+from kvshuttle.registry.store.contract import StoreLimits
 
 NAME = f"{CONV}/retentions/1"
 POOL = "nodes/d0-pool"

@@ -18,9 +18,9 @@ from kvshuttle.core.errors import Aborted, ResourceExhausted
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.model import PutResult
-from kvshuttle.registry.redis_store import RedisStore
-from kvshuttle.registry.registry import Registry
-from kvshuttle.registry.store import StoreLimits
+from kvshuttle.registry.service.registry import Registry
+from kvshuttle.registry.store.contract import StoreLimits
+from kvshuttle.registry.store.redis.store import RedisStore
 
 TENANT_LIMIT = 10
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvshuttle.registry.redis_codec import _store_down
+from kvshuttle.registry.store.redis.codec import _store_down
 
 
 def attribute_error_raised_in(filename: str) -> AttributeError:
@@ -25,6 +25,7 @@ def test_a_connection_redis_py_closed_under_the_call_is_the_store_down() -> None
 
 
 def test_an_attribute_error_anywhere_else_stays_a_bug() -> None:
-    assert _store_down(attribute_error_raised_in("/work/services/kvshuttle/registry/redis_claims.py")) is None
+    ours = "/work/services/kvshuttle/registry/store/redis/claims.py"
+    assert _store_down(attribute_error_raised_in(ours)) is None
     assert _store_down(attribute_error_raised_in("/venv/site-packages/redis/asyncio/cluster.py")) is None
     assert _store_down(AttributeError("no traceback")) is None

@@ -34,9 +34,9 @@ from kvshuttle.core.nodes import NodeLoad
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.model import ChangeKind, Move, Retention
-from kvshuttle.registry.redis_store import RedisStore
-from kvshuttle.registry.registry import Registry
-from kvshuttle.registry.store import StoreLimits
+from kvshuttle.registry.service.registry import Registry
+from kvshuttle.registry.store.contract import StoreLimits
+from kvshuttle.registry.store.redis.store import RedisStore
 
 LIMITS = StoreLimits(max_retentions_per_tenant=10_000, fence_ttl=1000)
 TENANT = "tenants/acme"

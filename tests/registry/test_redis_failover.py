@@ -46,8 +46,8 @@ from tests.registry.test_registry_grpc import error_info
 from kvshuttle.core.errors import Unavailable
 from kvshuttle.registry.config import RedisSettings, RegistrySettings
 from kvshuttle.registry.main import build_registry
-from kvshuttle.registry.redis_store import RedisStore
-from kvshuttle.registry.registry import Registry
+from kvshuttle.registry.service.registry import Registry
+from kvshuttle.registry.store.redis.store import RedisStore
 
 WRITERS = 8
 RECOVERY_LIMIT = 30.0  # seconds after the kill within which every writer must be writing again

@@ -34,13 +34,13 @@ from kvshuttle.core.errors import NotFound, ResourceExhausted
 from kvshuttle.core.nodes import NodeLoad
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RedisSettings, RegistrySettings
+from kvshuttle.registry.feeds.redis_change import RedisFeed
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.main import build_registry
 from kvshuttle.registry.model import ChangeKind, Move, PutResult
-from kvshuttle.registry.redis_feed import RedisFeed
-from kvshuttle.registry.redis_store import RedisStore
-from kvshuttle.registry.registry import Registry
-from kvshuttle.registry.store import StoreLimits
+from kvshuttle.registry.service.registry import Registry
+from kvshuttle.registry.store.contract import StoreLimits
+from kvshuttle.registry.store.redis.store import RedisStore
 
 SERVICE = "kvmaster"
 

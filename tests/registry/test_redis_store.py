@@ -15,15 +15,15 @@ from kvshuttle.core.errors import Aborted, FailedPrecondition, KvshuttleError, N
 from kvshuttle.core.nodes import NodeLoad
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RedisSettings, RegistrySettings
-from kvshuttle.registry.index_feed import LocalIndexFeed
+from kvshuttle.registry.feeds.index import LocalIndexFeed
+from kvshuttle.registry.feeds.redis_index import RedisIndexFeed
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.main import build_registry
-from kvshuttle.registry.memory_store import InMemoryStore
 from kvshuttle.registry.model import ChangeKind, Retention
-from kvshuttle.registry.redis_index_feed import RedisIndexFeed
-from kvshuttle.registry.redis_store import RedisStore
-from kvshuttle.registry.registry import Registry
-from kvshuttle.registry.store import StoreLimits
+from kvshuttle.registry.service.registry import Registry
+from kvshuttle.registry.store.contract import StoreLimits
+from kvshuttle.registry.store.memory.store import InMemoryStore
+from kvshuttle.registry.store.redis.store import RedisStore
 
 LIMITS = StoreLimits(max_retentions_per_tenant=1000, fence_ttl=100)
 

@@ -13,8 +13,8 @@ from google.rpc import error_details_pb2, status_pb2
 from tests.conftest import RegistryEnv, start_registry
 
 from kvshuttle.core.hashing import chain_hashes
-from kvshuttle.registry.memory_store import InMemoryStore
 from kvshuttle.registry.model import Retention
+from kvshuttle.registry.store.memory.store import InMemoryStore
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import BlockIdList, KvTransferParams
 

@@ -15,8 +15,8 @@ from tests.conftest import RegistryEnv, start_registry
 from tests.registry.test_registry_grpc import CONV, error_info, node, register, retention, rpc_error, seconds
 
 from kvshuttle.core import limits
-from kvshuttle.registry.memory_store import InMemoryStore
-from kvshuttle.registry.store import StoreLimits
+from kvshuttle.registry.store.contract import StoreLimits
+from kvshuttle.registry.store.memory.store import InMemoryStore
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 
 TENANT_A = "tenants/a/conversations/c1"

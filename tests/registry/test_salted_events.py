@@ -8,8 +8,8 @@ import pytest
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.hashing import cache_salt_digest, chain_hashes, salted_root
 from kvshuttle.core.kv_events import BlockStored
+from kvshuttle.registry.api.convert import event_batches_from_pb
 from kvshuttle.registry.block_index import BlockIndex
-from kvshuttle.registry.convert import event_batches_from_pb
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 
 BS = 16

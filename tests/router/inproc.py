@@ -10,8 +10,8 @@ import numpy as np
 from kvshuttle.core.errors import NotFound
 from kvshuttle.core.nodes import NodeRole
 from kvshuttle.registry import model as reg
-from kvshuttle.registry.convert import holder_from_pb
-from kvshuttle.registry.registry import Registry
+from kvshuttle.registry.api.convert import holder_from_pb
+from kvshuttle.registry.service.registry import Registry
 from kvshuttle.router.model import ClaimInfo, Hashes, NewRetention, NodeInfo, RetentionInfo
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams

@@ -23,8 +23,8 @@ from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.memory_store import InMemoryStore
-from kvshuttle.registry.registry import Registry
+from kvshuttle.registry.service.registry import Registry
+from kvshuttle.registry.store.memory.store import InMemoryStore
 from kvshuttle.router.cost import CostModel, LinkModel, ModelProfile, PrefillModel
 from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import (

@@ -20,8 +20,8 @@ from kvshuttle.core.kv_events import BlockStored, EventBatch
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.memory_store import InMemoryStore
-from kvshuttle.registry.registry import Registry
+from kvshuttle.registry.service.registry import Registry
+from kvshuttle.registry.store.memory.store import InMemoryStore
 from kvshuttle.router.committer import MAX_KNOWN_BLOCKS
 from kvshuttle.router.cost import CostModel, LinkModel, ModelProfile, PrefillModel, load_profiles
 from kvshuttle.router.metrics import RouterMetrics

@@ -17,8 +17,8 @@ from kvshuttle.core.errors import FailedPrecondition, ResourceExhausted, Unavail
 from kvshuttle.core.nodes import POOL_CAPACITY_LABEL, POOL_OF_LABEL, NodeLoad, NodeRole, NodeSpec
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.memory_store import InMemoryStore
-from kvshuttle.registry.registry import Registry
+from kvshuttle.registry.service.registry import Registry
+from kvshuttle.registry.store.memory.store import InMemoryStore
 from kvshuttle.router.config import RouterSettings
 from kvshuttle.router.cost import CostModel, LinkModel, ModelProfile, PrefillModel
 from kvshuttle.router.main import build_router, supervise_shuttle

@@ -4,12 +4,12 @@ KVSHUTTLE_REGISTRY_LIMITS__MAX_PAGE_SIZE=500,
 KVSHUTTLE_REGISTRY_LIMITS__RETENTION_TTL='{"default": 300, "minimum": 1, "maximum": 3600}').
 
 The store: KVSHUTTLE_REGISTRY_STORE=memory (the default: one process, state lost on restart) or
-redis (kvshuttle.registry.redis_store, with KVSHUTTLE_REGISTRY_REDIS__URL and __KEY_PREFIX); Redis
+redis (kvshuttle.registry.store.redis.store, with KVSHUTTLE_REGISTRY_REDIS__URL and __KEY_PREFIX); Redis
 is reached by __MODE: standalone (the default: __URL), sentinel (__SENTINELS='["h1:26379","h2:26379"]',
 __SERVICE_NAME, optional __DB and __PASSWORD: the master Sentinel names) or cluster (__URL of any
 seed node); with redis, WatchRetentions streams every replica's changes from one Redis Stream
-(kvshuttle.registry.redis_feed), bounded by __CHANGE_STREAM_MAXLEN, and each replica's block
-index applies every replica's ReportBlockEvents from another (kvshuttle.registry.redis_index_feed),
+(kvshuttle.registry.feeds.redis_change), bounded by __CHANGE_STREAM_MAXLEN, and each replica's block
+index applies every replica's ReportBlockEvents from another (kvshuttle.registry.feeds.redis_index),
 bounded by __BLOCK_STREAM_MAXLEN: agents may report to any replica."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.store import StoreLimits
+from kvshuttle.registry.store.contract import StoreLimits
 from kvshuttle.serving.settings import AuthSettings, ServerSettings, TelemetrySettings
 
 

@@ -49,7 +49,7 @@ class RegistryLimits:
     max_lookup_hashes: int = limits.MAX_BLOCK_HASHES
     max_watchers: int = 256
     watch_queue_size: int = 1024
-    # Changes the in-memory change feed keeps for watchers resuming (kvshuttle.registry.feed);
+    # Changes the in-memory change feed keeps for watchers resuming (kvshuttle.registry.feeds.change);
     # the Redis feed's bound is RedisSettings.change_stream_maxlen.
     watch_history: int = 1000
     node_ttl: TtlRange = TtlRange(default=10.0, minimum=1.0, maximum=300.0)

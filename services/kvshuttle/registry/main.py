@@ -14,19 +14,19 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from kvshuttle.core.clock import Clock, SystemClock
-from kvshuttle.registry import authz
+from kvshuttle.registry.api import authz
+from kvshuttle.registry.api.metrics import register_metrics
+from kvshuttle.registry.api.servicer import RegistryServicer
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RedisSettings, RegistrySettings
-from kvshuttle.registry.feed import ChangeFeed
-from kvshuttle.registry.index_feed import IndexFeed
-from kvshuttle.registry.memory_store import InMemoryStore
-from kvshuttle.registry.metrics import register_metrics
-from kvshuttle.registry.redis_feed import RedisFeed
-from kvshuttle.registry.redis_index_feed import RedisIndexFeed
-from kvshuttle.registry.redis_store import RedisClient, RedisStore
-from kvshuttle.registry.registry import Registry
-from kvshuttle.registry.servicer import RegistryServicer
-from kvshuttle.registry.store import RegistryStore
+from kvshuttle.registry.feeds.change import ChangeFeed
+from kvshuttle.registry.feeds.index import IndexFeed
+from kvshuttle.registry.feeds.redis_change import RedisFeed
+from kvshuttle.registry.feeds.redis_index import RedisIndexFeed
+from kvshuttle.registry.service.registry import Registry
+from kvshuttle.registry.store.contract import RegistryStore
+from kvshuttle.registry.store.memory.store import InMemoryStore
+from kvshuttle.registry.store.redis.store import RedisClient, RedisStore
 from kvshuttle.registry.v1 import registry_service_pb2, registry_service_pb2_grpc
 from kvshuttle.serving.logging import configure_logging
 from kvshuttle.serving.server import GrpcServer

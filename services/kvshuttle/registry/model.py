@@ -133,7 +133,7 @@ class RetentionChange:
     at: float
     # MOVED: the node that held the retention before; "" otherwise.
     previous_node: str = ""
-    # Its position in the change feed (kvshuttle.registry.feed), set when the feed delivers it
+    # Its position in the change feed (kvshuttle.registry.feeds.change), set when the feed delivers it
     # to watchers; "" before. A watcher resumes after it (WatchRetentions resume_token).
     token: str = ""
 

@@ -1,0 +1,258 @@
+"""The Redis store's plumbing (kvshuttle.registry.store.redis.store): how records are written to and read
+from Redis hashes, the errors they become, and Redis not answering as UNAVAILABLE."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from array import array
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar, cast
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from kvshuttle.core.errors import (
+    FailedPrecondition,
+    NotFound,
+    Unavailable,
+)
+from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
+from kvshuttle.core.reasons import ErrorReason
+from kvshuttle.registry.model import (
+    ChangeKind,
+    Claim,
+    Holder,
+    Node,
+    Retention,
+)
+
+__all__ = ["RedisClient", "copy_retention"]
+
+_BATCH = 256
+_MAX_BATCHES = 64
+_REMOVED_KINDS = {
+    ChangeKind.RELEASED,
+    ChangeKind.EXPIRED,
+    ChangeKind.REPLACED,
+    ChangeKind.NODE_LOST,
+    ChangeKind.EVICTED,
+}
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _t(value: float) -> str:
+    """A time as the scripts store it: the shortest repr that reads back to the same float."""
+    return repr(float(value))
+
+
+def _pairs(flat: Sequence[Any]) -> dict[str, bytes]:
+    return {_s(flat[i]): flat[i + 1] for i in range(0, len(flat), 2)}
+
+
+def _holder_json(holder: Holder | None) -> str:
+    if holder is None:
+        return ""
+    return json.dumps([holder.engine_id, holder.side_channel_host, holder.side_channel_port])
+
+
+def _holder_of(raw: bytes | None) -> Holder | None:
+    if not raw:
+        return None
+    engine, host, port = json.loads(raw)
+    return Holder(engine, host, int(port))
+
+
+def _spec_json(spec: NodeSpec) -> str:
+    return json.dumps(
+        {
+            "name": spec.name,
+            "role": spec.role.value,
+            "engine_id": spec.engine_id,
+            "http_endpoint": spec.http_endpoint,
+            "side_channel_host": spec.side_channel_host,
+            "side_channel_port": spec.side_channel_port,
+            "agent_endpoint": spec.agent_endpoint,
+            "model": spec.model,
+            "block_size": spec.block_size,
+            "kv_bytes_per_token": spec.kv_bytes_per_token,
+            "labels": dict(spec.labels),
+        }
+    )
+
+
+def _spec_of(raw: bytes) -> NodeSpec:
+    d = json.loads(raw)
+    d["role"] = NodeRole(d["role"])
+    return NodeSpec(**d)
+
+
+def _load_json(load: NodeLoad) -> str:
+    return json.dumps(
+        [load.running_requests, load.waiting_requests, load.kv_cache_usage, load.engine_healthy]
+    )
+
+
+def _load_of(raw: bytes) -> NodeLoad:
+    running, waiting, usage, healthy = json.loads(raw)
+    return NodeLoad(int(running), int(waiting), float(usage), bool(healthy))
+
+
+def _node_of(h: dict[str, bytes]) -> Node:
+    return Node(
+        spec=_spec_of(h["spec"]),
+        incarnation=int(h["inc"]),
+        register_time=float(h["rt"]),
+        expire_at=float(h["exp"]),
+        load=_load_of(h["load"]),
+        retained_bytes=int(h.get("rb", b"0")),
+        retention_count=int(h.get("count", b"0")),
+    )
+
+
+def _retention_of(h: dict[str, bytes]) -> Retention:
+    claim = None
+    if "cid" in h:
+        claim = Claim(
+            _s(h["cid"]),
+            _s(h["chold"]),
+            float(h["ctime"]),
+            float(h["cexp"]),
+            lease_expire_at=float(h["clease"]),
+        )
+    hashes: array[int] = array("Q")
+    hashes.frombytes(h["bh"])
+    return Retention(
+        name=_s(h["name"]),
+        node=_s(h["node"]),
+        generation=int(h["gen"]),
+        model=_s(h["model"]),
+        block_size=int(h["bs"]),
+        num_tokens=int(h["nt"]),
+        block_hashes=hashes,
+        kv_transfer_params=bytes(h["kp"]),
+        kv_bytes=int(h["kvb"]),
+        pin_expire_at=float(h["pin"]) if "pin" in h else None,
+        create_time=float(h["ct"]),
+        expire_at=float(h["exp"]),
+        claim=claim,
+        holder=_holder_of(h.get("holder")),
+    )
+
+
+def _conversation_of(name: str) -> str:
+    return name.rsplit("/", 2)[0]
+
+
+def _tenant_of(name: str) -> str:
+    return name.split("/", 2)[1]
+
+
+def _not_found(name: str) -> NotFound:
+    return NotFound(
+        f"retention {name} not found",
+        reason=ErrorReason.RETENTION_NOT_FOUND,
+        metadata={"retention": name},
+    )
+
+
+def _node_not_found(name: str) -> NotFound:
+    return NotFound(
+        f"node {name} is not registered (or its lease lapsed)",
+        reason=ErrorReason.NODE_NOT_FOUND,
+        metadata={"node": name},
+    )
+
+
+def _incarnation_mismatch(name: str, have: str, wanted: int) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"node {name} is at incarnation {have}, not {wanted}",
+        reason=ErrorReason.NODE_INCARNATION_MISMATCH,
+        metadata={"node": name, "incarnation": have},
+    )
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+# Redis not answering (down, restarting, loading its AOF, past the client's timeout), or
+# answering that it takes no writes now: a replica (READONLY: a demoted master, or a client still
+# on the old address), a master short of in-sync replicas (NOREPLICAS, min-replicas-to-write), a
+# Cluster slot without a master (CLUSTERDOWN, MASTERDOWN, or redis-py's own SlotNotCoveredError)
+# or being moved (TRYAGAIN). The registry is unavailable, which its callers degrade around, never
+# an internal error. Each is refused before the script's first write: it ran whole or not at all.
+_STORE_DOWN = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,
+)
+# Refusals redis-py has no class for: a ResponseError whose message starts with the code.
+_REFUSED_CODES = ("NOREPLICAS", "MASTERDOWN")
+
+
+def _closed_under_the_call(exc: Exception) -> bool:
+    """redis-py 6's asyncio connection writing to a socket another task closed meanwhile (its
+    Cluster client resets every connection when one node fails, and with a socket timeout the
+    write awaits): an AttributeError raised in redis-py's connection module, nowhere else."""
+    if not isinstance(exc, AttributeError) or exc.__traceback__ is None:
+        return False
+    tb = exc.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).parts[-3:] == ("redis", "asyncio", "connection.py")
+
+
+def _store_down(exc: Exception) -> str | None:
+    """What to call `exc` in the answer when it is one of the above (Redis's addresses and
+    message stay out of it), else None."""
+    if isinstance(exc, _STORE_DOWN):
+        return type(exc).__name__
+    if _closed_under_the_call(exc):
+        return "ConnectionClosed"
+    if isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith(_REFUSED_CODES):
+        return str(exc).split(" ", 1)[0]
+    return None
+
+
+def _reachable(method: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
+    """`method`, with Redis not answering or not taking writes raised as Unavailable
+    (UNAVAILABLE): the operation's script either ran whole on the server or not at all; a retry
+    under its request id is safe."""
+
+    @functools.wraps(method)
+    async def call(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return await method(*args, **kwargs)
+        except Exception as exc:
+            what = _store_down(exc)
+            if what is None:
+                raise
+            raise Unavailable(
+                f"the registry's Redis did not answer or took no writes ({what}): retry",
+                reason=ErrorReason.UNAVAILABLE,
+            ) from None
+
+    return call
+
+
+# A standalone or Sentinel-discovered master (aioredis.Redis) or a Cluster (every script and
+# MULTI-less pipeline here is Cluster-safe: each script's keys share one hash slot).
+RedisClient = aioredis.Redis | aioredis.RedisCluster
+
+
+def _scripting(client: RedisClient) -> aioredis.Redis:
+    """redis-py types register_script for Redis only; a RedisCluster's works the same (EVALSHA
+    routed by its keys' slot)."""
+    return cast("aioredis.Redis", client)
+
+
+def copy_retention(retention: Retention) -> Retention:
+    """A snapshot callers may keep (the store never mutates a record it handed out)."""
+    return copy.copy(retention)
