@@ -1,5 +1,5 @@
 """The bounded load run (issue 12 §4): conversations through gateway -> router -> registry, every
-kvshuttle service its own process, over stand-in engines (deploy/local/standin.py: vLLM's HTTP
+kvshuttle service its own process, over stand-in engines (deploy/standin/launcher.py: vLLM's HTTP
 and KV-event surface, small fixed latencies, no model), at increasing offered rates, for three
 registry configurations in one run:
 
@@ -66,8 +66,8 @@ import aiohttp
 from deploy.local.processes import free_ports
 from deploy.local.services import Service, grpc_ready, registry_service
 from deploy.local.stack import HOST, KvshuttleStack, RegistryStore
-from deploy.local.standin import StandinPair
 from deploy.local.vllm_venv import ensure_model
+from deploy.standin.launcher import StandinPair
 
 RESULTS = Path(__file__).parent / "results"
 CONFIGS = ("memory", "redis-1", "redis-2")

@@ -10,7 +10,7 @@ tools that call the services directly.
         stack.gateway_url  # OpenAI-compatible, conversation-aware
 
 The pair is anything shaped like `VllmPair` (`EnginePair`, deploy/local/engine_pair.py): real
-vLLM, or the stand-in engines of deploy/local/standin.py (no model; pools off).
+vLLM, or the stand-in engines of deploy/standin/launcher.py (no model; pools off).
 
 The registry keeps its state in memory (the default) or, with `registry_store="redis"`, in a
 `redis-server` the stack starts first on loopback (deploy/local/redis.py: its own port and

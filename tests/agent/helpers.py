@@ -18,9 +18,9 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from tests.clock import FakeClock
-from tests.conftest import RegistryEnv
-from tests.fixtures_vllm import FIXTURE_TOPIC, live_batches
+from tests.support.clock import FakeClock
+from tests.support.fixtures_vllm import FIXTURE_TOPIC, live_batches
+from tests.support.registry_env import RegistryEnv
 
 from kvshuttle.agent.agent import Agent
 from kvshuttle.agent.config import (

@@ -26,8 +26,8 @@ from tests.agent.helpers import (
     start_registry_on,
     stop_registry,
 )
-from tests.conftest import RegistryEnv
-from tests.fixtures_vllm import live_batches, load_frames
+from tests.support.fixtures_vllm import live_batches, load_frames
+from tests.support.registry_env import RegistryEnv
 
 from kvshuttle.client import KvshuttleRpcError
 from kvshuttle.core.kv_events import EventBatch

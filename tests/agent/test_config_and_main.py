@@ -13,7 +13,7 @@ import grpc
 import pytest
 from pydantic import ValidationError
 from tests.agent.helpers import NODE, VLLM_METRICS, FakeEngineHttp, eventually
-from tests.conftest import RegistryEnv
+from tests.support.registry_env import RegistryEnv
 
 from kvshuttle.agent.config import AgentSettings
 from kvshuttle.agent.engine import parse_vllm_metrics

@@ -28,8 +28,8 @@ from tests.agent.helpers import (
 )
 from tests.agent.test_engine_id import write_id
 from tests.agent.test_pool_status import pooled_settings
-from tests.conftest import RegistryEnv
-from tests.fixtures_vllm import live_batches, load_frames
+from tests.support.fixtures_vllm import live_batches, load_frames
+from tests.support.registry_env import RegistryEnv
 
 from kvshuttle.agent.config import AgentSettings
 from kvshuttle.agent.pool.blocks import PoolLayout

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from tests.fixtures_vllm import FIXTURE_TOPIC, load_frames, replay_batches
+from tests.support.fixtures_vllm import FIXTURE_TOPIC, load_frames, replay_batches
 
 from kvshuttle.core.hashing import cache_salt_digest
 from kvshuttle.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch

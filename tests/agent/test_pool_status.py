@@ -24,8 +24,8 @@ from tests.agent.helpers import (
     eventually,
     start_agent,
 )
-from tests.client.cli_runner import arun_cli
-from tests.conftest import RegistryEnv
+from tests.support.cli_runner import arun_cli
+from tests.support.registry_env import RegistryEnv
 
 from kvshuttle.agent.agent import Agent
 from kvshuttle.agent.config import AgentSettings, PoolSettings

@@ -17,7 +17,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from tests.agent.helpers import engine_metadata, eventually
-from tests.clock import FakeClock
+from tests.support.clock import FakeClock
 
 from kvshuttle.agent.pool.blocks import Allocation, BlockPool, PoolLayout, SlotState
 from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory

@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from tests.agent.helpers import agent_settings
 from tests.auth.helpers import auth_settings, bearer, denial
-from tests.clock import FakeClock
-from tests.tls import make_certs, needs_openssl
+from tests.support.clock import FakeClock
+from tests.support.tls import make_certs, needs_openssl
 
 from kvshuttle.agent.agent import Agent
 from kvshuttle.agent.main import build_server as build_agent_server

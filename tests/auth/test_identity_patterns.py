@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import SecretStr, ValidationError
 from tests.auth.helpers import denial
 from tests.auth.test_identity import registry, registry_settings
-from tests.tls import make_certs, needs_openssl
+from tests.support.tls import make_certs, needs_openssl
 
 from kvshuttle.core.auth import Role
 from kvshuttle.core.errors import Unauthenticated

@@ -14,9 +14,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from tests.auth.helpers import ROLES, auth_settings, bearer, denial, token
-from tests.client.cli_runner import arun_cli
-from tests.clock import FakeClock
-from tests.registry.test_registry_grpc import CONV, node, retention, seconds
+from tests.support.cli_runner import arun_cli
+from tests.support.clock import FakeClock
+from tests.support.registry_messages import CONV, node, retention, seconds
 
 from kvshuttle.cli.main import TOKEN_FILE_ENV
 from kvshuttle.core.nodes import POOL_OF_LABEL

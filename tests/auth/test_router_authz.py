@@ -12,8 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 from tests.auth.helpers import ROLES, auth_settings, bearer, denial, token
-from tests.clock import FakeClock
 from tests.router.helpers import BS, KEY, MODEL, PROFILES, node, seconds
+from tests.support.clock import FakeClock
 
 from kvshuttle.client import RegistryClient
 from kvshuttle.client.settings import ServiceConnection

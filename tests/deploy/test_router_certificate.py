@@ -21,7 +21,7 @@ from pydantic import SecretStr
 from tests.deploy import manifests as m
 from tests.deploy.manifest_checks import service_workload
 from tests.router.helpers import PROFILES
-from tests.tls import issue, make_certs, needs_openssl
+from tests.support.tls import issue, make_certs, needs_openssl
 
 from kvshuttle.client import KvshuttleRpcError, RegistryClient, RouterClient
 from kvshuttle.client.settings import ServiceConnection

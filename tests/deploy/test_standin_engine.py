@@ -1,4 +1,4 @@
-"""The stand-in engines (deploy/local/standin_engine.py) speak what kvshuttle consumes of vLLM, and
+"""The stand-in engines (deploy/standin/engine.py) speak what kvshuttle consumes of vLLM, and
 the whole control plane runs over them: real processes on loopback, nothing left running.
 
 * Their block hashes are vLLM's (checked against a real vLLM 0.32 capture), their KV events
@@ -27,8 +27,8 @@ import pytest
 import zmq
 import zmq.asyncio
 from deploy.local.stack import KvshuttleStack
-from deploy.local.standin import StandinPair
-from deploy.local.standin_kv import int64_of, vllm_block_hashes
+from deploy.standin.kv import int64_of, vllm_block_hashes
+from deploy.standin.launcher import StandinPair
 from tests.e2e.stacks import PROFILE
 
 from kvshuttle.agent.events import ZmqReplayer

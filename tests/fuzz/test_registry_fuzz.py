@@ -14,7 +14,6 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
-from tests.clock import FakeClock
 from tests.fuzz.harness import (
     FUZZ,
     INT32,
@@ -28,6 +27,7 @@ from tests.fuzz.harness import (
     outcome,
     state_of,
 )
+from tests.support.clock import FakeClock
 
 from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.registry.block_index import BlockIndex

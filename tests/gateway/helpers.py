@@ -15,9 +15,9 @@ import aiohttp
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
-from tests.conftest import RegistryEnv, start_registry
 from tests.gateway.fake_engine import FakeEngine
 from tests.router.helpers import MODEL, RouterEnv, heartbeat, node, seconds, start_router
+from tests.support.registry_env import RegistryEnv, start_registry
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from kvshuttle.gateway.config import GatewaySettings, ModelSettings, RouterConnection

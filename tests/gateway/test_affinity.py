@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 from pydantic import ValidationError
-from tests.clock import FakeClock
+from tests.support.clock import FakeClock
 
 from kvshuttle.gateway.affinity import Replicas, affinity_key
 from kvshuttle.gateway.config import RouterConnection

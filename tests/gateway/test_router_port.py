@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
-from tests.conftest import RegistryEnv, start_registry
 from tests.router.helpers import MODEL, RouterEnv, Tokens, add_node, start_router
+from tests.support.registry_env import RegistryEnv, start_registry
 
 from kvshuttle.gateway.config import RouterConnection
 from kvshuttle.gateway.http.errors import RouterFailure

@@ -7,18 +7,17 @@ unless KVSHUTTLE_REQUIRE_REDIS is set (CI sets it: there a missing binary fails)
 from __future__ import annotations
 
 import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from tests.registry.redis_server import running_redis
+from tests.support.redis_server import running_redis
+from tests.support.registry_model import StoreFactory
 
-from kvshuttle.registry.store.contract import RegistryStore, StoreLimits
+from kvshuttle.registry.store.contract import StoreLimits
 from kvshuttle.registry.store.memory.store import InMemoryStore
 from kvshuttle.registry.store.redis.store import RedisStore
-
-StoreFactory = Callable[..., RegistryStore]
 
 
 @pytest.fixture(scope="session")

@@ -14,12 +14,11 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
-from tests.clock import FakeClock
-from tests.conftest import RegistryEnv
-from tests.registry.test_pool_moves import POOL, move, pool_spec
-from tests.registry.test_registry_domain import CONV, put, spec
-from tests.registry.test_registry_grpc import error_info, register, rpc_error
-from tests.registry.test_registry_grpc import put as grpc_put
+from tests.support.clock import FakeClock
+from tests.support.registry_env import RegistryEnv
+from tests.support.registry_messages import error_info, register, rpc_error
+from tests.support.registry_messages import put as grpc_put
+from tests.support.registry_model import CONV, POOL, move, pool_spec, put, spec
 
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument
 from kvshuttle.registry.block_index import BlockIndex

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import pytest
 import redis.asyncio as aioredis
-from tests.clock import FakeClock
-from tests.registry.test_block_index import batch, removed, stored, toks
-from tests.registry.test_registry_domain import spec
+from tests.support.block_events import batch, removed, stored, toks
+from tests.support.clock import FakeClock
+from tests.support.registry_model import spec
 
 from kvshuttle.core.errors import FailedPrecondition
 from kvshuttle.core.hashing import ROOT_HASH, chain_hashes

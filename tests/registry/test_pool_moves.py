@@ -6,9 +6,19 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from tests.clock import FakeClock
-from tests.registry.conftest import StoreFactory
-from tests.registry.test_registry_domain import BLOCK, CONV, put, spec
+from tests.support.clock import FakeClock
+from tests.support.registry_model import (
+    CONV,
+    NAME,
+    POOL,
+    POOL_HOLDER,
+    POOLED,
+    StoreFactory,
+    move,
+    pool_spec,
+    put,
+    spec,
+)
 
 from kvshuttle.core.errors import Aborted, FailedPrecondition, InvalidArgument, KvshuttleError, NotFound
 from kvshuttle.core.nodes import (
@@ -24,29 +34,6 @@ from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.model import ChangeKind, Holder, Move, Retention, RetentionState
 from kvshuttle.registry.service.registry import Registry
 from kvshuttle.registry.store.contract import StoreLimits
-
-NAME = f"{CONV}/retentions/1"
-POOL = "nodes/d0-pool"
-POOL_HOLDER = Holder("pool-d0", "127.0.0.1", 5700)
-POOLED = b"\x08\x01\x12\x07pool-d0"  # opaque to the registry; distinct from decode's params
-
-
-def pool_spec(owner: str = "nodes/d0", **kw: Any) -> NodeSpec:
-    fields: dict[str, Any] = {
-        "name": pool_node_name(owner),
-        "role": NodeRole.POOL,
-        "engine_id": f"pool-{owner.removeprefix('nodes/')}",
-        "http_endpoint": "http://127.0.0.1:8001",
-        "side_channel_host": "127.0.0.1",
-        "side_channel_port": 5700,
-        "agent_endpoint": "127.0.0.1:50061",
-        "model": "m",
-        "block_size": BLOCK,
-        "kv_bytes_per_token": 1024,
-        "labels": {POOL_OF_LABEL: owner, POOL_CAPACITY_LABEL: str(2**30)},
-    }
-    fields.update(kw)
-    return NodeSpec(**fields)
 
 
 @pytest.fixture
@@ -72,19 +59,6 @@ async def claimed(registry: Registry, generation: int = 1, **kw: Any) -> Retenti
     return await registry.claim_retention(
         request_id="", name=f"{CONV}/retentions/{generation}", holder="router/park", claim_ttl=10
     )
-
-
-def move(claim_id: str = "", **kw: Any) -> Move:
-    fields: dict[str, Any] = {
-        "name": NAME,
-        "claim_id": claim_id,
-        "node": POOL,
-        "kv_transfer_params": POOLED,
-        "kv_bytes": 99 * 1024,
-        "holder": POOL_HOLDER,
-    }
-    fields.update(kw)
-    return Move(**fields)
 
 
 async def state(registry: Registry) -> tuple[Any, ...]:

@@ -9,8 +9,8 @@ from typing import Any
 import grpc
 import pytest
 from prometheus_client import generate_latest
-from tests.conftest import RegistryEnv
-from tests.registry.test_registry_grpc import CONV, node, put, register, retention
+from tests.support.registry_env import RegistryEnv
+from tests.support.registry_messages import CONV, node, put, register, retention
 
 from kvshuttle.client import KvshuttleRpcError, RegistryClient
 from kvshuttle.client.retry import REGISTRY_SERVICE, RETRY_POLICY, Retry

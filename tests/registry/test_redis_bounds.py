@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
-from tests.clock import FakeClock
-from tests.registry.test_registry_domain import retention, spec
+from tests.support.clock import FakeClock
+from tests.support.registry_model import retention, spec
 
 from kvshuttle.core.errors import Aborted, ResourceExhausted
 from kvshuttle.registry.block_index import BlockIndex

@@ -12,7 +12,7 @@ FAIL until its replica is promoted: the test counts those failures rather than a
 
 The figures (time to write again on the failed slots, failed calls by code and slot side,
 acknowledged puts lost: above the generation the first put after the promotion replaced) are
-printed and kept (tests/registry/failover_registry.py: .run/results, or $KVSHUTTLE_RESULTS_DIR).
+printed and kept (tests/support/failover_registry.py: .run/results, or $KVSHUTTLE_RESULTS_DIR).
 No timed assertion. Without `redis-server` and `redis-cli` these skip, unless
 KVSHUTTLE_REQUIRE_REDIS is set."""
 
@@ -27,8 +27,8 @@ from pathlib import Path
 import grpc
 import pytest
 from redis.crc import key_slot
-from tests.registry.failover_registry import Client, client_to, keep, registry_process
-from tests.registry.redis_topology import replicated_cluster
+from tests.support.failover_registry import Client, client_to, keep, registry_process
+from tests.support.redis_topology import replicated_cluster
 
 WRITERS = 8
 RECOVERY_LIMIT = 30.0  # seconds after the kill within which the failed slots must be written again

@@ -24,10 +24,9 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from tests.clock import FakeClock
-from tests.registry.redis_server import RedisServer
-from tests.registry.test_pool_moves import POOL, POOL_HOLDER, POOLED, pool_spec
-from tests.registry.test_registry_domain import retention, spec
+from tests.support.clock import FakeClock
+from tests.support.redis_server import RedisServer
+from tests.support.registry_model import POOL, POOL_HOLDER, POOLED, pool_spec, retention, spec
 
 from kvshuttle.core.errors import Aborted, KvshuttleError, NotFound
 from kvshuttle.core.nodes import NodeLoad

@@ -13,7 +13,7 @@ Replication is asynchronous: a put the master acknowledged but had not sent to a
 lost with it. Each writer puts on one conversation until the kill and on another after it, so what
 the promoted replica kept of the first is what had been replicated: the test counts acknowledged
 puts above the fence it kept, and with the time until writes succeed again and the failed calls
-by code prints them and keeps them (tests/registry/failover_registry.py: .run/results, or
+by code prints them and keeps them (tests/support/failover_registry.py: .run/results, or
 $KVSHUTTLE_RESULTS_DIR). No timed assertion: the figures are for the README. Without a
 `redis-server` these skip, unless KVSHUTTLE_REQUIRE_REDIS is set.
 
@@ -36,12 +36,12 @@ from pathlib import Path
 import grpc
 import pytest
 import redis
-from tests.clock import FakeClock
-from tests.registry import test_registry_domain as domain
-from tests.registry.failover_registry import Client, client_to, keep, registry_process
-from tests.registry.redis_server import NO_PERSISTENCE, running_redis
-from tests.registry.redis_topology import AOF, SERVICE, in_sync, info, sentinel_group, wait_for
-from tests.registry.test_registry_grpc import error_info
+from tests.support import registry_model as domain
+from tests.support.clock import FakeClock
+from tests.support.failover_registry import Client, client_to, keep, registry_process
+from tests.support.redis_server import NO_PERSISTENCE, running_redis
+from tests.support.redis_topology import AOF, SERVICE, in_sync, info, sentinel_group, wait_for
+from tests.support.registry_messages import error_info
 
 from kvshuttle.core.errors import Unavailable
 from kvshuttle.registry.config import RedisSettings, RegistrySettings

@@ -18,8 +18,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from pydantic import ValidationError
-from tests.clock import FakeClock
-from tests.registry.redis_server import (
+from tests.support.clock import FakeClock
+from tests.support.redis_server import (
     NO_PERSISTENCE,
     RedisServer,
     free_port,
@@ -27,8 +27,7 @@ from tests.registry.redis_server import (
     redis_cli,
     running_redis,
 )
-from tests.registry.test_pool_moves import POOL, POOL_HOLDER, POOLED, pool_spec
-from tests.registry.test_registry_domain import retention, spec
+from tests.support.registry_model import POOL, POOL_HOLDER, POOLED, pool_spec, retention, spec
 
 from kvshuttle.core.errors import NotFound, ResourceExhausted
 from kvshuttle.core.nodes import NodeLoad

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 import redis.asyncio as aioredis
-from tests.clock import FakeClock
-from tests.registry.test_registry_domain import CONV, retention, spec
+from tests.support.clock import FakeClock
+from tests.support.registry_model import CONV, retention, spec
 
 from kvshuttle.core.errors import Aborted, FailedPrecondition, KvshuttleError, NotFound
 from kvshuttle.core.nodes import NodeLoad

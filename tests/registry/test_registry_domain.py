@@ -6,8 +6,8 @@ import asyncio
 from array import array
 
 import pytest
-from tests.clock import FakeClock
-from tests.registry.conftest import StoreFactory
+from tests.support.clock import FakeClock
+from tests.support.registry_model import BLOCK, CONV, StoreFactory, put, retention, spec
 
 from kvshuttle.core.errors import (
     Aborted,
@@ -19,54 +19,12 @@ from kvshuttle.core.errors import (
 )
 from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.core.kv_events import BlockStored, EventBatch
-from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
+from kvshuttle.core.nodes import NodeLoad, NodeRole
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.model import ChangeKind, Holder, Retention, RetentionState
+from kvshuttle.registry.model import ChangeKind, Retention, RetentionState
 from kvshuttle.registry.service.registry import Registry
 from kvshuttle.registry.store.contract import StoreLimits
-
-CONV = "tenants/acme/conversations/c1"
-BLOCK = 16
-
-
-def spec(name: str = "nodes/d0", engine_id: str = "engine-d0", role: NodeRole = NodeRole.DECODE) -> NodeSpec:
-    return NodeSpec(
-        name=name,
-        role=role,
-        engine_id=engine_id,
-        http_endpoint="http://127.0.0.1:8001",
-        side_channel_host="127.0.0.1",
-        side_channel_port=5601,
-        agent_endpoint="",
-        model="m",
-        block_size=BLOCK,
-        kv_bytes_per_token=1024,
-    )
-
-
-def retention(
-    generation: int = 1,
-    node: str = "nodes/d0",
-    tokens: int = 100,
-    pin: float | None = None,
-    holder: Holder | None = None,
-) -> Retention:
-    ids = list(range(tokens))
-    return Retention(
-        name="",
-        node=node,
-        generation=generation,
-        model="m",
-        block_size=BLOCK,
-        num_tokens=tokens,
-        block_hashes=array("Q", chain_hashes(ids, BLOCK)),
-        kv_transfer_params=b"\x10\x01",
-        kv_bytes=tokens * 1024,
-        pin_expire_at=pin,
-        # What the servicer reads from the params: the node's engine and side channel (spec()).
-        holder=holder or Holder(f"engine-{node.removeprefix('nodes/')}", "127.0.0.1", 5601),
-    )
 
 
 @pytest.fixture
@@ -82,24 +40,6 @@ def registry(clock: FakeClock, make_store: StoreFactory) -> Registry:
         BlockIndex(max_blocks_per_node=1000),
         RegistryLimits(),
     )
-
-
-async def put(
-    registry: Registry,
-    generation: int = 1,
-    *,
-    conv: str = CONV,
-    ttl: float | None = 60,
-    request_id: str = "",
-    **kw: object,
-) -> Retention:
-    result = await registry.put_retention(
-        request_id=request_id,
-        parent=conv,
-        retention=retention(generation, **kw),  # type: ignore[arg-type]
-        ttl=ttl,
-    )
-    return result.retention
 
 
 async def test_node_lease_renews_and_lapses(registry: Registry, clock: FakeClock) -> None:

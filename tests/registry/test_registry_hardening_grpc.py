@@ -11,8 +11,8 @@ import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
-from tests.conftest import RegistryEnv, start_registry
-from tests.registry.test_registry_grpc import CONV, error_info, node, register, retention, rpc_error, seconds
+from tests.support.registry_env import RegistryEnv, start_registry
+from tests.support.registry_messages import CONV, error_info, node, register, retention, rpc_error, seconds
 
 from kvshuttle.core import limits
 from kvshuttle.registry.store.contract import StoreLimits

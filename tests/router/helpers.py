@@ -14,7 +14,7 @@ from google.protobuf.duration_pb2 import Duration
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
-from tests.conftest import RegistryEnv
+from tests.support.registry_env import RegistryEnv
 
 from kvshuttle.client import RegistryClient, RouterClient
 from kvshuttle.client.channel import ChannelOptions

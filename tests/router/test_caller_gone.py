@@ -17,9 +17,9 @@ from typing import Any
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
-from tests.clock import FakeClock
-from tests.conftest import RegistryEnv, start_registry
 from tests.router.helpers import CONV, MODEL, Tokens, add_node, settings
+from tests.support.clock import FakeClock
+from tests.support.registry_env import RegistryEnv, start_registry
 
 from kvshuttle.client import RegistryClient
 from kvshuttle.core.errors import Unavailable

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
-from tests.clock import FakeClock
 from tests.router.inproc import InProcessPort
+from tests.support.clock import FakeClock
 
 from kvshuttle.core.errors import FailedPrecondition, Unavailable
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec

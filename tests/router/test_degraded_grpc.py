@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from tests.conftest import start_registry
 from tests.router.helpers import CONV, MODEL, Tokens, add_node, start_router
+from tests.support.registry_env import start_registry
 
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 from kvshuttle.router.v1 import router_service_pb2 as pb

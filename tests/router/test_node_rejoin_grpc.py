@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from tests.conftest import start_registry
 from tests.router.helpers import CONV, MODEL, Tokens, add_node, start_router
+from tests.support.registry_env import start_registry
 
 from kvshuttle.client.errors import KvshuttleRpcError
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
-from tests.clock import FakeClock
+from tests.support.clock import FakeClock
 
 from kvshuttle.core.errors import Aborted, NotFound, Unavailable
 from kvshuttle.core.hashing import chain_hashes

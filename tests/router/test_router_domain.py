@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
-from tests.clock import FakeClock
 from tests.router.inproc import InProcessPort
+from tests.support.clock import FakeClock
 
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvshuttle.core.hashing import chain_hashes

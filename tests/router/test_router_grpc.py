@@ -20,8 +20,6 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
-from tests.clock import FakeClock
-from tests.conftest import RegistryEnv, start_registry
 from tests.router.helpers import (
     BS,
     CONV,
@@ -39,6 +37,8 @@ from tests.router.helpers import (
     start_router,
 )
 from tests.serving.echo import JsonLog
+from tests.support.clock import FakeClock
+from tests.support.registry_env import RegistryEnv, start_registry
 
 from kvshuttle.client import KvshuttleRpcError, RegistryClient, RouterClient
 from kvshuttle.client.errors import CallRefused, domain_error

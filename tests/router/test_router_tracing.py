@@ -12,8 +12,8 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from tests.conftest import RegistryEnv, start_registry
 from tests.router.helpers import MODEL, RouterEnv, Tokens, add_node, seconds, start_router
+from tests.support.registry_env import RegistryEnv, start_registry
 
 from kvshuttle.client import RouterClient
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
-from tests.clock import FakeClock
 from tests.router.inproc import InProcessPort
+from tests.support.clock import FakeClock
 
 from kvshuttle.core.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from kvshuttle.core.nodes import POOL_CAPACITY_LABEL, POOL_OF_LABEL, NodeLoad, NodeRole, NodeSpec

@@ -23,7 +23,7 @@ from tests.serving.test_server import (
     next_status,
     secure_health,
 )
-from tests.tls import make_certs, needs_openssl
+from tests.support.tls import make_certs, needs_openssl
 
 from kvshuttle.serving.health_port import MAX_STREAMS_PER_CONNECTION
 from kvshuttle.serving.server import GrpcServer

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 from prometheus_client import CollectorRegistry
 from tests.serving.echo import DOMAIN, SERVICE, EchoServicer, JsonLog, Request, register, unary
-from tests.tls import make_certs, needs_openssl
+from tests.support.tls import make_certs, needs_openssl
 
 from kvshuttle.serving.server import GrpcServer
 from kvshuttle.serving.settings import ServerSettings, TelemetrySettings

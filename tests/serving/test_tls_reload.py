@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from tests.agent.helpers import eventually
 from tests.auth.test_identity import registry
-from tests.tls import issue, make_certs, needs_openssl, publish
+from tests.support.tls import issue, make_certs, needs_openssl, publish
 
 from kvshuttle.client import KvshuttleRpcError, RegistryClient
 from kvshuttle.client.channel import ChannelOptions

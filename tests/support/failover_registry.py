@@ -19,8 +19,8 @@ import grpc
 from deploy.local.processes import free_ports
 from deploy.local.services import Service, grpc_ready, registry_service
 from deploy.local.tokens import Tokens
-from tests.registry.redis_topology import wait_for
-from tests.registry.test_registry_grpc import error_info, node, retention, seconds
+from tests.support.redis_topology import wait_for
+from tests.support.registry_messages import error_info, node, retention, seconds
 
 from kvshuttle.registry.main import ERROR_DOMAIN
 from kvshuttle.registry.v1 import registry_service_pb2 as pb

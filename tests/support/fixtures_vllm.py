@@ -9,7 +9,7 @@ from pathlib import Path
 from kvshuttle.core.kv_events import EventBatch
 from kvshuttle.vllm.kv_events import KvEventDecoder, ReplayEnd
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 VLLM_0_32_KV_EVENTS = FIXTURES / "vllm-0.32.0-cpu-kv-events.json"
 FIXTURE_TOPIC = b"kv-events"
 

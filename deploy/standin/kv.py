@@ -1,4 +1,4 @@
-"""The stand-in engine's KV cache (deploy/local/standin_engine.py): no tensors, only which tokens'
+"""The stand-in engine's KV cache (deploy/standin/engine.py): no tensors, only which tokens'
 KV each block holds, so that reading the wrong blocks changes the output.
 
 A block holds `content`: the tokens whose KV it stands for. A request's KV is computed from its

@@ -1,4 +1,4 @@
-"""A prefill/decode pair of stand-in engines (deploy/local/standin_engine.py), each its own process,
+"""A prefill/decode pair of stand-in engines (deploy/standin/engine.py), each its own process,
 shaped like `VllmPair` for what `KvshuttleStack` reads of it (`model_dir`, `prefill`, `decode`,
 `engines`; each engine's `name`, `engine_id`, `url`, `side_channel`, `events_endpoint`,
 `replay_endpoint`, `spec.role`), so the whole control plane runs as real processes over engines
@@ -30,10 +30,10 @@ from tokenizers import Tokenizer
 
 from deploy.local.engine_pair import EngineEndpoints
 from deploy.local.processes import free_ports, kill_process, stop_process
-from deploy.local.standin_engine import HOST
-from deploy.local.standin_http import plain_vocabulary
-from deploy.local.standin_kv import output_tokens
 from deploy.local.vllm_engine import new_engine_id
+from deploy.standin.engine import HOST
+from deploy.standin.http import plain_vocabulary
+from deploy.standin.kv import output_tokens
 from kvshuttle.agent.engine import parse_vllm_metrics
 
 
@@ -64,7 +64,7 @@ class StandinSpec:
             object.__setattr__(self, "engine_id", new_engine_id(self.name))
 
     def argv(self) -> list[str]:
-        args = [sys.executable, "-m", "deploy.local.standin_engine", "--role", self.role,
+        args = [sys.executable, "-m", "deploy.standin.engine", "--role", self.role,
                 "--port", str(self.http_port), "--side-channel-port", str(self.side_channel_port),
                 "--kv-events-port", str(self.kv_events_port), "--kv-replay-port", str(self.kv_replay_port),
                 "--engine-id", self.engine_id, "--model-dir", str(self.model_dir),

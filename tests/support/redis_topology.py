@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import pytest
 import redis
-from tests.registry.redis_server import RedisServer, free_port, redis_binary, redis_cli
+from tests.support.redis_server import RedisServer, free_port, redis_binary, redis_cli
 
 SERVICE = "kvmaster"
 # What the failover tests run every data node with: AOF, so a restarted node has its writes.

@@ -1,8 +1,8 @@
 """A stand-in for one vLLM 0.32 engine with the NixlConnector (`kv_both`, bidirectional): no model,
 the HTTP and KV-event surface kvshuttle uses, configurable latency, and KV whose content decides
-the output (deploy/local/standin_kv.py), so reuse of the wrong blocks is visible in the answer.
+the output (deploy/standin/kv.py), so reuse of the wrong blocks is visible in the answer.
 
-    python -m deploy.local.standin_engine --role prefill|decode --port P --side-channel-port S \
+    python -m deploy.standin.engine --role prefill|decode --port P --side-channel-port S \
         --kv-events-port E --kv-replay-port R --engine-id ID --model-dir .run/models/tiny \
         [--block-size 32] [--num-blocks 4096] [--prefill-us-per-token 20] [--decode-ms-per-token 0.5]
         [--read-us-per-block 50] [--kv-blocks-ttl 480] [--kv-lease-s 30] [--kv-recompute-threshold 64]
@@ -48,8 +48,8 @@ import zmq.asyncio
 from aiohttp import web
 from tokenizers import Tokenizer
 
-from deploy.local import standin_http as http
-from deploy.local.standin_kv import CacheFull, KvCache, output_tokens, vllm_block_hashes
+from deploy.standin import http
+from deploy.standin.kv import CacheFull, KvCache, output_tokens, vllm_block_hashes
 
 HOST: Final = "127.0.0.1"
 TOPIC: Final = b"kv-events"
@@ -373,9 +373,7 @@ class StandinEngine:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m deploy.local.standin_engine", description=__doc__.split("\n")[0]
-    )
+    ap = argparse.ArgumentParser(prog="python -m deploy.standin.engine", description=__doc__.split("\n")[0])
     ap.add_argument("--role", choices=("prefill", "decode"), required=True)
     for name in ("port", "side-channel-port", "kv-events-port", "kv-replay-port"):
         ap.add_argument(f"--{name}", type=int, required=True)
