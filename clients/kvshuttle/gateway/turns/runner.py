@@ -224,7 +224,7 @@ class TurnRunner:
         """The turn's plan without the router: plain P->D on the model's last placement, with
         no turn handle (nothing to commit or abort)."""
         prefill, decode = placed
-        turn.decision, turn.reason = "recompute", NO_NODE.get(err.reason, ROUTER_UNAVAILABLE)
+        turn.decision, turn.reason = "recompute", NO_NODE.get(err.reason or "", ROUTER_UNAVAILABLE)
         self._metrics.turns.labels(turn.decision, turn.reason).inc()
         log.warning(
             "turn.no_node" if err.reason in NO_NODE else "turn.router_unavailable",
