@@ -54,8 +54,8 @@ import numpy.typing as npt
 
 from kvshuttle.agent.block_pool import PoolLayout
 from kvshuttle.agent.nixl_memory import NixlPoolMemory
+from bench.report import save
 
-RESULTS = Path(__file__).parent / "results"
 KIB = 1024
 MIB = 1024 * KIB
 BANDWIDTH_BLOCKS = (64 * KIB, 256 * KIB, MIB, 4 * MIB)
@@ -287,8 +287,6 @@ def machine() -> dict[str, Any]:
         platform.processor(),
     )  # fmt: skip
     return {
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)),
         "cpu_model": model,
         "kernel": platform.release(),
@@ -343,17 +341,7 @@ def main() -> None:
     result["target_met"] = met
     print(report(result))
     print(f"target READ >= {TARGET_RATIO} x memcpy at >= 256 KiB: {'met' if met else 'NOT met'}")
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = RESULTS / f"nixl_read-{stamp}.json"
-    document = {
-        "bench": "nixl_read",
-        "time": stamp,
-        "machine": machine(),
-        "args": vars(args),
-        "result": result,
-    }
-    out.write_text(json.dumps(document, indent=2) + "\n")
+    out = save("nixl_read", {"machine": machine(), "result": result}, args=args)
     print(f"saved {out}")
 
 

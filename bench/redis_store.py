@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import shutil
 import socket
 import subprocess
@@ -50,8 +49,8 @@ from kvshuttle.registry.memory_store import InMemoryStore
 from kvshuttle.registry.redis_store import RedisStore
 from kvshuttle.registry.registry import Registry
 from kvshuttle.registry.store import RegistryStore, StoreLimits
+from bench.report import save
 
-RESULTS = Path(__file__).parent / "results"
 CONFIGS: dict[str, list[str] | None] = {
     "memory": None,
     "redis, appendonly no": ["--appendonly", "no"],
@@ -270,26 +269,13 @@ def main() -> None:
         )
     print(f"{time.perf_counter() - began:.0f} s")
 
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = RESULTS / f"redis_store-{stamp}.json"
-    out.write_text(
-        json.dumps(
-            {
-                "bench": "redis_store",
-                "time": stamp,
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "redis_version": version,
-                "aof_filesystem": filesystem_of(args.dir),
-                "args": {**vars(args), "dir": str(args.dir)},
-                "wall_s": round(time.perf_counter() - began, 1),
-                "rows": rows,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    figures = {
+        "redis_version": version,
+        "aof_filesystem": filesystem_of(args.dir),
+        "wall_s": round(time.perf_counter() - began, 1),
+        "rows": rows,
+    }
+    out = save("redis_store", figures, args=args)
     print(f"saved {out}")
 
 
