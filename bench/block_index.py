@@ -33,9 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import random
 import resource
 import statistics
@@ -43,13 +40,13 @@ import sys
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from bench.redis_store import RESULTS, cpu_seconds, redis_server
+from bench.redis_store import cpu_seconds, redis_server
+from bench.report import save
 from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.core.kv_events import BlockEvent, BlockRemoved, BlockStored, EventBatch
 from kvshuttle.registry.block_index import BlockIndex, plan_batches
@@ -483,21 +480,11 @@ def main() -> None:
     with redis_server(Path(args.dir), ["--appendonly", "no"]) as (port, pid):
         result = asyncio.run(run(args, port, pid))
     print_table(result)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"block_index-{stamp}.json"
-    path.write_text(
-        json.dumps(
-            {
-                "bench": "block_index",
-                "args": vars(args),
-                "host": {"python": platform.python_version(), "cpus": os.cpu_count()},
-                "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                "results": result,
-            },
-            indent=2,
-        )
-    )
+    figures = {
+        "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "results": result,
+    }
+    path = save("block_index", figures, args=args)
     print(f"wrote {path}")
 
 

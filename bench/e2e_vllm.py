@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import shutil
 import statistics
@@ -21,7 +19,6 @@ import time
 import tomllib
 import urllib.request
 import uuid
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +32,8 @@ from deploy.local.stack import KvshuttleStack
 from deploy.local.vllm_venv import ensure_model
 from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 
-RESULTS = Path(__file__).parent / "results"
+from bench.report import save
+
 PROFILE = Path(__file__).resolve().parents[1] / "deploy" / "profiles" / "cpu-small.toml"
 NEW_TOKENS = 256  # the next user message
 OUTPUT = 256  # turn 1's answer (an agent's reply or tool call)
@@ -302,24 +300,12 @@ def main() -> None:
     args.contexts = [int(c) for c in args.contexts.split(",")]
     work = Path(args.work)
     results = [run_config(False, args, work), run_config(True, args, work)]
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = RESULTS / f"e2e_vllm-{stamp}.json"
-    out.write_text(
-        json.dumps(
-            {
-                "bench": "e2e_vllm",
-                "time": stamp,
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "contexts": args.contexts,
-                "results": results,
-                "targets": {"ttft_speedup_at_longest": 3.0, "added_ms_per_turn": 2.0},
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    figures = {
+        "contexts": args.contexts,
+        "results": results,
+        "targets": {"ttft_speedup_at_longest": 3.0, "added_ms_per_turn": 2.0},
+    }
+    out = save("e2e_vllm", figures, args=args)
     plot(results, out.with_suffix(".png"))
     longest = results[0]["ttft"][-1]
     print(

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import shutil
 import socket
@@ -29,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +41,12 @@ sys.path.insert(0, str(ROOT))
 
 from tests.gateway.helpers import WORDS, make_tokenizer  # noqa: E402
 
+from bench.report import save  # noqa: E402
 from kvshuttle.gateway.config import ModelSettings  # noqa: E402
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer  # noqa: E402
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb  # noqa: E402
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as reg_grpc  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 MODEL = "Qwen/Qwen3-32B"
 PROFILES = ROOT / "deploy" / "profiles" / "qwen3-32b-h200.toml"
 BIN = Path(sys.executable).parent
@@ -294,23 +292,7 @@ def main() -> None:
         f"tokenizing a {tok['tokens']}-token chat: {tok['full_encode_ms_p50']:.3f} ms from scratch, "
         f"{tok['cached_encode_ms_p50']:.3f} ms with the segment cache (p50)"
     )
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = RESULTS / f"gateway_added_latency-{stamp}.json"
-    out.write_text(
-        json.dumps(
-            {
-                "bench": "gateway_added_latency",
-                "time": stamp,
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "args": vars(args),
-                "result": r,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    out = save("gateway_added_latency", {"result": r}, args=args)
     print(f"saved {out}")
 
 

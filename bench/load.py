@@ -48,9 +48,7 @@ import argparse
 import asyncio
 import heapq
 import itertools
-import json
 import os
-import platform
 import random
 import shutil
 import tempfile
@@ -69,7 +67,8 @@ from deploy.local.stack import HOST, KvshuttleStack, RegistryStore
 from deploy.local.vllm_venv import ensure_model
 from deploy.standin.launcher import StandinPair
 
-RESULTS = Path(__file__).parent / "results"
+from bench.report import save
+
 CONFIGS = ("memory", "redis-1", "redis-2")
 # Prefill dear against moving KV: reuse wins whenever the prefix verifies.
 PROFILE: dict[str, Any] = {
@@ -421,22 +420,18 @@ def main() -> None:
     def log(line: str) -> None:
         print(f"[{time.monotonic() - began:6.0f} s] {line}", flush=True)
 
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"load-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json"
+    started = datetime.now(UTC)
     results: list[dict[str, Any]] = []
     for config in configs:
         results.append(run_one(config, args, log))
-        # Written after every configuration: a long run that stops early keeps what it measured.
+        # Written after every configuration (the same file): a long run that stops early keeps
+        # what it measured.
         out = {
-            "bench": "load",
-            "utc": datetime.now(UTC).isoformat(timespec="seconds"),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "total_wall_s": round(time.monotonic() - began, 1),
             "results": results,
             "control_plane_definition": "client latency - the stand-in engines' own time for the turn",
         }
-        path.write_text(json.dumps(out, indent=2) + "\n")
+        path = save("load", out, args=args, utc=started)
     print(table(results))
     print(f"total {round(time.monotonic() - began, 1)} s; wrote {path}")
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import queue
 import random
 import shutil
@@ -36,7 +34,6 @@ import threading
 import time
 import tomllib
 import urllib.request
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +44,8 @@ from deploy.local.stack import HOST, KvshuttleStack
 from deploy.local.vllm_venv import ensure_model
 from tokenizers import Tokenizer
 
-RESULTS = Path(__file__).parent / "results"
+from bench.report import save
+
 PROFILE = Path(__file__).resolve().parents[1] / "deploy" / "profiles" / "cpu-small.toml"
 BS = 32
 CONFIGS = ("retokenize+block", "exact+block", "retokenize+token", "exact+token")
@@ -238,18 +236,14 @@ def main() -> None:
         print(f"{c:>17} {s['prompt_p50']:7.0f} {s['reused_p50']:7.0f} {s['recomputed_p50']:7.0f} "
               f"{s['new_p50']:5.0f} {s['drift_p50']:6.0f} {s['rounding_p50']:6.0f} "
               f"{s['ttft_ms_p50']:7.0f}ms {s['within_target']:>5}/{s['reuse_turns']}")  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = RESULTS / f"multiturn_reuse-{stamp}.json"
-    out.write_text(json.dumps({
-        "bench": "multiturn_reuse", "time": stamp, "python": platform.python_version(),
-        "cpus": os.cpu_count(), "wall_s": round(time.perf_counter() - started, 1),
+    out = save("multiturn_reuse", {
+        "wall_s": round(time.perf_counter() - started, 1),
         "workload": {"common_prefix": 300, "conversation_prefix": 800, "user_turn": [120, 160],
                      "answer": [60, 100], "conversations": args.conversations, "clients": args.clients,
                      "turns": args.turns, "block_size": BS, "prefill_prefix_caching": False,
                      "model": "small"},
         "summary": results, "turns": rows,
-        "target": "recomputed per reuse turn <= new tokens + one block (32)"}, indent=2) + "\n")  # fmt: skip
+        "target": "recomputed per reuse turn <= new tokens + one block (32)"}, args=args)  # fmt: skip
     print(f"saved {out}")
 
 

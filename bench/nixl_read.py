@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -44,7 +43,6 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -52,10 +50,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from bench.report import save
 from kvshuttle.agent.pool.blocks import PoolLayout
 from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory
 
-RESULTS = Path(__file__).parent / "results"
 KIB = 1024
 MIB = 1024 * KIB
 BANDWIDTH_BLOCKS = (64 * KIB, 256 * KIB, MIB, 4 * MIB)
@@ -287,8 +285,6 @@ def machine() -> dict[str, Any]:
         platform.processor(),
     )  # fmt: skip
     return {
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)),
         "cpu_model": model,
         "kernel": platform.release(),
@@ -343,17 +339,7 @@ def main() -> None:
     result["target_met"] = met
     print(report(result))
     print(f"target READ >= {TARGET_RATIO} x memcpy at >= 256 KiB: {'met' if met else 'NOT met'}")
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = RESULTS / f"nixl_read-{stamp}.json"
-    document = {
-        "bench": "nixl_read",
-        "time": stamp,
-        "machine": machine(),
-        "args": vars(args),
-        "result": result,
-    }
-    out.write_text(json.dumps(document, indent=2) + "\n")
+    out = save("nixl_read", {"machine": machine(), "result": result}, args=args)
     print(f"saved {out}")
 
 

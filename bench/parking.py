@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import threading
@@ -50,10 +49,10 @@ from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
 from deploy.local.vllm_venv import ensure_model
 
+from bench.report import save
 from kvshuttle.agent.v1 import agent_service_pb2 as apb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as apb_grpc
 
-RESULTS = Path(__file__).parent / "results"
 BS = 32
 # Prefill dear, moving KV cheap: reuse wins whenever the prefix verifies (as tests/e2e/stacks.py).
 PROFILE: dict[str, Any] = {
@@ -316,8 +315,8 @@ def main() -> None:
     parser.add_argument("--ttft-conversations", type=int, default=4)
     parser.add_argument("--ttft-turns", type=int, default=4)
     args = parser.parse_args()
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    work = Path(".run") / f"bench-parking-{stamp}"
+    started = datetime.now(UTC)
+    work = Path(".run") / f"bench-parking-{started.strftime('%Y%m%dT%H%M%SZ')}"
     pair = VllmPair(
         ensure_model("tiny"),
         log_dir=work / "vllm",
@@ -352,26 +351,15 @@ def main() -> None:
     for r in ttft:
         print(f"{r['config']:8} TTFT median {r['ttft_ms_median']} ms mean {r['ttft_ms_mean']} ms "
               f"reused {r['reused']}/{r['turns']}, READ {r['read_ms_mean']} ms x {r['reads']}")  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"parking-{stamp}.json"
-    path.write_text(
-        json.dumps(
-            {
-                "when": stamp,
-                "machine": platform.platform(),
-                "args": vars(args),
-                "held": held,
-                "idle_conversations_keepable": keepable,
-                "ttft": ttft,
-                "fixed_vs_parked_block_seconds": (
-                    round(held[1]["block_seconds"] / fixed["block_seconds"], 3)
-                    if fixed["block_seconds"]
-                    else None
-                ),
-            },
-            indent=2,
-        )
-    )
+    figures = {
+        "held": held,
+        "idle_conversations_keepable": keepable,
+        "ttft": ttft,
+        "fixed_vs_parked_block_seconds": (
+            round(held[1]["block_seconds"] / fixed["block_seconds"], 3) if fixed["block_seconds"] else None
+        ),
+    }
+    path = save("parking", figures, args=args, utc=started)
     print(f"wrote {path}")
 
 

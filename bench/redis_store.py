@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
-import platform
 import shutil
 import socket
 import subprocess
@@ -34,7 +32,6 @@ import time
 from array import array
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
 
@@ -42,6 +39,7 @@ import redis
 import redis.asyncio as aioredis
 
 from bench.registry_bench import BLOCK_SIZE, TOKENS, node_spec, params, retention, summarize
+from bench.report import save
 from kvshuttle.core.clock import SystemClock
 from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.registry.block_index import BlockIndex
@@ -51,7 +49,6 @@ from kvshuttle.registry.store.contract import RegistryStore, StoreLimits
 from kvshuttle.registry.store.memory.store import InMemoryStore
 from kvshuttle.registry.store.redis.store import RedisStore
 
-RESULTS = Path(__file__).parent / "results"
 CONFIGS: dict[str, list[str] | None] = {
     "memory": None,
     "redis, appendonly no": ["--appendonly", "no"],
@@ -270,26 +267,13 @@ def main() -> None:
         )
     print(f"{time.perf_counter() - began:.0f} s")
 
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = RESULTS / f"redis_store-{stamp}.json"
-    out.write_text(
-        json.dumps(
-            {
-                "bench": "redis_store",
-                "time": stamp,
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "redis_version": version,
-                "aof_filesystem": filesystem_of(args.dir),
-                "args": {**vars(args), "dir": str(args.dir)},
-                "wall_s": round(time.perf_counter() - began, 1),
-                "rows": rows,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    figures = {
+        "redis_version": version,
+        "aof_filesystem": filesystem_of(args.dir),
+        "wall_s": round(time.perf_counter() - began, 1),
+        "rows": rows,
+    }
+    out = save("redis_store", figures, args=args)
     print(f"saved {out}")
 
 

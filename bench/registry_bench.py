@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
-import platform
 import random
 import socket
 import statistics
@@ -23,13 +21,12 @@ import time
 import tracemalloc
 from array import array
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
+from bench.report import save
 from kvshuttle.core.clock import SystemClock
 from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.core.nodes import NodeRole, NodeSpec
@@ -43,7 +40,6 @@ from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as pb_grpc
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import BlockIdList, KvTransferParams
 
-RESULTS = Path(__file__).parent / "results"
 BLOCK_SIZE = 32
 TOKENS = 2048  # 64 blocks per retention
 NODE = "nodes/decode-0"
@@ -344,25 +340,12 @@ def main() -> None:
         f"{memory['bytes_per_retention_excluding_block_ids_and_hashes']} B"
     )
 
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = RESULTS / f"registry_bench-{stamp}.json"
-    out.write_text(
-        json.dumps(
-            {
-                "bench": "registry",
-                "time": stamp,
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "args": vars(args),
-                "rows": rows,
-                "memory": memory,
-                "targets": {"domain_ops_per_s": 20_000, "bytes_per_retention_excluding_block_ids": 1024},
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    figures = {
+        "rows": rows,
+        "memory": memory,
+        "targets": {"domain_ops_per_s": 20_000, "bytes_per_retention_excluding_block_ids": 1024},
+    }
+    out = save("registry_bench", figures, args=args)
     print(f"saved {out}")
 
 

@@ -22,25 +22,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import socket
 import sys
 import time
 import uuid
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
+from bench.report import save
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as pb_grpc
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import BlockIdList, KvTransferParams
 
-RESULTS = Path(__file__).parent / "results"
 BLOCK = 16
 NODE = pb.Node(
     name="nodes/decode-0",
@@ -233,23 +230,7 @@ def main() -> None:
         for s in result["samples"]:
             print(f"  {s['at']:<40} RSS {s['rss_mib']:>8.1f} MiB   peak {s['peak_mib']:>8.1f} MiB")
 
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = RESULTS / f"registry_memory-{stamp}.json"
-    out.write_text(
-        json.dumps(
-            {
-                "bench": "registry_memory",
-                "time": stamp,
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                "results": results,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    out = save("registry_memory", {"results": results}, args=args)
     print(f"saved {out}")
 
 

@@ -18,27 +18,25 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import socket
 import statistics
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
+from bench.report import save
 from kvshuttle.registry.v1 import registry_service_pb2 as rpb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as rpb_grpc
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.router.v1 import router_service_pb2_grpc as pb_grpc
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import BlockIdList, KvTransferParams
 
-RESULTS = Path(__file__).parent / "results"
 MODEL = "bench-model"
 BLOCK = 16
 # A CPU-class profile: reuse wins whenever the prefix verifies, so every turn after the first
@@ -282,24 +280,8 @@ def main() -> None:
         f"p50 {r['wall_ms_per_turn']['p50']} ms, p99 {r['wall_ms_per_turn']['p99']} ms"
     )
     print(f"decisions: {r['reasons']}")
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = RESULTS / f"router_bench-{stamp}.json"
-    out.write_text(
-        json.dumps(
-            {
-                "bench": "router",
-                "time": stamp,
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "args": vars(args),
-                "result": result,
-                "targets": {"router_ms_p50": 0.5, "router_ms_p99": 2.0},
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    figures = {"result": result, "targets": {"router_ms_p50": 0.5, "router_ms_p99": 2.0}}
+    out = save("router_bench", figures, args=args)
     print(f"saved {out}")
 
 

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -36,7 +35,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +49,9 @@ from tests.gateway.fake_engine import BS, FakeEngine  # noqa: E402
 from tests.gateway.helpers import WORDS, make_tokenizer  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
+from bench.report import save  # noqa: E402
 from kvshuttle.core.digest import log_name  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 MODEL = "Qwen/Qwen3-32B"
 MODES = ("round_robin", "conversation")
 
@@ -261,11 +259,7 @@ def main() -> None:
     ]
     for label, get in rows:
         print(f"{label:34}" + "".join(f"{get(report[m])!s:>16}" for m in MODES))
-    RESULTS.mkdir(exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = RESULTS / f"router_replicas-{stamp}.json"
-    meta = {"python": platform.python_version(), "cpus": os.cpu_count(), "args": vars(args)}
-    out.write_text(json.dumps({"meta": meta, **report}, indent=2) + "\n")
+    out = save("router_replicas", report, args=args)
     print(f"wrote {out}")
 
 

@@ -6,16 +6,15 @@ the work tree clean.
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from tests.chaos.workload import TurnRecord, records_json
+
+from bench import report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,16 +101,5 @@ def table(results: list[ScenarioResult]) -> str:
 
 
 def save(results: list[ScenarioResult], suite_seconds: float) -> Path:
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    figures = {
-        "suite": "chaos",
-        "time": stamp,
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "suite_s": round(suite_seconds, 1),
-        "scenarios": [asdict(r) for r in results],
-    }
-    out = results_dir() / f"chaos-{stamp}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(figures, indent=2) + "\n")
-    return out
+    figures = {"suite_s": round(suite_seconds, 1), "scenarios": [asdict(r) for r in results]}
+    return report.save("chaos", figures, args=None, directory=results_dir())
