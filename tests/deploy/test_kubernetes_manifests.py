@@ -26,6 +26,8 @@ from tests.deploy import manifest_checks as checks
 from tests.deploy import manifests as m
 from tests.deploy.network_checks import network_problems
 
+pytestmark = pytest.mark.k8s
+
 Objects = list[dict[str, Any]]
 RENDERED = {overlay: check.render(overlay) for overlay in check.OVERLAYS}
 

@@ -33,7 +33,7 @@ NODE = "nodes/d0"
 T = TypeVar("T")
 
 # Skips without a Redis-protocol server, fails under KVSHUTTLE_REQUIRE_REDIS (tests/deploy/conftest.py).
-pytestmark = pytest.mark.usefixtures("redis_installed")
+pytestmark = [pytest.mark.usefixtures("redis_installed"), pytest.mark.redis, pytest.mark.slow]
 
 
 class Registry:

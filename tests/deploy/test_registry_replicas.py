@@ -29,7 +29,7 @@ CONVERSATIONS = 12
 READERS = 6  # claimers per retention, spread over both replicas
 
 # Skips without a Redis-protocol server, fails under KVSHUTTLE_REQUIRE_REDIS (tests/deploy/conftest.py).
-pytestmark = pytest.mark.usefixtures("redis_installed")
+pytestmark = [pytest.mark.usefixtures("redis_installed"), pytest.mark.redis, pytest.mark.slow]
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ from kvshuttle.router.registry_port import GrpcRegistryPort
 from kvshuttle.serving.server import GrpcServer
 from kvshuttle.serving.settings import AuthSettings, ServerSettings
 
-pytestmark = needs_openssl
+pytestmark = [needs_openssl, pytest.mark.k8s]
 
 PRODUCTION = check.render("production")
 MOUNT = "/run/tls"  # where every production pod mounts its certificate (mtls.yaml)

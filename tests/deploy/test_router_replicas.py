@@ -37,6 +37,8 @@ from kvshuttle.gateway.main import GatewayServer
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.router.v1 import router_service_pb2 as pb
 
+pytestmark = pytest.mark.slow
+
 CONVERSATIONS = 8
 RACERS = 6  # plans of one conversation's next turn, at once, spread over the three replicas
 PROMPT = 4000  # tokens: long enough that reuse beats recompute under the Qwen3-32B profile

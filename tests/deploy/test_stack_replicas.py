@@ -10,6 +10,8 @@ from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
 from tests.e2e.stacks import PROFILE
 
+pytestmark = pytest.mark.slow
+
 
 def _env(stack: KvshuttleStack, name: str, key: str) -> str:
     service = stack.service(name)

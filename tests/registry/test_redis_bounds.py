@@ -22,6 +22,8 @@ from kvshuttle.registry.service.registry import Registry
 from kvshuttle.registry.store.contract import StoreLimits
 from kvshuttle.registry.store.redis.store import RedisStore
 
+pytestmark = pytest.mark.redis
+
 TENANT_LIMIT = 10
 
 

@@ -30,6 +30,8 @@ from redis.crc import key_slot
 from tests.support.failover_registry import Client, client_to, keep, registry_process
 from tests.support.redis_topology import replicated_cluster
 
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
 WRITERS = 8
 RECOVERY_LIMIT = 30.0  # seconds after the kill within which the failed slots must be written again
 PREFIX = "kvshuttle"

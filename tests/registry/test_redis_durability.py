@@ -37,6 +37,8 @@ from kvshuttle.registry.service.registry import Registry
 from kvshuttle.registry.store.contract import StoreLimits
 from kvshuttle.registry.store.redis.store import RedisStore
 
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
 LIMITS = StoreLimits(max_retentions_per_tenant=10_000, fence_ttl=1000)
 TENANT = "tenants/acme"
 CONVS = [f"{TENANT}/conversations/c{i}" for i in range(8)]

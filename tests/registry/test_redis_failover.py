@@ -49,6 +49,8 @@ from kvshuttle.registry.main import build_registry
 from kvshuttle.registry.service.registry import Registry
 from kvshuttle.registry.store.redis.store import RedisStore
 
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
 WRITERS = 8
 RECOVERY_LIMIT = 30.0  # seconds after the kill within which every writer must be writing again
 

@@ -25,6 +25,8 @@ from kvshuttle.registry.store.contract import StoreLimits
 from kvshuttle.registry.store.memory.store import InMemoryStore
 from kvshuttle.registry.store.redis.store import RedisStore
 
+pytestmark = pytest.mark.redis
+
 LIMITS = StoreLimits(max_retentions_per_tenant=1000, fence_ttl=100)
 
 

@@ -39,6 +39,8 @@ from kvshuttle.vllm.nixl_wire import (
     encode_handshake_reply,
 )
 
+pytestmark = pytest.mark.vllm
+
 HELPER = Path(__file__).with_name("vllm_nixl_helper.py")
 U64 = (1 << 64) - 1
 
