@@ -1,18 +1,18 @@
 """Shared fixtures: a real registry gRPC server on 127.0.0.1 port 0, on a fake clock; the
 session's real vLLM pair (tests/support/vllm_session.py), one for the e2e and the chaos tests alike;
-the markers a test's fixtures imply and the session header (tests/support/markers.py)."""
+the markers a test's fixtures imply and the session's header lines (tests/support/markers.py)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
 import pytest
-from tests.support.markers import pytest_collection_modifyitems, pytest_report_header
+from tests.support.markers import pytest_collection_modifyitems, pytest_sessionstart
 from tests.support.registry_env import RegistryEnv, start_registry
 from tests.support.vllm_session import vllm_model, vllm_pair
 
 # Session fixtures and hooks defined elsewhere, offered to every test directory from here.
-__all__ = ["pytest_collection_modifyitems", "pytest_report_header", "vllm_model", "vllm_pair"]
+__all__ = ["pytest_collection_modifyitems", "pytest_sessionstart", "vllm_model", "vllm_pair"]
 
 
 @pytest.fixture

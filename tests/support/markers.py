@@ -3,7 +3,8 @@
 `vllm` and `redis` are added from the fixtures a test uses, so a new test that asks for the vLLM
 pair or a Redis server is in its tier without being told; modules that start their own servers
 mark themselves. Tests that start or restart real vLLM get a longer timeout than the default.
-The header names the binaries the run will use (a Redis-protocol server, kubectl, the vLLM venv).
+The session's first lines name the binaries the run uses (a Redis-protocol server, kubectl,
+the vLLM venv).
 """
 
 from __future__ import annotations
@@ -36,7 +37,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.timeout(VLLM_TIMEOUT_S))
 
 
-def pytest_report_header() -> list[str]:
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The header's lines, written at every verbosity (`-q` hides pytest's own header)."""
+    terminal = session.config.pluginmanager.get_plugin("terminalreporter")
+    if terminal is not None:
+        for line in session_header():
+            terminal.write_line(line)
+
+
+def session_header() -> list[str]:
     try:
         binary = redis_server_binary()
         redis = f"{binary} ({redis_version(binary)})"
