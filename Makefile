@@ -101,10 +101,10 @@ demo-registry: venv
 	$(BIN)/python deploy/registry_demo.py
 
 bench: venv
-	$(BIN)/python bench/registry_bench.py
-	$(BIN)/python bench/registry_memory.py
-	$(BIN)/python bench/router_bench.py
-	$(BIN)/python bench/gateway_added_latency.py
+	$(BIN)/python -m bench.registry_bench
+	$(BIN)/python -m bench.registry_memory
+	$(BIN)/python -m bench.router_bench
+	$(BIN)/python -m bench.gateway_added_latency
 	$(BIN)/python -m bench.nixl_read
 
 # Gateway -> router -> registry (memory, Redis with 1 and 2 replicas) over stand-in engines, at

@@ -1,7 +1,7 @@
 """Gateway benchmark: the gateway's own latency per request (`added_ms`) for ~4k-token
 multi-turn chats, every piece in its own process as deployed.
 
-    python bench/gateway_added_latency.py [--conversations 20] [--turns 8] [--stream]
+    python -m bench.gateway_added_latency [--conversations 20] [--turns 8] [--stream]
 
 A registry and a router (the console scripts), the two fake engines (tests/gateway/fake_engine.py:
 the HTTP protocol only, they answer at once), and `kvshuttle-gateway` (JSON logs, tracing on

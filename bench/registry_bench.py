@@ -1,7 +1,7 @@
 """Registry benchmark: put / claim / renew throughput and latency, in-process (domain only)
 and over gRPC with N concurrent clients, plus memory per retention at 100k retentions.
 
-    python bench/registry_bench.py [--ops 20000] [--clients 1,8,32] [--retentions 100000]
+    python -m bench.registry_bench [--ops 20000] [--clients 1,8,32] [--retentions 100000]
 
 Prints a table and writes bench/results/registry_bench-<utc time>.json. Figures from one
 run are comparable with each other; this machine is noisy, so compare ratios, not runs.

@@ -10,7 +10,7 @@ run shortens (--ttl) so that their lapse is seen within it. After the lapse the 
 more: what the lapse freed is reused (CPython keeps freed memory in its arenas, so RSS shows
 reuse as no growth rather than as a drop).
 
-    python bench/registry_memory.py [--ops 20000] [--clients 8] [--rounds 1] [--ttl 60]
+    python -m bench.registry_memory [--ops 20000] [--clients 8] [--rounds 1] [--ttl 60]
                                     [--baseline-tree DIR]
 
 --baseline-tree runs the same load against the registry of another source tree too (for

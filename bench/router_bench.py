@@ -2,7 +2,7 @@
 prompts grow turn by turn (to 24k tokens by default), against real `kvshuttle-registry` and
 `kvshuttle-router` processes.
 
-    python bench/router_bench.py [--conversations 64] [--turns 20] [--max-tokens 24576]
+    python -m bench.router_bench [--conversations 64] [--turns 20] [--max-tokens 24576]
 
 Reports, per turn (one PlanTurn + one CommitTurn):
 - router time: what the router itself spends (its canonical log lines' own_ms, registry

@@ -1,7 +1,7 @@
 """Router replicas benchmark (issue 12 §2): the retention-hint hit rate, reuse and PlanTurn
 latency over 3 router replicas, gateway round robin against conversation affinity, in one run.
 
-    python bench/router_replicas.py [--conversations 60] [--turns 5] [--concurrency 6]
+    python -m bench.router_replicas [--conversations 60] [--turns 5] [--concurrency 6]
 
 Every piece is its own process as deployed (deploy.local.control_plane): one registry (in
 memory), three routers sharing a turn-signing key, and two `kvshuttle-gateway` processes over
