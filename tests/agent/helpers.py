@@ -11,6 +11,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -425,3 +426,21 @@ class FakeSideChannel:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self.socket.close(linger=0)
+
+
+def write_id(path: Path, engine_id: str) -> None:
+    """As vllm-start.sh does: a temporary file renamed over the id file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(engine_id + "\n")
+    tmp.replace(path)
+
+
+def pooled_settings(registry_address: str, engine_url: str, side_channel_port: int) -> AgentSettings:
+    settings = agent_settings(registry_address, engine_url).model_dump()
+    settings["node"]["side_channel_port"] = side_channel_port
+    return AgentSettings.model_validate(
+        {**settings, "pool": {"size_bytes": MIB + 1, "regions": 4, "expire_interval": 0.05}}
+    )
+
+
+MIB = 1024 * 1024

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from tests.agent.helpers import eventually
+from tests.agent.helpers import eventually, write_id
 
 from kvshuttle.agent.config import NodeSettings
 from kvshuttle.agent.engine_id import BadEngineId, EngineIdWatcher, read_engine_id, wait_for_engine_id
@@ -33,13 +33,6 @@ SPEC = NodeSpec(
     block_size=16,
     kv_bytes_per_token=64,
 )
-
-
-def write_id(path: Path, engine_id: str) -> None:
-    """As vllm-start.sh does: a temporary file renamed over the id file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(engine_id + "\n")
-    tmp.replace(path)
 
 
 def test_node_settings_take_exactly_one_engine_id_source(tmp_path: Path) -> None:

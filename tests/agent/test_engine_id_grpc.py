@@ -24,10 +24,10 @@ from tests.agent.helpers import (
     eventually,
     expected_view,
     index_view,
+    pooled_settings,
     start_agent,
+    write_id,
 )
-from tests.agent.test_engine_id import write_id
-from tests.agent.test_pool_status import pooled_settings
 from tests.support.fixtures_vllm import live_batches, load_frames
 from tests.support.registry_env import RegistryEnv
 

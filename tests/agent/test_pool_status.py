@@ -16,12 +16,14 @@ import zmq.asyncio
 from prometheus_client import generate_latest
 from pydantic import ValidationError
 from tests.agent.helpers import (
+    MIB,
     AgentEnv,
     FakeEngineHttp,
     FakeSideChannel,
     agent_settings,
     engine_metadata,
     eventually,
+    pooled_settings,
     start_agent,
 )
 from tests.support.cli_runner import arun_cli
@@ -41,8 +43,6 @@ from kvshuttle.core.prototime import to_duration
 from kvshuttle.registry.v1 import registry_service_pb2 as rpb
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 
-MIB = 1024 * 1024
-
 
 @pytest.fixture
 async def side_channel() -> AsyncIterator[FakeSideChannel]:
@@ -50,14 +50,6 @@ async def side_channel() -> AsyncIterator[FakeSideChannel]:
     channel = FakeSideChannel(zmq.asyncio.Context.instance(), engine_metadata(PoolLayout(4, 64, 32 * 1024)))
     yield channel
     await channel.close()
-
-
-def pooled_settings(registry_address: str, engine_url: str, side_channel_port: int) -> AgentSettings:
-    settings = agent_settings(registry_address, engine_url).model_dump()
-    settings["node"]["side_channel_port"] = side_channel_port
-    return AgentSettings.model_validate(
-        {**settings, "pool": {"size_bytes": MIB + 1, "regions": 4, "expire_interval": 0.05}}
-    )
 
 
 @pytest.fixture

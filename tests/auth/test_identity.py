@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from tests.agent.helpers import agent_settings
 from tests.auth.helpers import auth_settings, bearer, denial
-from tests.support.clock import FakeClock
+from tests.support.identity import registry, registry_settings
 from tests.support.tls import make_certs, needs_openssl
 
 from kvshuttle.agent.agent import Agent
@@ -21,15 +21,10 @@ from kvshuttle.agent.registry_port import GrpcRegistryPort
 from kvshuttle.agent.v1 import agent_service_pb2 as apb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as apb_grpc
 from kvshuttle.core.auth import Role
-from kvshuttle.registry.block_index import BlockIndex
-from kvshuttle.registry.config import RegistrySettings
-from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.main import build_server
-from kvshuttle.registry.service.registry import Registry
-from kvshuttle.registry.store.memory.store import InMemoryStore
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as pb_grpc
-from kvshuttle.serving.settings import AuthSettings, Grant, ServerSettings
+from kvshuttle.serving.settings import AuthSettings, Grant
 
 # Client certificates: `router` (URI and DNS SANs), `dns-viewer` (a DNS SAN only), `stranger`
 # (a SAN no grant names).
@@ -38,22 +33,6 @@ CLIENTS = {
     "dns-viewer": "DNS:viewer.kvshuttle.svc",
     "stranger": "URI:spiffe://elsewhere/intruder",
 }
-
-
-def registry_settings(listen: str, auth: AuthSettings, tls: Path | None = None) -> RegistrySettings:
-    server = ServerSettings(listen=listen)
-    if tls is not None:
-        server = ServerSettings(
-            listen=listen,
-            tls_cert_file=tls / "server.pem",
-            tls_key_file=tls / "server.key",
-            tls_client_ca_file=tls / "ca.pem",
-        )
-    return RegistrySettings(server=server, auth=auth)
-
-
-def registry() -> Registry:
-    return Registry(InMemoryStore(), FakeClock(), BlockIndex(100), RegistryLimits())
 
 
 @needs_openssl

@@ -12,7 +12,7 @@ from google.protobuf.duration_pb2 import Duration
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr, ValidationError
 from tests.auth.helpers import denial
-from tests.auth.test_identity import registry, registry_settings
+from tests.support.identity import registry, registry_settings
 from tests.support.tls import make_certs, needs_openssl
 
 from kvshuttle.core.auth import Role

@@ -29,7 +29,7 @@ from tests.chaos.report import ScenarioResult, scenario_result
 from tests.chaos.retentions import Held, held, lost
 from tests.chaos.workload import Workload, full_name, send_turn
 from tests.e2e.stacks import PROFILE
-from tests.e2e.test_turns import tokens
+from tests.support.turns import tokens
 
 from kvshuttle.registry.v1 import registry_service_pb2 as rpb
 

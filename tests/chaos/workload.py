@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deploy.local.launch import VllmPair
-from tests.e2e.test_turns import reference, tokens
+from tests.support.turns import reference, tokens
 
 from kvshuttle.gateway.config import DEFAULT_TENANT
 

@@ -10,8 +10,8 @@ import grpc.aio
 import pytest
 from prometheus_client import CollectorRegistry
 from tests.deploy.manifest_checks import REPO
-from tests.serving.test_server import SERVING, HealthCheckRequest, health_check
 from tests.support.clock import FakeClock
+from tests.support.health import SERVING, HealthCheckRequest, health_check
 
 from kvshuttle.agent.config import AgentSettings
 from kvshuttle.registry.block_index import BlockIndex

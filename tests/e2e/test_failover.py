@@ -30,7 +30,7 @@ import pytest
 from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
 from tests.e2e.stacks import running_stack
-from tests.e2e.test_turns import reference, tokens, turn
+from tests.support.turns import reference, tokens, turn
 
 pytestmark = pytest.mark.vllm
 

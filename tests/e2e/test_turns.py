@@ -5,11 +5,7 @@ is compared with a single-server reference computed from scratch.
 
 from __future__ import annotations
 
-import json
-import random
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +16,7 @@ from deploy.local.launch import VllmPair
 from deploy.local.processes import free_ports
 from deploy.local.stack import KvshuttleStack
 from tests.e2e.stacks import running_stack
+from tests.support.turns import post, reference, tokens, turn
 
 from kvshuttle.agent.v1 import agent_service_pb2 as apb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as apb_grpc
@@ -39,67 +36,6 @@ def stack(vllm_pair: VllmPair, tmp_path_factory: pytest.TempPathFactory) -> Iter
     margin = {"router": {"POLICY__RETENTION_MARGIN_S": str(480 - LEASE_S)}}
     with running_stack(vllm_pair, tmp_path_factory.mktemp("kvshuttle"), extra_env=margin) as s:
         yield s
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 2000) for _ in range(n)]
-
-
-def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[dict[str, Any], Any]:
-    req = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"Content-Type": "application/json", **(headers or {})},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=120) as response:
-            return json.loads(response.read()), response.headers
-    except urllib.error.HTTPError as err:
-        raise AssertionError(f"{url}: {err.code} {err.read()[:500]!r}") from None
-
-
-def turn(
-    stack: KvshuttleStack,
-    conversation: str,
-    prompt: list[int],
-    max_tokens: int = 24,
-    headers: dict[str, str] | None = None,
-) -> tuple[list[int], Any]:
-    """One completions turn through the gateway, greedy (`headers`: the request's extra ones);
-    returns the output ids and the response's headers."""
-    body, got = post(
-        f"{stack.gateway_url}/v1/completions",
-        {
-            "model": "m",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "conversation_id": conversation,
-        },
-        headers,
-    )
-    return list(body["choices"][0]["token_ids"]), got
-
-
-def reference(pair: VllmPair, prompt: list[int], max_tokens: int = 24) -> list[int]:
-    """The same request on one server, computed from scratch (a fresh cache salt: no cache hit)."""
-    body, _ = post(
-        f"{pair.decode.url}/v1/completions",
-        {
-            "model": "m",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            "cache_salt": uuid.uuid4().hex,
-        },
-    )
-    return list(body["choices"][0]["token_ids"])
 
 
 def test_turn_one_goes_prefill_to_decode_and_turn_two_reuses_decodes_kv(

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 from tests.fuzz.harness import FUZZ, NAME, NANOS, SECONDS, TEXT, UINT32, UINT64, LoopThread, outcome, state_of
-from tests.fuzz.test_registry_fuzz import Served, build
+from tests.fuzz.served import Served, build
 from tests.router.helpers import PROFILES
 
 from kvshuttle.agent.agent import Agent

@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
@@ -207,3 +210,40 @@ async def cluster_fixture(model_dir: Path, tokenizer: ChatTokenizer, **kw: Any) 
         yield c
     finally:
         await stop_cluster(c)
+
+
+CHAT = "/v1/chat/completions"
+
+
+def reference_ids(model_dir: Path, messages: list[dict[str, Any]]) -> list[int]:
+    """The prompt's ids computed independently: jinja set up as transformers' apply_chat_template
+    does, then the tokenizer.json with add_special_tokens=False (vLLM's chat default)."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.globals["raise_exception"] = raise_exception
+    text = env.from_string(CHAT_TEMPLATE).render(
+        messages=messages, add_generation_prompt=True, bos_token="<s>", eos_token="</s>"
+    )
+    return list(
+        Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    )
+
+
+def first_messages(seed: int = 1) -> list[dict[str, Any]]:
+    rnd = random.Random(seed)
+    return [
+        {"role": "system", "content": conversation_text(rnd, SYSTEM_WORDS)},
+        {"role": "user", "content": "What does the router do with a retention?"},
+    ]
+
+
+def chat(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": messages, **extra}
+
+
+SYSTEM_WORDS = 2500  # ~2.5k tokens: long enough that reading the KV beats recomputing it

@@ -14,8 +14,16 @@ from typing import Any
 import pytest
 import structlog
 from pydantic import SecretStr, ValidationError
-from tests.gateway.helpers import Cluster, cluster_fixture, start_cluster, stop_cluster
-from tests.gateway.test_gateway import CHAT, chat, first_messages, reference_ids
+from tests.gateway.helpers import (
+    CHAT,
+    Cluster,
+    chat,
+    cluster_fixture,
+    first_messages,
+    reference_ids,
+    start_cluster,
+    stop_cluster,
+)
 from tests.router.helpers import BS, MODEL
 from tests.serving.echo import JsonLog
 

@@ -18,60 +18,26 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import jinja2
-import jinja2.ext
 import pytest
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from opentelemetry.sdk.trace import ReadableSpan
 from structlog.testing import capture_logs
 from tests.gateway.helpers import (
-    CHAT_TEMPLATE,
+    CHAT,
     Cluster,
+    chat,
     cluster_fixture,
     conversation_text,
+    first_messages,
+    reference_ids,
 )
 from tests.router.helpers import BS, MODEL
-from tokenizers import Tokenizer
 
 from kvshuttle.core.digest import log_name
 from kvshuttle.core.hashing import cache_salt_digest, chain_hashes, salted_root
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 
-CHAT = "/v1/chat/completions"
-SYSTEM_WORDS = 2500  # ~2.5k tokens: long enough that reading the KV beats recomputing it
 FIRST_TURN_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
-
-
-def reference_ids(model_dir: Path, messages: list[dict[str, Any]]) -> list[int]:
-    """The prompt's ids computed independently: jinja set up as transformers' apply_chat_template
-    does, then the tokenizer.json with add_special_tokens=False (vLLM's chat default)."""
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.globals["raise_exception"] = raise_exception
-    text = env.from_string(CHAT_TEMPLATE).render(
-        messages=messages, add_generation_prompt=True, bos_token="<s>", eos_token="</s>"
-    )
-    return list(
-        Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text, add_special_tokens=False).ids
-    )
-
-
-def first_messages(seed: int = 1) -> list[dict[str, Any]]:
-    rnd = random.Random(seed)
-    return [
-        {"role": "system", "content": conversation_text(rnd, SYSTEM_WORDS)},
-        {"role": "user", "content": "What does the router do with a retention?"},
-    ]
-
-
-def chat(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": messages, **extra}
 
 
 def assert_openai_error(body: dict[str, Any], code: str | None = None) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tests.router.test_router_domain import BS, CONV, MODEL, Cluster
+from tests.router.domain_cluster import BS, CONV, MODEL, Cluster
 
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.hashing import ROOT_HASH, cache_salt_digest, chain_hashes, salted_root

@@ -10,8 +10,7 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
-from tests.router.helpers import BS, CONV, MODEL, node, registry_state, seconds
-from tests.router.test_router_grpc import (  # noqa: F401 (cluster: the `c` fixture)
+from tests.router.grpc_cluster import (  # noqa: F401 (cluster: the `c` fixture)
     OUTPUT,
     PROMPT,
     Cluster,
@@ -19,6 +18,7 @@ from tests.router.test_router_grpc import (  # noqa: F401 (cluster: the `c` fixt
     fails,
     retention,
 )
+from tests.router.helpers import BS, CONV, MODEL, node, registry_state, seconds
 
 from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.core.limits import MAX_GENERATION, MAX_OUTPUT_TOKENS, MAX_PROMPT_TOKENS

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 from pydantic import ValidationError
 from tests.serving.echo import SERVICE, EchoServicer, JsonLog, Request, unary
-from tests.serving.test_server import (
+from tests.support.health import (
     NOT_SERVING,
     SERVING,
     HealthCheckRequest,

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 from tests.agent.helpers import eventually
-from tests.auth.test_identity import registry
+from tests.support.identity import registry
 from tests.support.tls import issue, make_certs, needs_openssl, publish
 
 from kvshuttle.client import KvshuttleRpcError, RegistryClient
