@@ -10,11 +10,11 @@ import sys
 from array import array
 from collections.abc import Sequence
 
-from kvshuttle.client.registry_convert import ROLE_FROM_PB, spec_to_pb
+from kvshuttle.client.registry_convert import ROLE_FROM_PB, load_to_pb, spec_from_pb, spec_to_pb
 from kvshuttle.core import kv_events as ev
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.hashing import SALT_DIGEST_BYTES
-from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
+from kvshuttle.core.nodes import NodeRole, NodeSpec
 from kvshuttle.core.prototime import from_timestamp, timestamp_seconds, to_timestamp
 from kvshuttle.registry.model import ChangeKind, Claim, Holder, Move, Node, Retention, RetentionChange
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
@@ -51,40 +51,16 @@ def role_from_pb(role: int, field: str, *, required: bool) -> NodeRole | None:
 
 
 def node_spec_from_pb(node: pb.Node) -> NodeSpec:
+    """The spec of a node a caller sent: INVALID_ARGUMENT (node.role) for a role the API lacks."""
     role = role_from_pb(node.role, "node.role", required=True)
     assert role is not None
-    return NodeSpec(
-        name=node.name,
-        role=role,
-        engine_id=node.engine_id,
-        http_endpoint=node.http_endpoint,
-        side_channel_host=node.side_channel_host,
-        side_channel_port=node.side_channel_port,
-        agent_endpoint=node.agent_endpoint,
-        model=node.model,
-        block_size=node.block_size,
-        kv_bytes_per_token=node.kv_bytes_per_token,
-        labels=dict(node.labels),
-    )
-
-
-def load_from_pb(load: pb.NodeLoad) -> NodeLoad:
-    return NodeLoad(
-        running_requests=load.running_requests,
-        waiting_requests=load.waiting_requests,
-        kv_cache_usage=load.kv_cache_usage,
-        engine_healthy=load.engine_healthy,
-    )
+    return spec_from_pb(node, role)
 
 
 def node_to_pb(node: Node, indexed_blocks: int = 0) -> pb.Node:
     """A live node: its spec and the registry's output-only fields."""
     out = spec_to_pb(node.spec)
-    load = node.load
-    out.load.running_requests = load.running_requests
-    out.load.waiting_requests = load.waiting_requests
-    out.load.kv_cache_usage = load.kv_cache_usage
-    out.load.engine_healthy = load.engine_healthy
+    out.load.CopyFrom(load_to_pb(node.load))
     out.incarnation = node.incarnation
     out.register_time.CopyFrom(to_timestamp(node.register_time))
     out.expire_time.CopyFrom(to_timestamp(node.expire_at))

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import grpc
 from structlog.contextvars import bind_contextvars
 
+from kvshuttle.client.registry_convert import load_from_pb
 from kvshuttle.core.digest import log_name
 from kvshuttle.core.prototime import duration_seconds, to_timestamp
 from kvshuttle.registry.api import convert
@@ -47,7 +48,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             request.name,
             request.incarnation,
             duration_seconds(request.ttl, "ttl"),
-            convert.load_from_pb(request.load),
+            load_from_pb(request.load),
         )
         return pb.HeartbeatNodeResponse(expire_time=to_timestamp(node.expire_at))
 
