@@ -20,8 +20,8 @@ from deploy.local.stack import KvshuttleStack
 from tests.e2e.stacks import running_stack
 
 from kvshuttle.gateway.config import ModelSettings
+from kvshuttle.gateway.http.prompt import prompt_ids
 from kvshuttle.gateway.http.protocol import parse_request
-from kvshuttle.gateway.prompts.prompt import prompt_ids
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.gateway.turns.background import BackgroundTasks
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvshuttle.gateway.config import DEFAULT_HISTORY_BYTES
 from kvshuttle.gateway.prompts.history import ExactHistory
 
 A = "tenants/a/conversations/c"
@@ -35,7 +36,7 @@ def remembered(history: ExactHistory, conversation: str = A, output: Sequence[in
 
 
 def test_a_chat_that_repeats_the_turn_exactly_is_spliced() -> None:
-    history = ExactHistory()
+    history = ExactHistory(DEFAULT_HISTORY_BYTES)
     assert remembered(history)
     rest = "</assistant><user>more</user><assistant>"
     splice = history.splice(A, PROMPT + ANSWER + rest)
@@ -45,7 +46,7 @@ def test_a_chat_that_repeats_the_turn_exactly_is_spliced() -> None:
 
 
 def test_a_byte_of_difference_is_never_spliced() -> None:
-    history = ExactHistory()
+    history = ExactHistory(DEFAULT_HISTORY_BYTES)
     assert remembered(history)
     for text in (
         PROMPT + "Hello world?" + "</assistant>",  # the answer edited
@@ -59,14 +60,14 @@ def test_a_byte_of_difference_is_never_spliced() -> None:
 
 
 def test_a_trailing_stop_token_the_text_lacks_is_dropped() -> None:
-    history = ExactHistory()
+    history = ExactHistory(DEFAULT_HISTORY_BYTES)
     assert remembered(history, output=[*ANSWER_IDS, EOS])
     splice = history.splice(A, PROMPT + ANSWER + "</assistant>")
     assert splice is not None and list(splice.ids) == [10, 11, 12, *ANSWER_IDS]
 
 
 def test_ids_that_do_not_decode_to_the_text_are_not_remembered() -> None:
-    history = ExactHistory()
+    history = ExactHistory(DEFAULT_HISTORY_BYTES)
     assert remembered(history)
     # A stop string cut the text short of the ids (or a special token was skipped): forgotten.
     assert not remembered(history, output=[1, 2, 3, 4])
@@ -76,7 +77,7 @@ def test_ids_that_do_not_decode_to_the_text_are_not_remembered() -> None:
 
 
 def test_tenants_and_conversations_never_share_a_history() -> None:
-    history = ExactHistory()
+    history = ExactHistory(DEFAULT_HISTORY_BYTES)
     assert remembered(history, A)
     assert history.splice(B, PROMPT + ANSWER) is None
     assert history.splice("tenants/a/conversations/other", PROMPT + ANSWER) is None
@@ -84,7 +85,7 @@ def test_tenants_and_conversations_never_share_a_history() -> None:
 
 
 def test_bounded_by_bytes_least_recently_used_out() -> None:
-    one = ExactHistory()
+    one = ExactHistory(DEFAULT_HISTORY_BYTES)
     assert remembered(one, "c0")
     size = one.nbytes
     history = ExactHistory(max_bytes=3 * size)

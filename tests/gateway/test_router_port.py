@@ -15,7 +15,7 @@ from tests.router.helpers import MODEL, RouterEnv, Tokens, add_node, start_route
 from tests.support.registry_env import RegistryEnv, start_registry
 
 from kvshuttle.gateway.config import RouterConnection
-from kvshuttle.gateway.http.errors import RouterFailure
+from kvshuttle.gateway.errors import RouterFailure
 from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.gateway.turns.router_port import GrpcRouterPort
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb

@@ -24,8 +24,8 @@ from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
 from kvshuttle.core.prototime import to_duration
+from kvshuttle.gateway.errors import GatewayError, RouterFailure, engine_error
 from kvshuttle.gateway.http.app import turn_headers
-from kvshuttle.gateway.http.errors import GatewayError, RouterFailure, engine_error
 from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.gateway.turns.background import BackgroundTasks
 from kvshuttle.gateway.turns.record import Turn
@@ -450,7 +450,7 @@ async def test_a_failed_plan_is_the_routers_error_and_aborts_nothing(env: Env) -
 def test_the_turn_runner_and_its_domain_modules_import_no_transport() -> None:
     modules = [
         "turns.background",
-        "http.errors",
+        "errors",
         "metrics",
         "turns.ports",
         "turns.request_log",

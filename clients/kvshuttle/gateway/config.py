@@ -42,10 +42,11 @@ from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.limits import MAX_PROMPT_TOKENS
 from kvshuttle.core.names import check_id
 from kvshuttle.gateway.parsing import REASONING_PARSERS, TOOL_PARSERS
-from kvshuttle.gateway.prompts.history import DEFAULT_HISTORY_BYTES
 from kvshuttle.serving.settings import TelemetrySettings
 
 DEFAULT_TENANT = "default"
+# Bytes of exact-token history per model (GatewaySettings.history_bytes).
+DEFAULT_HISTORY_BYTES = 64 * 2**20
 
 
 class ModelSettings(BaseModel):

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvshuttle.gateway.http.errors import GatewayError
+from kvshuttle.gateway.errors import GatewayError
 from kvshuttle.gateway.parsing import OutputParser, check_parsers, parse_tool_request
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -1,3 +1,3 @@
 """The gateway's OpenAI HTTP surface: the aiohttp server (`app`), what a request may carry
-(`protocol`), decode's answer as OpenAI objects (`responses`) and OpenAI-style error bodies
-(`errors`). Only `app` imports aiohttp."""
+(`protocol`), the request's prompt as token ids (`prompt`, over kvshuttle.gateway.prompts) and
+decode's answer as OpenAI objects (`responses`). Only `app` imports aiohttp."""

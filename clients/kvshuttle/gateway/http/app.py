@@ -6,7 +6,7 @@ tokenize the prompt exactly as the engine would (kvshuttle.gateway.prompts.token
 vLLM cache salt from the tenant (kvshuttle.gateway.prompts.salts), hand the turn to the runner, and
 answer: one JSON body, or server-sent events as decode streams (a failure after
 the first byte ends the stream with an error event). Errors are OpenAI-style bodies
-(kvshuttle.gateway.http.errors); a client that leaves mid-answer is logged with status 499. Every
+(kvshuttle.gateway.errors); a client that leaves mid-answer is logged with status 499. Every
 request ends with one `request.done` line (kvshuttle.gateway.turns.request_log).
 
 One module: the gateway's whole HTTP surface (routes, auth, the two ways of answering a turn).
@@ -33,7 +33,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from kvshuttle.core.digest import log_digest
 from kvshuttle.gateway.affinity import affinity_key
 from kvshuttle.gateway.config import DEFAULT_TENANT, GatewaySettings
-from kvshuttle.gateway.http.errors import GatewayError
+from kvshuttle.gateway.errors import GatewayError
+from kvshuttle.gateway.http.prompt import prompt_ids, remember_turn
 from kvshuttle.gateway.http.protocol import (
     CONVERSATION_HEADER,
     THINK_TIME_HEADER,
@@ -55,7 +56,6 @@ from kvshuttle.gateway.http.responses import (
 from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.gateway.parsing import OutputParser, check_parsers, reasoning_decode_params
 from kvshuttle.gateway.prompts.history import ExactHistory
-from kvshuttle.gateway.prompts.prompt import prompt_ids, remember_turn
 from kvshuttle.gateway.prompts.salts import CacheSalts
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.gateway.turns.background import BackgroundTasks

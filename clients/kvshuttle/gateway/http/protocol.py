@@ -30,7 +30,7 @@ from typing import Any, Literal
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.limits import MAX_ID_LENGTH
 from kvshuttle.core.names import check_id
-from kvshuttle.gateway.http.errors import GatewayError
+from kvshuttle.gateway.errors import GatewayError
 from kvshuttle.gateway.parsing import ToolRequest, parse_tool_request
 from kvshuttle.gateway.prompts.chat_template import RESERVED_TEMPLATE_KWARGS
 from kvshuttle.gateway.prompts.salts import client_salt_problem

@@ -1,5 +1,5 @@
-"""Decode's answer, read once: what the turn's commit needs (DecodeOutput) and the client's
-OpenAI objects made from it (chat.completion, text_completion, and their stream chunks).
+"""Decode's answer (the turn's DecodeOutput, kvshuttle.gateway.turns.record) as the client's
+OpenAI objects (chat.completion, text_completion, and their stream chunks).
 
 Decode always runs a token-id `/v1/completions`; chat clients get its output translated into
 chat.completion(.chunk) objects (tool calls and reasoning split out of its text by the
@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvshuttle.gateway.parsing import OutputParser
+from kvshuttle.gateway.turns.record import DecodeOutput
 
 __all__ = [
     "SSE_DONE",
     "ChatStream",
     "CompletionStream",
-    "DecodeOutput",
     "chat_completion",
     "completion",
     "dumps",
@@ -38,48 +37,6 @@ def sse(obj: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-@dataclass(slots=True)
-class DecodeOutput:
-    """What the gateway takes from decode's answer (one body, or the chunks of a stream)."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    # False when a chunk carried output without token_ids (an engine without return_token_ids).
-    ids_complete: bool = True
-    finish_reason: str | None = None
-    stop_reason: Any = None
-    usage: dict[str, Any] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    chunks: int = 0
-
-    def take_chunk(self, chunk: Mapping[str, Any]) -> None:
-        """Read one stream chunk (or the whole non-streaming answer) before it is translated for
-        the client, which drops `kv_transfer_params`."""
-        self.chunks += 1
-        params = chunk.get("kv_transfer_params")
-        if isinstance(params, dict):
-            self.kv_transfer_params = params
-        choices = chunk.get("choices")
-        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            self.take_choice(choices[0])
-        usage = chunk.get("usage")
-        if isinstance(usage, dict):
-            self.usage = usage
-
-    def take_choice(self, choice: Mapping[str, Any]) -> None:
-        text = choice.get("text")
-        if isinstance(text, str):
-            self.text += text
-        ids = choice.get("token_ids")
-        if isinstance(ids, list):
-            self.token_ids.extend(ids)
-        elif text:
-            self.ids_complete = False
-        if choice.get("finish_reason") is not None:
-            self.finish_reason = str(choice["finish_reason"])
-            self.stop_reason = choice.get("stop_reason")
 
 
 def with_cached_tokens(usage: Any, cached_tokens: int | None) -> Any:

@@ -14,7 +14,7 @@ as usual. A byte of difference (an edited, trimmed or re-parsed answer) is never
 
 Keyed by the tenant-scoped conversation name (`tenants/{t}/conversations/{id}`): nothing is
 shared across tenants or conversations. Bounded by bytes, least recently used conversation out.
-No I/O, no transport: kvshuttle.gateway.prompts.prompt uses it.
+No I/O, no transport: kvshuttle.gateway.http.prompt uses it.
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_HISTORY_BYTES", "ExactHistory", "Splice"]
+__all__ = ["ExactHistory", "Splice"]
 
-DEFAULT_HISTORY_BYTES = 64 * 2**20
 # A remembered turn's fields, its digest and its table slot, beyond ids and text.
 _ENTRY_BYTES = 400
 
@@ -57,7 +56,7 @@ def _digest(text: str) -> bytes:
 
 
 class ExactHistory:
-    def __init__(self, max_bytes: int = DEFAULT_HISTORY_BYTES) -> None:
+    def __init__(self, max_bytes: int) -> None:
         self._max_bytes = max_bytes
         self._bytes = 0
         self._turns: OrderedDict[str, _Turn] = OrderedDict()

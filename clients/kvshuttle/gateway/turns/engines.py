@@ -2,7 +2,7 @@
 keep-alive pool) for all of them.
 
 Every call goes to the engine's `/v1/completions` with a token-id prompt. Failures become
-GatewayError (see kvshuttle.gateway.http.errors): an engine's 400 stays a client error, anything
+GatewayError (see kvshuttle.gateway.errors): an engine's 400 stays a client error, anything
 else that goes wrong with an engine is a 502 (504 on a timeout).
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from kvshuttle.gateway.config import EngineSettings
-from kvshuttle.gateway.http.errors import GatewayError, engine_error, engine_message, engine_timeout
+from kvshuttle.gateway.errors import GatewayError, engine_error, engine_message, engine_timeout
 
 __all__ = ["EngineClient", "completions_url"]
 

@@ -2,7 +2,7 @@
 implements RouterPort over the router's gRPC client and kvshuttle.gateway.turns.engines implements
 EnginePort over aiohttp; unit tests implement both in memory, no sockets.
 
-Failures: a router call raises RouterFailure (kvshuttle.gateway.http.errors); an engine call raises
+Failures: a router call raises RouterFailure (kvshuttle.gateway.errors); an engine call raises
 GatewayError, already what the client sees (engine_error, engine_timeout).
 """
 

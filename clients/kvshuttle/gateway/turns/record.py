@@ -1,5 +1,6 @@
-"""A turn as the runner records it (kvshuttle.gateway.turns.runner), and what is made from the record:
-the engines' request bodies and CommitTurn's timings."""
+"""A turn as the runner records it (kvshuttle.gateway.turns.runner), decode's answer as it reads it
+(DecodeOutput), and what is made from the record: the engines' request bodies and CommitTurn's
+timings."""
 
 from __future__ import annotations
 
@@ -9,10 +10,51 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvshuttle.core.prototime import to_duration
-from kvshuttle.gateway.http.responses import DecodeOutput
 from kvshuttle.router.v1 import router_service_pb2 as pb
 
-__all__ = ["Turn", "decode_body", "prompt_json", "request_body", "timings"]
+__all__ = ["DecodeOutput", "Turn", "decode_body", "prompt_json", "request_body", "timings"]
+
+
+@dataclass(slots=True)
+class DecodeOutput:
+    """What the gateway takes from decode's answer (one body, or the chunks of a stream)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    # False when a chunk carried output without token_ids (an engine without return_token_ids).
+    ids_complete: bool = True
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    usage: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    chunks: int = 0
+
+    def take_chunk(self, chunk: Mapping[str, Any]) -> None:
+        """Read one stream chunk (or the whole non-streaming answer) before it is translated for
+        the client, which drops `kv_transfer_params`."""
+        self.chunks += 1
+        params = chunk.get("kv_transfer_params")
+        if isinstance(params, dict):
+            self.kv_transfer_params = params
+        choices = chunk.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            self.take_choice(choices[0])
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+
+    def take_choice(self, choice: Mapping[str, Any]) -> None:
+        text = choice.get("text")
+        if isinstance(text, str):
+            self.text += text
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            self.token_ids.extend(ids)
+        elif text:
+            self.ids_complete = False
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = str(choice["finish_reason"])
+            self.stop_reason = choice.get("stop_reason")
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ from kvshuttle.client._base import new_request_id
 from kvshuttle.core.prototime import to_duration
 from kvshuttle.gateway.affinity import Replicas
 from kvshuttle.gateway.config import RouterConnection
-from kvshuttle.gateway.http.errors import RouterFailure
+from kvshuttle.gateway.errors import RouterFailure
 from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams

@@ -64,7 +64,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from kvshuttle.core.digest import log_name
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.hashing import cache_salt_digest
-from kvshuttle.gateway.http.errors import GatewayError, RouterFailure, engine_error, router_error
+from kvshuttle.gateway.errors import GatewayError, RouterFailure, engine_error, router_error
 from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.gateway.turns import record
 from kvshuttle.gateway.turns.background import BackgroundTasks

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvshuttle.gateway.http.errors import GatewayError
+from kvshuttle.gateway.errors import GatewayError
 from kvshuttle.gateway.parsing.base import TOOL_REGISTRY
 from kvshuttle.gateway.parsing.request.structural_tags import structural_tag
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from kvshuttle.gateway.http.errors import GatewayError
+from kvshuttle.gateway.errors import GatewayError
 from kvshuttle.gateway.http.protocol import TurnRequest
-from kvshuttle.gateway.http.responses import DecodeOutput
 from kvshuttle.gateway.prompts.chat_template import TemplateError
 from kvshuttle.gateway.prompts.history import ExactHistory
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.gateway.turns.background import BackgroundTasks
+from kvshuttle.gateway.turns.record import DecodeOutput
 
 __all__ = ["Prompt", "prompt_ids", "remember_turn"]
 
