@@ -28,8 +28,8 @@ from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.clock import SystemClock
 from kvshuttle.gateway.config import RouterConnection
 from kvshuttle.router.config import RouterSettings
+from kvshuttle.router.grpc.registry_port import GrpcRegistryPort
 from kvshuttle.router.main import build_router, build_server
-from kvshuttle.router.registry_port import GrpcRegistryPort
 from kvshuttle.serving.server import GrpcServer
 from kvshuttle.serving.settings import AuthSettings, ServerSettings
 

@@ -22,9 +22,9 @@ from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 from kvshuttle.router.config import RouterSettings
 from kvshuttle.router.cost import load_profiles
+from kvshuttle.router.grpc.registry_port import GrpcRegistryPort
 from kvshuttle.router.main import build_router, build_server, connect_registry
 from kvshuttle.router.model import RouterPolicy
-from kvshuttle.router.registry_port import GrpcRegistryPort
 from kvshuttle.router.router import Router
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.serving.server import GrpcServer

@@ -14,8 +14,8 @@ from kvshuttle.agent.v1 import agent_service_pb2_grpc
 from kvshuttle.core.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from kvshuttle.core.prototime import duration_seconds
 from kvshuttle.core.reasons import ErrorReason
-from kvshuttle.router.agent_port import GrpcAgentPort
 from kvshuttle.router.config import AgentConnection
+from kvshuttle.router.grpc.agent_port import GrpcAgentPort
 from kvshuttle.serving.server import GrpcServer
 from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm

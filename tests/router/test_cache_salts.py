@@ -16,7 +16,7 @@ from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.hashing import ROOT_HASH, cache_salt_digest, chain_hashes, salted_root
 from kvshuttle.core.kv_events import BlockStored, EventBatch
 from kvshuttle.core.nodes import NodeRole
-from kvshuttle.router import convert
+from kvshuttle.router.grpc import convert
 from kvshuttle.router.model import CommitRequest, Decision, Plan, PlanRequest, Reason
 from kvshuttle.router.router import Router
 from kvshuttle.router.turns import TurnCodec

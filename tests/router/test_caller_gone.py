@@ -24,10 +24,10 @@ from tests.support.registry_env import RegistryEnv, start_registry
 from kvshuttle.client import RegistryClient
 from kvshuttle.core.errors import Unavailable
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
-from kvshuttle.router import convert
+from kvshuttle.router.grpc import convert
+from kvshuttle.router.grpc.registry_port import GrpcRegistryPort
 from kvshuttle.router.main import build_router
 from kvshuttle.router.model import ClaimInfo, Decision, NewRetention, Plan, PlanRequest, Reason, RetentionInfo
-from kvshuttle.router.registry_port import GrpcRegistryPort
 from kvshuttle.router.router import Router
 from kvshuttle.router.v1 import router_service_pb2 as pb
 

@@ -11,8 +11,8 @@ from kvshuttle.core.errors import Aborted
 from kvshuttle.core.nodes import NodeRole
 from kvshuttle.core.prototime import to_timestamp
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
+from kvshuttle.router.grpc.registry_port import GrpcRegistryPort, node_info
 from kvshuttle.router.model import NewRetention
-from kvshuttle.router.registry_port import GrpcRegistryPort, node_info
 from kvshuttle.vllm.kv_transfer_params import from_vllm
 
 NAME = "tenants/t/conversations/c/retentions/1"

@@ -50,13 +50,13 @@ from kvshuttle.core.errors import (
 )
 from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
-from kvshuttle.router import convert
 from kvshuttle.router.config import RouterSettings
 from kvshuttle.router.cost import LinkModel, ModelProfile, PrefillModel
+from kvshuttle.router.grpc import convert
+from kvshuttle.router.grpc.registry_port import GrpcRegistryPort
 from kvshuttle.router.main import build_router, build_server
 from kvshuttle.router.main import profiles as router_profiles
 from kvshuttle.router.model import Reason
-from kvshuttle.router.registry_port import GrpcRegistryPort
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 

@@ -3,7 +3,7 @@
 Every kvshuttle service authenticates its caller (kvshuttle.serving.auth: an mTLS peer identity
 or a bearer token) into a `Caller`, then makes one decision per call: `authorize(caller,
 permission, tenant=..., node=...)`. Each service's policy says which permission an RPC needs
-and which tenant or node it touches (registry/api/authz.py, router/authz.py, agent/authz.py).
+and which tenant or node it touches (registry/api/authz.py, router/grpc/authz.py, agent/authz.py).
 
 Scopes: a gateway acts only for the tenants it is bound to; an agent only for its own node and
 that node's pool node (kvshuttle.core.nodes.pool_node_name: the agent's block pool, leased as

@@ -20,15 +20,15 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvshuttle.client.registry import RegistryClient
 from kvshuttle.core.clock import Clock, SystemClock
-from kvshuttle.router.agent_port import GrpcAgentPort
-from kvshuttle.router.authz import turn_policy
 from kvshuttle.router.config import RouterSettings
 from kvshuttle.router.cost import CostModel, ModelProfile, load_profiles
+from kvshuttle.router.grpc.agent_port import GrpcAgentPort
+from kvshuttle.router.grpc.authz import turn_policy
+from kvshuttle.router.grpc.registry_port import GrpcRegistryPort
+from kvshuttle.router.grpc.servicer import RouterServicer
 from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.ports import AgentPort, RegistryPort
-from kvshuttle.router.registry_port import GrpcRegistryPort
 from kvshuttle.router.router import Router
-from kvshuttle.router.servicer import RouterServicer
 from kvshuttle.router.turns import TurnCodec
 from kvshuttle.router.v1 import router_service_pb2, router_service_pb2_grpc
 from kvshuttle.serving.logging import configure_logging

@@ -1,6 +1,6 @@
 """What the router needs from the registry and from the agents, as domain calls. The gRPC
-adapters implement them over RegistryClient (registry_port.py) and AgentClient (agent_port.py);
-tests implement them over the registry's domain object or fakes, no sockets.
+adapters implement them over RegistryClient (grpc/registry_port.py) and AgentClient
+(grpc/agent_port.py); tests implement them over the registry's domain object or fakes, no sockets.
 
 Failures are domain errors (kvshuttle.core.errors) carrying the other service's reason.
 """

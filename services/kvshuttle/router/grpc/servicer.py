@@ -15,7 +15,7 @@ from structlog.contextvars import bind_contextvars
 
 from kvshuttle.core.digest import log_digest, log_name
 from kvshuttle.core.prototime import to_timestamp
-from kvshuttle.router import convert
+from kvshuttle.router.grpc import convert
 from kvshuttle.router.router import Router
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.router.v1 import router_service_pb2_grpc as pb_grpc
