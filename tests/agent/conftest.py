@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import zmq.asyncio
-from tests.agent.helpers import FakeEngineHttp, FakePublisher
+from tests.agent.engine_fakes import FakeEngineHttp, FakePublisher
 
 
 @pytest.fixture

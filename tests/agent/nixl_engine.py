@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 import numpy as np
-from tests.agent.helpers import engine_metadata
+from tests.agent.engine_fakes import engine_metadata
 
 from kvshuttle.agent.pool.blocks import PoolLayout
 from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory

@@ -12,11 +12,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 import pytest
 from prometheus_client import generate_latest
+from tests.agent.engine_fakes import FakeEngineHttp, FakePublisher
 from tests.agent.helpers import (
     NODE,
     AgentEnv,
-    FakeEngineHttp,
-    FakePublisher,
     agent_settings,
     eventually,
     expected_view,

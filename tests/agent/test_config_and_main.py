@@ -12,7 +12,8 @@ import sys
 import grpc
 import pytest
 from pydantic import ValidationError
-from tests.agent.helpers import NODE, VLLM_METRICS, FakeEngineHttp, eventually
+from tests.agent.engine_fakes import VLLM_METRICS, FakeEngineHttp
+from tests.agent.helpers import NODE, eventually
 from tests.support.registry_env import RegistryEnv
 
 from kvshuttle.agent.config import AgentSettings

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
-from tests.agent.helpers import eventually, write_id
+from tests.agent.engine_fakes import write_id
+from tests.agent.helpers import eventually
 
 from kvshuttle.agent.config import NodeSettings
 from kvshuttle.agent.engine_id import BadEngineId, EngineIdWatcher, read_engine_id, wait_for_engine_id

@@ -12,21 +12,23 @@ import grpc
 import pytest
 import zmq.asyncio
 from google.protobuf.duration_pb2 import Duration
-from tests.agent.helpers import (
+from tests.agent.engine_fakes import (
     BLOCK_SIZE,
-    MODEL,
-    NODE,
     FakeEngineHttp,
     FakePublisher,
     FakeSideChannel,
-    agent_settings,
     engine_metadata,
+    write_id,
+)
+from tests.agent.helpers import (
+    MODEL,
+    NODE,
+    agent_settings,
     eventually,
     expected_view,
     index_view,
     pooled_settings,
     start_agent,
-    write_id,
 )
 from tests.support.fixtures_vllm import live_batches, load_frames
 from tests.support.registry_env import RegistryEnv

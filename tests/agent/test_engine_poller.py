@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import aiohttp
-from tests.agent.helpers import FakeEngineHttp
+from tests.agent.engine_fakes import FakeEngineHttp
 
 from kvshuttle.agent.engine import EnginePoller
 

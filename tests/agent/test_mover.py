@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq.asyncio
-from tests.agent.helpers import FakeSideChannel, eventually
+from tests.agent.engine_fakes import FakeSideChannel
+from tests.agent.helpers import eventually
 from tests.agent.nixl_engine import ENGINE, HASH, Engine
 
 from kvshuttle.agent.pool.blocks import BlockPool, PoolLayout, SlotState

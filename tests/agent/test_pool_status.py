@@ -15,17 +15,8 @@ import pytest
 import zmq.asyncio
 from prometheus_client import generate_latest
 from pydantic import ValidationError
-from tests.agent.helpers import (
-    MIB,
-    AgentEnv,
-    FakeEngineHttp,
-    FakeSideChannel,
-    agent_settings,
-    engine_metadata,
-    eventually,
-    pooled_settings,
-    start_agent,
-)
+from tests.agent.engine_fakes import FakeEngineHttp, FakeSideChannel, engine_metadata
+from tests.agent.helpers import MIB, AgentEnv, agent_settings, eventually, pooled_settings, start_agent
 from tests.support.cli_runner import arun_cli
 from tests.support.registry_env import RegistryEnv
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from tests.agent.helpers import engine_metadata, eventually
+from tests.agent.engine_fakes import engine_metadata
+from tests.agent.helpers import eventually
 from tests.support.clock import FakeClock
 
 from kvshuttle.agent.pool.blocks import Allocation, BlockPool, PoolLayout, SlotState
