@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT))  # deploy/ (the control plane, the stand-in engine
 
 from deploy.local.control_plane import ControlPlane  # noqa: E402
 from deploy.local.processes import free_ports  # noqa: E402
-from deploy.standin.engine import StandinEngine, in_process_config  # noqa: E402
+from deploy.standin.config import in_process_config  # noqa: E402
+from deploy.standin.engine import StandinEngine  # noqa: E402
 from deploy.standin.tokenizer import WORDS, make_tokenizer  # noqa: E402
 
 from bench.report import save  # noqa: E402

@@ -23,80 +23,36 @@ the output (deploy/standin/kv.py), so reuse of the wrong blocks is visible in th
   `kv_load_failure_policy: recompute`), counted in `standin_kv_load_failures_total`.
 * KV events: ZMQ PUB on `--kv-events-port` (`[topic, seq, msgpack [ts, [events], 0]]`, one
   batch per request that changed the cache) and the replay ROUTER on `--kv-replay-port`, in
-  vLLM's frame shapes (kvshuttle.vllm.kv_events decodes them).
+  vLLM's frame shapes (deploy/standin/events.py; kvshuttle.vllm.kv_events decodes them).
 * `GET /standin/timings?clear=1`: each request's own time in the engine (receipt to last byte),
   by X-Request-Id, bounded; what bench/load.py subtracts to get the control plane's time.
 
-In a test's own process (`in_process_config`: ports picked at start, no simulated time),
+In a test's own process (`config.in_process_config`: ports picked at start, no simulated time),
 `await engine.start()` / `await engine.stop()`, with a `Script` of answers and faults and a
 `Transcript` of what was asked (deploy/standin/script.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import signal
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import aiohttp
 from aiohttp import web
 from tokenizers import Tokenizer
 
 from deploy.standin import http
+from deploy.standin.config import StandinConfig, config_from_argv
 from deploy.standin.events import EventPublisher
 from deploy.standin.kv import CacheFull, KvCache, output_tokens, vllm_block_hashes
-from deploy.standin.script import Script, Transcript
+from deploy.standin.script import Script, Transcript, eos_id, scripted_answer
 
-HOST: Final = "127.0.0.1"
 _MAX_TIMINGS: Final = 200_000
-
-
-@dataclass(frozen=True)
-class StandinConfig:
-    role: Literal["prefill", "decode"]
-    port: int
-    side_channel_port: int
-    kv_events_port: int
-    kv_replay_port: int
-    engine_id: str
-    model_dir: Path
-    served_model_name: str = "m"
-    host: str = HOST
-    block_size: int = 32
-    num_blocks: int = 4096
-    max_model_len: int = 8192
-    prefix_caching: bool = True
-    prefill_us_per_token: float = 20.0
-    decode_ms_per_token: float = 0.5
-    read_us_per_block: float = 50.0
-    kv_blocks_ttl: float = 480.0
-    kv_lease_s: float = 30.0
-    kv_recompute_threshold: int = 64
-
-
-def in_process_config(
-    role: Literal["prefill", "decode"], engine_id: str, model_dir: Path, **overrides: Any
-) -> StandinConfig:
-    """An engine for a test's (or a bench's) own event loop: every port picked at start, and no
-    simulated compute, read or decode time (it answers at once)."""
-    instant = {"prefill_us_per_token": 0.0, "decode_ms_per_token": 0.0, "read_us_per_block": 0.0}
-    return StandinConfig(role, 0, 0, 0, 0, engine_id, model_dir, **{**instant, **overrides})
-
-
-def _eos_id(model_dir: Path, tokenizer: Tokenizer) -> int | None:
-    """The model's EOS token id (tokenizer_config.json's `eos_token`), if it names one."""
-    path = model_dir / "tokenizer_config.json"
-    eos = json.loads(path.read_text()).get("eos_token") if path.exists() else None
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    return tokenizer.token_to_id(eos) if isinstance(eos, str) else None
 
 
 class StandinEngine:
@@ -108,7 +64,7 @@ class StandinEngine:
         self.script = script or Script()
         self.transcript = Transcript(recording=record)
         self.tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
-        self.eos_id = _eos_id(config.model_dir, self.tokenizer)
+        self.eos_id = eos_id(config.model_dir, self.tokenizer)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.vocabulary, self.texts = http.plain_vocabulary(self.tokenizer)
         self.cache = KvCache(config.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
@@ -295,14 +251,8 @@ class StandinEngine:
             count = 1 if prefill else req.max_tokens or http.DEFAULT_MAX_TOKENS
             ids = output_tokens(content, count, self.vocabulary)
             return http.apply_stops(ids, [self.texts[i] for i in ids], req.stops)
-        tok = self.tokenizer
-        ids = tok.encode(text, add_special_tokens=False).ids
-        texts = [tok.decode(ids[: i + 1])[len(tok.decode(ids[:i])) :] for i in range(len(ids))]
-        if self.eos_id is not None:
-            ids, texts = [*ids, self.eos_id], [*texts, ""]
         limit = 1 if prefill else req.max_tokens
-        ends = self.eos_id is not None and (limit is None or limit >= len(ids))
-        return http.apply_stops(ids[:limit], texts[:limit], req.stops, "stop" if ends else "length")
+        return scripted_answer(text, self.tokenizer, self.eos_id, limit, req.stops)
 
     async def _stream(
         self,
@@ -438,29 +388,8 @@ class StandinEngine:
             await self.stop()
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m deploy.standin.engine", description=__doc__.split("\n")[0])
-    ap.add_argument("--role", choices=("prefill", "decode"), required=True)
-    for name in ("port", "side-channel-port", "kv-events-port", "kv-replay-port"):
-        ap.add_argument(f"--{name}", type=int, required=True)
-    ap.add_argument("--engine-id", required=True)
-    ap.add_argument("--model-dir", type=Path, required=True, help="its tokenizer.json: the output vocabulary")
-    ap.add_argument("--served-model-name", default="m")
-    ap.add_argument("--host", default=HOST)
-    ap.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
-    for name, kind, default in (
-        ("block-size", int, 32), ("num-blocks", int, 4096), ("max-model-len", int, 8192),
-        ("prefill-us-per-token", float, 20.0), ("decode-ms-per-token", float, 0.5),
-        ("read-us-per-block", float, 50.0), ("kv-blocks-ttl", float, 480.0), ("kv-lease-s", float, 30.0),
-        ("kv-recompute-threshold", int, 64),
-    ):  # fmt: skip
-        ap.add_argument(f"--{name}", type=kind, default=default)
-    return ap
-
-
 def main() -> None:
-    args = vars(_parser().parse_args())
-    config = StandinConfig(**args)
+    config = config_from_argv(description=(__doc__ or "").split("\n")[0])
 
     async def run() -> None:
         stop = asyncio.Event()

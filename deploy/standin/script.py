@@ -12,8 +12,14 @@ stack) has the default script, which changes nothing, and records nothing.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from tokenizers import Tokenizer
+
+from deploy.standin.http import Answer, apply_stops
 
 
 @dataclass
@@ -63,3 +69,25 @@ class Transcript:
     def answer(self, token_ids: list[int], params: dict[str, Any] | None) -> None:
         if self.recording:
             self.answers.append({"token_ids": token_ids, "kv_transfer_params": params})
+
+
+def eos_id(model_dir: Path, tokenizer: Tokenizer) -> int | None:
+    """The model's EOS token id (tokenizer_config.json's `eos_token`), if it names one."""
+    path = model_dir / "tokenizer_config.json"
+    eos = json.loads(path.read_text()).get("eos_token") if path.exists() else None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return tokenizer.token_to_id(eos) if isinstance(eos, str) else None
+
+
+def scripted_answer(
+    text: str, tokenizer: Tokenizer, eos: int | None, limit: int | None, stops: list[str]
+) -> Answer:
+    """What a model that says exactly `text` answers: its tokens (each piece's text as the
+    detokenizer adds it) then EOS, cut at `limit` tokens ("length") or ended by EOS ("stop"),
+    and vLLM's stop strings."""
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    texts = [tokenizer.decode(ids[: i + 1])[len(tokenizer.decode(ids[:i])) :] for i in range(len(ids))]
+    if eos is not None:
+        ids, texts = [*ids, eos], [*texts, ""]
+    ends = eos is not None and (limit is None or limit >= len(ids))
+    return apply_stops(ids[:limit], texts[:limit], stops, "stop" if ends else "length")

@@ -14,7 +14,8 @@ from typing import Any, Literal
 import aiohttp
 import jinja2
 import jinja2.ext
-from deploy.standin.engine import StandinEngine, in_process_config
+from deploy.standin.config import in_process_config
+from deploy.standin.engine import StandinEngine
 from deploy.standin.script import Script
 from deploy.standin.tokenizer import CHAT_TEMPLATE, WORDS
 from jinja2.sandbox import ImmutableSandboxedEnvironment
