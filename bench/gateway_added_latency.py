@@ -3,9 +3,10 @@ multi-turn chats, every piece in its own process as deployed.
 
     python -m bench.gateway_added_latency [--conversations 20] [--turns 8] [--stream]
 
-A registry and a router (the console scripts), the two fake engines (tests/gateway/fake_engine.py:
-the HTTP protocol only, they answer at once), and `kvshuttle-gateway` (JSON logs, tracing on
-without an exporter, the tokenizer-verification sampling at its default). The client sends one
+A registry and a router (the console scripts), two stand-in engines (deploy/standin: vLLM's
+HTTP surface and KV transfer without a model, no simulated compute: they answer at once), and
+`kvshuttle-gateway` (JSON logs, tracing on without an exporter, the tokenizer-verification
+sampling at its default). The client sends one
 request at a time and reads the gateway's `request.done` lines: `added_ms` (wall time less the
 prefill and decode requests: parse, tokenize, PlanTurn, the engines' JSON, the response), and
 its parts; the commits, which run after the response, from their `turn.committed` lines. Then,
@@ -36,10 +37,11 @@ import grpc
 from google.protobuf.duration_pb2 import Duration
 
 ROOT = Path(__file__).resolve().parents[1]
-# The tokenizer is made by the gateway tests' helper, which lives in the repo, not the venv.
+# The stand-in engine and its tokenizer live in the repo (deploy/), not the venv.
 sys.path.insert(0, str(ROOT))
 
-from tests.gateway.helpers import WORDS, make_tokenizer  # noqa: E402
+from deploy.standin.launcher import StandinEngineProcess, StandinPair  # noqa: E402
+from deploy.standin.tokenizer import WORDS, make_tokenizer  # noqa: E402
 
 from bench.report import save  # noqa: E402
 from kvshuttle.gateway.config import ModelSettings  # noqa: E402
@@ -48,6 +50,7 @@ from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb  # noqa: E402
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as reg_grpc  # noqa: E402
 
 MODEL = "Qwen/Qwen3-32B"
+BLOCK_SIZE = 16
 PROFILES = ROOT / "deploy" / "profiles" / "qwen3-32b-h200.toml"
 BIN = Path(sys.executable).parent
 
@@ -77,24 +80,24 @@ async def wait_http(url: str) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-async def register(address: str, prefill: int, decode: int) -> None:
+async def register(address: str, pair: StandinPair) -> None:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = reg_grpc.RegistryServiceStub(channel)
         await asyncio.wait_for(channel.channel_ready(), 30)
-        for name, role, port in (
-            ("nodes/p0", reg_pb.NODE_ROLE_PREFILL, prefill),
-            ("nodes/d0", reg_pb.NODE_ROLE_DECODE, decode),
-        ):
-            short = name.removeprefix("nodes/")
+        engines: tuple[tuple[str, reg_pb.NodeRole.ValueType, StandinEngineProcess], ...] = (
+            ("nodes/p0", reg_pb.NODE_ROLE_PREFILL, pair.prefill),
+            ("nodes/d0", reg_pb.NODE_ROLE_DECODE, pair.decode),
+        )
+        for name, role, engine in engines:
             node = reg_pb.Node(
                 name=name,
                 role=role,
-                engine_id=f"engine-{short}",
-                http_endpoint=f"http://127.0.0.1:{port}",
-                side_channel_host="127.0.0.1",
-                side_channel_port=5600,
+                engine_id=engine.engine_id,
+                http_endpoint=engine.url,
+                side_channel_host=engine.spec.host,
+                side_channel_port=engine.spec.side_channel_port,
                 model=MODEL,
-                block_size=16,
+                block_size=BLOCK_SIZE,
                 kv_bytes_per_token=262144,
             )
             ttl = Duration(seconds=300)  # the registry's maximum: the run is shorter
@@ -179,7 +182,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     # GW_PROFILE=/tmp/gw.prof: the gateway runs under cProfile (written when it stops).
     profile = ["-m", "cProfile", "-o", os.environ["GW_PROFILE"]] if os.environ.get("GW_PROFILE") else []
     model_dir = make_tokenizer(work / "model")
-    registry, router, prefill, decode, gateway = (free_port() for _ in range(5))
+    registry, router, gateway = (free_port() for _ in range(3))
+    engines = StandinPair(
+        model_dir,
+        log_dir=work / "engines",
+        served_model_name=MODEL,
+        block_size=BLOCK_SIZE,
+        prefill_us_per_token=0.0,
+        decode_ms_per_token=0.0,
+        read_us_per_block=0.0,
+    )
+    engines.start()
     procs = [
         spawn(
             [str(BIN / "kvshuttle-registry")],
@@ -197,12 +210,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             work / "router.log",
         ),
         spawn(
-            [sys.executable, str(ROOT / "tests/gateway/fake_engine.py"), str(model_dir / "tokenizer.json"),
-             str(prefill), str(decode)],
-            {},
-            work / "engines.log",
-        ),
-        spawn(
             [sys.executable, *profile, "-m", "kvshuttle.gateway.main"],
             {"KVSHUTTLE_GATEWAY_LISTEN": f"127.0.0.1:{gateway}",
              "KVSHUTTLE_GATEWAY_ROUTER__ADDRESS": f"127.0.0.1:{router}",
@@ -212,7 +219,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         ),
     ]  # fmt: skip
     try:
-        await register(f"127.0.0.1:{registry}", prefill, decode)
+        await register(f"127.0.0.1:{registry}", engines)
         url = f"http://127.0.0.1:{gateway}"
         await wait_http(url + "/health")
         await drive(url, 2, 2, args.stream, args.system_words)  # warm-up
@@ -225,6 +232,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             proc.terminate()
         for proc in procs:
             proc.wait(10)
+        engines.stop()
     lines = [
         json.loads(x) for x in (work / "gateway.log").read_text().splitlines()[warm:] if x.startswith("{")
     ]

@@ -7,7 +7,7 @@ Every piece is its own process as deployed (deploy.local.control_plane): one reg
 memory), three routers sharing a turn-signing key, and two `kvshuttle-gateway` processes over
 the same three router addresses, one with ROUTER__AFFINITY=round_robin (one channel balancing
 every call) and one with ROUTER__AFFINITY=conversation (kvshuttle.gateway.affinity). The
-engines are stand-ins in this process (tests/gateway/fake_engine.py: vLLM's HTTP surface and
+engines are stand-ins in this process (deploy/standin/engine.py: vLLM's HTTP surface and
 kv_transfer_params, no model, answers at once). The same chats run through both gateways at
 once (so both see the same machine), on conversations of their own: `--conversations` chats of
 `--turns` turns per gateway, up to `--concurrency` chats at a time each, each chat's turns one
@@ -41,19 +41,20 @@ from typing import Any
 import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the stand-in engine and tokenizer helper live in tests/
+sys.path.insert(0, str(ROOT))  # deploy/ (the control plane, the stand-in engine) is not installed
 
 from deploy.local.control_plane import ControlPlane  # noqa: E402
 from deploy.local.processes import free_ports  # noqa: E402
-from tests.gateway.fake_engine import BS, FakeEngine  # noqa: E402
-from tests.gateway.helpers import WORDS, make_tokenizer  # noqa: E402
-from tokenizers import Tokenizer  # noqa: E402
+from deploy.standin.config import in_process_config  # noqa: E402
+from deploy.standin.engine import StandinEngine  # noqa: E402
+from deploy.standin.tokenizer import WORDS, make_tokenizer  # noqa: E402
 
 from bench.report import save  # noqa: E402
 from kvshuttle.core.digest import log_name  # noqa: E402
 
 MODEL = "Qwen/Qwen3-32B"
 MODES = ("round_robin", "conversation")
+BS = 16  # the engines' block size, as registered
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -180,20 +181,24 @@ def summarize(plans: list[dict[str, Any]], gateway: list[dict[str, Any]], wall_s
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="kvshuttle-router-replicas-"))
     model_dir = make_tokenizer(work / "model")
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    eos = tokenizer.token_to_id("</s>") or 0
-    prefill = FakeEngine("prefill", "engine-p0", tokenizer, eos)
-    decode = FakeEngine("decode", "engine-d0", tokenizer, eos)
+    # Room for every conversation's retained KV (held 480 s) with the prefix cache beside it.
+    common: dict[str, Any] = {"served_model_name": MODEL, "block_size": BS, "num_blocks": 65536}
+    prefill = StandinEngine(in_process_config("prefill", "engine-p0", model_dir, **common))
+    decode = StandinEngine(in_process_config("decode", "engine-d0", model_dir, **common))
     report: dict[str, Any] = {}
     with ControlPlane(work / "plane", routers=3) as plane:
         await prefill.start()
         await decode.start()
-        plane.register_node(
-            "nodes/p0", "prefill", http_endpoint=prefill.url, model=MODEL, engine_id="engine-p0"
-        )
-        plane.register_node(
-            "nodes/d0", "decode", http_endpoint=decode.url, model=MODEL, engine_id="engine-d0"
-        )
+        for name, engine in (("nodes/p0", prefill), ("nodes/d0", decode)):
+            plane.register_node(
+                name,
+                engine.config.role,
+                http_endpoint=engine.url,
+                model=MODEL,
+                engine_id=engine.config.engine_id,
+                block_size=BS,
+                side_channel_port=engine.side_channel_port,
+            )
         ports = dict(zip(MODES, free_ports(len(MODES)), strict=True))
         gateways = {m: spawn_gateway(plane, m, ports[m], model_dir, work) for m in MODES}
         try:

@@ -23,104 +23,68 @@ the output (deploy/standin/kv.py), so reuse of the wrong blocks is visible in th
   `kv_load_failure_policy: recompute`), counted in `standin_kv_load_failures_total`.
 * KV events: ZMQ PUB on `--kv-events-port` (`[topic, seq, msgpack [ts, [events], 0]]`, one
   batch per request that changed the cache) and the replay ROUTER on `--kv-replay-port`, in
-  vLLM's frame shapes (kvshuttle.vllm.kv_events decodes them).
+  vLLM's frame shapes (deploy/standin/events.py; kvshuttle.vllm.kv_events decodes them).
 * `GET /standin/timings?clear=1`: each request's own time in the engine (receipt to last byte),
   by X-Request-Id, bounded; what bench/load.py subtracts to get the control plane's time.
+
+In a test's own process (`config.in_process_config`: ports picked at start, no simulated time),
+`await engine.start()` / `await engine.stop()`, with a `Script` of answers and faults and a
+`Transcript` of what was asked (deploy/standin/script.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import signal
 import time
 import uuid
-from collections import OrderedDict, deque
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Final, Literal
+from collections import OrderedDict
+from typing import Any, Final
 
 import aiohttp
-import msgpack
-import zmq
-import zmq.asyncio
 from aiohttp import web
 from tokenizers import Tokenizer
 
 from deploy.standin import http
+from deploy.standin.config import StandinConfig, config_from_argv
+from deploy.standin.events import EventPublisher
 from deploy.standin.kv import CacheFull, KvCache, output_tokens, vllm_block_hashes
+from deploy.standin.script import Script, Transcript, eos_id, scripted_answer
 
-HOST: Final = "127.0.0.1"
-TOPIC: Final = b"kv-events"
-_END_SEQ: Final = b"\xff" * 8
-_REPLAY_BUFFER: Final = 10_000  # vLLM's default buffer_steps
 _MAX_TIMINGS: Final = 200_000
 
 
-@dataclass(frozen=True)
-class StandinConfig:
-    role: Literal["prefill", "decode"]
-    port: int
-    side_channel_port: int
-    kv_events_port: int
-    kv_replay_port: int
-    engine_id: str
-    model_dir: Path
-    served_model_name: str = "m"
-    host: str = HOST
-    block_size: int = 32
-    num_blocks: int = 4096
-    max_model_len: int = 8192
-    prefix_caching: bool = True
-    prefill_us_per_token: float = 20.0
-    decode_ms_per_token: float = 0.5
-    read_us_per_block: float = 50.0
-    kv_blocks_ttl: float = 480.0
-    kv_lease_s: float = 30.0
-    kv_recompute_threshold: int = 64
-
-
 class StandinEngine:
-    def __init__(self, config: StandinConfig) -> None:
+    """`script`: answers and faults (none by default); `record`: keep a transcript of every
+    request and answer (in-process tests; a long run would grow it without bound)."""
+
+    def __init__(self, config: StandinConfig, *, script: Script | None = None, record: bool = False) -> None:
         self.config = config
-        tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.vocabulary, self.texts = http.plain_vocabulary(tokenizer)
+        self.script = script or Script()
+        self.transcript = Transcript(recording=record)
+        self.tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
+        self.eos_id = eos_id(config.model_dir, self.tokenizer)
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.vocabulary, self.texts = http.plain_vocabulary(self.tokenizer)
         self.cache = KvCache(config.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
         self.counters = {"requests": 0, "kv_reads": 0, "kv_blocks_read": 0, "kv_load_failures": 0,
                          "kv_reads_declined": 0, "holdings_expired": 0}  # fmt: skip
         self.running = 0
         self.timings: OrderedDict[str, float] = OrderedDict()
-        self._seq = 0
-        self._replay: deque[tuple[int, bytes]] = deque(maxlen=_REPLAY_BUFFER)
-        self._zmq = zmq.asyncio.Context()
-        self._pub = self._zmq.socket(zmq.PUB)
-        self._router = self._zmq.socket(zmq.ROUTER)
+        self.events = EventPublisher()
+        # Where it listens, once started (the configured ports, or the ones picked for port 0).
+        self.url = ""
+        self.side_channel_port = config.side_channel_port
+        self.events_endpoint = self.replay_endpoint = ""
         self._session: aiohttp.ClientSession | None = None
-
-    # -- KV events ---------------------------------------------------------------------------
+        self._runners: list[web.AppRunner] = []
+        self._expiry: asyncio.Task[None] | None = None
 
     def publish(self) -> None:
-        """The cache's events since the last call, as one batch (none: nothing sent)."""
+        """The cache's events since the last call, as one batch."""
         events, self.cache.events = self.cache.events, []
-        if not events:
-            return
-        payload = bytes(msgpack.packb([time.time(), events, 0]))
-        seq, self._seq = self._seq, self._seq + 1
-        self._replay.append((seq, payload))
-        self._pub.send_multipart([TOPIC, seq.to_bytes(8, "big"), payload])
-
-    async def _serve_replay(self) -> None:
-        while True:
-            frames = await self._router.recv_multipart()
-            if len(frames) != 3 or len(frames[2]) != 8:
-                continue
-            identity, start = frames[0], int.from_bytes(frames[2], "big")
-            for seq, payload in list(self._replay):
-                if seq >= start:
-                    await self._router.send_multipart([identity, b"", TOPIC, seq.to_bytes(8, "big"), payload])
-            await self._router.send_multipart([identity, b"", b"", _END_SEQ, b""])
+        self.events.publish(events)
 
     # -- the side channel (NIXL READ + notification) -----------------------------------------
 
@@ -213,7 +177,7 @@ class StandinEngine:
             "remote_engine_id": self.config.engine_id,
             "remote_request_id": holding,
             "remote_host": self.config.host,
-            "remote_port": self.config.side_channel_port,
+            "remote_port": self.side_channel_port,
             "tp_size": 1,
             "dcp_size": 1,
             "pp_size": 1,
@@ -230,17 +194,26 @@ class StandinEngine:
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         self.running += 1
         self.counters["requests"] += 1
-        cfg = self.config
+        cfg, script = self.config, self.script
         try:
             try:
+                body = await request.json()
+            except ValueError:
+                return http.error_response("the body is not JSON", 400)
+            self.transcript.request(body, dict(request.headers))
+            if script.delay:
+                await asyncio.sleep(script.delay)
+                if request.transport is None or request.transport.is_closing():
+                    self.transcript.cancelled.set()  # the caller went away while we "computed"
+            if script.fail_status is not None:
+                return http.error_response("Internal server error", script.fail_status)
+            try:
                 req = http.parse_completion(
-                    await request.json(),
+                    body,
                     model=cfg.served_model_name,
                     vocab_size=self.vocab_size,
                     max_model_len=cfg.max_model_len,
                 )
-            except ValueError:
-                return http.error_response("the body is not JSON", 400)
             except http.BadRequest as exc:
                 return http.error_response(str(exc), exc.status)
             try:
@@ -257,29 +230,59 @@ class StandinEngine:
         self, request: web.Request, request_id: str, req: http.CompletionRequest
     ) -> web.StreamResponse:
         prompt, salt = req.prompt, req.cache_salt
-        content, found, _ = await self._prompt_kv(prompt, req.kv_transfer_params, salt)
-        cfg = self.config
-        max_tokens = 1 if cfg.role == "prefill" else req.max_tokens  # prefill answers one token
-        ids = output_tokens(content, max_tokens, self.vocabulary)
-        answer = http.apply_stops(ids, [self.texts[i] for i in ids], req.stops)
-        out_params = (
-            None
-            if answer.aborted
-            else self._retain(prompt, content, answer.ids, found, req.kv_transfer_params, salt)
-        )
+        got = req.kv_transfer_params if self.script.kv_connector else {}
+        content, found, _ = await self._prompt_kv(prompt, got, salt)
+        answer = self._answer(content, req)
+        out_params = None if answer.aborted else self._retain(prompt, content, answer.ids, found, got, salt)
+        self.transcript.answer(answer.ids, out_params)
         used = http.usage(prompt, answer.ids, found)
-        top = http.head(request_id, cfg.served_model_name)
+        top = http.head(request_id, self.config.served_model_name)
         if req.stream:
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await response.prepare(request)
-            for chunk in http.sse_chunks(req, top, answer, out_params):
-                await asyncio.sleep(self._per_token_s)
+            return await self._stream(request, req, top, answer, out_params, used)
+        await asyncio.sleep(self._per_token_s * len(answer.ids))
+        return web.json_response(http.completion_body(req, top, answer, out_params, used))
+
+    def _answer(self, content: list[int], req: http.CompletionRequest) -> http.Answer:
+        """The output: the script's text (then EOS) if it has one, else the tokens the KV
+        content decides; prefill answers one token."""
+        prefill = self.config.role == "prefill"
+        text = self.script.answer
+        if text is None:
+            count = 1 if prefill else req.max_tokens or http.DEFAULT_MAX_TOKENS
+            ids = output_tokens(content, count, self.vocabulary)
+            return http.apply_stops(ids, [self.texts[i] for i in ids], req.stops)
+        limit = 1 if prefill else req.max_tokens
+        return scripted_answer(text, self.tokenizer, self.eos_id, limit, req.stops)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        req: http.CompletionRequest,
+        top: dict[str, Any],
+        answer: http.Answer,
+        params: dict[str, Any] | None,
+        used: dict[str, Any],
+    ) -> web.StreamResponse:
+        script = self.script
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            chunks = http.sse_chunks(req, top, answer, params if script.stream_params else None)
+            for i, chunk in enumerate(chunks):
+                if i == script.fail_after_tokens:
+                    await response.write(http.sse_error("EngineCore died", 500))
+                    return response
+                await asyncio.sleep(self._per_token_s + script.token_delay)
                 await response.write(chunk)
             await response.write(http.sse_tail(req, top, used))
             await response.write_eof()
-            return response
-        await asyncio.sleep(self._per_token_s * len(answer.ids))
-        return web.json_response(http.completion_body(req, top, answer, out_params, used))
+            self.transcript.finished_streams += 1
+        except asyncio.CancelledError:
+            self.transcript.cancelled.set()
+            raise
+        except ConnectionResetError:  # the client closed the connection: vLLM aborts the request
+            self.transcript.cancelled.set()
+        return response
 
     @property
     def _per_token_s(self) -> float:
@@ -336,12 +339,12 @@ class StandinEngine:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def serve(self, stop: asyncio.Event) -> None:
+    async def start(self) -> None:
+        """Listen (HTTP, the side channel, KV events); `url` and the ports are then set."""
         cfg = self.config
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(f"tcp://{cfg.host}:{cfg.kv_events_port}")
-        self._router.bind(f"tcp://{cfg.host}:{cfg.kv_replay_port}")
+        self.events_endpoint, self.replay_endpoint = self.events.bind(
+            cfg.host, cfg.kv_events_port, cfg.kv_replay_port
+        )
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         side = web.Application()
         side.router.add_post("/kv/read", self._kv_read)
@@ -351,50 +354,42 @@ class StandinEngine:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/standin/timings", self._timings)
-        runners = [web.AppRunner(side, access_log=None), web.AppRunner(app, access_log=None)]
-        tasks = [asyncio.create_task(self._serve_replay()), asyncio.create_task(self._expire())]
+        self._expiry = asyncio.create_task(self._expire())
+        ports = []
+        for application, port in ((side, cfg.side_channel_port), (app, cfg.port)):
+            runner = web.AppRunner(application, access_log=None)
+            self._runners.append(runner)
+            await runner.setup()
+            await web.TCPSite(runner, cfg.host, port).start()
+            ports.append(runner.addresses[0][1])
+        self.side_channel_port = ports[0]
+        self.url = f"http://{cfg.host}:{ports[1]}"
+
+    async def stop(self) -> None:
+        """Stop listening (a test may stop an engine before its cluster stops it again)."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry
+            self._expiry = None
+        while self._runners:
+            await self._runners.pop().cleanup()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        await self.events.close()
+
+    async def serve(self, stop: asyncio.Event) -> None:
         try:
-            for runner, port in zip(runners, (cfg.side_channel_port, cfg.port), strict=True):
-                await runner.setup()
-                await web.TCPSite(runner, cfg.host, port).start()
-            print(f"standin {cfg.role} {cfg.engine_id} ready on http://{cfg.host}:{cfg.port}", flush=True)
+            await self.start()
+            print(f"standin {self.config.role} {self.config.engine_id} ready on {self.url}", flush=True)
             await stop.wait()
         finally:
-            for task in tasks:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            for runner in reversed(runners):
-                await runner.cleanup()
-            await self._session.close()
-            self._pub.close(0)
-            self._router.close(0)
-            self._zmq.term()
-
-
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m deploy.standin.engine", description=__doc__.split("\n")[0])
-    ap.add_argument("--role", choices=("prefill", "decode"), required=True)
-    for name in ("port", "side-channel-port", "kv-events-port", "kv-replay-port"):
-        ap.add_argument(f"--{name}", type=int, required=True)
-    ap.add_argument("--engine-id", required=True)
-    ap.add_argument("--model-dir", type=Path, required=True, help="its tokenizer.json: the output vocabulary")
-    ap.add_argument("--served-model-name", default="m")
-    ap.add_argument("--host", default=HOST)
-    ap.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
-    for name, kind, default in (
-        ("block-size", int, 32), ("num-blocks", int, 4096), ("max-model-len", int, 8192),
-        ("prefill-us-per-token", float, 20.0), ("decode-ms-per-token", float, 0.5),
-        ("read-us-per-block", float, 50.0), ("kv-blocks-ttl", float, 480.0), ("kv-lease-s", float, 30.0),
-        ("kv-recompute-threshold", int, 64),
-    ):  # fmt: skip
-        ap.add_argument(f"--{name}", type=kind, default=default)
-    return ap
+            await self.stop()
 
 
 def main() -> None:
-    args = vars(_parser().parse_args())
-    config = StandinConfig(**args)
+    config = config_from_argv(description=(__doc__ or "").split("\n")[0])
 
     async def run() -> None:
         stop = asyncio.Event()

@@ -52,7 +52,7 @@ def error_response(message: str, status: int) -> web.Response:
 @dataclass(frozen=True)
 class CompletionRequest:
     prompt: list[int]
-    max_tokens: int
+    max_tokens: int | None  # None: not given (vLLM's default applies)
     stops: list[str]
     kv_transfer_params: dict[str, Any]
     cache_salt: str | None
@@ -74,13 +74,14 @@ def parse_completion(body: Any, *, model: str, vocab_size: int, max_model_len: i
         raise BadRequest("the stand-in takes token-id prompts only (a non-empty list of ints)")
     if (bad := next((t for t in prompt if not 0 <= t < vocab_size), None)) is not None:
         raise BadRequest(f"Token id {bad} is out of vocabulary")
-    max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    if not isinstance(max_tokens, int) or max_tokens < 1:
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise BadRequest("max_tokens must be at least 1")
-    if len(prompt) + max_tokens > max_model_len:
+    asked = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    if len(prompt) + asked > max_model_len:
         raise BadRequest(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} "
+            f"requested {len(prompt) + asked} tokens ({len(prompt)} in the messages, {asked} "
             "in the completion)."
         )
     stop = body.get("stop")
@@ -111,15 +112,15 @@ class Answer:
     aborted: bool
 
 
-def apply_stops(ids: list[int], texts: list[str], stops: list[str]) -> Answer:
+def apply_stops(ids: list[int], texts: list[str], stops: list[str], finish: str = "length") -> Answer:
     """vLLM's stop strings: a detokenizer match cuts the text before it, then an abort (so
-    nothing is retained)."""
+    nothing is retained); no match: the answer as it is, finished for `finish`."""
     for i in range(len(ids)):
         done = "".join(texts[: i + 1])
         hit = next((s for s in stops if s in done), None)
         if hit is not None:
             return Answer(ids[: i + 1], [done[: done.index(hit)]], "stop", hit, aborted=True)
-    return Answer(ids, texts, "length", None, aborted=False)
+    return Answer(ids, texts, finish, None, aborted=False)
 
 
 def usage(prompt: list[int], ids: list[int], cached: int) -> dict[str, Any]:
@@ -172,6 +173,13 @@ def sse_chunks(
         if last and params is not None:
             chunk["kv_transfer_params"] = params
         yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def sse_error(message: str, status: int) -> bytes:
+    """An error event in place of the rest of a stream (vLLM's, when the engine core dies), then
+    `[DONE]`."""
+    error = {"message": message, "type": "InternalServerError", "param": None, "code": status}
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 def sse_tail(req: CompletionRequest, top: dict[str, Any], used: dict[str, Any]) -> bytes:

@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 from deploy.local.engine_pair import EngineEndpoints
 from deploy.local.processes import free_ports, kill_process, stop_process
 from deploy.local.vllm_engine import new_engine_id
-from deploy.standin.engine import HOST
+from deploy.standin.config import HOST
 from deploy.standin.http import plain_vocabulary
 from deploy.standin.kv import output_tokens
 from kvshuttle.agent.engine import parse_vllm_metrics

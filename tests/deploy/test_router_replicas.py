@@ -26,9 +26,9 @@ import pytest
 from deploy.local.control_plane import ControlPlane
 from deploy.local.redis import redis_available
 from deploy.local.stack import RegistryStore
+from deploy.standin.tokenizer import make_tokenizer
 from prometheus_client import CollectorRegistry
-from tests.gateway.fake_engine import FakeEngine
-from tests.gateway.helpers import conversation_text, make_tokenizer
+from tests.gateway.helpers import conversation_text, standin
 from tests.router.helpers import MODEL, Tokens
 
 from kvshuttle.client import RouterClient
@@ -138,19 +138,19 @@ class Front:
 async def front(tmp_path: Path) -> AsyncIterator[Front]:
     model_dir = make_tokenizer(tmp_path / "model")
     tokenizer = ChatTokenizer.load(MODEL, ModelSettings(tokenizer=model_dir))
-    eos = tokenizer.tokenizer.token_to_id("</s>")
-    assert eos is not None
-    prefill = FakeEngine("prefill", "engine-p0", tokenizer.tokenizer, eos)
-    decode = FakeEngine("decode", "engine-d0", tokenizer.tokenizer, eos)
+    prefill, decode = standin("prefill", model_dir), standin("decode", model_dir)
     with control_plane(tmp_path / "plane") as plane:
         await prefill.start()
         await decode.start()
-        plane.register_node(
-            "nodes/p0", "prefill", http_endpoint=prefill.url, model=MODEL, engine_id="engine-p0"
-        )
-        plane.register_node(
-            "nodes/d0", "decode", http_endpoint=decode.url, model=MODEL, engine_id="engine-d0"
-        )
+        for name, engine in (("nodes/p0", prefill), ("nodes/d0", decode)):
+            plane.register_node(
+                name,
+                engine.config.role,
+                http_endpoint=engine.url,
+                model=MODEL,
+                engine_id=engine.config.engine_id,
+                side_channel_port=engine.side_channel_port,
+            )
         # A replica that failed is passed over for 1 s, doubling up to 2 s: the test sees it back soon.
         router = RouterConnection(
             address=",".join(plane.router_addrs),

@@ -6,7 +6,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from tests.gateway.helpers import Cluster, cluster_fixture, make_tokenizer
+from deploy.standin.tokenizer import make_tokenizer
+from tests.gateway.helpers import Cluster, cluster_fixture
 from tests.router.helpers import MODEL
 
 from kvshuttle.gateway.config import ModelSettings

@@ -1,27 +1,30 @@
-"""What the gateway tests share: a tiny tokenizer made on the spot, and a cluster of a real
-registry and router (in process, over gRPC) with two fake engines and the gateway in front."""
+"""What the gateway tests share: a cluster of a real registry and router (in process, over
+gRPC) with two stand-in engines (deploy/standin, in process, scripted and recorded) and the
+gateway in front."""
 
 from __future__ import annotations
 
 import json
 import random
-import string
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import jinja2
 import jinja2.ext
+from deploy.standin.config import in_process_config
+from deploy.standin.engine import StandinEngine
+from deploy.standin.script import Script
+from deploy.standin.tokenizer import CHAT_TEMPLATE, WORDS
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
-from tests.gateway.fake_engine import FakeEngine
-from tests.router.helpers import MODEL, RouterEnv, heartbeat, node, seconds, start_router
+from tests.router.helpers import BS, MODEL, RouterEnv, heartbeat, node, seconds, start_router
 from tests.support.registry_env import RegistryEnv, start_registry
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
 from kvshuttle.gateway.config import GatewaySettings, ModelSettings, RouterConnection
 from kvshuttle.gateway.main import GatewayServer
@@ -30,61 +33,8 @@ from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 from kvshuttle.serving.settings import TelemetrySettings
 from kvshuttle.serving.tracing import configure_tracing, shutdown_tracing
 
-# ChatML, as the reference model's template (shared/reference/make_model.py), with the block
-# tags on lines of their own so trim_blocks / lstrip_blocks matter.
-CHAT_TEMPLATE = """{% for m in messages %}
-    {% if m['role'] == 'system' and not loop.first %}
-        {{ raise_exception('the system message must come first') }}
-    {% endif %}
-<|im_start|>{{ m['role'] }}
-{{ m['content'] }}<|im_end|>
-{% endfor %}
-{% if add_generation_prompt %}
-<|im_start|>assistant
-{% endif %}"""
-SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<pad>"]
-WORDS = [
-    "the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "an",
-    "be", "are", "have", "it", "not", "this", "which", "or", "prefill", "decode", "cache", "block", "token",
-    "request", "model", "server", "router", "memory", "latency", "transfer", "remote", "local",
-]  # fmt: skip
-
-
-def make_tokenizer(
-    directory: Path, *, vocab: int = 1024, bos_post_processor: bool = True, added_tokens: Sequence[str] = ()
-) -> Path:
-    """A byte-level BPE trained on a small corpus, with the ChatML template, saved as a model
-    directory (tokenizer.json + tokenizer_config.json) the way transformers saves one;
-    `added_tokens` are appended as plain (not special) added tokens, as Qwen's <think>."""
-    rnd = random.Random(0)
-    corpus = [" ".join(rnd.choice(WORDS) for _ in range(rnd.randint(5, 40))) for _ in range(2000)]
-    corpus += ["".join(rnd.choice(string.printable[:95]) for _ in range(200)) for _ in range(500)]
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
-    if bos_post_processor:  # a text prompt with add_special_tokens=True starts with <s>
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-        )
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    config = {
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "pad_token": "<pad>",
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
+# What decode answers (then EOS) unless a test scripts another answer.
+ANSWER = " The cache block moves from decode to prefill and back."
 
 
 def conversation_text(rnd: random.Random, words: int) -> str:
@@ -95,8 +45,8 @@ def conversation_text(rnd: random.Random, words: int) -> str:
 class Cluster:
     registry: RegistryEnv
     router: RouterEnv
-    prefill: FakeEngine
-    decode: FakeEngine
+    prefill: StandinEngine
+    decode: StandinEngine
     gateway: GatewayServer
     url: str
     http: aiohttp.ClientSession
@@ -135,11 +85,33 @@ class Cluster:
         return list((await self.registry.stub.ListRetentions(request)).retentions)
 
 
-async def register(registry: RegistryEnv, name: str, role: reg_pb.NodeRole.ValueType, url: str) -> None:
+async def register(
+    registry: RegistryEnv, name: str, role: reg_pb.NodeRole.ValueType, engine: StandinEngine
+) -> None:
+    """The engine's node, with its side channel: the registry and the router refuse retained KV
+    whose params name another."""
     spec = node(name, role)
-    spec.http_endpoint = url
+    spec.engine_id = engine.config.engine_id
+    spec.http_endpoint = engine.url
+    spec.side_channel_port = engine.side_channel_port
     registered = await registry.stub.RegisterNode(reg_pb.RegisterNodeRequest(node=spec, ttl=seconds(300)))
     await heartbeat(registry, name, registered.node.incarnation)
+
+
+def standin(role: Literal["prefill", "decode"], model_dir: Path) -> StandinEngine:
+    """engine-p0 or engine-d0, answering `ANSWER` at once. Prefill without a prefix cache, as
+    the reuse benchmarks run vLLM: what it reports read (`remote_prefill_cached_tokens`) is
+    then what it read of decode's retained KV."""
+    config = in_process_config(
+        role,
+        f"engine-{role[0]}0",
+        model_dir,
+        served_model_name=MODEL,
+        block_size=BS,
+        num_blocks=16384,
+        prefix_caching=role == "decode",
+    )
+    return StandinEngine(config, script=Script(answer=ANSWER), record=True)
 
 
 async def start_cluster(
@@ -157,18 +129,12 @@ async def start_cluster(
     provider = configure_tracing(TelemetrySettings(), "kvshuttle-gateway-test", exporter=exporter)
     registry = await start_registry()
     router = await start_router(registry, tracer_provider=provider)
-    engine_tok = tokenizer.tokenizer
-    eos = engine_tok.token_to_id("</s>")
-    assert eos is not None
-    prefill = FakeEngine("prefill", "engine-p0", engine_tok, eos, side_channel_port=5600)
-    # Each engine's side channel is its node's as registered (node(): 5600): the registry and
-    # the router refuse retained KV whose params name another.
-    decode = FakeEngine("decode", "engine-d0", engine_tok, eos, side_channel_port=5600)
+    prefill, decode = standin("prefill", model_dir), standin("decode", model_dir)
     await prefill.start()
     await decode.start()
     if nodes:
-        await register(registry, "nodes/p0", reg_pb.NODE_ROLE_PREFILL, prefill.url)
-        await register(registry, "nodes/d0", reg_pb.NODE_ROLE_DECODE, decode.url)
+        await register(registry, "nodes/p0", reg_pb.NODE_ROLE_PREFILL, prefill)
+        await register(registry, "nodes/d0", reg_pb.NODE_ROLE_DECODE, decode)
     settings = GatewaySettings(
         listen="127.0.0.1:0",
         router=RouterConnection(address=f"127.0.0.1:{router.server.port}", timeout=router_timeout),

@@ -50,8 +50,6 @@ def keyed_settings() -> dict[str, Any]:
 @pytest.fixture
 async def keyed(model_dir: Path, chat_tokenizer: ChatTokenizer) -> AsyncIterator[Cluster]:
     async for cluster in cluster_fixture(model_dir, chat_tokenizer, **keyed_settings()):
-        # Decode's params name its side channel as registered (the registry checks them).
-        cluster.decode.side_channel_port = 5600
         yield cluster
 
 
@@ -79,7 +77,7 @@ async def test_prefill_and_decode_get_the_tenants_salt_and_the_router_its_digest
     for n, headers in enumerate((ACME, GLOBEX)):
         status, _ = await send(path, body, **headers)
         assert status == 200
-        p, d = keyed.prefill.requests[n].body, keyed.decode.requests[n].body
+        p, d = keyed.prefill.transcript.requests[n].body, keyed.decode.transcript.requests[n].body
         tenant = "acme" if headers is ACME else "globex"
         salt = SALTS.salt(tenant)
         assert p["cache_salt"] == d["cache_salt"] == salt
@@ -88,8 +86,14 @@ async def test_prefill_and_decode_get_the_tenants_salt_and_the_router_its_digest
         root = salted_root(cache_salt_digest(salt))
         assert await first_block_hash(keyed, tenant) == chain_hashes(p["prompt"][:BS], BS, parent=root)[0]
     # The same tokens, two tenants: two salts, two chains.
-    assert keyed.prefill.requests[0].body["prompt"] == keyed.prefill.requests[1].body["prompt"]
-    assert keyed.prefill.requests[0].body["cache_salt"] != keyed.prefill.requests[1].body["cache_salt"]
+    assert (
+        keyed.prefill.transcript.requests[0].body["prompt"]
+        == keyed.prefill.transcript.requests[1].body["prompt"]
+    )
+    assert (
+        keyed.prefill.transcript.requests[0].body["cache_salt"]
+        != keyed.prefill.transcript.requests[1].body["cache_salt"]
+    )
     assert await first_block_hash(keyed, "acme") != await first_block_hash(keyed, "globex")
 
 
@@ -99,10 +103,10 @@ async def test_a_clients_salt_partitions_its_tenants_cache_and_is_never_forwarde
     messages = first_messages()
     status, body = await keyed.post(CHAT, chat(messages, conversation_id="c-2", cache_salt="user-7"), **ACME)
     assert status == 200
-    salt = keyed.prefill.requests[0].body["cache_salt"]
-    assert salt == keyed.decode.requests[0].body["cache_salt"] == SALTS.salt("acme", "user-7")
+    salt = keyed.prefill.transcript.requests[0].body["cache_salt"]
+    assert salt == keyed.decode.transcript.requests[0].body["cache_salt"] == SALTS.salt("acme", "user-7")
     assert salt not in (SALTS.salt("acme"), "user-7") and "user-7" not in json.dumps(
-        keyed.prefill.requests[0].body
+        keyed.prefill.transcript.requests[0].body
     )
     following = [*messages, body["choices"][0]["message"], {"role": "user", "content": "And then?"}]
 
@@ -117,16 +121,16 @@ async def test_a_clients_salt_partitions_its_tenants_cache_and_is_never_forwarde
             "prefix_mismatch",
         )
     await keyed.gateway.gateway.settle()
-    assert "kv_transfer_params" in keyed.prefill.requests[1].body
-    assert keyed.prefill.requests[1].body["kv_transfer_params"] == {
+    assert "kv_transfer_params" in keyed.prefill.transcript.requests[1].body
+    assert keyed.prefill.transcript.requests[1].body["kv_transfer_params"] == {
         "do_remote_decode": True,
         "do_remote_prefill": False,
     }
     # The same salt again: the next turn reuses.
-    second = keyed.decode.answers[1]
+    second = keyed.decode.transcript.answers[1]
     again = [
         *following,
-        {"role": "assistant", "content": keyed.decode.answer},
+        {"role": "assistant", "content": keyed.decode.script.answer},
         {"role": "user", "content": "Ok?"},
     ]
     async with keyed.http.post(
@@ -135,7 +139,7 @@ async def test_a_clients_salt_partitions_its_tenants_cache_and_is_never_forwarde
         assert response.status == 200
         assert response.headers["X-Kvshuttle-Decision"] == "reuse", dict(response.headers)
     await keyed.gateway.gateway.settle()
-    assert reference_ids(model_dir, again)[:BS] == keyed.prefill.requests[2].body["prompt"][:BS]
+    assert reference_ids(model_dir, again)[:BS] == keyed.prefill.transcript.requests[2].body["prompt"][:BS]
     assert second["kv_transfer_params"]["remote_engine_id"] == "engine-d0"
 
 
@@ -143,7 +147,7 @@ async def test_a_clients_salt_partitions_its_tenants_cache_and_is_never_forwarde
 async def test_a_salt_vllm_would_refuse_is_a_400(keyed: Cluster, bad: Any) -> None:
     status, body = await keyed.post(CHAT, chat(first_messages(), cache_salt=bad), **ACME)
     assert status == 400 and body["error"]["param"] == "cache_salt"
-    assert keyed.prefill.requests == []
+    assert keyed.prefill.transcript.requests == []
 
 
 def test_salts_are_per_tenant_per_key_and_per_client_salt() -> None:
@@ -190,11 +194,10 @@ class DebugJsonLog(JsonLog):
 async def test_no_log_line_of_a_turn_names_its_conversation(
     model_dir: Path, chat_tokenizer: ChatTokenizer
 ) -> None:
-    """A full conversation through the real registry and router and the gateway (fake engines):
+    """A full conversation through the real registry and router and the gateway (stand-in engines):
     a recompute, a reuse (claim, release, put), a streamed turn and an aborted one."""
     log = DebugJsonLog()
     c = await start_cluster(model_dir, chat_tokenizer, **keyed_settings())
-    c.decode.side_channel_port = 5600
     try:
         messages = first_messages()
         status, body = await c.post(CHAT, chat(messages, conversation_id=CONVERSATION_ID), **ACME)
@@ -202,8 +205,11 @@ async def test_no_log_line_of_a_turn_names_its_conversation(
         messages += [body["choices"][0]["message"], {"role": "user", "content": "And then?"}]
         status, _ = await c.stream(CHAT, chat(messages, conversation_id=CONVERSATION_ID), **ACME)
         assert status == 200
-        messages += [{"role": "assistant", "content": c.decode.answer}, {"role": "user", "content": "Ok."}]
-        c.decode.fail_status = 500  # this turn aborts, releasing its claim
+        messages += [
+            {"role": "assistant", "content": c.decode.script.answer},
+            {"role": "user", "content": "Ok."},
+        ]
+        c.decode.script.fail_status = 500  # this turn aborts, releasing its claim
         status, _ = await c.post(CHAT, chat(messages, conversation_id=CONVERSATION_ID), **ACME)
         assert status == 502
     finally:
@@ -215,7 +221,7 @@ async def test_no_log_line_of_a_turn_names_its_conversation(
 
     conversation = f"tenants/acme/conversations/{CONVERSATION_ID}"
     assert CONVERSATION_ID not in text
-    for salt in {r.body["cache_salt"] for r in c.prefill.requests}:
+    for salt in {r.body["cache_salt"] for r in c.prefill.transcript.requests}:
         assert salt not in text  # nor the engines' salts
     # The lines still join: the gateway's digest is the one inside the names the router and the
     # registry log.

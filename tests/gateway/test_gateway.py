@@ -1,4 +1,4 @@
-"""The gateway end to end: a real registry and router in process over gRPC, two fake engines
+"""The gateway end to end: a real registry and router in process over gRPC, two stand-in engines
 speaking vLLM's HTTP protocol, and the gateway in front, called over HTTP as a client would.
 
 What a user and the lead's benchmark rely on: the engines get exactly what vLLM needs
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import random
 import re
@@ -22,6 +23,7 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from structlog.testing import capture_logs
 from tests.gateway.helpers import (
+    ANSWER,
     CHAT,
     Cluster,
     chat,
@@ -78,7 +80,7 @@ async def test_chat_turn_sends_the_engines_what_vllm_needs_and_commits_the_seque
     prompt = reference_ids(model_dir, messages)
 
     # Prefill: the token-id prompt, one token, not streamed, the plan's (first-turn) params.
-    (p,) = c.prefill.requests
+    (p,) = c.prefill.transcript.requests
     assert p.body["prompt"] == prompt
     assert (p.body["max_tokens"], p.body["stream"]) == (1, False)
     assert p.body["kv_transfer_params"] == FIRST_TURN_PARAMS
@@ -86,9 +88,9 @@ async def test_chat_turn_sends_the_engines_what_vllm_needs_and_commits_the_seque
     assert (p.body["temperature"], p.body["seed"], p.body["top_p"]) == (0.0, 7, 0.9)
     assert "conversation_id" not in p.body and "messages" not in p.body
     # Decode: the same prompt, P's params exactly as P returned them, the client's sampling.
-    (d,) = c.decode.requests
+    (d,) = c.decode.transcript.requests
     assert d.body["prompt"] == prompt
-    assert d.body["kv_transfer_params"] == c.prefill.answers[0]["kv_transfer_params"]
+    assert d.body["kv_transfer_params"] == c.prefill.transcript.answers[0]["kv_transfer_params"]
     assert (d.body["return_token_ids"], d.body["stream"], d.body["max_tokens"]) == (True, False, 64)
     assert (d.body["temperature"], d.body["seed"], d.body["top_p"]) == (0.0, 7, 0.9)
     assert "conversation_id" not in d.body
@@ -99,15 +101,15 @@ async def test_chat_turn_sends_the_engines_what_vllm_needs_and_commits_the_seque
     assert body["model"] == MODEL and isinstance(body["created"], int)
     (choice,) = body["choices"]
     assert choice["index"] == 0 and choice["finish_reason"] == "stop"
-    assert choice["message"] == {"role": "assistant", "content": c.decode.answer}
-    output = c.decode.answers[0]["token_ids"]
+    assert choice["message"] == {"role": "assistant", "content": c.decode.script.answer}
+    output = c.decode.transcript.answers[0]["token_ids"]
     assert body["usage"]["completion_tokens"] == len(output)
     assert "kv_transfer_params" not in json.dumps(body) and "token_ids" not in choice
 
     # The commit: a retention of prompt + output, as decode holds it (its last token has no KV).
     (retention,) = await c.retentions()
     sequence = prompt + output
-    held = c.decode.answers[0]["kv_transfer_params"]
+    held = c.decode.transcript.answers[0]["kv_transfer_params"]
     assert retention.name == "tenants/default/conversations/conv-1/retentions/1"
     assert retention.node == "nodes/d0"
     assert retention.num_tokens == len(sequence) - 1 == held["remote_num_tokens"]
@@ -142,15 +144,15 @@ async def test_the_next_turn_reads_the_retained_kv_truncated_to_the_verified_pre
     assert status == 200
     answer = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1] if e["choices"])
     first_prompt = reference_ids(model_dir, messages)
-    first = first_prompt + c.decode.answers[0]["token_ids"]
-    held = c.decode.answers[0]["kv_transfer_params"]
+    first = first_prompt + c.decode.transcript.answers[0]["token_ids"]
+    held = c.decode.transcript.answers[0]["kv_transfer_params"]
 
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And after that?"}]
     with capture_logs() as logs:
         status, body = await c.post(CHAT, chat(messages), **{"X-Conversation-ID": "conv-2"})
     assert status == 200, body
     prompt = reference_ids(model_dir, messages)
-    p = c.prefill.requests[1].body
+    p = c.prefill.transcript.requests[1].body
     assert p["prompt"] == prompt
     params = p["kv_transfer_params"]
     assert (params["do_remote_decode"], params["do_remote_prefill"]) == (True, False)
@@ -165,7 +167,10 @@ async def test_the_next_turn_reads_the_retained_kv_truncated_to_the_verified_pre
     common = next(i for i, (a, b) in enumerate(zip(prompt, first, strict=False)) if a != b)
     assert reused == min(common, held["remote_num_tokens"])
     # Decode gets what prefill answered on this turn, unchanged.
-    assert c.decode.requests[1].body["kv_transfer_params"] == c.prefill.answers[1]["kv_transfer_params"]
+    assert (
+        c.decode.transcript.requests[1].body["kv_transfer_params"]
+        == c.prefill.transcript.answers[1]["kv_transfer_params"]
+    )
 
     (line,) = request_lines(logs)
     assert (line["decision"], line["reason"], line["generation"]) == ("reuse", "reuse_cheaper", 2)
@@ -196,7 +201,7 @@ async def test_the_answer_does_not_wait_for_the_commit_but_the_next_turn_does(
     with capture_logs() as logs:
         turn2 = asyncio.create_task(c.post(CHAT, chat(messages, conversation_id="conv-bg")))
         await asyncio.sleep(0.2)
-        assert not turn2.done() and len(c.prefill.requests) == 1  # waiting for turn 1's commit
+        assert not turn2.done() and len(c.prefill.transcript.requests) == 1  # waiting for turn 1's commit
         release.set()
         status, _ = await turn2
     assert status == 200
@@ -228,25 +233,25 @@ async def test_a_streamed_chat_is_valid_openai_and_the_final_chunk_params_are_co
     assert all(e["object"] == "chat.completion.chunk" and e["model"] == MODEL for e in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in chunks if e["choices"])
-    assert text == c.decode.answer
+    assert text == c.decode.script.answer
     finals = [e for e in chunks if e["choices"] and e["choices"][0]["finish_reason"]]
     assert [e["choices"][0]["finish_reason"] for e in finals] == ["stop"]
     usage = chunks[-1]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == len(
-        c.decode.answers[0]["token_ids"]
+        c.decode.transcript.answers[0]["token_ids"]
     )
     assert all("kv_transfer_params" not in e and "token_ids" not in json.dumps(e) for e in chunks)
 
-    d = c.decode.requests[0].body
+    d = c.decode.transcript.requests[0].body
     assert (d["stream"], d["stream_options"], d["return_token_ids"]) == (True, {"include_usage": True}, True)
-    assert c.prefill.requests[0].body["stream"] is False
+    assert c.prefill.transcript.requests[0].body["stream"] is False
     (retention,) = await c.retentions()
-    held = c.decode.answers[0]["kv_transfer_params"]
+    held = c.decode.transcript.answers[0]["kv_transfer_params"]
     assert retention.num_tokens == held["remote_num_tokens"]
 
 
 async def test_a_stream_without_final_params_commits_nothing_to_reuse(c: Cluster) -> None:
-    c.decode.stream_params = False  # vLLM 0.32 without the kvshuttle plugin
+    c.decode.script.stream_params = False  # vLLM 0.32 without the kvshuttle plugin
     with capture_logs() as logs:
         status, events = await c.stream(CHAT, chat(first_messages(), conversation_id="conv-4"))
     assert status == 200 and events[-1] == "[DONE]"
@@ -260,10 +265,10 @@ async def test_return_token_ids_reaches_the_client_only_when_asked(c: Cluster, m
     status, body = await c.post(CHAT, chat(messages, return_token_ids=True))
     assert status == 200
     assert body["prompt_token_ids"] == reference_ids(model_dir, messages)
-    assert body["choices"][0]["token_ids"] == c.decode.answers[0]["token_ids"]
+    assert body["choices"][0]["token_ids"] == c.decode.transcript.answers[0]["token_ids"]
     status, events = await c.stream(CHAT, chat(messages, return_token_ids=True))
     streamed = [t for e in events[:-1] for t in e["choices"][0].get("token_ids", [])]
-    assert streamed == c.decode.answers[1]["token_ids"]
+    assert streamed == c.decode.transcript.answers[1]["token_ids"]
     assert events[0]["prompt_token_ids"] == reference_ids(model_dir, messages)
 
 
@@ -272,9 +277,12 @@ async def test_without_a_conversation_it_serves_plain_prefill_then_decode_and_re
 ) -> None:
     with capture_logs() as logs:
         status, body = await c.post(CHAT, chat(first_messages()))
-    assert status == 200 and body["choices"][0]["message"]["content"] == c.decode.answer
-    assert c.prefill.requests[0].body["kv_transfer_params"] == FIRST_TURN_PARAMS
-    assert c.decode.requests[0].body["kv_transfer_params"] == c.prefill.answers[0]["kv_transfer_params"]
+    assert status == 200 and body["choices"][0]["message"]["content"] == c.decode.script.answer
+    assert c.prefill.transcript.requests[0].body["kv_transfer_params"] == FIRST_TURN_PARAMS
+    assert (
+        c.decode.transcript.requests[0].body["kv_transfer_params"]
+        == c.prefill.transcript.answers[0]["kv_transfer_params"]
+    )
     assert await c.retentions() == []
     (line,) = request_lines(logs)
     assert (line["decision"], line["reason"]) == ("recompute", "no_conversation")
@@ -282,11 +290,11 @@ async def test_without_a_conversation_it_serves_plain_prefill_then_decode_and_re
 
 
 async def test_prefill_without_params_sends_decode_none_rather_than_made_up_ones(c: Cluster) -> None:
-    c.prefill.return_params = False  # P runs without the NIXL connector
+    c.prefill.script.kv_connector = False  # P runs without the NIXL connector
     status, body = await c.post(CHAT, chat(first_messages(), conversation_id="conv-np"))
-    assert status == 200 and body["choices"][0]["message"]["content"] == c.decode.answer
+    assert status == 200 and body["choices"][0]["message"]["content"] == c.decode.script.answer
     # A hand-made dict would make decode hold its blocks forever: decode gets nothing.
-    assert "kv_transfer_params" not in c.decode.requests[0].body
+    assert "kv_transfer_params" not in c.decode.transcript.requests[0].body
     assert await c.retentions() == []
 
 
@@ -346,15 +354,15 @@ async def test_completions_take_text_or_token_ids_and_answer_as_completions(
     assert status == 200, body
     expected = chat_tokenizer.tokenizer.encode(text).ids  # the tokenizer's default: with <s>
     assert expected[0] == chat_tokenizer.tokenizer.token_to_id("<s>")
-    assert c.prefill.requests[0].body["prompt"] == expected
+    assert c.prefill.transcript.requests[0].body["prompt"] == expected
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == MODEL
     assert body["choices"][0]["finish_reason"] == "length"
     assert "kv_transfer_params" not in body and "token_ids" not in body["choices"][0]
 
     status, events = await c.stream("/v1/completions", {"model": MODEL, "prompt": [[5, 6, 7, 8]]})
     assert status == 200 and events[-1] == "[DONE]"
-    assert c.prefill.requests[1].body["prompt"] == [5, 6, 7, 8]
-    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == c.decode.answer
+    assert c.prefill.transcript.requests[1].body["prompt"] == [5, 6, 7, 8]
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == c.decode.script.answer
     assert all(e["object"] == "text_completion" and "token_ids" not in json.dumps(e) for e in events[:-1])
 
 
@@ -366,7 +374,7 @@ async def test_a_token_id_prompt_must_be_uint32_ids(c: Cluster, prompt: list[Any
     status, body = await c.post("/v1/completions", {"model": MODEL, "prompt": prompt})
     assert status == 400
     assert assert_openai_error(body)["param"] == "prompt"
-    assert c.prefill.requests == []
+    assert c.prefill.transcript.requests == []
 
 
 @pytest.mark.parametrize(
@@ -391,7 +399,7 @@ async def test_bad_requests_are_400_and_reach_no_engine(
     assert status == 400
     assert assert_openai_error(body)["param"] == param
     assert body["error"]["type"] == "invalid_request_error"
-    assert c.prefill.requests == [] and c.decode.requests == []
+    assert c.prefill.transcript.requests == [] and c.decode.transcript.requests == []
 
 
 async def test_header_and_body_conversation_ids_must_agree(c: Cluster) -> None:
@@ -448,7 +456,7 @@ async def test_api_keys_authenticate_and_scope_conversations_by_tenant(keyed: Cl
     assert status == 401 and assert_openai_error(error, "invalid_api_key")
     async with keyed.http.get(keyed.url + "/v1/models") as response:
         assert response.status == 401 and response.headers["WWW-Authenticate"] == "Bearer"
-    assert keyed.prefill.requests == []
+    assert keyed.prefill.transcript.requests == []
 
     status, _ = await keyed.post(CHAT, body, Authorization="Bearer sk-acme-0123456789")
     assert status == 200
@@ -475,18 +483,18 @@ async def commit_first_turn(c: Cluster, conversation: str = "conv-f") -> list[di
 
 async def test_a_failing_prefill_is_a_502_and_the_claimed_retention_is_released(c: Cluster) -> None:
     messages = await commit_first_turn(c)
-    c.prefill.fail_status = 500
+    c.prefill.script.fail_status = 500
     with capture_logs() as logs:
         status, body = await c.post(CHAT, chat(messages, conversation_id="conv-f"))
     assert status == 502
     error = assert_openai_error(body, "engine_error")
     assert error["type"] == "server_error" and "prefill" in error["message"]
-    assert len(c.decode.requests) == 1  # decode never saw the failed turn
+    assert len(c.decode.transcript.requests) == 1  # decode never saw the failed turn
     (line,) = request_lines(logs)
     assert (line["decision"], line["outcome"], line["status"]) == ("reuse", "engine_error", 502)
     # Aborted: the claim is released, and with it the retention (its blocks were handed out).
     assert await c.retentions() == []
-    c.prefill.fail_status = None
+    c.prefill.script.fail_status = None
     with capture_logs() as logs:
         status, _ = await c.post(CHAT, chat(messages, conversation_id="conv-f"))
     assert status == 200 and request_lines(logs)[0]["reason"] == "no_retention"
@@ -494,19 +502,19 @@ async def test_a_failing_prefill_is_a_502_and_the_claimed_retention_is_released(
 
 async def test_a_failing_decode_is_a_502_and_the_turn_is_aborted(c: Cluster) -> None:
     messages = await commit_first_turn(c)
-    c.decode.fail_status = 503
+    c.decode.script.fail_status = 503
     status, body = await c.post(CHAT, chat(messages, conversation_id="conv-f"))
     assert status == 502 and assert_openai_error(body, "engine_error")
     assert await c.retentions() == []
     # An engine that refuses the client's parameters is the client's error.
-    c.decode.fail_status = 400
+    c.decode.script.fail_status = 400
     status, body = await c.post(CHAT, chat(messages, conversation_id="conv-f"))
     assert status == 400 and assert_openai_error(body, "engine_rejected")
 
 
 async def test_decode_failing_mid_stream_ends_the_stream_with_an_error_and_aborts(c: Cluster) -> None:
     messages = await commit_first_turn(c)
-    c.decode.fail_after_tokens = 3
+    c.decode.script.fail_after_tokens = 3
     with capture_logs() as logs:
         status, events = await c.stream(CHAT, chat(messages, conversation_id="conv-f"))
     assert status == 200  # the status line went out with the first chunk
@@ -519,10 +527,11 @@ async def test_decode_failing_mid_stream_ends_the_stream_with_an_error_and_abort
 
 async def test_a_refused_commit_still_answers_the_client_and_releases_the_claim(c: Cluster) -> None:
     messages = await commit_first_turn(c)
-    c.decode.engine_id = "engine-elsewhere"  # decode's params name another engine than the plan's
+    # decode's params name another engine than the plan's
+    c.decode.config = dataclasses.replace(c.decode.config, engine_id="engine-elsewhere")
     with capture_logs() as logs:
         status, body = await c.post(CHAT, chat(messages, conversation_id="conv-f"))
-    assert status == 200 and body["choices"][0]["message"]["content"] == c.decode.answer
+    assert status == 200 and body["choices"][0]["message"]["content"] == c.decode.script.answer
     (line,) = request_lines(logs)
     assert line["status"] == 200 and "error" not in line
     (failed,) = [e for e in logs if e.get("log_level") == "warning"]
@@ -556,7 +565,7 @@ async def test_a_client_disconnect_mid_stream_cancels_decode_and_aborts_the_turn
     c: Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
     messages = await commit_first_turn(c)
-    c.decode.token_delay = 0.2
+    c.decode.script.token_delay = 0.2
     with capture_logs() as logs:
         async with aiohttp.ClientSession() as client:
             response = await client.post(
@@ -566,12 +575,12 @@ async def test_a_client_disconnect_mid_stream_cancels_decode_and_aborts_the_turn
             first = await response.content.readuntil(b"\n\n")
             assert first.startswith(b"data: ")
             response.close()  # the client goes away mid-answer
-        await asyncio.wait_for(c.decode.cancelled.wait(), 5)
+        await asyncio.wait_for(c.decode.transcript.cancelled.wait(), 5)
         await wait_for(lambda: bool(request_lines(logs)))
         await wait_for(lambda: not c.gateway.gateway._background)
     (line,) = request_lines(logs)
     assert (line["outcome"], line["status"], line["decision"]) == ("client_disconnected", 499, "reuse")
-    assert c.decode.finished_streams == 0  # the stream was cut, not finished
+    assert c.decode.transcript.finished_streams == 0  # the stream was cut, not finished
     # Aborted: turn 1's retention (claimed by this turn) is released, and nothing is committed.
     assert await c.retentions() == []
     assert not [e for e in logs if e.get("log_level") in ("error", "critical", "exception")]
@@ -587,7 +596,7 @@ async def quick_stop(model_dir: Path, chat_tokenizer: ChatTokenizer) -> AsyncIte
 async def test_shutdown_drains_then_cancels_in_flight_turns_and_aborts_them(quick_stop: Cluster) -> None:
     c = quick_stop
     messages = await commit_first_turn(c)
-    c.decode.token_delay = 0.2  # an answer that outlasts the grace period
+    c.decode.script.token_delay = 0.2  # an answer that outlasts the grace period
     with capture_logs() as logs:
         async with aiohttp.ClientSession() as client:
             response = await client.post(
@@ -604,14 +613,14 @@ async def test_shutdown_drains_then_cancels_in_flight_turns_and_aborts_them(quic
     assert await c.retentions() == []  # the turn was aborted: its claim released
     (line,) = request_lines(logs)
     assert line["outcome"] == "client_disconnected"
-    await asyncio.wait_for(c.decode.cancelled.wait(), 5)
+    await asyncio.wait_for(c.decode.transcript.cancelled.wait(), 5)
 
 
 async def test_a_client_leaving_during_prefill_closes_it_and_aborts_the_turn(
     c: Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
     messages = await commit_first_turn(c)
-    c.prefill.delay = 1.0
+    c.prefill.script.delay = 1.0
     with capture_logs() as logs:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as client:
             with pytest.raises(asyncio.TimeoutError):
@@ -620,9 +629,9 @@ async def test_a_client_leaving_during_prefill_closes_it_and_aborts_the_turn(
         await wait_for(lambda: not c.gateway.gateway._background)
     (line,) = request_lines(logs)
     assert (line["outcome"], line["status"]) == ("client_disconnected", 499)
-    assert len(c.decode.requests) == 1  # turn 2 never reached decode
+    assert len(c.decode.transcript.requests) == 1  # turn 2 never reached decode
     assert await c.retentions() == []  # aborted: the claim released
-    await asyncio.wait_for(c.prefill.cancelled.wait(), 5)  # prefill's connection was closed
+    await asyncio.wait_for(c.prefill.transcript.cancelled.wait(), 5)  # prefill's connection was closed
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
 
 
@@ -633,9 +642,9 @@ async def test_a_text_stop_string_passes_to_decode_only_and_costs_the_retention(
     with capture_logs() as logs:
         status, body = await c.post(CHAT, chat(first_messages(), conversation_id="conv-s", stop=["moves"]))
     assert status == 200
-    assert body["choices"][0]["message"]["content"] == c.decode.answer.split("moves")[0]
-    assert c.decode.requests[0].body["stop"] == ["moves"]
-    assert "stop" not in c.prefill.requests[0].body
+    assert body["choices"][0]["message"]["content"] == ANSWER.split("moves")[0]
+    assert c.decode.transcript.requests[0].body["stop"] == ["moves"]
+    assert "stop" not in c.prefill.transcript.requests[0].body
     # vLLM aborts a request on a stop string: decode keeps nothing for the next turn.
     assert await c.retentions() == []
     assert request_lines(logs)[0]["stop_strings"] is True
@@ -668,7 +677,7 @@ async def test_one_trace_per_turn_spans_the_gateway_the_router_and_the_engines(c
     assert turn.attributes["kvshuttle.conversation"] == request_lines(logs)[0]["conversation"]
     # The engines got the trace too.
     for engine, name in ((c.prefill, "prefill"), (c.decode, "decode")):
-        traceparent = engine.requests[0].headers["traceparent"]
+        traceparent = engine.transcript.requests[0].headers["traceparent"]
         span = by_name[name]
         assert span.context is not None
         version, tid, parent_id, flags = traceparent.split("-")
@@ -717,19 +726,23 @@ async def test_usage_reports_the_prompt_tokens_prefill_did_not_compute(c: Cluste
         CHAT, chat(messages, conversation_id="conv-u", stream_options={"include_usage": True})
     )
     assert status == 200
-    read = c.prefill.answers[1]["kv_transfer_params"]["remote_prefill_cached_tokens"]
+    read = c.prefill.transcript.answers[1]["kv_transfer_params"]["remote_prefill_cached_tokens"]
     assert read > 0
     (usage,) = [e["usage"] for e in events[:-1] if e.get("usage")]
     assert usage["prompt_tokens_details"]["cached_tokens"] == read
     assert usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
 
-    prompt = c.prefill.requests[1].body["prompt"] + c.decode.answers[1]["token_ids"] + [5, 6, 7]
+    prompt = (
+        c.prefill.transcript.requests[1].body["prompt"]
+        + c.decode.transcript.answers[1]["token_ids"]
+        + [5, 6, 7]
+    )
     status, body = await c.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 8,
                                                      "conversation_id": "conv-u"})  # fmt: skip
     assert status == 200, body
     assert (
         body["usage"]["prompt_tokens_details"]["cached_tokens"]
-        == (c.prefill.answers[2]["kv_transfer_params"]["remote_prefill_cached_tokens"])
+        == (c.prefill.transcript.answers[2]["kv_transfer_params"]["remote_prefill_cached_tokens"])
         > 0
     )
 
@@ -741,7 +754,7 @@ async def test_a_bad_think_time_header_is_400_naming_it(c: Cluster, value: str) 
     )
     assert status == 400
     assert assert_openai_error(body)["param"] == "X-Kvshuttle-Expected-Think-Time"
-    assert c.prefill.requests == [] and c.decode.requests == []
+    assert c.prefill.transcript.requests == [] and c.decode.transcript.requests == []
 
 
 async def test_a_think_time_header_is_accepted(c: Cluster) -> None:

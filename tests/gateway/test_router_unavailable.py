@@ -47,8 +47,8 @@ async def test_a_stopped_router_leaves_turns_served_plain_pd_with_the_reason_sai
         "recompute",
         "router_unavailable",
     )
-    assert c.prefill.requests[-1].body["kv_transfer_params"] == FIRST_TURN_PARAMS
-    assert len(c.decode.requests) == 2
+    assert c.prefill.transcript.requests[-1].body["kv_transfer_params"] == FIRST_TURN_PARAMS
+    assert len(c.decode.transcript.requests) == 2
     (done,) = [e for e in logs if e["event"] == "request.done"]
     assert (done["status"], done["decision"], done["reason"], done["outcome"]) == (
         200,
@@ -66,4 +66,4 @@ async def test_a_router_never_reached_is_503(model_dir: Path, chat_tokenizer: Ch
         await c.router.server.stop()
         status, body, _ = await post(c, chat("hello", "conv-n"))
         assert status == 503 and body["error"]["type"] == "server_error"
-        assert c.prefill.requests == []
+        assert c.prefill.transcript.requests == []

@@ -12,8 +12,8 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import pytest
+from deploy.standin.tokenizer import SPECIAL, WORDS, make_tokenizer
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tests.gateway.helpers import SPECIAL, WORDS, make_tokenizer
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from kvshuttle.gateway.config import ModelSettings

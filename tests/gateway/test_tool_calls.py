@@ -1,4 +1,4 @@
-"""Tool calls and reasoning through the gateway, with fake engines: what decode is sent (the
+"""Tool calls and reasoning through the gateway, with stand-in engines: what decode is sent (the
 forced-call JSON schema; prefill never), and how decode's text comes back (tool_calls, content,
 reasoning, finish_reason), streamed and not. The parsers' conformance with vLLM's own is in
 tests/gateway/parsing; real vLLM in tests/e2e/test_tools.py."""
@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.gateway.helpers import Cluster, cluster_fixture, make_tokenizer
+from deploy.standin.tokenizer import make_tokenizer
+from tests.gateway.helpers import Cluster, cluster_fixture
 from tests.router.helpers import MODEL
 
 from kvshuttle.gateway.config import ModelSettings
@@ -77,7 +78,7 @@ def _assembled(events: list[Any]) -> tuple[str, list[dict[str, Any]], str | None
 
 
 async def test_auto_tool_choice_parses_decodes_hermes_call(cluster: Cluster) -> None:
-    cluster.decode.answer = HERMES_ANSWER
+    cluster.decode.script.answer = HERMES_ANSWER
     status, body = await cluster.post("/v1/chat/completions", _chat(tool_choice="auto"))
     assert status == 200, body
     choice = body["choices"][0]
@@ -89,12 +90,12 @@ async def test_auto_tool_choice_parses_decodes_hermes_call(cluster: Cluster) -> 
     assert call["function"]["name"] == "read_file"
     assert json.loads(call["function"]["arguments"]) == {"path": "src/cache.py"}
     # Auto: decode is not constrained, and prefill never gets a sampling constraint.
-    assert "structured_outputs" not in cluster.decode.requests[-1].body
-    assert "structured_outputs" not in cluster.prefill.requests[-1].body
+    assert "structured_outputs" not in cluster.decode.transcript.requests[-1].body
+    assert "structured_outputs" not in cluster.prefill.transcript.requests[-1].body
 
 
 async def test_streamed_auto_tool_call_assembles_to_the_same_call(cluster: Cluster) -> None:
-    cluster.decode.answer = HERMES_ANSWER
+    cluster.decode.script.answer = HERMES_ANSWER
     status, events = await cluster.stream("/v1/chat/completions", _chat())
     assert status == 200, events
     content, calls, finish = _assembled(events)
@@ -108,13 +109,13 @@ async def test_streamed_auto_tool_call_assembles_to_the_same_call(cluster: Clust
 
 
 async def test_a_named_tool_choice_constrains_decode_to_a_call_of_it(cluster: Cluster) -> None:
-    cluster.decode.answer = HERMES_ANSWER.removeprefix("Let me look.")
+    cluster.decode.script.answer = HERMES_ANSWER.removeprefix("Let me look.")
     choice = {"type": "function", "function": {"name": "read_file"}}
     status, body = await cluster.post(
         "/v1/chat/completions", _chat(tool_choice=choice, response_format={"type": "json_object"})
     )
     assert status == 200, body
-    sent = cluster.decode.requests[-1].body
+    sent = cluster.decode.transcript.requests[-1].body
     # vLLM 0.32's strict tool calling: a structural tag of the parser's own call format, with
     # the named function's parameters as the arguments' schema.
     tag = json.loads(sent["structured_outputs"]["structural_tag"])
@@ -124,7 +125,7 @@ async def test_a_named_tool_choice_constrains_decode_to_a_call_of_it(cluster: Cl
     assert {t["content"]["json_schema"] for t in tag["format"]["tags"]} == {True}
     assert sent["skip_special_tokens"] is False
     assert "response_format" not in sent  # replaced by the call's schema, as vLLM does
-    assert "structured_outputs" not in cluster.prefill.requests[-1].body
+    assert "structured_outputs" not in cluster.prefill.transcript.requests[-1].body
     (call,) = body["choices"][0]["message"]["tool_calls"]
     assert call["function"]["name"] == "read_file"
     assert json.loads(call["function"]["arguments"]) == {"path": "src/cache.py"}
@@ -132,20 +133,20 @@ async def test_a_named_tool_choice_constrains_decode_to_a_call_of_it(cluster: Cl
 
 
 async def test_a_strict_tools_schema_constrains_the_arguments(cluster: Cluster) -> None:
-    cluster.decode.answer = HERMES_ANSWER.removeprefix("Let me look.")
+    cluster.decode.script.answer = HERMES_ANSWER.removeprefix("Let me look.")
     strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
     status, body = await cluster.post("/v1/chat/completions", _chat(tools=strict, tool_choice="required"))
     assert status == 200, body
-    tag = json.loads(cluster.decode.requests[-1].body["structured_outputs"]["structural_tag"])
+    tag = json.loads(cluster.decode.transcript.requests[-1].body["structured_outputs"]["structural_tag"])
     schemas = [t["content"]["json_schema"] for t in tag["format"]["tags"]]
     assert TOOLS[0]["function"]["parameters"] in schemas
 
 
 async def test_required_tool_choice_constrains_decode_to_a_call_of_one_tool(cluster: Cluster) -> None:
-    cluster.decode.answer = '<tool_call>\n{"name": "run_tests", "arguments": {}}\n</tool_call>'
+    cluster.decode.script.answer = '<tool_call>\n{"name": "run_tests", "arguments": {}}\n</tool_call>'
     status, body = await cluster.post("/v1/chat/completions", _chat(tool_choice="required"))
     assert status == 200, body
-    tag = json.loads(cluster.decode.requests[-1].body["structured_outputs"]["structural_tag"])
+    tag = json.loads(cluster.decode.transcript.requests[-1].body["structured_outputs"]["structural_tag"])
     assert "run_tests" in json.dumps(tag) and "read_file" in json.dumps(tag)
     (call,) = body["choices"][0]["message"]["tool_calls"]
     assert call["function"]["name"] == "run_tests"
@@ -154,7 +155,7 @@ async def test_required_tool_choice_constrains_decode_to_a_call_of_one_tool(clus
 
 
 async def test_tool_choice_none_answers_content(cluster: Cluster) -> None:
-    cluster.decode.answer = HERMES_ANSWER
+    cluster.decode.script.answer = HERMES_ANSWER
     status, body = await cluster.post("/v1/chat/completions", _chat(tool_choice="none"))
     assert status == 200, body
     message = body["choices"][0]["message"]
@@ -177,7 +178,7 @@ async def test_bad_tools_are_a_400_naming_the_field(
     status, body = await cluster.post("/v1/chat/completions", _chat(**extra))
     assert status == 400, body
     assert body["error"]["param"] == param, body
-    assert not cluster.decode.requests
+    assert not cluster.decode.transcript.requests
 
 
 async def test_auto_without_a_tool_parser_is_refused(model_dir: Path, chat_tokenizer: ChatTokenizer) -> None:
@@ -185,13 +186,13 @@ async def test_auto_without_a_tool_parser_is_refused(model_dir: Path, chat_token
         status, body = await c.post("/v1/chat/completions", _chat(tool_choice="auto"))
         assert status == 400, body
         assert "tool-call-parser" in body["error"]["message"]
-        assert not c.decode.requests
+        assert not c.decode.transcript.requests
 
 
 async def test_reasoning_is_split_out_as_reasoning_content(thinking_dir: Path) -> None:
     tok = ChatTokenizer.load(MODEL, ModelSettings(tokenizer=thinking_dir))
     async for c in cluster_fixture(thinking_dir, tok, reasoning_parser="deepseek_r1"):
-        c.decode.answer = "the block moved</think>It is in decode."
+        c.decode.script.answer = "the block moved</think>It is in decode."
         status, body = await c.post("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES})
         assert status == 200, body
         message = body["choices"][0]["message"]
@@ -222,13 +223,13 @@ def test_a_reasoning_parser_whose_tokens_the_model_lacks_fails_at_start(model_di
 async def test_a_history_without_its_reasoning_still_reuses_the_prompt_before_it(thinking_dir: Path) -> None:
     tok = ChatTokenizer.load(MODEL, ModelSettings(tokenizer=thinking_dir))
     async for c in cluster_fixture(thinking_dir, tok, reasoning_parser="deepseek_r1"):
-        c.decode.answer = "the block moved</think>It is in decode."
+        c.decode.script.answer = "the block moved</think>It is in decode."
         # Long enough that reading it back beats computing it (the router's min_reuse_tokens).
         question = [{"role": "user", "content": "where is the cache block of the request " * 150}]
         body = {"model": MODEL, "messages": question, "conversation_id": "think-1"}
         status, first = await c.post("/v1/chat/completions", body)
         assert status == 200, first
-        first_prompt = c.prefill.requests[0].body["prompt"]
+        first_prompt = c.prefill.transcript.requests[0].body["prompt"]
         # Agent SDKs send the answer back without its reasoning: the text decode generated is
         # not in the history any more, the prompt before it is.
         messages = [
@@ -238,9 +239,9 @@ async def test_a_history_without_its_reasoning_still_reuses_the_prompt_before_it
         ]
         status, second = await c.post("/v1/chat/completions", {**body, "messages": messages})
         assert status == 200, second
-        params = c.prefill.requests[1].body["kv_transfer_params"]
+        params = c.prefill.transcript.requests[1].body["kv_transfer_params"]
         assert params["do_remote_decode"] is True
-        prompt = c.prefill.requests[1].body["prompt"]
+        prompt = c.prefill.transcript.requests[1].body["prompt"]
         reused = params["remote_num_tokens"]
         assert prompt[:reused] == first_prompt[:reused]
         # Every token of the first prompt the new one repeats (its last may merge with the

@@ -1,0 +1,65 @@
+"""The stand-in engine's configuration (deploy/standin/engine.py): from its command line, or for
+an engine in a test's own event loop."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Literal
+
+HOST: Final = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class StandinConfig:
+    role: Literal["prefill", "decode"]
+    port: int
+    side_channel_port: int
+    kv_events_port: int
+    kv_replay_port: int
+    engine_id: str
+    model_dir: Path
+    served_model_name: str = "m"
+    host: str = HOST
+    block_size: int = 32
+    num_blocks: int = 4096
+    max_model_len: int = 8192
+    prefix_caching: bool = True
+    prefill_us_per_token: float = 20.0
+    decode_ms_per_token: float = 0.5
+    read_us_per_block: float = 50.0
+    kv_blocks_ttl: float = 480.0
+    kv_lease_s: float = 30.0
+    kv_recompute_threshold: int = 64
+
+
+def in_process_config(
+    role: Literal["prefill", "decode"], engine_id: str, model_dir: Path, **overrides: Any
+) -> StandinConfig:
+    """An engine for a test's (or a bench's) own event loop: every port picked at start, and no
+    simulated compute, read or decode time (it answers at once)."""
+    instant = {"prefill_us_per_token": 0.0, "decode_ms_per_token": 0.0, "read_us_per_block": 0.0}
+    return StandinConfig(role, 0, 0, 0, 0, engine_id, model_dir, **{**instant, **overrides})
+
+
+def config_from_argv(argv: Sequence[str] | None = None, *, description: str = "") -> StandinConfig:
+    """The configuration `python -m deploy.standin.engine` is given (see its usage there)."""
+    ap = argparse.ArgumentParser(prog="python -m deploy.standin.engine", description=description)
+    ap.add_argument("--role", choices=("prefill", "decode"), required=True)
+    for name in ("port", "side-channel-port", "kv-events-port", "kv-replay-port"):
+        ap.add_argument(f"--{name}", type=int, required=True)
+    ap.add_argument("--engine-id", required=True)
+    ap.add_argument("--model-dir", type=Path, required=True, help="its tokenizer.json: the output vocabulary")
+    ap.add_argument("--served-model-name", default="m")
+    ap.add_argument("--host", default=HOST)
+    ap.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    for name, kind, default in (
+        ("block-size", int, 32), ("num-blocks", int, 4096), ("max-model-len", int, 8192),
+        ("prefill-us-per-token", float, 20.0), ("decode-ms-per-token", float, 0.5),
+        ("read-us-per-block", float, 50.0), ("kv-blocks-ttl", float, 480.0), ("kv-lease-s", float, 30.0),
+        ("kv-recompute-threshold", int, 64),
+    ):  # fmt: skip
+        ap.add_argument(f"--{name}", type=kind, default=default)
+    return StandinConfig(**vars(ap.parse_args(argv)))
