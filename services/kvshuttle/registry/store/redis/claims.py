@@ -187,7 +187,7 @@ class RedisClaims(RedisRetentions):
         if request_id:
             await self._remember(idem_key, [fingerprint, _t(expire_at)], now)
         changes = [RetentionChange(ChangeKind.MOVED, record, now, previous_node=previous)]
-        changes += await self._still_held(record, target.spec.engine_id, now)
+        changes += await self._still_held(record, target, now)
         self._account(changes)
         return record, changes
 

@@ -3,8 +3,8 @@ the conversation's fence, read, renew, list."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Sequence
+from typing import Any, cast
 
 from kvshuttle.core.errors import (
     Aborted,
@@ -21,6 +21,7 @@ from kvshuttle.registry.model import (
     ChangeKind,
     Conversation,
     Holder,
+    Node,
     PutResult,
     Retention,
     RetentionChange,
@@ -43,7 +44,7 @@ from kvshuttle.registry.store.redis.nodes import RedisNodes
 class RedisRetentions(RedisNodes):
     """Retentions: put under the fence, read, renew, list."""
 
-    async def _holding_node(self, retention: Retention) -> tuple[NodeSpec | None, KvshuttleError | None]:
+    async def _holding_node(self, retention: Retention) -> tuple[Node | None, KvshuttleError | None]:
         node = await self._read_node(retention.node)
         if node is None:
             return None, FailedPrecondition(
@@ -53,7 +54,7 @@ class RedisRetentions(RedisNodes):
             )
         spec = node.spec
         if spec.model != retention.model or spec.block_size != retention.block_size:
-            return spec, FailedPrecondition(
+            return node, FailedPrecondition(
                 f"node {retention.node} serves model {spec.model!r} with block size "
                 f"{spec.block_size}, not {retention.model!r} / {retention.block_size}",
                 reason=ErrorReason.NODE_MISMATCH,
@@ -61,13 +62,13 @@ class RedisRetentions(RedisNodes):
             )
         mismatch = Holder.mismatch(retention.holder, spec)
         if mismatch is not None:
-            return spec, FailedPrecondition(
+            return node, FailedPrecondition(
                 f"retention.kv_transfer_params do not name node {retention.node} as registered "
                 f"({mismatch.rsplit('.', 1)[-1]} differs)",
                 reason=ErrorReason.NODE_MISMATCH,
                 metadata={"node": retention.node, "field": mismatch},
             )
-        return spec, None
+        return node, None
 
     @_reachable
     async def put_retention(
@@ -77,7 +78,7 @@ class RedisRetentions(RedisNodes):
         tenant = retention.tenant
         name = retention.name
         fingerprint = put_fingerprint(retention).hex() if request_id else ""
-        spec, node_error = await self._holding_node(retention)
+        node, node_error = await self._holding_node(retention)
         expire_at = now + ttl
         if retention.pin_expire_at is not None and retention.pin_expire_at > now:
             expire_at = min(expire_at, retention.pin_expire_at)
@@ -89,8 +90,8 @@ class RedisRetentions(RedisNodes):
         reserved = False
         capacity = ""
         if node_error is None:
-            assert spec is not None
-            attached, node_error = await self._attach_for_put(retention, spec)
+            assert node is not None
+            attached, node_error = await self._attach_for_put(retention, node.spec)
         if node_error is None:
             reserved, version, capacity = await self._reserve(name, expire_at)
             await self._redis.zadd(self._tenant_key(tenant), {name: 0})
@@ -122,15 +123,10 @@ class RedisRetentions(RedisNodes):
         )
         tag = _s(out[0])
         if tag != "ok":
-            dead, out = _s(out[1]) == "1", out[2]
+            dead, held, out = _s(out[1]) == "1", _s(out[3]) == "1", out[2]
             tag = _s(out[0])
-            if attached == 1:  # the name was not live: take its index steps back
-                await self._run("detach", self._node_keys(retention.node), [name])
-            # The place this put reserved: back when its name can no longer be committed, or
-            # when this put added it and no other put of the name wrote it since (that one
-            # takes it back, or holds it; both refused: the sweeper drops it when it is due).
-            if (dead or reserved) and await self._unreserve(name, None if dead else version):
-                await self._redis.zrem(self._tenant_key(tenant), name)
+            if not held:
+                await self._take_back(retention, node, attached == 1, dead, reserved, version)
             if tag == "reused":
                 raise request_id_reused()
             if tag == "repeat":
@@ -151,8 +147,8 @@ class RedisRetentions(RedisNodes):
         record.claim = None
         result = PutResult(record, old_name)
         changes.append(RetentionChange(ChangeKind.PUT, copy_retention(record), now))
-        assert spec is not None
-        changes += await self._still_held(record, spec.engine_id, now)
+        assert node is not None
+        changes += await self._still_held(record, node, now)
         self._account(changes)
         return result, changes
 
@@ -186,10 +182,62 @@ class RedisRetentions(RedisNodes):
         record.claim = None
         return PutResult(record, _s(out[5]))
 
-    async def _still_held(self, record: Retention, engine_id: str, now: float) -> list[RetentionChange]:
+    async def _take_back(
+        self,
+        retention: Retention,
+        node: Node | None,
+        attached: bool,
+        dead: bool,
+        reserved: bool,
+        version: int,
+    ) -> None:
+        """A refused put's index steps and place, given back. Not called for a name another put
+        of it committed meanwhile (a replay racing its first answer): that commit owns them."""
+        name = retention.name
+        if attached:  # the name was not live: take its index steps back
+            await self._run("detach", self._node_keys(retention.node), [name])
+            # ... unless a put of the name that attached before this one committed since (its
+            # node check may have run before this detach): then it is attached again. Were its
+            # node gone meanwhile, the retention stays until its expiry; plans check the node.
+            if node is not None:
+                await self._attached_while_held(retention, node)
+        # The place this put reserved: back when its name can no longer be committed, or when
+        # this put added it and no other put of the name wrote it since (that one takes it back,
+        # or holds it; both refused: the sweeper drops it when it is due).
+        if (dead or reserved) and await self._unreserve(name, None if dead else version):
+            await self._redis.zrem(self._tenant_key(retention.tenant), name)
+
+    async def _committed_on(self, record: Retention) -> bool:
+        """Whether the conversation holds this retention's name on its node now."""
+        held = await cast(
+            "Awaitable[list[bytes | None]]",
+            self._redis.hmget(self._conv_key(record.conversation), ["name", "node"]),
+        )
+        return [None if v is None else _s(v) for v in held] == [record.name, record.node]
+
+    async def _attached_while_held(self, record: Retention, node: Node) -> bool:
+        """Attach a committed retention's name to its node again, where a refused put of the same
+        name took it back. The conversation and the node are in different slots, so: check it is
+        held, attach, check again; replaced in between, its retirement may have detached it
+        before this attach, so detach it again. False when it is not held, or the node (that
+        engine, that incarnation) went away."""
+        if not await self._committed_on(record):
+            return False
+        args = [record.name, node.spec.engine_id, str(node.incarnation), record.kv_bytes]
+        if not await self._run("hold", self._node_keys(record.node)[:2], args):
+            return False
+        if await self._committed_on(record):
+            return True
+        await self._run("detach", self._node_keys(record.node), [record.name])
+        return False
+
+    async def _still_held(self, record: Retention, node: Node, now: float) -> list[RetentionChange]:
         """After a commit onto a node: if the node went away meanwhile (its cascade may have
         run before the commit), the retention goes as NODE_LOST now."""
-        if await self._run("holds", self._node_keys(record.node)[:2], [record.name, engine_id]):
+        holds = [record.name, node.spec.engine_id]
+        if await self._run("holds", self._node_keys(record.node)[:2], holds):
+            return []
+        if await self._attached_while_held(record, node):
             return []
         lost = await self._run(
             "drop_if",

@@ -104,10 +104,12 @@ end
 local reply = attempt()
 if reply[1] == 'ok' then return reply end
 -- Failed: whether this name can never be committed now (the fence passed it, and it is not
--- the one held), so no put of it holds the place it reserved.
+-- the one held), so no put of it holds the place it reserved; and whether it is the one held
+-- (another put of the name committed it: that put owns its index steps and its place).
 local fence = redis.call('HGET', KEYS[1], 'fence')
-local dead = fence and int_le(ARGV[4], fence) and redis.call('HGET', KEYS[1], 'name') ~= ARGV[11]
-return {'no', dead and '1' or '', reply}
+local held = redis.call('HGET', KEYS[1], 'name') == ARGV[11]
+local dead = fence and int_le(ARGV[4], fence) and not held
+return {'no', dead and '1' or '', reply, held and '1' or ''}
 """
 )
 
@@ -358,6 +360,19 @@ if redis.call('HGET', KEYS[1], 'engine') ~= ARGV[2] then return 0 end
 return redis.call('HEXISTS', KEYS[2], ARGV[1])
 """
 
+# KEYS: node, held. ARGV: retention name, engine_id, incarnation, kv_bytes. Reply: 1 while the
+# node (that engine, that incarnation) is there, the name attached to it (again, if a refused put
+# of the same name took its attachment back); 0 when the node went away.
+HOLD = r"""
+if redis.call('HGET', KEYS[1], 'engine') ~= ARGV[2] or redis.call('HGET', KEYS[1], 'inc') ~= ARGV[3] then
+  return 0
+end
+if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[4]) == 1 then
+  redis.call('HINCRBY', KEYS[1], 'rb', tonumber(ARGV[4]))
+end
+return 1
+"""
+
 # KEYS: node, held, lost. ARGV: retention name.
 DETACH = r"""
 local old = redis.call('HGET', KEYS[2], ARGV[1])
@@ -520,6 +535,7 @@ SCRIPTS: dict[str, str] = {
     "attach": ATTACH,
     "detach": DETACH,
     "holds": HOLDS,
+    "hold": HOLD,
     "hint": HINT,
     "due": DUE,
     "reschedule": RESCHEDULE,
