@@ -235,7 +235,7 @@ async def test_a_reader_cancelled_as_it_applies_an_entry_stops(redis_server: int
     try:
         # Waiting on the reader's condition before the entry exists: woken in the reader's step.
         async with feed._moved:
-            entry = asyncio.create_task(client.xadd(feed.key, {"n": 1, "d": NODE}))
+            entry = asyncio.ensure_future(client.xadd(feed.key, {"n": 1, "d": NODE}))
             await feed._moved.wait_for(lambda: feed._applied != (0, 0))
         reader.cancel()
         await asyncio.wait({reader}, timeout=5)
