@@ -1,14 +1,16 @@
 """The change feed behind WatchRetentions (kvshuttle.registry.feeds.change and .redis_change):
 with the Redis store, two replicas over one redis-server, each replica's watchers see the changes
 of both, in one order, each once; a watcher resumes with its last token and gets exactly what it
-missed; a token the stream no longer covers is refused. The in-memory feed resumes within its
-process. And WatchRetentions with resume_token over a real gRPC server on Redis."""
+missed; a token the stream no longer covers is refused; a cancelled reader ends. The in-memory
+feed resumes within its process. And WatchRetentions with resume_token over a real gRPC server
+on Redis."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -18,15 +20,16 @@ from tests.support.clock import FakeClock
 from tests.support.registry_env import RegistryEnv
 from tests.support.registry_messages import error_info, register, rpc_error
 from tests.support.registry_messages import put as grpc_put
-from tests.support.registry_model import CONV, POOL, move, pool_spec, put, spec
+from tests.support.registry_model import CONV, NAME, POOL, move, pool_spec, put, retention, spec
 
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument
 from kvshuttle.registry.block_index import BlockIndex
-from kvshuttle.registry.config import RegistrySettings
+from kvshuttle.registry.config import RedisSettings, RegistrySettings
 from kvshuttle.registry.feeds.redis_change import RedisFeed
 from kvshuttle.registry.feeds.watchers import Subscription
 from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.main import build_server
+from kvshuttle.registry.main import redis_client as registry_client
 from kvshuttle.registry.model import ChangeKind, RetentionChange
 from kvshuttle.registry.service.registry import Registry
 from kvshuttle.registry.store.contract import StoreLimits
@@ -281,3 +284,26 @@ async def test_watch_resumes_over_grpc_on_redis(redis_client: aioredis.Redis) ->
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reader
+
+
+async def test_a_reader_cancelled_as_it_hands_over_a_change_stops(redis_server: int) -> None:
+    """Cancelled in the step it delivers a change, the reader is sending its next XREAD: with the
+    registry's client (a socket timeout: redis-py sends under asyncio.wait_for) Python 3.11's
+    wait_for swallows that cancel (kvshuttle.core.cancellation); the reader ends all the same."""
+    client = registry_client(RedisSettings(url=f"redis://127.0.0.1:{redis_server}/0"))
+    feed = RedisFeed(client)
+    delivered = asyncio.Event()
+    feed.bind(lambda changes: delivered.set(), lambda error: None)
+    reader = asyncio.create_task(feed.run())
+    try:
+        await asyncio.wait_for(feed.started.wait(), 5)
+        await feed.publish([RetentionChange(ChangeKind.PUT, replace(retention(), name=NAME), at=1.0)])
+        await delivered.wait()  # plain: this task wakes in the reader's step, before its send ends
+        reader.cancel()
+        await asyncio.wait({reader}, timeout=5)
+        assert reader.cancelled()
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        await client.aclose()

@@ -1,10 +1,12 @@
 """The block index across registry replicas (kvshuttle.registry.feeds.redis_index): two Registry
 domain objects over one real redis-server, each with its own index fed from the shared stream,
-an agent's reports landing on either. The sequence rules run against both index feeds."""
+an agent's reports landing on either. The sequence rules run against both index feeds. A
+cancelled reader ends."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -18,9 +20,11 @@ from kvshuttle.core.errors import FailedPrecondition
 from kvshuttle.core.hashing import ROOT_HASH, chain_hashes
 from kvshuttle.core.kv_events import EventBatch
 from kvshuttle.registry.block_index import BlockIndex
+from kvshuttle.registry.config import RedisSettings
 from kvshuttle.registry.feeds.index import IndexFeed, LocalIndexFeed
 from kvshuttle.registry.feeds.redis_index import RedisIndexFeed
 from kvshuttle.registry.limits import RegistryLimits
+from kvshuttle.registry.main import redis_client as registry_client
 from kvshuttle.registry.service.registry import Registry
 from kvshuttle.registry.store.contract import StoreLimits
 from kvshuttle.registry.store.redis.store import RedisStore
@@ -220,3 +224,25 @@ async def test_the_sequence_rule_is_the_same_on_both_feeds(
     finally:
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
+
+
+async def test_a_reader_cancelled_as_it_applies_an_entry_stops(redis_server: int) -> None:
+    """As the change feed's (test_change_feed): cancelled in the step it applied an entry, its next
+    XREAD being sent under redis-py's wait_for, the reader ends all the same."""
+    client = registry_client(RedisSettings(url=f"redis://127.0.0.1:{redis_server}/0"))
+    feed = RedisIndexFeed(client, BlockIndex(1000))
+    reader = asyncio.create_task(feed.run())
+    try:
+        # Waiting on the reader's condition before the entry exists: woken in the reader's step.
+        async with feed._moved:
+            entry = asyncio.ensure_future(client.xadd(feed.key, {"n": 1, "d": NODE}))
+            await feed._moved.wait_for(lambda: feed._applied != (0, 0))
+        reader.cancel()
+        await asyncio.wait({reader}, timeout=5)
+        assert reader.cancelled()
+        await entry
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        await client.aclose()

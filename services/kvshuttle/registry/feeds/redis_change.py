@@ -46,6 +46,7 @@ from typing import Any, cast
 
 import structlog
 
+from kvshuttle.core.cancellation import raise_if_cancelled
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.registry.api import convert
 from kvshuttle.registry.feeds.change import Deliver, Fail, resume_expired
@@ -195,6 +196,7 @@ class RedisFeed:
         delay = 0.1
         broken = False
         while True:
+            raise_if_cancelled()  # a cancel redis-py swallowed (kvshuttle.core.cancellation)
             try:
                 if last_id is None:
                     last_id = await self._last_id()

@@ -45,6 +45,7 @@ from typing import Any, cast
 import structlog
 
 from kvshuttle.client.registry_convert import batch_to_pb
+from kvshuttle.core.cancellation import raise_if_cancelled
 from kvshuttle.core.errors import Aborted, FailedPrecondition
 from kvshuttle.core.kv_events import ApplyResult, EventBatch
 from kvshuttle.core.reasons import ErrorReason
@@ -204,6 +205,7 @@ class RedisIndexFeed:
         last: str = "0-0"
         delay = 0.1
         while True:
+            raise_if_cancelled()  # a cancel redis-py swallowed (kvshuttle.core.cancellation)
             try:
                 found = await self._redis.xread({self.key: last}, count=_PAGE, block=self._block_ms)
                 delay = 0.1
