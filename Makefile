@@ -87,10 +87,11 @@ deploy-check: venv
 
 test: lint proto-check typecheck deploy-check vllm unit
 
-# The inner loop: no real vLLM, no chaos, no failover scenario (markers in pyproject.toml).
+# The inner loop: no real vLLM, no chaos, no failover scenario (markers in pyproject.toml), on
+# every core (pytest-xdist; each worker collects the suite once, a module's tests stay together).
 QUICK_MARKERS := not vllm and not chaos and not slow
 quick: lint proto-check typecheck
-	$(BIN)/pytest -q -m "$(QUICK_MARKERS)"
+	$(BIN)/pytest -q -n auto --dist loadfile -m "$(QUICK_MARKERS)"
 
 # REGISTRY_STORE=memory|redis (default: memory, or $$KVSHUTTLE_DEMO_REGISTRY_STORE): where the registry keeps its state.
 demo: venv vllm
