@@ -504,6 +504,79 @@ redis.call('ZADD', KEYS[1], 'XX', 'GT', ARGV[2], ARGV[1])
 return 1
 """
 
+# ---- the bounds (kvshuttle.registry.store.redis.bounds) ---------------------------------------
+
+# KEYS: retention deadlines, versions, counts, over. ARGV: name, deadline, max_retentions,
+# max_retentions_per_tenant. Reply: {1 if this added the member, its version, the limit a new
+# retention would pass ('' none)}. A member added past a limit keeps that limit (`over`) for
+# other puts of its name, until it is removed.
+RESERVE = (
+    COUNTED_LIB
+    + r"""
+local limit = ''
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  limit = redis.call('HGET', KEYS[4], ARGV[1]) or ''
+else
+  local t = string.match(ARGV[1], '^tenants/([^/]+)/') or ''
+  if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then
+    limit = 'max_retentions'
+  elseif tonumber(redis.call('HGET', KEYS[3], t) or '0') >= tonumber(ARGV[4]) then
+    limit = 'max_retentions_per_tenant'
+  end
+  if limit ~= '' then redis.call('HSET', KEYS[4], ARGV[1], limit) end
+end
+local added = redis.call('ZADD', KEYS[1], 'LT', ARGV[2], ARGV[1])
+counted(ARGV[1], added)
+return {added, redis.call('HINCRBY', KEYS[2], ARGV[1], 1), limit}
+"""
+)
+
+# KEYS: retention deadlines, versions, counts, over. ARGV: name, the version its reservation got
+# ('' whatever wrote it since: its name can no longer be committed). Reply: 1 removed, 0 kept.
+UNRESERVE = (
+    COUNTED_LIB
+    + r"""
+if ARGV[2] ~= '' and redis.call('HGET', KEYS[2], ARGV[1]) ~= ARGV[2] then return 0 end
+counted(ARGV[1], -redis.call('ZREM', KEYS[1], ARGV[1]))
+redis.call('HDEL', KEYS[2], ARGV[1])
+return 1
+"""
+)
+
+# KEYS: index, sizes, meta. ARGV: now, aged-out cutoff (now - ttl), max entries, max bytes,
+# key ('' only trims), its estimated bytes. The index is in write order (a sequence in meta
+# "iseq"); `sizes` holds each key's "bytes time". Reply: the keys the bounds dropped, to delete.
+REMEMBER = r"""
+local out = {}
+local function pop(k)
+  local v = redis.call('HGET', KEYS[2], k)
+  redis.call('ZREM', KEYS[1], k)
+  redis.call('HDEL', KEYS[2], k)
+  if v then redis.call('HINCRBY', KEYS[3], 'ib', -tonumber(string.match(v, '^%d+'))) end
+  out[#out + 1] = k
+end
+local cutoff = tonumber(ARGV[2])
+for _ = 1, 256 do  -- aged out, from the oldest (a bounded batch a call)
+  local first = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+  if not first then break end
+  local v = redis.call('HGET', KEYS[2], first) or ''
+  local t = tonumber(string.match(v, ' (.+)$') or '0')
+  if t > cutoff then break end
+  pop(first)
+end
+if ARGV[5] ~= '' then
+  if redis.call('ZSCORE', KEYS[1], ARGV[5]) then pop(ARGV[5]); out[#out] = nil end
+  redis.call('ZADD', KEYS[1], redis.call('HINCRBY', KEYS[3], 'iseq', 1), ARGV[5])
+  redis.call('HSET', KEYS[2], ARGV[5], ARGV[6] .. ' ' .. ARGV[1])
+  redis.call('HINCRBY', KEYS[3], 'ib', tonumber(ARGV[6]))
+end
+while redis.call('ZCARD', KEYS[1]) > 0 and (redis.call('ZCARD', KEYS[1]) > tonumber(ARGV[3])
+    or tonumber(redis.call('HGET', KEYS[3], 'ib') or '0') > tonumber(ARGV[4])) do
+  pop(redis.call('ZRANGE', KEYS[1], 0, 0)[1])
+end
+return out
+"""
+
 SCRIPTS: dict[str, str] = {
     "put": PUT,
     "renew": RENEW,
@@ -530,4 +603,7 @@ SCRIPTS: dict[str, str] = {
     "linger": LINGER,
     "unlinger": UNLINGER,
     "later": LATER,
+    "reserve": RESERVE,
+    "unreserve": UNRESERVE,
+    "remember": REMEMBER,
 }
