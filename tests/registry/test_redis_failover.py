@@ -120,8 +120,8 @@ async def test_a_replica_or_a_master_short_of_replicas_answers_unavailable(tmp_p
             finally:
                 for registry in (on_replica, on_master):
                     registry.close()
-                    assert isinstance(registry._store, RedisStore)
-                    await registry._store.client.aclose()
+                    assert isinstance(registry.store, RedisStore)
+                    await registry.store.client.aclose()
 
 
 class ReplyCutter:
@@ -186,7 +186,7 @@ async def test_a_lost_reply_is_unavailable_and_the_put_ran_once(tmp_path: Path) 
         port = await cutter.start()
         settings = RegistrySettings(store="redis", redis=RedisSettings(url=f"redis://127.0.0.1:{port}/0"))
         registry = build_registry(settings, FakeClock())
-        store = registry._store
+        store = registry.store
         assert isinstance(store, RedisStore)
         try:
             await registry.register_node(domain.spec(), ttl=60)
@@ -385,7 +385,7 @@ async def test_a_redis_that_stops_answering_is_unavailable_after_the_socket_time
     with running_redis(tmp_path / "r") as server:
         redis_settings = RedisSettings(url=f"redis://127.0.0.1:{server.port}/0", socket_timeout_s=1.5)
         registry = build_registry(RegistrySettings(store="redis", redis=redis_settings), FakeClock())
-        store = registry._store
+        store = registry.store
         assert isinstance(store, RedisStore)
         try:
             await registry.register_node(domain.spec(), ttl=60)

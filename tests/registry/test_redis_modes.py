@@ -139,7 +139,7 @@ async def test_a_store_round_trip_through_sentinel_discovery(sentinel_port: int)
         ),
     )
     registry = build_registry(settings, clock)
-    store = registry._store
+    store = registry.store
     assert isinstance(store, RedisStore)
     client = store.client
     assert isinstance(client, aioredis.Redis)
@@ -201,7 +201,7 @@ async def test_the_store_and_its_feed_run_on_a_cluster(cluster_port: int) -> Non
         store="redis", redis=RedisSettings(mode="cluster", url=f"redis://127.0.0.1:{cluster_port}/0")
     )
     registry = build_registry(settings, clock)
-    store, feed = registry._store, registry._feed
+    store, feed = registry.store, registry.feed
     assert isinstance(store, RedisStore) and isinstance(feed, RedisFeed)
     client = store.client
     assert isinstance(client, aioredis.RedisCluster)

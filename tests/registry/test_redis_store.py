@@ -203,8 +203,8 @@ async def test_the_registry_runs_on_redis_by_configuration(
     await registry.register_node(spec(), ttl=30)
     assert await redis_client.zrange("{cfg}:nodes", 0, -1) == [b"nodes/d0"]
     # The block index follows the store: replicas share it through the prefix's block stream.
-    assert isinstance(registry._index_feed, RedisIndexFeed)
-    assert registry._index_feed.key == "{cfg}:blocks"
+    assert isinstance(registry.index_feed, RedisIndexFeed)
+    assert registry.index_feed.key == "{cfg}:blocks"
     memory = build_registry(RegistrySettings(), clock)
-    assert isinstance(memory._store, InMemoryStore)
-    assert isinstance(memory._index_feed, LocalIndexFeed)
+    assert isinstance(memory.store, InMemoryStore)
+    assert isinstance(memory.index_feed, LocalIndexFeed)
