@@ -3,7 +3,7 @@ concurrency, and the remembered request answers, bounded by count and bytes as w
 
 Capacity. What counts against `max_retentions` (and `max_retentions_per_tenant`) is the members
 of the retention deadline set `{P}:rdl`, and per tenant the count hash `{P}:rcount` that every
-script adding or removing a member moves in the same step (redis_scripts COUNTED_LIB). A put
+script adding or removing a member moves in the same step (lua/lib/counted.lua). A put
 adds its name there BEFORE its commit, in one script on the global slot that decides the
 verdict from the counts as they are (RESERVE): so the deadline hint a put always wrote is its
 reservation, and concurrent puts cannot pass a limit by their number. The member is added even
