@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import uuid
 
-from kvshuttle.core.errors import FailedPrecondition, NotFound
+from kvshuttle.core.errors import FailedPrecondition
 from kvshuttle.core.fingerprint import request_id_reused
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.idempotency import ClaimAnswer, MoveAnswer, claim_fingerprint, move_fingerprint
 from kvshuttle.registry.model import ChangeKind, Claim, Holder, Move, Retention, RetentionChange
+from kvshuttle.registry.store.errors import node_not_found, request_ended
 from kvshuttle.registry.store.memory.state import RETENTION, MemoryState, snapshot_retention
 
 _CLAIM, _MOVE = "claim", "move"
@@ -49,11 +50,7 @@ class MemoryClaims:
         lapsed), the claim has ended: RETENTION_NOT_FOUND."""
         record = self._state.retentions.get(name)
         if record is None or record.claim is None or record.claim.claim_id != first.claim_id:
-            raise NotFound(
-                f"retention {name} is gone: the claim request {request_id} made has ended",
-                reason=ErrorReason.RETENTION_NOT_FOUND,
-                metadata={"retention": name},
-            )
+            raise request_ended(name, "claim", request_id)
         return snapshot_retention(record)
 
     async def release_retention(
@@ -116,11 +113,7 @@ class MemoryClaims:
             )
         target = self._state.nodes.get(move.node)
         if target is None:
-            raise NotFound(
-                f"node {move.node} is not registered (or its lease lapsed)",
-                reason=ErrorReason.NODE_NOT_FOUND,
-                metadata={"node": move.node},
-            )
+            raise node_not_found(move.node)
         if target.spec.model != record.model or target.spec.block_size != record.block_size:
             raise FailedPrecondition(
                 f"node {move.node} serves model {target.spec.model!r} with block size "
@@ -160,11 +153,7 @@ class MemoryClaims:
         move). Once the retention is gone, RETENTION_NOT_FOUND."""
         record = self._state.retentions.get(move.name)
         if record is None:
-            raise NotFound(
-                f"retention {move.name} is gone: the move request {request_id} made has ended",
-                reason=ErrorReason.RETENTION_NOT_FOUND,
-                metadata={"retention": move.name},
-            )
+            raise request_ended(move.name, "move", request_id)
         out = snapshot_retention(record)
         move.apply_to(out, first.expire_at)
         return out

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import copy
 
-from kvshuttle.core.errors import FailedPrecondition, NotFound, ResourceExhausted
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
-from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.model import ChangeKind, Node, RetentionChange
+from kvshuttle.registry.store.errors import incarnation_mismatch, node_not_found, too_many
 from kvshuttle.registry.store.memory.state import NODE, MemoryState, snapshot_node
 
 
@@ -22,11 +21,7 @@ class MemoryNodes:
     ) -> tuple[Node, list[RetentionChange], bool]:
         existing = self._state.nodes.get(spec.name)
         if existing is None and len(self._state.nodes) >= self._state.limits.max_nodes:
-            raise ResourceExhausted(
-                f"at most {self._state.limits.max_nodes} nodes",
-                reason=ErrorReason.CAPACITY_EXCEEDED,
-                metadata={"limit": "max_nodes"},
-            )
+            raise too_many("max_nodes", f"at most {self._state.limits.max_nodes} nodes")
         changes: list[RetentionChange] = []
         engine_changed = existing is not None and existing.spec.engine_id != spec.engine_id
         if engine_changed:
@@ -50,17 +45,9 @@ class MemoryNodes:
     def _live_node(self, name: str, incarnation: int | None) -> Node:
         node = self._state.nodes.get(name)
         if node is None:
-            raise NotFound(
-                f"node {name} is not registered (or its lease lapsed)",
-                reason=ErrorReason.NODE_NOT_FOUND,
-                metadata={"node": name},
-            )
+            raise node_not_found(name)
         if incarnation is not None and node.incarnation != incarnation:
-            raise FailedPrecondition(
-                f"node {name} is at incarnation {node.incarnation}, not {incarnation}",
-                reason=ErrorReason.NODE_INCARNATION_MISMATCH,
-                metadata={"node": name, "incarnation": str(node.incarnation)},
-            )
+            raise incarnation_mismatch(name, str(node.incarnation), incarnation)
         return node
 
     async def heartbeat_node(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from kvshuttle.core.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted
+from kvshuttle.core.errors import FailedPrecondition
 from kvshuttle.core.fingerprint import request_id_reused
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.idempotency import PutAnswer, put_fingerprint
@@ -18,6 +18,14 @@ from kvshuttle.registry.model import (
     PutResult,
     Retention,
     RetentionChange,
+)
+from kvshuttle.registry.store.errors import (
+    conversation_not_found,
+    generation_stale,
+    node_not_registered,
+    pin_expired,
+    retention_claimed,
+    too_many,
 )
 from kvshuttle.registry.store.memory.state import RETENTION, Fence, MemoryState, snapshot_retention
 
@@ -47,32 +55,21 @@ class MemoryRetentions:
         conversation = retention.conversation
         fence = self._state.fences.get(conversation)
         if fence is not None and retention.generation <= fence.generation:
-            raise Aborted(
-                f"generation {retention.generation} is not newer than {fence.generation} for {conversation}",
-                reason=ErrorReason.FENCING_GENERATION_STALE,
-                metadata={"fence_generation": str(fence.generation)},
-            )
+            raise generation_stale(retention.generation, str(fence.generation), conversation)
         expire_at = now + ttl
         if retention.pin_expire_at is not None:
             if retention.pin_expire_at <= now:
-                raise FailedPrecondition(
-                    "pin_expire_time has already passed: the blocks are gone", reason=ErrorReason.PIN_EXPIRED
-                )
+                raise pin_expired()
             expire_at = min(expire_at, retention.pin_expire_at)
         old_name = self._state.by_conversation.get(conversation)
         tenant = retention.tenant
         if old_name is None:
             if len(self._state.retentions) >= self._state.limits.max_retentions:
-                raise ResourceExhausted(
-                    f"at most {self._state.limits.max_retentions} retentions",
-                    reason=ErrorReason.CAPACITY_EXCEEDED,
-                    metadata={"limit": "max_retentions"},
-                )
+                raise too_many("max_retentions", f"at most {self._state.limits.max_retentions} retentions")
             if len(self._state.tenant_names.get(tenant, ())) >= self._state.limits.max_retentions_per_tenant:
-                raise ResourceExhausted(
+                raise too_many(
+                    "max_retentions_per_tenant",
                     f"tenant {tenant} holds {self._state.limits.max_retentions_per_tenant} retentions",
-                    reason=ErrorReason.CAPACITY_EXCEEDED,
-                    metadata={"limit": "max_retentions_per_tenant"},
                 )
         # Everything is checked: from here on nothing raises.
         changes: list[RetentionChange] = []
@@ -104,11 +101,7 @@ class MemoryRetentions:
         its model and block size, and params that name it as registered."""
         node = self._state.nodes.get(retention.node)
         if node is None:
-            raise FailedPrecondition(
-                f"node {retention.node} is not registered",
-                reason=ErrorReason.NODE_NOT_FOUND,
-                metadata={"node": retention.node},
-            )
+            raise node_not_registered(retention.node)
         if node.spec.model != retention.model or node.spec.block_size != retention.block_size:
             raise FailedPrecondition(
                 f"node {retention.node} serves model {node.spec.model!r} with block size "
@@ -146,11 +139,7 @@ class MemoryRetentions:
     async def get_conversation(self, name: str) -> Conversation:
         fence = self._state.fences.get(name)
         if fence is None:
-            raise NotFound(
-                f"conversation {name} has no retention and no fencing generation",
-                reason=ErrorReason.CONVERSATION_NOT_FOUND,
-                metadata={"conversation": name},
-            )
+            raise conversation_not_found(name)
         current = self._state.by_conversation.get(name)
         return Conversation(
             name, fence.generation, snapshot_retention(self._state.retentions[current]) if current else None
@@ -161,11 +150,7 @@ class MemoryRetentions:
     ) -> tuple[Retention, list[RetentionChange]]:
         record = self._state.retention(name)
         if record.claim is not None:
-            raise FailedPrecondition(
-                f"retention {name} is claimed; a claim is never renewed",
-                reason=ErrorReason.RETENTION_CLAIMED,
-                metadata={"retention": name},
-            )
+            raise retention_claimed(name)
         self._state.check_claimable(record, now)
         expire_at = now + min(ttl, max_ttl)
         if record.pin_expire_at is not None:

@@ -13,11 +13,10 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvshuttle.core.errors import Aborted, FailedPrecondition, NotFound
-from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.idempotency import IdempotencyCache
 from kvshuttle.registry.model import ChangeKind, Node, Retention, RetentionChange
 from kvshuttle.registry.store.contract import FENCE_OVERHEAD, StoreLimits
+from kvshuttle.registry.store.errors import already_claimed, retention_expired, retention_not_found
 
 # The kinds of the expiry heap's entries.
 NODE, RETENTION, FENCE = 0, 1, 2
@@ -68,27 +67,15 @@ class MemoryState:
         """The live record `name` (RETENTION_NOT_FOUND when there is none)."""
         record = self.retentions.get(name)
         if record is None:
-            raise NotFound(
-                f"retention {name} not found",
-                reason=ErrorReason.RETENTION_NOT_FOUND,
-                metadata={"retention": name},
-            )
+            raise retention_not_found(name)
         return record
 
     @staticmethod
     def check_claimable(record: Retention, now: float) -> None:
         if record.claim is not None:
-            raise Aborted(
-                f"retention {record.name} is already claimed",
-                reason=ErrorReason.RETENTION_ALREADY_CLAIMED,
-                metadata={"retention": record.name},
-            )
+            raise already_claimed(record.name)
         if record.expire_at <= now:
-            raise FailedPrecondition(
-                f"retention {record.name} expired",
-                reason=ErrorReason.RETENTION_EXPIRED,
-                metadata={"retention": record.name},
-            )
+            raise retention_expired(record.name)
 
     def remove_node(self, name: str, now: float) -> list[RetentionChange]:
         changes = self.drop_node_retentions(name, ChangeKind.NODE_LOST, now)

@@ -10,7 +10,6 @@ from typing import Any
 from kvshuttle.core.errors import (
     FailedPrecondition,
     KvshuttleError,
-    NotFound,
 )
 from kvshuttle.core.fingerprint import request_id_reused
 from kvshuttle.core.reasons import ErrorReason
@@ -23,16 +22,15 @@ from kvshuttle.registry.model import (
     Retention,
     RetentionChange,
 )
+from kvshuttle.registry.store.errors import node_not_found, request_ended, retention_not_found
 from kvshuttle.registry.store.redis.bounds import RedisBounds
 from kvshuttle.registry.store.redis.codec import (
     as_str,
     claim_error,
     conversation_of,
     holder_json,
-    node_not_found,
     pairs,
     reachable,
-    retention_not_found,
     retention_of,
     time_arg,
 )
@@ -79,11 +77,7 @@ class RedisClaims:
             return retention_of(pairs(out[1])), []
         if tag == "err":
             if as_str(out[1]) == "CLAIM_ENDED":
-                raise NotFound(
-                    f"retention {name} is gone: the claim request {request_id} made has ended",
-                    reason=ErrorReason.RETENTION_NOT_FOUND,
-                    metadata={"retention": name},
-                )
+                raise request_ended(name, "claim", request_id)
             raise claim_error(name, out)
         record = retention_of(pairs(out[1]))
         await self._redis.zadd(self._keys.claimed, {name: 0})
@@ -213,11 +207,7 @@ class RedisClaims:
         name = move.name
         reason = as_str(out[1])
         if reason == "MOVE_ENDED":
-            return NotFound(
-                f"retention {name} is gone: the move request {request_id} made has ended",
-                reason=ErrorReason.RETENTION_NOT_FOUND,
-                metadata={"retention": name},
-            )
+            return request_ended(name, "move", request_id)
         if reason == "RETENTION_NOT_FOUND":
             return retention_not_found(name)
         if reason == "CLAIM_MISMATCH":

@@ -15,10 +15,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from kvshuttle.core.errors import (
-    Aborted,
-    FailedPrecondition,
     KvshuttleError,
-    NotFound,
     Unavailable,
 )
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
@@ -29,6 +26,12 @@ from kvshuttle.registry.model import (
     Holder,
     Node,
     Retention,
+)
+from kvshuttle.registry.store.errors import (
+    already_claimed,
+    retention_claimed,
+    retention_expired,
+    retention_not_found,
 )
 
 BATCH = 256
@@ -153,52 +156,16 @@ def tenant_of(name: str) -> str:
     return name.split("/", 2)[1]
 
 
-def retention_not_found(name: str) -> NotFound:
-    return NotFound(
-        f"retention {name} not found",
-        reason=ErrorReason.RETENTION_NOT_FOUND,
-        metadata={"retention": name},
-    )
-
-
-def node_not_found(name: str) -> NotFound:
-    return NotFound(
-        f"node {name} is not registered (or its lease lapsed)",
-        reason=ErrorReason.NODE_NOT_FOUND,
-        metadata={"node": name},
-    )
-
-
-def incarnation_mismatch(name: str, have: str, wanted: int) -> FailedPrecondition:
-    return FailedPrecondition(
-        f"node {name} is at incarnation {have}, not {wanted}",
-        reason=ErrorReason.NODE_INCARNATION_MISMATCH,
-        metadata={"node": name, "incarnation": have},
-    )
-
-
 def claim_error(name: str, out: Sequence[Any]) -> KvshuttleError:
     """A renew's or a claim's refusal, from its script's {'err', REASON} reply."""
     reason = as_str(out[1])
     if reason == "RETENTION_NOT_FOUND":
         return retention_not_found(name)
     if reason == "RETENTION_CLAIMED":
-        return FailedPrecondition(
-            f"retention {name} is claimed; a claim is never renewed",
-            reason=ErrorReason.RETENTION_CLAIMED,
-            metadata={"retention": name},
-        )
+        return retention_claimed(name)
     if reason == "RETENTION_ALREADY_CLAIMED":
-        return Aborted(
-            f"retention {name} is already claimed",
-            reason=ErrorReason.RETENTION_ALREADY_CLAIMED,
-            metadata={"retention": name},
-        )
-    return FailedPrecondition(
-        f"retention {name} expired",
-        reason=ErrorReason.RETENTION_EXPIRED,
-        metadata={"retention": name},
-    )
+        return already_claimed(name)
+    return retention_expired(name)
 
 
 _P = ParamSpec("_P")

@@ -5,21 +5,16 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import cast
 
-from kvshuttle.core.errors import (
-    ResourceExhausted,
-)
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
-from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.model import (
     Node,
     RetentionChange,
 )
+from kvshuttle.registry.store.errors import incarnation_mismatch, node_not_found, too_many
 from kvshuttle.registry.store.redis.codec import (
     BATCH,
     as_str,
-    incarnation_mismatch,
     load_json,
-    node_not_found,
     node_of,
     pairs,
     reachable,
@@ -50,11 +45,7 @@ class RedisNodes:
             [spec.name, self._limits.max_nodes, time_arg(expire_at)],
         )
         if not reserved:
-            raise ResourceExhausted(
-                f"at most {self._limits.max_nodes} nodes",
-                reason=ErrorReason.CAPACITY_EXCEEDED,
-                metadata={"limit": "max_nodes"},
-            )
+            raise too_many("max_nodes", f"at most {self._limits.max_nodes} nodes")
         self._shared.soon(expire_at)
         incarnation = int(
             await self._run("next_incarnation", [self._keys.meta], [self._shared.incarnation_base])

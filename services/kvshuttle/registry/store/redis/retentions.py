@@ -7,11 +7,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvshuttle.core.errors import (
-    Aborted,
     FailedPrecondition,
     KvshuttleError,
-    NotFound,
-    ResourceExhausted,
 )
 from kvshuttle.core.fingerprint import request_id_reused
 from kvshuttle.core.nodes import NodeSpec
@@ -25,6 +22,14 @@ from kvshuttle.registry.model import (
     Retention,
     RetentionChange,
 )
+from kvshuttle.registry.store.errors import (
+    conversation_not_found,
+    generation_stale,
+    node_not_registered,
+    pin_expired,
+    retention_not_found,
+    too_many,
+)
 from kvshuttle.registry.store.redis.bounds import RedisBounds
 from kvshuttle.registry.store.redis.codec import (
     BATCH,
@@ -35,7 +40,6 @@ from kvshuttle.registry.store.redis.codec import (
     holder_json,
     pairs,
     reachable,
-    retention_not_found,
     retention_of,
     time_arg,
 )
@@ -56,11 +60,7 @@ class RedisRetentions:
     async def _holding_node(self, retention: Retention) -> tuple[NodeSpec | None, KvshuttleError | None]:
         node = await self._shared.read_node(retention.node)
         if node is None:
-            return None, FailedPrecondition(
-                f"node {retention.node} is not registered",
-                reason=ErrorReason.NODE_NOT_FOUND,
-                metadata={"node": retention.node},
-            )
+            return None, node_not_registered(retention.node)
         spec = node.spec
         if spec.model != retention.model or spec.block_size != retention.block_size:
             return spec, FailedPrecondition(
@@ -179,11 +179,7 @@ class RedisRetentions:
         if attached:
             return attached, None
         # The node went away since it was read.
-        return 0, FailedPrecondition(
-            f"node {retention.node} is not registered",
-            reason=ErrorReason.NODE_NOT_FOUND,
-            metadata={"node": retention.node},
-        )
+        return 0, node_not_registered(retention.node)
 
     @staticmethod
     def _first_put(retention: Retention, out: Sequence[Any]) -> PutResult:
@@ -204,26 +200,15 @@ class RedisRetentions:
             return node_error
         if reason == "FENCING_GENERATION_STALE":
             fence = as_str(out[2])
-            return Aborted(
-                f"generation {retention.generation} is not newer than {fence} for {retention.conversation}",
-                reason=ErrorReason.FENCING_GENERATION_STALE,
-                metadata={"fence_generation": fence},
-            )
+            return generation_stale(retention.generation, fence, retention.conversation)
         if reason == "PIN_EXPIRED":
-            return FailedPrecondition(
-                "pin_expire_time has already passed: the blocks are gone", reason=ErrorReason.PIN_EXPIRED
-            )
+            return pin_expired()
         limit = as_str(out[2])
         if limit == "max_retentions":
-            return ResourceExhausted(
-                f"at most {self._limits.max_retentions} retentions",
-                reason=ErrorReason.CAPACITY_EXCEEDED,
-                metadata={"limit": "max_retentions"},
-            )
-        return ResourceExhausted(
+            return too_many("max_retentions", f"at most {self._limits.max_retentions} retentions")
+        return too_many(
+            "max_retentions_per_tenant",
             f"tenant {retention.tenant} holds {self._limits.max_retentions_per_tenant} retentions",
-            reason=ErrorReason.CAPACITY_EXCEEDED,
-            metadata={"limit": "max_retentions_per_tenant"},
         )
 
     async def _read_retention(self, name: str) -> Retention | None:
@@ -245,11 +230,7 @@ class RedisRetentions:
         raw = await self._shared.hgetall(self._keys.conversation(name))
         h = {as_str(k): v for k, v in raw.items()}
         if "fence" not in h:
-            raise NotFound(
-                f"conversation {name} has no retention and no fencing generation",
-                reason=ErrorReason.CONVERSATION_NOT_FOUND,
-                metadata={"conversation": name},
-            )
+            raise conversation_not_found(name)
         return Conversation(name, int(h["fence"]), retention_of(h) if "name" in h else None)
 
     @reachable
