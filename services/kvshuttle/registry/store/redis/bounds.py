@@ -10,7 +10,7 @@ reservation, and concurrent puts cannot pass a limit by their number. The member
 over the limit: the conversation's commit script still lets a replacement in (it takes no
 capacity: one retention per conversation) and refuses a new one; a put whose commit made
 nothing (refused, replayed) takes its reservation back, only if no other put of that name
-wrote it since (the version it got). Every removal path already drops the member (`_retired`,
+wrote it since (the version it got). Every removal path already drops the member (`RedisShared.retired`,
 the sweeper's clean-up of a name whose record is gone), each at most once because a ZREM of
 an absent member changes no count. A replica dying between its reservation and its commit
 leaves a member with the put's deadline: the sweeper finds the name gone when it is due and
