@@ -59,7 +59,7 @@ class Served:
         )
 
     def state(self) -> Any:
-        return self.thread.call(lambda: (state_of(self.registry._store), state_of(self.registry._index)))
+        return self.thread.call(lambda: (state_of(self.registry.store), state_of(self.registry.index)))
 
     def alive(self) -> None:
         self.stub.ListNodes(pb.ListNodesRequest(), timeout=5)

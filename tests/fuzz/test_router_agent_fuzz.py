@@ -57,7 +57,7 @@ class RouterServed:
         async def start() -> Any:
             self.client = RegistryClient.connect(config.registry.channel_options())
             self.router = build_router(
-                config, GrpcRegistryPort(self.client), registry.registry._clock, CollectorRegistry()
+                config, GrpcRegistryPort(self.client), registry.registry.clock, CollectorRegistry()
             )
             self.server = build_server(config, self.router, CollectorRegistry())
             return await self.server.start()

@@ -205,7 +205,9 @@ async def test_a_reservation_left_by_a_crashed_replica_is_reconciled_by_the_swee
         await put(registries[0], conv(i))
     # The replica reserved two places (the first step of a put) and died before its commits.
     for i in range(2):
-        added, _, limit = await stores[0]._reserve(f"{conv(f'crashed{i}')}/retentions/1", clock.now() + 30)
+        added, _, limit = await stores[0].bounds.reserve(
+            f"{conv(f'crashed{i}')}/retentions/1", clock.now() + 30
+        )
         assert (added, limit) == (True, "")
     with pytest.raises(ResourceExhausted):
         await put(registries[1], conv("refused"))  # held, never overshot

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvshuttle.registry.store.redis.codec import _store_down
+from kvshuttle.registry.store.redis.codec import store_down
 
 
 def attribute_error_raised_in(filename: str) -> AttributeError:
@@ -21,11 +21,11 @@ def attribute_error_raised_in(filename: str) -> AttributeError:
 
 def test_a_connection_redis_py_closed_under_the_call_is_the_store_down() -> None:
     raised = attribute_error_raised_in("/venv/lib/python3.11/site-packages/redis/asyncio/connection.py")
-    assert _store_down(raised) == "ConnectionClosed"
+    assert store_down(raised) == "ConnectionClosed"
 
 
 def test_an_attribute_error_anywhere_else_stays_a_bug() -> None:
     ours = "/work/services/kvshuttle/registry/store/redis/claims.py"
-    assert _store_down(attribute_error_raised_in(ours)) is None
-    assert _store_down(attribute_error_raised_in("/venv/site-packages/redis/asyncio/cluster.py")) is None
-    assert _store_down(AttributeError("no traceback")) is None
+    assert store_down(attribute_error_raised_in(ours)) is None
+    assert store_down(attribute_error_raised_in("/venv/site-packages/redis/asyncio/cluster.py")) is None
+    assert store_down(AttributeError("no traceback")) is None

@@ -120,8 +120,8 @@ async def test_a_replica_or_a_master_short_of_replicas_answers_unavailable(tmp_p
             finally:
                 for registry in (on_replica, on_master):
                     registry.close()
-                    assert isinstance(registry._store, RedisStore)
-                    await registry._store._redis.aclose()
+                    assert isinstance(registry.store, RedisStore)
+                    await registry.store.client.aclose()
 
 
 class ReplyCutter:
@@ -186,7 +186,7 @@ async def test_a_lost_reply_is_unavailable_and_the_put_ran_once(tmp_path: Path) 
         port = await cutter.start()
         settings = RegistrySettings(store="redis", redis=RedisSettings(url=f"redis://127.0.0.1:{port}/0"))
         registry = build_registry(settings, FakeClock())
-        store = registry._store
+        store = registry.store
         assert isinstance(store, RedisStore)
         try:
             await registry.register_node(domain.spec(), ttl=60)
@@ -194,7 +194,7 @@ async def test_a_lost_reply_is_unavailable_and_the_put_ran_once(tmp_path: Path) 
                 request_id="", parent=domain.CONV, retention=domain.retention(1), ttl=60
             )
             # Without a request id: sent again, it would answer ABORTED (FENCING_GENERATION_STALE).
-            cutter.arm(store._scripts["put"].sha)
+            cutter.arm(store.scripts["put"].sha)
             with pytest.raises(Unavailable):
                 await registry.put_retention(
                     request_id="", parent=domain.CONV, retention=domain.retention(2), ttl=60
@@ -202,7 +202,7 @@ async def test_a_lost_reply_is_unavailable_and_the_put_ran_once(tmp_path: Path) 
             assert cutter.cut == 1
             assert (await registry.get_conversation(domain.CONV)).fence_generation == 2  # it ran
             # With one: the caller's retry gets the first answer.
-            cutter.arm(store._scripts["put"].sha)
+            cutter.arm(store.scripts["put"].sha)
             with pytest.raises(Unavailable):
                 await registry.put_retention(
                     request_id="r3", parent=domain.CONV, retention=domain.retention(3), ttl=60
@@ -214,7 +214,7 @@ async def test_a_lost_reply_is_unavailable_and_the_put_ran_once(tmp_path: Path) 
             assert (again.retention.generation, again.replaced) == (3, f"{domain.CONV}/retentions/2")
         finally:
             registry.close()
-            await store._redis.aclose()
+            await store.client.aclose()
             await cutter.close()
 
 
@@ -385,7 +385,7 @@ async def test_a_redis_that_stops_answering_is_unavailable_after_the_socket_time
     with running_redis(tmp_path / "r") as server:
         redis_settings = RedisSettings(url=f"redis://127.0.0.1:{server.port}/0", socket_timeout_s=1.5)
         registry = build_registry(RegistrySettings(store="redis", redis=redis_settings), FakeClock())
-        store = registry._store
+        store = registry.store
         assert isinstance(store, RedisStore)
         try:
             await registry.register_node(domain.spec(), ttl=60)
@@ -403,4 +403,4 @@ async def test_a_redis_that_stops_answering_is_unavailable_after_the_socket_time
             assert put.retention.generation == 1
         finally:
             registry.close()
-            await store._redis.aclose()
+            await store.client.aclose()

@@ -139,9 +139,9 @@ async def test_a_store_round_trip_through_sentinel_discovery(sentinel_port: int)
         ),
     )
     registry = build_registry(settings, clock)
-    store = registry._store
+    store = registry.store
     assert isinstance(store, RedisStore)
-    client = store._redis
+    client = store.client
     assert isinstance(client, aioredis.Redis)
     await client.flushall()
     try:
@@ -201,9 +201,9 @@ async def test_the_store_and_its_feed_run_on_a_cluster(cluster_port: int) -> Non
         store="redis", redis=RedisSettings(mode="cluster", url=f"redis://127.0.0.1:{cluster_port}/0")
     )
     registry = build_registry(settings, clock)
-    store, feed = registry._store, registry._feed
+    store, feed = registry.store, registry.feed
     assert isinstance(store, RedisStore) and isinstance(feed, RedisFeed)
-    client = store._redis
+    client = store.client
     assert isinstance(client, aioredis.RedisCluster)
     await client.flushall()
     reader = asyncio.create_task(registry.run_feed())
@@ -227,7 +227,7 @@ async def test_the_store_and_its_feed_run_on_a_cluster(cluster_port: int) -> Non
         first = await asyncio.wait_for(anext(it), 5)
         assert (first.kind, first.retention.name) == (ChangeKind.PUT, names[0])
         # The keys really are spread: conversations and nodes on more than one master.
-        keys = [store._conv_key(c) for c in convs] + store._node_keys("nodes/d0") + [store._k_nodes]
+        keys = [store.keys.conversation(c) for c in convs] + store.keys.node("nodes/d0") + [store.keys.nodes]
         assert len({getattr(client.get_node_from_key(k), "port", None) for k in keys}) == 3
         # What a script over several slots gets (redis-py refuses it before the server's CROSSSLOT).
         with pytest.raises((redis.RedisError, redis.exceptions.RedisClusterException), match="same key slot"):
@@ -330,7 +330,7 @@ async def test_capacity_and_remembered_answers_are_bounded_on_a_cluster(cluster_
         )
         assert await clients[1].hget("{kvshuttle}:rcount", "acme") == b"5"  # type: ignore[misc]
         await registries[1].release_retention(won[0].retention.name, claim_id="", force=False)
-        await stores[0]._reserve("tenants/acme/conversations/crashed/retentions/1", clock.now() + 10)
+        await stores[0].bounds.reserve("tenants/acme/conversations/crashed/retentions/1", clock.now() + 10)
         clock.advance(10)
         await registries[1].expire_due()  # the crashed reservation is reconciled
         assert await clients[0].hget("{kvshuttle}:rcount", "acme") == b"4"  # type: ignore[misc]
@@ -340,7 +340,7 @@ async def test_capacity_and_remembered_answers_are_bounded_on_a_cluster(cluster_
         assert await clients[0].zcard("{kvshuttle}:idem") == 4
         again = await put(1, "tenants/acme/conversations/hot", rid="put-11", generation=12)
         assert again.retention.name == "tenants/acme/conversations/hot/retentions/12"
-        gone = stores[0]._idem_key(
+        gone = stores[0].keys.idempotency(
             "tenants/acme/conversations/hot", "put", "tenants/acme/conversations/hot", "put-0"
         )
         assert await clients[0].exists(gone) == 0

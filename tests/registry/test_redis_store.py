@@ -177,7 +177,9 @@ async def test_a_cascade_left_undone_is_finished_by_the_next_sweep(
     await registry.register_node(spec(), ttl=10)
     names = [(await _put(registry, f"{CONV}-{i}", ttl=600)).name for i in range(3)]
     # What the node script does, without the cascade after it.
-    out = await store._run("remove_node", store._node_keys("nodes/d0"), ["", repr(clock.now()), "deregister"])
+    out = await store.scripts["remove_node"](
+        keys=store.keys.node("nodes/d0"), args=["", repr(clock.now()), "deregister"]
+    )
     assert out[0] == b"removed"
     clock.advance(10)
     result = await registry.expire_due()
@@ -201,8 +203,8 @@ async def test_the_registry_runs_on_redis_by_configuration(
     await registry.register_node(spec(), ttl=30)
     assert await redis_client.zrange("{cfg}:nodes", 0, -1) == [b"nodes/d0"]
     # The block index follows the store: replicas share it through the prefix's block stream.
-    assert isinstance(registry._index_feed, RedisIndexFeed)
-    assert registry._index_feed.key == "{cfg}:blocks"
+    assert isinstance(registry.index_feed, RedisIndexFeed)
+    assert registry.index_feed.key == "{cfg}:blocks"
     memory = build_registry(RegistrySettings(), clock)
-    assert isinstance(memory._store, InMemoryStore)
-    assert isinstance(memory._index_feed, LocalIndexFeed)
+    assert isinstance(memory.store, InMemoryStore)
+    assert isinstance(memory.index_feed, LocalIndexFeed)

@@ -52,7 +52,7 @@ from kvshuttle.registry.api import convert
 from kvshuttle.registry.feeds.change import Deliver, Fail, resume_expired
 from kvshuttle.registry.feeds.watchers import Position
 from kvshuttle.registry.model import RetentionChange
-from kvshuttle.registry.store.redis.codec import RedisClient, _scripting
+from kvshuttle.registry.store.redis.codec import RedisClient, scripting
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 
 __all__ = ["RedisFeed"]
@@ -87,7 +87,7 @@ return '0-0'
 """
 
 
-def _s(value: bytes | str) -> str:
+def as_str(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -117,8 +117,8 @@ class RedisFeed:
         self.key = f"{{{prefix}}}:changes"
         self._maxlen = maxlen
         self._block_ms = block_ms
-        self._read = _scripting(client).register_script(_READ)
-        self._last = _scripting(client).register_script(_LAST)
+        self._read = scripting(client).register_script(_READ)
+        self._last = scripting(client).register_script(_LAST)
         self._deliver: Deliver | None = None
         self._fail: Fail | None = None
         self.started = asyncio.Event()  # the reader has its starting id
@@ -146,15 +146,15 @@ class RedisFeed:
     async def _page(self, after: str, count: int) -> list[Any] | None:
         """Up to `count` entries after `after`; None if the stream no longer holds `after`."""
         out = await cast("Awaitable[list[Any]]", self._read(keys=[self.key], args=[after, count]))
-        return None if _s(out[0]) == "gone" else list(out[1])
+        return None if as_str(out[0]) == "gone" else list(out[1])
 
     async def _last_id(self) -> str:
-        return _s(await cast("Awaitable[bytes]", self._last(keys=[self.key])))
+        return as_str(await cast("Awaitable[bytes]", self._last(keys=[self.key])))
 
     def _decode(self, entries: Sequence[Any]) -> list[RetentionChange]:
         out: list[RetentionChange] = []
         for raw_id, raw in entries:
-            token = _s(raw_id)
+            token = as_str(raw_id)
             # From the script: a flat list of pairs; from XREAD: a dict.
             fields = {raw[i]: raw[i + 1] for i in range(0, len(raw), 2)} if isinstance(raw, list) else raw
             try:
@@ -178,7 +178,7 @@ class RedisFeed:
             yield self._decode(entries)
             if len(entries) < _PAGE:
                 return
-            cursor = _s(entries[-1][0])
+            cursor = as_str(entries[-1][0])
 
     async def _check_gap(self, last_id: str) -> str:
         """After a lost connection: where to carry on from, ending the local watchers' streams
@@ -217,7 +217,7 @@ class RedisFeed:
             for _key, entries in found or ():
                 if not entries:
                     continue
-                last_id = _s(entries[-1][0])
+                last_id = as_str(entries[-1][0])
                 changes = self._decode(entries)
                 if changes and self._deliver is not None:
                     self._deliver(changes)

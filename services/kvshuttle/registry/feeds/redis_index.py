@@ -51,7 +51,7 @@ from kvshuttle.core.kv_events import ApplyResult, EventBatch
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.api import convert
 from kvshuttle.registry.block_index import BlockIndex, plan_batches
-from kvshuttle.registry.store.redis.codec import RedisClient, _reachable, _scripting
+from kvshuttle.registry.store.redis.codec import RedisClient, reachable, scripting
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 
 __all__ = ["FLOOR_HORIZON", "RedisIndexFeed"]
@@ -90,12 +90,12 @@ return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'n', n, 'd', ARG
 """
 
 
-def _s(value: bytes | str) -> str:
+def as_str(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
 def _id(entry_id: bytes | str) -> tuple[int, int]:
-    ms, _, seq = _s(entry_id).partition("-")
+    ms, _, seq = as_str(entry_id).partition("-")
     return int(ms), int(seq)
 
 
@@ -123,14 +123,14 @@ class RedisIndexFeed:
         self._maxlen = maxlen
         self._block_ms = block_ms
         self._wait = read_your_writes
-        self._accept = _scripting(client).register_script(_ACCEPT)
-        self._drop = _scripting(client).register_script(_DROP)
+        self._accept = scripting(client).register_script(_ACCEPT)
+        self._drop = scripting(client).register_script(_DROP)
         self._applied = (0, 0)  # the id of the last entry this replica's index applied
         self._counter: int | None = None  # that entry's `n`
         self._moved = asyncio.Condition()
         self.gaps = 0  # times the reader missed entries and cleared the index
 
-    @_reachable  # Redis not answering: UNAVAILABLE, which the agent retries
+    @reachable  # Redis not answering: UNAVAILABLE, which the agent retries
     async def report(self, node: str, incarnation: int, batches: Sequence[EventBatch]) -> ApplyResult:
         seqs = [b.seq for b in batches]
         known = self._index.next_seq(node)
@@ -148,14 +148,14 @@ class RedisIndexFeed:
             tag, value = await cast(
                 "Awaitable[list[Any]]", self._accept(keys=[self._k_seq, self.key], args=args)
             )
-            if _s(tag) == "stale":
+            if as_str(tag) == "stale":
                 raise FailedPrecondition(
                     f"node {node} was removed at or after incarnation {incarnation}",
                     reason=ErrorReason.NODE_INCARNATION_MISMATCH,
                     metadata={"node": node, "incarnation": str(int(value) - 1)},
                 )
-            if _s(tag) == "moved":
-                state = _s(value)
+            if as_str(tag) == "moved":
+                state = as_str(value)
                 continue
             if value:
                 await self._until_applied(_id(value))
@@ -165,7 +165,7 @@ class RedisIndexFeed:
             reason=ErrorReason.ABORTED,
         )
 
-    @_reachable
+    @reachable
     async def drop(self, node: str, floor: int, now: float) -> None:
         args: list[str | int] = [node, floor, repr(now), repr(now - FLOOR_HORIZON), self._maxlen]
         entry_id = await cast(
@@ -193,12 +193,12 @@ class RedisIndexFeed:
             self._applied = _id(raw_id)
             try:
                 if b"d" in fields:
-                    self._index.drop_node(_s(fields[b"d"]))
+                    self._index.drop_node(as_str(fields[b"d"]))
                 else:
                     request = pb.ReportBlockEventsRequest.FromString(bytes(fields[b"b"]))
                     self._index.apply(request.node, convert.event_batches_from_pb(request.batches))
             except Exception as exc:  # not ours: skipped, never fatal to the reader
-                log.warning("index_feed.bad_entry", id=_s(raw_id), error=repr(exc))
+                log.warning("index_feed.bad_entry", id=as_str(raw_id), error=repr(exc))
 
     async def run(self) -> None:
         """The reader: see the module docstring. Runs until cancelled."""
@@ -219,6 +219,6 @@ class RedisIndexFeed:
             for _key, entries in found or ():
                 if entries:
                     self._apply(entries)
-                    last = _s(entries[-1][0])
+                    last = as_str(entries[-1][0])
             async with self._moved:
                 self._moved.notify_all()

@@ -11,12 +11,20 @@ from kvshuttle.core.kv_events import ApplyResult, BlockStored, EventBatch
 from kvshuttle.core.limits import MAX_EVENT_SEQ
 from kvshuttle.core.nodes import NodeRole
 from kvshuttle.core.reasons import ErrorReason
-from kvshuttle.registry.block_index import BlockIndex
-from kvshuttle.registry.service.base import RegistryBase
+from kvshuttle.registry.service.shared import RegistryShared
 
 
-class RegistryBlocks(RegistryBase):
+class RegistryBlocks:
     """Block events in, block lookups out."""
+
+    def __init__(self, shared: RegistryShared) -> None:
+        self._shared = shared
+        self._store = shared.store
+        self._index_feed = shared.index_feed
+        self._index = shared.index
+        self._limits = shared.limits
+        self._check = shared.checks
+        self._stats = shared.stats
 
     def indexed_blocks(self, node: str) -> int:
         return self._index.node_block_count(node)
@@ -24,28 +32,28 @@ class RegistryBlocks(RegistryBase):
     async def report_block_events(
         self, node: str, incarnation: int, batches: Sequence[EventBatch]
     ) -> ApplyResult:
-        self._node_name(node, "node")
+        self._check.node_name(node, "node")
         if incarnation <= 0:
             raise InvalidArgument("incarnation", "required")
-        if len(batches) > self.limits.max_event_batches:
-            raise InvalidArgument("batches", f"at most {self.limits.max_event_batches} batches")
+        if len(batches) > self._limits.max_event_batches:
+            raise InvalidArgument("batches", f"at most {self._limits.max_event_batches} batches")
         for i, batch in enumerate(batches):
             # Below 2**63: the answer's next_seq is seq + 1, in a uint64.
             if not 0 <= batch.seq <= MAX_EVENT_SEQ:
                 raise InvalidArgument(f"batches[{i}].seq", f"must be 0..{MAX_EVENT_SEQ}")
-            if len(batch.events) > self.limits.max_events_per_batch:
+            if len(batch.events) > self._limits.max_events_per_batch:
                 raise InvalidArgument(
-                    f"batches[{i}].events", f"at most {self.limits.max_events_per_batch} events"
+                    f"batches[{i}].events", f"at most {self._limits.max_events_per_batch} events"
                 )
             for j, event in enumerate(batch.events):
                 blocks = getattr(event, "block_hashes", ())
-                if len(blocks) > self.limits.max_event_blocks:
+                if len(blocks) > self._limits.max_event_blocks:
                     raise InvalidArgument(
                         f"batches[{i}].events[{j}].block_hashes",
-                        f"at most {self.limits.max_event_blocks} blocks",
+                        f"at most {self._limits.max_event_blocks} blocks",
                     )
                 if isinstance(event, BlockStored) and (
-                    len(event.token_ids) > self.limits.max_event_blocks * self.limits.max_block_size
+                    len(event.token_ids) > self._limits.max_event_blocks * self._limits.max_block_size
                 ):
                     raise InvalidArgument(f"batches[{i}].events[{j}].token_ids", "too many tokens")
         # The node must be alive and this incarnation current: events of a dead or replaced
@@ -58,31 +66,27 @@ class RegistryBlocks(RegistryBase):
                 metadata={"node": node, "incarnation": str(known.incarnation)},
             )
         result = await self._index_feed.report(node, incarnation, batches)
-        self.stats.event_batches += result.applied_batches
-        self.stats.event_gaps += result.gap_detected
-        self.stats.engine_restarts += result.engine_restarted
+        self._stats.event_batches += result.applied_batches
+        self._stats.event_gaps += result.gap_detected
+        self._stats.engine_restarts += result.engine_restarted
         return result
 
     async def lookup_blocks(
         self, block_hashes: Sequence[int], *, model: str, role: NodeRole | None
     ) -> list[tuple[str, int]]:
-        if len(block_hashes) > self.limits.max_lookup_hashes:
-            raise InvalidArgument("block_hashes", f"at most {self.limits.max_lookup_hashes}")
-        self._bounded(model, "model", required=False)
+        if len(block_hashes) > self._limits.max_lookup_hashes:
+            raise InvalidArgument("block_hashes", f"at most {self._limits.max_lookup_hashes}")
+        self._check.bounded(model, "model", required=False)
         if not block_hashes:
             return []
         nodes: list[str] = []
         after = ""
         while True:
             page = await self._store.list_nodes(
-                role=role, model=model or None, after=after, limit=self.limits.max_page_size
+                role=role, model=model or None, after=after, limit=self._limits.max_page_size
             )
             nodes.extend(n.name for n in page)
-            if len(page) < self.limits.max_page_size:
+            if len(page) < self._limits.max_page_size:
                 break
             after = page[-1].name
         return self._index.lookup(block_hashes, nodes)
-
-    @property
-    def index(self) -> BlockIndex:
-        return self._index

@@ -11,13 +11,22 @@ import structlog
 
 from kvshuttle.core.errors import Unavailable
 from kvshuttle.registry.model import ExpiryResult
-from kvshuttle.registry.service.base import RegistryBase
+from kvshuttle.registry.service.shared import RegistryShared
 
 log = structlog.get_logger("kvshuttle.registry")
 
 
-class RegistryExpiry(RegistryBase):
-    """Expiry: one sweep (expire_due) and the timer that runs it (run_expiry)."""
+class RegistryExpiry:
+    """Expiry: one sweep (expire_due) and the timer that runs it (run_expiry) until close."""
+
+    def __init__(self, shared: RegistryShared) -> None:
+        self._shared = shared
+        self._store = shared.store
+        self._clock = shared.clock
+        self._index_feed = shared.index_feed
+        self._stats = shared.stats
+        self._wake = shared.wake
+        self._closed = False
 
     async def expire_due(self) -> ExpiryResult:
         """Apply every lapse up to now. The timer calls this; tests call it after a FakeClock step."""
@@ -28,15 +37,20 @@ class RegistryExpiry(RegistryBase):
                     expired.node.name, expired.node.incarnation + 1, self._clock.now()
                 )
             except Unavailable as err:  # the expiry committed: its changes are published still
-                self.stats.feed_errors += 1
+                self._stats.feed_errors += 1
                 log.warning("index_feed.drop_failed", node=expired.node.name, error=err.message[:300])
-            self.stats.expirations["node"] += 1
+            self._stats.expirations["node"] += 1
             log.info("node.expired", node=expired.node.name, retentions=len(expired.changes))
         for change in result.retentions:
             kind = "claim" if change.retention.claim is not None else "retention"
-            self.stats.expirations[kind] += 1
-        await self._publish(result.changes())
+            self._stats.expirations[kind] += 1
+        await self._shared.publish(result.changes())
         return result
+
+    def close(self) -> None:
+        """End the timer (at its next wake-up, which this sets)."""
+        self._closed = True
+        self._wake.set()
 
     async def run_expiry(self, *, max_sleep: float = 1.0) -> None:
         """The expiry timer: sleeps until the next deadline (or a new, possibly earlier one).

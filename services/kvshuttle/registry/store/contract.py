@@ -44,7 +44,7 @@ class StoreLimits:
 
 
 # Bytes one lingering fence costs beyond its name's characters: the name's string object, its
-# _Fence (kvshuttle.registry.store.memory.state), the dict and OrderedDict entries (measured with
+# Fence (kvshuttle.registry.store.memory.state), the dict and OrderedDict entries (measured with
 # tracemalloc on CPython 3.11: 334 bytes with a 63-character name). Both stores count
 # lingering_fence_max_bytes by this estimate.
 FENCE_OVERHEAD = 280

@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import uuid
 
-from kvshuttle.core.errors import FailedPrecondition, NotFound
+from kvshuttle.core.errors import FailedPrecondition
 from kvshuttle.core.fingerprint import request_id_reused
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.idempotency import ClaimAnswer, MoveAnswer, claim_fingerprint, move_fingerprint
 from kvshuttle.registry.model import ChangeKind, Claim, Holder, Move, Retention, RetentionChange
-from kvshuttle.registry.store.memory.retentions import MemoryRetentions
-from kvshuttle.registry.store.memory.state import _RETENTION, _snapshot
+from kvshuttle.registry.store.errors import node_not_found, request_ended
+from kvshuttle.registry.store.memory.state import RETENTION, MemoryState, snapshot_retention
 
 _CLAIM, _MOVE = "claim", "move"
 
 
-class MemoryClaims(MemoryRetentions):
+class MemoryClaims:
     """Claims: claim (with its remembered first answer), release, give back, move, evict."""
+
+    def __init__(self, state: MemoryState) -> None:
+        self._state = state
 
     async def claim_retention(
         self, name: str, holder: str, claim_ttl: float, now: float, *, request_id: str
@@ -25,39 +28,35 @@ class MemoryClaims(MemoryRetentions):
         key = (_CLAIM, name, request_id)
         fingerprint = claim_fingerprint(holder) if request_id else b""
         if request_id:
-            first = self._idempotency.get(key, now)
+            first = self._state.idempotency.get(key, now)
             if first is not None:
                 if not isinstance(first, ClaimAnswer) or first.fingerprint != fingerprint:
                     raise request_id_reused()
                 return self._first_claim(name, request_id, first), []
-        record = self._retention(name)
-        self._check_claimable(record, now)
+        record = self._state.retention(name)
+        self._state.check_claimable(record, now)
         record.claim = Claim(uuid.uuid4().hex, holder, now, now + claim_ttl, lease_expire_at=record.expire_at)
         record.expire_at = record.claim.expire_at
-        self._claimed += 1
-        self._push(record.expire_at, _RETENTION, name)
-        snapshot = _snapshot(record)
+        self._state.claimed += 1
+        self._state.push(record.expire_at, RETENTION, name)
+        snapshot = snapshot_retention(record)
         if request_id:
-            self._idempotency.put(key, ClaimAnswer(fingerprint, record.claim.claim_id), now)
+            self._state.idempotency.put(key, ClaimAnswer(fingerprint, record.claim.claim_id), now)
         return snapshot, [RetentionChange(ChangeKind.CLAIMED, snapshot, now)]
 
     def _first_claim(self, name: str, request_id: str, first: ClaimAnswer) -> Retention:
         """The retention a repeated claim took, as it is now: a claim is never renewed or given
         back, so while the retention lives it is the first answer. Once it is gone (released,
         lapsed), the claim has ended: RETENTION_NOT_FOUND."""
-        record = self._retentions.get(name)
+        record = self._state.retentions.get(name)
         if record is None or record.claim is None or record.claim.claim_id != first.claim_id:
-            raise NotFound(
-                f"retention {name} is gone: the claim request {request_id} made has ended",
-                reason=ErrorReason.RETENTION_NOT_FOUND,
-                metadata={"retention": name},
-            )
-        return _snapshot(record)
+            raise request_ended(name, "claim", request_id)
+        return snapshot_retention(record)
 
     async def release_retention(
         self, name: str, claim_id: str, force: bool, now: float, *, keep: bool = False
     ) -> list[RetentionChange]:
-        record = self._retention(name)
+        record = self._state.retention(name)
         if keep:
             return [self._unclaim(record, claim_id, now)]
         if record.claim is not None and not force and claim_id != record.claim.claim_id:
@@ -66,7 +65,7 @@ class MemoryClaims(MemoryRetentions):
                 reason=ErrorReason.CLAIM_MISMATCH,
                 metadata={"retention": name},
             )
-        return [self._remove_retention(name, ChangeKind.RELEASED, now)]
+        return [self._state.remove_retention(name, ChangeKind.RELEASED, now)]
 
     def _unclaim(self, record: Retention, claim_id: str, now: float) -> RetentionChange:
         """The claim given back unread: the retention's own lease again (EXPIRED when past)."""
@@ -79,12 +78,12 @@ class MemoryClaims(MemoryRetentions):
                 metadata={"retention": record.name, "field": "claim_id"},
             )
         if claim.lease_expire_at <= now:
-            return self._remove_retention(record.name, ChangeKind.EXPIRED, now)
+            return self._state.remove_retention(record.name, ChangeKind.EXPIRED, now)
         record.claim = None
-        self._claimed -= 1
+        self._state.claimed -= 1
         record.expire_at = claim.lease_expire_at
-        self._push(record.expire_at, _RETENTION, record.name)
-        return RetentionChange(ChangeKind.UNCLAIMED, _snapshot(record), now)
+        self._state.push(record.expire_at, RETENTION, record.name)
+        return RetentionChange(ChangeKind.UNCLAIMED, snapshot_retention(record), now)
 
     async def move_retention(
         self, move: Move, ttl: float, now: float, *, request_id: str
@@ -93,12 +92,12 @@ class MemoryClaims(MemoryRetentions):
         key = (_MOVE, name, request_id)
         fingerprint = move_fingerprint(move) if request_id else b""
         if request_id:
-            first = self._idempotency.get(key, now)
+            first = self._state.idempotency.get(key, now)
             if first is not None:
                 if not isinstance(first, MoveAnswer) or first.fingerprint != fingerprint:
                     raise request_id_reused()
                 return self._first_move(move, request_id, first), []
-        record = self._retention(name)
+        record = self._state.retention(name)
         if record.claim is None or record.claim.claim_id != move.claim_id:
             held = "is not claimed" if record.claim is None else f"is claimed by {record.claim.holder}"
             raise FailedPrecondition(
@@ -112,13 +111,9 @@ class MemoryClaims(MemoryRetentions):
                 reason=ErrorReason.RETENTION_EXPIRED,
                 metadata={"retention": name},
             )
-        target = self._nodes.get(move.node)
+        target = self._state.nodes.get(move.node)
         if target is None:
-            raise NotFound(
-                f"node {move.node} is not registered (or its lease lapsed)",
-                reason=ErrorReason.NODE_NOT_FOUND,
-                metadata={"node": move.node},
-            )
+            raise node_not_found(move.node)
         if target.spec.model != record.model or target.spec.block_size != record.block_size:
             raise FailedPrecondition(
                 f"node {move.node} serves model {target.spec.model!r} with block size "
@@ -136,39 +131,35 @@ class MemoryClaims(MemoryRetentions):
             )
         # Everything is checked: from here on nothing raises.
         previous = record.node
-        source = self._nodes.get(previous)
+        source = self._state.nodes.get(previous)
         if source is not None:
             source.retained_bytes -= record.kv_bytes
             source.retention_count -= 1
-        self._node_retentions[previous].discard(name)
+        self._state.node_retentions[previous].discard(name)
         move.apply_to(record, now + ttl)
-        self._claimed -= 1
-        self._node_retentions[move.node].add(name)
+        self._state.claimed -= 1
+        self._state.node_retentions[move.node].add(name)
         target.retained_bytes += record.kv_bytes
         target.retention_count += 1
-        self._push(record.expire_at, _RETENTION, name)
+        self._state.push(record.expire_at, RETENTION, name)
         if request_id:
-            self._idempotency.put(key, MoveAnswer(fingerprint, record.expire_at), now)
-        snapshot = _snapshot(record)
+            self._state.idempotency.put(key, MoveAnswer(fingerprint, record.expire_at), now)
+        snapshot = snapshot_retention(record)
         return snapshot, [RetentionChange(ChangeKind.MOVED, snapshot, now, previous_node=previous)]
 
     def _first_move(self, move: Move, request_id: str, first: MoveAnswer) -> Retention:
         """The first response to a repeated move, rebuilt from the live retention (its name,
         generation, chain and times never change) and the repeat (same fingerprint: the same
         move). Once the retention is gone, RETENTION_NOT_FOUND."""
-        record = self._retentions.get(move.name)
+        record = self._state.retentions.get(move.name)
         if record is None:
-            raise NotFound(
-                f"retention {move.name} is gone: the move request {request_id} made has ended",
-                reason=ErrorReason.RETENTION_NOT_FOUND,
-                metadata={"retention": move.name},
-            )
-        out = _snapshot(record)
+            raise request_ended(move.name, "move", request_id)
+        out = snapshot_retention(record)
         move.apply_to(out, first.expire_at)
         return out
 
     async def evict_retention(self, name: str, node: str, now: float) -> list[RetentionChange]:
-        record = self._retention(name)
+        record = self._state.retention(name)
         if record.node != node:
             raise FailedPrecondition(
                 f"retention {name} is held by {record.node}, not {node}",
@@ -181,4 +172,4 @@ class MemoryClaims(MemoryRetentions):
                 reason=ErrorReason.RETENTION_ALREADY_CLAIMED,
                 metadata={"retention": name},
             )
-        return [self._remove_retention(name, ChangeKind.EVICTED, now)]
+        return [self._state.remove_retention(name, ChangeKind.EVICTED, now)]

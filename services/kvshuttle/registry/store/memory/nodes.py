@@ -1,64 +1,53 @@
-"""The in-memory store's node operations (kvshuttle.registry.store.memory.store), and a node's removal
-with its retentions (NODE_LOST)."""
+"""The in-memory store's node operations (kvshuttle.registry.store.memory.store)."""
 
 from __future__ import annotations
 
 import copy
 
-from kvshuttle.core.errors import FailedPrecondition, NotFound, ResourceExhausted
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
-from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.model import ChangeKind, Node, RetentionChange
-from kvshuttle.registry.store.memory.state import _NODE, MemoryState, _snapshot_node
+from kvshuttle.registry.store.errors import incarnation_mismatch, node_not_found, too_many
+from kvshuttle.registry.store.memory.state import NODE, MemoryState, snapshot_node
 
 
-class MemoryNodes(MemoryState):
+class MemoryNodes:
     """Node leases: register, heartbeat, deregister, read, list."""
+
+    def __init__(self, state: MemoryState) -> None:
+        self._state = state
 
     async def register_node(
         self, spec: NodeSpec, ttl: float, now: float
     ) -> tuple[Node, list[RetentionChange], bool]:
-        existing = self._nodes.get(spec.name)
-        if existing is None and len(self._nodes) >= self._limits.max_nodes:
-            raise ResourceExhausted(
-                f"at most {self._limits.max_nodes} nodes",
-                reason=ErrorReason.CAPACITY_EXCEEDED,
-                metadata={"limit": "max_nodes"},
-            )
+        existing = self._state.nodes.get(spec.name)
+        if existing is None and len(self._state.nodes) >= self._state.limits.max_nodes:
+            raise too_many("max_nodes", f"at most {self._state.limits.max_nodes} nodes")
         changes: list[RetentionChange] = []
         engine_changed = existing is not None and existing.spec.engine_id != spec.engine_id
         if engine_changed:
-            changes = self._drop_node_retentions(spec.name, ChangeKind.NODE_LOST, now)
+            changes = self._state.drop_node_retentions(spec.name, ChangeKind.NODE_LOST, now)
         node = Node(
             spec=copy.deepcopy(spec),
-            incarnation=self._next_incarnation,
+            incarnation=self._state.next_incarnation,
             register_time=now,
             expire_at=now + ttl,
             load=NodeLoad(),
         )
-        self._next_incarnation += 1
+        self._state.next_incarnation += 1
         if existing is not None and not engine_changed:
             node.retained_bytes = existing.retained_bytes
             node.retention_count = existing.retention_count
-        self._nodes[spec.name] = node
-        self._node_retentions.setdefault(spec.name, set())
-        self._push(node.expire_at, _NODE, spec.name)
-        return _snapshot_node(node), changes, engine_changed
+        self._state.nodes[spec.name] = node
+        self._state.node_retentions.setdefault(spec.name, set())
+        self._state.push(node.expire_at, NODE, spec.name)
+        return snapshot_node(node), changes, engine_changed
 
     def _live_node(self, name: str, incarnation: int | None) -> Node:
-        node = self._nodes.get(name)
+        node = self._state.nodes.get(name)
         if node is None:
-            raise NotFound(
-                f"node {name} is not registered (or its lease lapsed)",
-                reason=ErrorReason.NODE_NOT_FOUND,
-                metadata={"node": name},
-            )
+            raise node_not_found(name)
         if incarnation is not None and node.incarnation != incarnation:
-            raise FailedPrecondition(
-                f"node {name} is at incarnation {node.incarnation}, not {incarnation}",
-                reason=ErrorReason.NODE_INCARNATION_MISMATCH,
-                metadata={"node": name, "incarnation": str(node.incarnation)},
-            )
+            raise incarnation_mismatch(name, str(node.incarnation), incarnation)
         return node
 
     async def heartbeat_node(
@@ -67,34 +56,25 @@ class MemoryNodes(MemoryState):
         node = self._live_node(name, incarnation)
         node.expire_at = now + ttl
         node.load = copy.copy(load)
-        self._push(node.expire_at, _NODE, name)
-        return _snapshot_node(node)
+        self._state.push(node.expire_at, NODE, name)
+        return snapshot_node(node)
 
     async def deregister_node(self, name: str, incarnation: int | None, now: float) -> list[RetentionChange]:
         self._live_node(name, incarnation)
-        return self._remove_node(name, now)
+        return self._state.remove_node(name, now)
 
     async def get_node(self, name: str) -> Node:
-        return _snapshot_node(self._live_node(name, None))
+        return snapshot_node(self._live_node(name, None))
 
     async def list_nodes(
         self, *, role: NodeRole | None, model: str | None, after: str, limit: int
     ) -> list[Node]:
-        names = sorted(n for n in self._nodes if n > after)
+        names = sorted(n for n in self._state.nodes if n > after)
         out: list[Node] = []
         for name in names:
-            node = self._nodes[name]
+            node = self._state.nodes[name]
             if node.spec.role.serves(role) and (not model or node.spec.model == model):
-                out.append(_snapshot_node(node))
+                out.append(snapshot_node(node))
                 if len(out) >= limit:
                     break
         return out
-
-    def _remove_node(self, name: str, now: float) -> list[RetentionChange]:
-        changes = self._drop_node_retentions(name, ChangeKind.NODE_LOST, now)
-        del self._nodes[name]
-        self._node_retentions.pop(name, None)
-        return changes
-
-    def _drop_node_retentions(self, name: str, kind: ChangeKind, now: float) -> list[RetentionChange]:
-        return [self._remove_retention(r, kind, now) for r in sorted(self._node_retentions.get(name, ()))]

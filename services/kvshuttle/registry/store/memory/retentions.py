@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from kvshuttle.core.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted
+from kvshuttle.core.errors import FailedPrecondition
 from kvshuttle.core.fingerprint import request_id_reused
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.idempotency import PutAnswer, put_fingerprint
@@ -19,14 +19,24 @@ from kvshuttle.registry.model import (
     Retention,
     RetentionChange,
 )
-from kvshuttle.registry.store.memory.nodes import MemoryNodes
-from kvshuttle.registry.store.memory.state import _RETENTION, _Fence, _snapshot
+from kvshuttle.registry.store.errors import (
+    conversation_not_found,
+    generation_stale,
+    node_not_registered,
+    pin_expired,
+    retention_claimed,
+    too_many,
+)
+from kvshuttle.registry.store.memory.state import RETENTION, Fence, MemoryState, snapshot_retention
 
 _PUT = "put"
 
 
-class MemoryRetentions(MemoryNodes):
+class MemoryRetentions:
     """Retentions: put (with its remembered first answer), read, renew, list."""
+
+    def __init__(self, state: MemoryState) -> None:
+        self._state = state
 
     async def put_retention(
         self, retention: Retention, ttl: float, now: float, *, request_id: str
@@ -36,77 +46,62 @@ class MemoryRetentions(MemoryNodes):
         key = (_PUT, retention.conversation, request_id)
         fingerprint = put_fingerprint(retention) if request_id else b""
         if request_id:
-            first = self._idempotency.get(key, now)
+            first = self._state.idempotency.get(key, now)
             if first is not None:
                 if not isinstance(first, PutAnswer) or first.fingerprint != fingerprint:
                     raise request_id_reused()
                 return self._first_put(retention, first), []
         node = self._holding_node(retention)
         conversation = retention.conversation
-        fence = self._fences.get(conversation)
+        fence = self._state.fences.get(conversation)
         if fence is not None and retention.generation <= fence.generation:
-            raise Aborted(
-                f"generation {retention.generation} is not newer than {fence.generation} for {conversation}",
-                reason=ErrorReason.FENCING_GENERATION_STALE,
-                metadata={"fence_generation": str(fence.generation)},
-            )
+            raise generation_stale(retention.generation, str(fence.generation), conversation)
         expire_at = now + ttl
         if retention.pin_expire_at is not None:
             if retention.pin_expire_at <= now:
-                raise FailedPrecondition(
-                    "pin_expire_time has already passed: the blocks are gone", reason=ErrorReason.PIN_EXPIRED
-                )
+                raise pin_expired()
             expire_at = min(expire_at, retention.pin_expire_at)
-        old_name = self._by_conversation.get(conversation)
+        old_name = self._state.by_conversation.get(conversation)
         tenant = retention.tenant
         if old_name is None:
-            if len(self._retentions) >= self._limits.max_retentions:
-                raise ResourceExhausted(
-                    f"at most {self._limits.max_retentions} retentions",
-                    reason=ErrorReason.CAPACITY_EXCEEDED,
-                    metadata={"limit": "max_retentions"},
-                )
-            if len(self._tenant_names.get(tenant, ())) >= self._limits.max_retentions_per_tenant:
-                raise ResourceExhausted(
-                    f"tenant {tenant} holds {self._limits.max_retentions_per_tenant} retentions",
-                    reason=ErrorReason.CAPACITY_EXCEEDED,
-                    metadata={"limit": "max_retentions_per_tenant"},
+            if len(self._state.retentions) >= self._state.limits.max_retentions:
+                raise too_many("max_retentions", f"at most {self._state.limits.max_retentions} retentions")
+            if len(self._state.tenant_names.get(tenant, ())) >= self._state.limits.max_retentions_per_tenant:
+                raise too_many(
+                    "max_retentions_per_tenant",
+                    f"tenant {tenant} holds {self._state.limits.max_retentions_per_tenant} retentions",
                 )
         # Everything is checked: from here on nothing raises.
         changes: list[RetentionChange] = []
         if old_name is not None:
-            changes.append(self._remove_retention(old_name, ChangeKind.REPLACED, now))
-        record = _snapshot(retention)
+            changes.append(self._state.remove_retention(old_name, ChangeKind.REPLACED, now))
+        record = snapshot_retention(retention)
         record.create_time = now
         record.expire_at = expire_at
         record.claim = None
-        self._retentions[record.name] = record
-        self._by_conversation[conversation] = record.name
-        self._node_retentions[record.node].add(record.name)
+        self._state.retentions[record.name] = record
+        self._state.by_conversation[conversation] = record.name
+        self._state.node_retentions[record.node].add(record.name)
         node.retained_bytes += record.kv_bytes
         node.retention_count += 1
-        bisect.insort(self._tenant_names.setdefault(tenant, []), record.name)
+        bisect.insort(self._state.tenant_names.setdefault(tenant, []), record.name)
         # The fence lives as long as a retention does; its own timer starts when the last goes.
-        self._fences[conversation] = _Fence(record.generation, math.inf)
-        self._stop_lingering(conversation)
-        self._push(expire_at, _RETENTION, record.name)
-        result = PutResult(_snapshot(record), old_name or "")
+        self._state.fences[conversation] = Fence(record.generation, math.inf)
+        self._state.stop_lingering(conversation)
+        self._state.push(expire_at, RETENTION, record.name)
+        result = PutResult(snapshot_retention(record), old_name or "")
         changes.append(RetentionChange(ChangeKind.PUT, result.retention, now))
         if request_id:
             answer = PutAnswer(fingerprint, record.name, now, expire_at, record.pin_expire_at, old_name or "")
-            self._idempotency.put(key, answer, now)
+            self._state.idempotency.put(key, answer, now)
         return result, changes
 
     def _holding_node(self, retention: Retention) -> Node:
         """The live node that holds `retention`'s blocks, and only if the retention is its own:
         its model and block size, and params that name it as registered."""
-        node = self._nodes.get(retention.node)
+        node = self._state.nodes.get(retention.node)
         if node is None:
-            raise FailedPrecondition(
-                f"node {retention.node} is not registered",
-                reason=ErrorReason.NODE_NOT_FOUND,
-                metadata={"node": retention.node},
-            )
+            raise node_not_registered(retention.node)
         if node.spec.model != retention.model or node.spec.block_size != retention.block_size:
             raise FailedPrecondition(
                 f"node {retention.node} serves model {node.spec.model!r} with block size "
@@ -130,7 +125,7 @@ class MemoryRetentions(MemoryNodes):
     def _first_put(retention: Retention, first: PutAnswer) -> PutResult:
         """The first response to a repeated put, rebuilt from the repeat (same fingerprint: the
         same retention) and what the first one set."""
-        record = _snapshot(retention)
+        record = snapshot_retention(retention)
         record.name = first.name
         record.create_time = first.create_time
         record.expire_at = first.expire_at
@@ -138,78 +133,48 @@ class MemoryRetentions(MemoryNodes):
         record.claim = None
         return PutResult(record, first.replaced)
 
-    def _retention(self, name: str) -> Retention:
-        record = self._retentions.get(name)
-        if record is None:
-            raise NotFound(
-                f"retention {name} not found",
-                reason=ErrorReason.RETENTION_NOT_FOUND,
-                metadata={"retention": name},
-            )
-        return record
-
     async def get_retention(self, name: str) -> Retention:
-        return _snapshot(self._retention(name))
+        return snapshot_retention(self._state.retention(name))
 
     async def get_conversation(self, name: str) -> Conversation:
-        fence = self._fences.get(name)
+        fence = self._state.fences.get(name)
         if fence is None:
-            raise NotFound(
-                f"conversation {name} has no retention and no fencing generation",
-                reason=ErrorReason.CONVERSATION_NOT_FOUND,
-                metadata={"conversation": name},
-            )
-        current = self._by_conversation.get(name)
-        return Conversation(name, fence.generation, _snapshot(self._retentions[current]) if current else None)
-
-    def _check_claimable(self, record: Retention, now: float) -> None:
-        if record.claim is not None:
-            raise Aborted(
-                f"retention {record.name} is already claimed",
-                reason=ErrorReason.RETENTION_ALREADY_CLAIMED,
-                metadata={"retention": record.name},
-            )
-        if record.expire_at <= now:
-            raise FailedPrecondition(
-                f"retention {record.name} expired",
-                reason=ErrorReason.RETENTION_EXPIRED,
-                metadata={"retention": record.name},
-            )
+            raise conversation_not_found(name)
+        current = self._state.by_conversation.get(name)
+        return Conversation(
+            name, fence.generation, snapshot_retention(self._state.retentions[current]) if current else None
+        )
 
     async def renew_retention(
         self, name: str, ttl: float, max_ttl: float, now: float
     ) -> tuple[Retention, list[RetentionChange]]:
-        record = self._retention(name)
+        record = self._state.retention(name)
         if record.claim is not None:
-            raise FailedPrecondition(
-                f"retention {name} is claimed; a claim is never renewed",
-                reason=ErrorReason.RETENTION_CLAIMED,
-                metadata={"retention": name},
-            )
-        self._check_claimable(record, now)
+            raise retention_claimed(name)
+        self._state.check_claimable(record, now)
         expire_at = now + min(ttl, max_ttl)
         if record.pin_expire_at is not None:
             expire_at = min(expire_at, record.pin_expire_at)
         if expire_at > record.expire_at:
             record.expire_at = expire_at
-            self._push(expire_at, _RETENTION, name)
-        snapshot = _snapshot(record)
+            self._state.push(expire_at, RETENTION, name)
+        snapshot = snapshot_retention(record)
         return snapshot, [RetentionChange(ChangeKind.RENEWED, snapshot, now)]
 
     async def list_retentions(
         self, *, tenant: str, conversation: str | None, node: str | None, after: str, limit: int
     ) -> list[Retention]:
-        names = self._tenant_names.get(tenant, [])
+        names = self._state.tenant_names.get(tenant, [])
         prefix = f"{conversation}/" if conversation else ""
         start = bisect.bisect_right(names, max(after, prefix))
         out: list[Retention] = []
         for name in names[start:]:
             if prefix and not name.startswith(prefix):
                 break
-            record = self._retentions[name]
+            record = self._state.retentions[name]
             if node and record.node != node:
                 continue
-            out.append(_snapshot(record))
+            out.append(snapshot_retention(record))
             if len(out) >= limit:
                 break
         return out

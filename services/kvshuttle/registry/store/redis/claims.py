@@ -10,7 +10,6 @@ from typing import Any
 from kvshuttle.core.errors import (
     FailedPrecondition,
     KvshuttleError,
-    NotFound,
 )
 from kvshuttle.core.fingerprint import request_id_reused
 from kvshuttle.core.reasons import ErrorReason
@@ -23,82 +22,94 @@ from kvshuttle.registry.model import (
     Retention,
     RetentionChange,
 )
+from kvshuttle.registry.store.errors import node_not_found, request_ended, retention_not_found
+from kvshuttle.registry.store.redis.bounds import RedisBounds
 from kvshuttle.registry.store.redis.codec import (
-    _conversation_of,
-    _holder_json,
-    _node_not_found,
-    _not_found,
-    _pairs,
-    _reachable,
-    _retention_of,
-    _s,
-    _t,
+    as_str,
+    claim_error,
+    conversation_of,
+    holder_json,
+    pairs,
+    reachable,
+    retention_of,
+    time_arg,
 )
-from kvshuttle.registry.store.redis.retentions import RedisRetentions
+from kvshuttle.registry.store.redis.shared import RedisShared
 
 
-class RedisClaims(RedisRetentions):
+class RedisClaims:
     """Claims and hand-overs: claim, release (or give back), move, evict."""
 
-    @_reachable
+    def __init__(self, shared: RedisShared, bounds: RedisBounds) -> None:
+        self._shared = shared
+        self._redis = shared.client
+        self._limits = shared.limits
+        self._keys = shared.keys
+        self._run = shared.run
+        self._bounds = bounds
+
+    @reachable
     async def claim_retention(
         self, name: str, holder: str, claim_ttl: float, now: float, *, request_id: str
     ) -> tuple[Retention, list[RetentionChange]]:
-        conversation = _conversation_of(name)
+        conversation = conversation_of(name)
         fingerprint = claim_fingerprint(holder).hex() if request_id else ""
-        idem_key = self._idem_key(conversation, "claim", name, request_id)
+        idem_key = self._keys.idempotency(conversation, "claim", name, request_id)
         claim_id = uuid.uuid4().hex
         out = await self._run(
             "claim",
-            [self._conv_key(conversation), idem_key],
+            [self._keys.conversation(conversation), idem_key],
             [
                 name,
-                _t(now),
+                time_arg(now),
                 request_id,
                 fingerprint,
                 claim_id,
                 holder,
-                _t(now + claim_ttl),
-                *self._idem_args(now),
+                time_arg(now + claim_ttl),
+                *self._shared.idem_args(now),
             ],
         )
-        tag = _s(out[0])
+        tag = as_str(out[0])
         if tag == "reused":
             raise request_id_reused()
         if tag == "repeat":
-            return _retention_of(_pairs(out[1])), []
+            return retention_of(pairs(out[1])), []
         if tag == "err":
-            if _s(out[1]) == "CLAIM_ENDED":
-                raise NotFound(
-                    f"retention {name} is gone: the claim request {request_id} made has ended",
-                    reason=ErrorReason.RETENTION_NOT_FOUND,
-                    metadata={"retention": name},
-                )
-            raise self._claim_error(name, out)
-        record = _retention_of(_pairs(out[1]))
-        await self._redis.zadd(self._k_claimed, {name: 0})
-        await self._hint(self._rdl, name, record.expire_at)
+            if as_str(out[1]) == "CLAIM_ENDED":
+                raise request_ended(name, "claim", request_id)
+            raise claim_error(name, out)
+        record = retention_of(pairs(out[1]))
+        await self._redis.zadd(self._keys.claimed, {name: 0})
+        await self._shared.hint(self._keys.retention_deadlines, name, record.expire_at)
         if request_id:
-            await self._remember(idem_key, [fingerprint, claim_id], now)
+            await self._bounds.remember(idem_key, [fingerprint, claim_id], now)
         changes = [RetentionChange(ChangeKind.CLAIMED, record, now)]
-        self._account(changes)
+        self._shared.account(changes)
         return record, changes
 
-    @_reachable
+    @reachable
     async def release_retention(
         self, name: str, claim_id: str, force: bool, now: float, *, keep: bool = False
     ) -> list[RetentionChange]:
         out = await self._run(
             "release",
-            [self._conv_key(_conversation_of(name))],
-            [name, claim_id, "1" if force else "", "1" if keep else "", _t(now), self._forget_at(now)],
+            [self._keys.conversation(conversation_of(name))],
+            [
+                name,
+                claim_id,
+                "1" if force else "",
+                "1" if keep else "",
+                time_arg(now),
+                self._shared.forget_at(now),
+            ],
         )
-        tag = _s(out[0])
+        tag = as_str(out[0])
         if tag == "err":
-            reason = _s(out[1])
+            reason = as_str(out[1])
             if reason == "RETENTION_NOT_FOUND":
-                raise _not_found(name)
-            held_by = _s(out[2]) if len(out) > 2 else ""
+                raise retention_not_found(name)
+            held_by = as_str(out[2]) if len(out) > 2 else ""
             if reason == "CLAIM_MISMATCH_KEEP":
                 held = f"is claimed by {held_by}" if held_by else "is not claimed"
                 raise FailedPrecondition(
@@ -111,43 +122,43 @@ class RedisClaims(RedisRetentions):
                 reason=ErrorReason.CLAIM_MISMATCH,
                 metadata={"retention": name},
             )
-        record = _retention_of(_pairs(out[1]))
+        record = retention_of(pairs(out[1]))
         if tag == "unclaimed":
-            await self._redis.zrem(self._k_claimed, name)
-            await self._hint(self._rdl, name, record.expire_at)
+            await self._redis.zrem(self._keys.claimed, name)
+            await self._shared.hint(self._keys.retention_deadlines, name, record.expire_at)
             changes = [RetentionChange(ChangeKind.UNCLAIMED, record, now)]
         else:
-            await self._retired(record, now)
+            await self._shared.retired(record, now)
             kind = ChangeKind.EXPIRED if tag == "expired" else ChangeKind.RELEASED
             changes = [RetentionChange(kind, record, now)]
-        self._account(changes)
+        self._shared.account(changes)
         return changes
 
-    @_reachable
+    @reachable
     async def move_retention(
         self, move: Move, ttl: float, now: float, *, request_id: str
     ) -> tuple[Retention, list[RetentionChange]]:
         name = move.name
-        conversation = _conversation_of(name)
+        conversation = conversation_of(name)
         fingerprint = move_fingerprint(move).hex() if request_id else ""
-        target = await self._read_node(move.node)
+        target = await self._shared.read_node(move.node)
         mismatch = "" if target is None else Holder.mismatch(move.holder, target.spec, "kv_transfer_params")
         expire_at = now + ttl
         attached = 0
         if target is not None and not mismatch:
             attached = await self._run(
-                "attach", self._node_keys(move.node)[:2], [name, move.kv_bytes, target.spec.engine_id, ""]
+                "attach", self._keys.node(move.node)[:2], [name, move.kv_bytes, target.spec.engine_id, ""]
             )
             if not attached:
                 target = None
-        idem_key = self._idem_key(conversation, "move", name, request_id)
+        idem_key = self._keys.idempotency(conversation, "move", name, request_id)
         out = await self._run(
             "move",
-            [self._conv_key(conversation), idem_key],
+            [self._keys.conversation(conversation), idem_key],
             [
                 name,
                 move.claim_id,
-                _t(now),
+                time_arg(now),
                 request_id,
                 fingerprint,
                 "" if target is None else "1",
@@ -157,54 +168,50 @@ class RedisClaims(RedisRetentions):
                 move.node,
                 move.kv_transfer_params,
                 str(move.kv_bytes),
-                _holder_json(move.holder),
-                _t(expire_at),
-                *self._idem_args(now),
+                holder_json(move.holder),
+                time_arg(expire_at),
+                *self._shared.idem_args(now),
             ],
         )
-        tag = _s(out[0])
+        tag = as_str(out[0])
         if tag != "ok" and attached == 1:
-            await self._run("detach", self._node_keys(move.node), [name])
+            await self._run("detach", self._keys.node(move.node), [name])
         if tag == "reused":
             raise request_id_reused()
         if tag == "repeat":
-            first = _retention_of(_pairs(out[1]))
+            first = retention_of(pairs(out[1]))
             move.apply_to(first, float(out[2]))
             return first, []
         if tag == "err":
             raise self._move_error(move, out, target, request_id)
-        previous = _s(out[1])
-        record = _retention_of(_pairs(out[3]))
+        previous = as_str(out[1])
+        record = retention_of(pairs(out[3]))
         assert target is not None
         if previous != move.node:
-            await self._run("detach", self._node_keys(previous), [name])
+            await self._run("detach", self._keys.node(previous), [name])
         if attached == 2:  # it was there already (a move onto its own node): its new bytes
             await self._run(
-                "attach", self._node_keys(move.node)[:2], [name, move.kv_bytes, target.spec.engine_id, "1"]
+                "attach", self._keys.node(move.node)[:2], [name, move.kv_bytes, target.spec.engine_id, "1"]
             )
-        await self._redis.zrem(self._k_claimed, name)
-        await self._hint(self._rdl, name, expire_at)
+        await self._redis.zrem(self._keys.claimed, name)
+        await self._shared.hint(self._keys.retention_deadlines, name, expire_at)
         if request_id:
-            await self._remember(idem_key, [fingerprint, _t(expire_at)], now)
+            await self._bounds.remember(idem_key, [fingerprint, time_arg(expire_at)], now)
         changes = [RetentionChange(ChangeKind.MOVED, record, now, previous_node=previous)]
-        changes += await self._still_held(record, target, now)
-        self._account(changes)
+        changes += await self._shared.still_held(record, target, now)
+        self._shared.account(changes)
         return record, changes
 
     @staticmethod
     def _move_error(move: Move, out: Sequence[Any], target: Node | None, request_id: str) -> KvshuttleError:
         name = move.name
-        reason = _s(out[1])
+        reason = as_str(out[1])
         if reason == "MOVE_ENDED":
-            return NotFound(
-                f"retention {name} is gone: the move request {request_id} made has ended",
-                reason=ErrorReason.RETENTION_NOT_FOUND,
-                metadata={"retention": name},
-            )
+            return request_ended(name, "move", request_id)
         if reason == "RETENTION_NOT_FOUND":
-            return _not_found(name)
+            return retention_not_found(name)
         if reason == "CLAIM_MISMATCH":
-            held_by = _s(out[2])
+            held_by = as_str(out[2])
             held = f"is claimed by {held_by}" if held_by else "is not claimed"
             return FailedPrecondition(
                 f"retention {name} {held}: only its claim's holder moves it",
@@ -218,15 +225,15 @@ class RedisClaims(RedisRetentions):
                 metadata={"retention": name},
             )
         if reason == "NODE_NOT_FOUND" or target is None:
-            return _node_not_found(move.node)
+            return node_not_found(move.node)
         if reason == "NODE_MISMATCH":
             return FailedPrecondition(
                 f"node {move.node} serves model {target.spec.model!r} with block size "
-                f"{target.spec.block_size}, not {_s(out[2])!r} / {_s(out[3])}",
+                f"{target.spec.block_size}, not {as_str(out[2])!r} / {as_str(out[3])}",
                 reason=ErrorReason.NODE_MISMATCH,
                 metadata={"node": move.node, "field": "node"},
             )
-        field = _s(out[2])
+        field = as_str(out[2])
         return FailedPrecondition(
             f"kv_transfer_params do not name node {move.node} as registered "
             f"({field.rsplit('.', 1)[-1]} differs)",
@@ -234,28 +241,30 @@ class RedisClaims(RedisRetentions):
             metadata={"node": move.node, "field": field},
         )
 
-    @_reachable
+    @reachable
     async def evict_retention(self, name: str, node: str, now: float) -> list[RetentionChange]:
         out = await self._run(
-            "evict", [self._conv_key(_conversation_of(name))], [name, node, self._forget_at(now)]
+            "evict",
+            [self._keys.conversation(conversation_of(name))],
+            [name, node, self._shared.forget_at(now)],
         )
-        if _s(out[0]) == "err":
-            reason = _s(out[1])
+        if as_str(out[0]) == "err":
+            reason = as_str(out[1])
             if reason == "RETENTION_NOT_FOUND":
-                raise _not_found(name)
+                raise retention_not_found(name)
             if reason == "NODE_MISMATCH":
                 raise FailedPrecondition(
-                    f"retention {name} is held by {_s(out[2])}, not {node}",
+                    f"retention {name} is held by {as_str(out[2])}, not {node}",
                     reason=ErrorReason.NODE_MISMATCH,
                     metadata={"retention": name, "node": node, "field": "node"},
                 )
             raise FailedPrecondition(
-                f"retention {name} is claimed by {_s(out[2])}: a reader may be reading it",
+                f"retention {name} is claimed by {as_str(out[2])}: a reader may be reading it",
                 reason=ErrorReason.RETENTION_ALREADY_CLAIMED,
                 metadata={"retention": name},
             )
-        record = _retention_of(_pairs(out[1]))
-        await self._retired(record, now)
+        record = retention_of(pairs(out[1]))
+        await self._shared.retired(record, now)
         changes = [RetentionChange(ChangeKind.EVICTED, record, now)]
-        self._account(changes)
+        self._shared.account(changes)
         return changes

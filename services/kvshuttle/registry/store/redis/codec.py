@@ -15,8 +15,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from kvshuttle.core.errors import (
-    FailedPrecondition,
-    NotFound,
+    KvshuttleError,
     Unavailable,
 )
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
@@ -28,12 +27,16 @@ from kvshuttle.registry.model import (
     Node,
     Retention,
 )
+from kvshuttle.registry.store.errors import (
+    already_claimed,
+    retention_claimed,
+    retention_expired,
+    retention_not_found,
+)
 
-__all__ = ["RedisClient", "copy_retention"]
-
-_BATCH = 256
-_MAX_BATCHES = 64
-_REMOVED_KINDS = {
+BATCH = 256
+MAX_BATCHES = 64
+REMOVED_KINDS = {
     ChangeKind.RELEASED,
     ChangeKind.EXPIRED,
     ChangeKind.REPLACED,
@@ -42,20 +45,20 @@ _REMOVED_KINDS = {
 }
 
 
-def _s(value: bytes | str) -> str:
+def as_str(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _t(value: float) -> str:
+def time_arg(value: float) -> str:
     """A time as the scripts store it: the shortest repr that reads back to the same float."""
     return repr(float(value))
 
 
-def _pairs(flat: Sequence[Any]) -> dict[str, bytes]:
-    return {_s(flat[i]): flat[i + 1] for i in range(0, len(flat), 2)}
+def pairs(flat: Sequence[Any]) -> dict[str, bytes]:
+    return {as_str(flat[i]): flat[i + 1] for i in range(0, len(flat), 2)}
 
 
-def _holder_json(holder: Holder | None) -> str:
+def holder_json(holder: Holder | None) -> str:
     if holder is None:
         return ""
     return json.dumps([holder.engine_id, holder.side_channel_host, holder.side_channel_port])
@@ -68,7 +71,7 @@ def _holder_of(raw: bytes | None) -> Holder | None:
     return Holder(engine, host, int(port))
 
 
-def _spec_json(spec: NodeSpec) -> str:
+def spec_json(spec: NodeSpec) -> str:
     return json.dumps(
         {
             "name": spec.name,
@@ -92,7 +95,7 @@ def _spec_of(raw: bytes) -> NodeSpec:
     return NodeSpec(**d)
 
 
-def _load_json(load: NodeLoad) -> str:
+def load_json(load: NodeLoad) -> str:
     return json.dumps(
         [load.running_requests, load.waiting_requests, load.kv_cache_usage, load.engine_healthy]
     )
@@ -103,7 +106,7 @@ def _load_of(raw: bytes) -> NodeLoad:
     return NodeLoad(int(running), int(waiting), float(usage), bool(healthy))
 
 
-def _node_of(h: dict[str, bytes]) -> Node:
+def node_of(h: dict[str, bytes]) -> Node:
     return Node(
         spec=_spec_of(h["spec"]),
         incarnation=int(h["inc"]),
@@ -115,12 +118,12 @@ def _node_of(h: dict[str, bytes]) -> Node:
     )
 
 
-def _retention_of(h: dict[str, bytes]) -> Retention:
+def retention_of(h: dict[str, bytes]) -> Retention:
     claim = None
     if "cid" in h:
         claim = Claim(
-            _s(h["cid"]),
-            _s(h["chold"]),
+            as_str(h["cid"]),
+            as_str(h["chold"]),
             float(h["ctime"]),
             float(h["cexp"]),
             lease_expire_at=float(h["clease"]),
@@ -128,10 +131,10 @@ def _retention_of(h: dict[str, bytes]) -> Retention:
     hashes: array[int] = array("Q")
     hashes.frombytes(h["bh"])
     return Retention(
-        name=_s(h["name"]),
-        node=_s(h["node"]),
+        name=as_str(h["name"]),
+        node=as_str(h["node"]),
         generation=int(h["gen"]),
-        model=_s(h["model"]),
+        model=as_str(h["model"]),
         block_size=int(h["bs"]),
         num_tokens=int(h["nt"]),
         block_hashes=hashes,
@@ -145,36 +148,24 @@ def _retention_of(h: dict[str, bytes]) -> Retention:
     )
 
 
-def _conversation_of(name: str) -> str:
+def conversation_of(name: str) -> str:
     return name.rsplit("/", 2)[0]
 
 
-def _tenant_of(name: str) -> str:
+def tenant_of(name: str) -> str:
     return name.split("/", 2)[1]
 
 
-def _not_found(name: str) -> NotFound:
-    return NotFound(
-        f"retention {name} not found",
-        reason=ErrorReason.RETENTION_NOT_FOUND,
-        metadata={"retention": name},
-    )
-
-
-def _node_not_found(name: str) -> NotFound:
-    return NotFound(
-        f"node {name} is not registered (or its lease lapsed)",
-        reason=ErrorReason.NODE_NOT_FOUND,
-        metadata={"node": name},
-    )
-
-
-def _incarnation_mismatch(name: str, have: str, wanted: int) -> FailedPrecondition:
-    return FailedPrecondition(
-        f"node {name} is at incarnation {have}, not {wanted}",
-        reason=ErrorReason.NODE_INCARNATION_MISMATCH,
-        metadata={"node": name, "incarnation": have},
-    )
+def claim_error(name: str, out: Sequence[Any]) -> KvshuttleError:
+    """A renew's or a claim's refusal, from its script's {'err', REASON} reply."""
+    reason = as_str(out[1])
+    if reason == "RETENTION_NOT_FOUND":
+        return retention_not_found(name)
+    if reason == "RETENTION_CLAIMED":
+        return retention_claimed(name)
+    if reason == "RETENTION_ALREADY_CLAIMED":
+        return already_claimed(name)
+    return retention_expired(name)
 
 
 _P = ParamSpec("_P")
@@ -209,7 +200,7 @@ def _closed_under_the_call(exc: Exception) -> bool:
     return Path(tb.tb_frame.f_code.co_filename).parts[-3:] == ("redis", "asyncio", "connection.py")
 
 
-def _store_down(exc: Exception) -> str | None:
+def store_down(exc: Exception) -> str | None:
     """What to call `exc` in the answer when it is one of the above (Redis's addresses and
     message stay out of it), else None."""
     if isinstance(exc, _STORE_DOWN):
@@ -221,7 +212,7 @@ def _store_down(exc: Exception) -> str | None:
     return None
 
 
-def _reachable(method: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
+def reachable(method: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
     """`method`, with Redis not answering or not taking writes raised as Unavailable
     (UNAVAILABLE): the operation's script either ran whole on the server or not at all; a retry
     under its request id is safe."""
@@ -231,7 +222,7 @@ def _reachable(method: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P, Co
         try:
             return await method(*args, **kwargs)
         except Exception as exc:
-            what = _store_down(exc)
+            what = store_down(exc)
             if what is None:
                 raise
             raise Unavailable(
@@ -247,7 +238,7 @@ def _reachable(method: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P, Co
 RedisClient = aioredis.Redis | aioredis.RedisCluster
 
 
-def _scripting(client: RedisClient) -> aioredis.Redis:
+def scripting(client: RedisClient) -> aioredis.Redis:
     """redis-py types register_script for Redis only; a RedisCluster's works the same (EVALSHA
     routed by its keys' slot)."""
     return cast("aioredis.Redis", client)

@@ -12,40 +12,49 @@ from kvshuttle.registry.model import (
     RetentionChange,
     StoreCounts,
 )
-from kvshuttle.registry.store.redis.claims import RedisClaims
+from kvshuttle.registry.store.redis.bounds import RedisBounds
 from kvshuttle.registry.store.redis.codec import (
-    _BATCH,
-    _MAX_BATCHES,
-    _conversation_of,
-    _node_of,
-    _pairs,
-    _reachable,
-    _retention_of,
-    _s,
-    _t,
-    _tenant_of,
+    BATCH,
+    MAX_BATCHES,
+    as_str,
+    conversation_of,
+    node_of,
+    pairs,
+    reachable,
+    retention_of,
+    tenant_of,
+    time_arg,
 )
+from kvshuttle.registry.store.redis.shared import RedisShared
 
 
-class RedisExpiry(RedisClaims):
-    """Expiry sweeps, and this replica's view of the counts and the next deadline."""
+class RedisExpiry:
+    """Expiry sweeps, each refreshing this replica's view of the counts and the next deadline."""
+
+    def __init__(self, shared: RedisShared, bounds: RedisBounds) -> None:
+        self._shared = shared
+        self._redis = shared.client
+        self._limits = shared.limits
+        self._keys = shared.keys
+        self._run = shared.run
+        self._bounds = bounds
 
     async def _due(self, dl: str, ver: str, now: float) -> list[tuple[str, float, str]]:
-        flat = await self._run("due", [dl, ver], [_t(now), _BATCH])
-        return [(_s(flat[i]), float(flat[i + 1]), _s(flat[i + 2])) for i in range(0, len(flat), 3)]
+        flat = await self._run("due", [dl, ver], [time_arg(now), BATCH])
+        return [(as_str(flat[i]), float(flat[i + 1]), as_str(flat[i + 2])) for i in range(0, len(flat), 3)]
 
-    @_reachable
+    @reachable
     async def expire_due(self, now: float) -> ExpiryResult:
         nodes: list[NodeExpiry] = []
         retentions: list[RetentionChange] = []
         await self._sweep(
-            self._k_ndl, self._k_nver, now, lambda d: self._expire_node(d, now, nodes, retentions)
+            self._keys.ndl, self._keys.nver, now, lambda d: self._expire_node(d, now, nodes, retentions)
         )
         await self._sweep(
-            self._k_rdl, self._k_rver, now, lambda d: self._expire_retention(d, now, retentions)
+            self._keys.rdl, self._keys.rver, now, lambda d: self._expire_retention(d, now, retentions)
         )
-        await self._sweep(self._k_fdl, self._k_fsz, now, lambda d: self._forget_fence(d, now))
-        await self._trim(now)
+        await self._sweep(self._keys.fdl, self._keys.fsz, now, lambda d: self._forget_fence(d, now))
+        await self._bounds.trim(now)
         await self._refresh()
         return ExpiryResult(tuple(nodes), tuple(retentions))
 
@@ -54,11 +63,11 @@ class RedisExpiry(RedisClaims):
     ) -> None:
         """Every due member of one deadline set, a bounded number of batches per call (a member
         whose deadline a concurrent writer moved stays due and is seen again next time)."""
-        for _ in range(_MAX_BATCHES):
+        for _ in range(MAX_BATCHES):
             due = await self._due(dl, ver, now)
             for member in due:
                 await step(member)
-            if len(due) < _BATCH:
+            if len(due) < BATCH:
                 return
 
     async def _expire_node(
@@ -69,20 +78,20 @@ class RedisExpiry(RedisClaims):
         retentions: list[RetentionChange],
     ) -> None:
         name, _, version = due
-        out = await self._run("remove_node", self._node_keys(name), ["", _t(now), "expire"])
-        tag = _s(out[0])
+        out = await self._run("remove_node", self._keys.node(name), ["", time_arg(now), "expire"])
+        tag = as_str(out[0])
         if tag == "alive":
-            await self._run("reschedule", [self._k_ndl, self._k_nver], [name, version, _s(out[1])])
+            await self._run("reschedule", [self._keys.ndl, self._keys.nver], [name, version, as_str(out[1])])
             return
         if tag == "removed":
-            changes = await self._cascade(name, out[2], now)
-            nodes.append(NodeExpiry(_node_of(_pairs(out[1])), tuple(changes)))
-            self._account(changes, nodes=-1)
+            changes = await self._shared.cascade(name, out[2], now)
+            nodes.append(NodeExpiry(node_of(pairs(out[1])), tuple(changes)))
+            self._shared.account(changes, nodes=-1)
         else:  # gone: finish a cascade that another replica has not finished (or died in)
-            changes = await self._cascade(name, out[1], now)
+            changes = await self._shared.cascade(name, out[1], now)
             retentions.extend(changes)
-            self._account(changes)
-        await self._run("unindex_node", [self._k_nodes, self._k_ndl, self._k_nver], [name, version])
+            self._shared.account(changes)
+        await self._run("unindex_node", [self._keys.nodes, self._keys.ndl, self._keys.nver], [name, version])
 
     async def _expire_retention(
         self, due: tuple[str, float, str], now: float, retentions: list[RetentionChange]
@@ -90,49 +99,49 @@ class RedisExpiry(RedisClaims):
         name, _, version = due
         out = await self._run(
             "expire_retention",
-            [self._conv_key(_conversation_of(name))],
-            [name, _t(now), self._forget_at(now)],
+            [self._keys.conversation(conversation_of(name))],
+            [name, time_arg(now), self._shared.forget_at(now)],
         )
-        tag = _s(out[0])
+        tag = as_str(out[0])
         if tag == "alive":
-            await self._run("reschedule", self._rdl, [name, version, _s(out[1])])
+            await self._run("reschedule", self._keys.retention_deadlines, [name, version, as_str(out[1])])
         elif tag == "expired":
-            record = _retention_of(_pairs(out[1]))
-            await self._retired(record, now)
+            record = retention_of(pairs(out[1]))
+            await self._shared.retired(record, now)
             change = RetentionChange(ChangeKind.EXPIRED, record, now)
             retentions.append(change)
-            self._account([change])
+            self._shared.account([change])
         else:  # gone: its index steps, again (idempotent), for a remover that died before them
-            tomb_node = _s(out[1])
+            tomb_node = as_str(out[1])
             if tomb_node:
-                await self._run("detach", self._node_keys(tomb_node), [name])
-            await self._redis.zrem(self._tenant_key(_tenant_of(name)), name)
-            await self._redis.zrem(self._k_claimed, name)
-            await self._run("reschedule", self._rdl, [name, version, ""])
+                await self._run("detach", self._keys.node(tomb_node), [name])
+            await self._redis.zrem(self._keys.tenant(tenant_of(name)), name)
+            await self._redis.zrem(self._keys.claimed, name)
+            await self._run("reschedule", self._keys.retention_deadlines, [name, version, ""])
 
     async def _forget_fence(self, due: tuple[str, float, str], now: float) -> None:
         conversation, score, _ = due
-        out = await self._run("forget_fence", [self._conv_key(conversation)], [_t(now), ""])
-        tag = _s(out[0])
+        out = await self._run("forget_fence", [self._keys.conversation(conversation)], [time_arg(now), ""])
+        tag = as_str(out[0])
         if tag == "later" and out[1]:
-            await self._run("later", [self._k_fdl], [conversation, _s(out[1])])
+            await self._run("later", [self._keys.fdl], [conversation, as_str(out[1])])
         else:
-            keys = [self._k_fdl, self._k_fsz, self._k_meta]
-            await self._run("unlinger", keys, [conversation, "" if tag == "live" else _t(score)])
+            keys = [self._keys.fdl, self._keys.fsz, self._keys.meta]
+            await self._run("unlinger", keys, [conversation, "" if tag == "live" else time_arg(score)])
 
     async def _refresh(self) -> None:
         """This replica's view of the counts and the next deadline, from the server."""
         pipe = self._redis.pipeline(transaction=False)
-        pipe.zcard(self._k_nodes)
-        pipe.zcard(self._k_rdl)
-        pipe.zcard(self._k_claimed)
-        pipe.zcard(self._k_fdl)
-        pipe.zcard(self._k_idem)
-        pipe.hmget(self._k_meta, ["lb", "early", "ib"])
-        for dl in (self._k_ndl, self._k_rdl, self._k_fdl):
+        pipe.zcard(self._keys.nodes)
+        pipe.zcard(self._keys.rdl)
+        pipe.zcard(self._keys.claimed)
+        pipe.zcard(self._keys.fdl)
+        pipe.zcard(self._keys.idem)
+        pipe.hmget(self._keys.meta, ["lb", "early", "ib"])
+        for dl in (self._keys.ndl, self._keys.rdl, self._keys.fdl):
             pipe.zrange(dl, 0, 0, withscores=True)
         nodes, retentions, claimed, lingering, remembered, (lb, early, ib), *firsts = await pipe.execute()
-        self._counts = StoreCounts(
+        self._shared.counts = StoreCounts(
             nodes=nodes,
             retentions=retentions,
             claimed=claimed,
@@ -144,10 +153,4 @@ class RedisExpiry(RedisClaims):
             remembered_request_bytes=int(ib or 0),
         )
         deadlines = [float(first[0][1]) for first in firsts if first]
-        self._deadline = min(deadlines) if deadlines else None
-
-    def next_deadline(self) -> float | None:
-        return self._deadline
-
-    def counts(self) -> StoreCounts:
-        return self._counts
+        self._shared.deadline = min(deadlines) if deadlines else None

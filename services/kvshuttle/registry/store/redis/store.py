@@ -53,6 +53,11 @@ Time is the registry's clock, passed in as `now`; Redis's clock is used only to 
 (each remembered answer also gets a PEXPIRE of idempotency_ttl, besides the index's count,
 bytes and age bounds).
 
+In parts: one RedisShared (kvshuttle.registry.store.redis.shared: the client, key layout, scripts, this
+replica's view and the steps the parts share) held by each part, the bounds (.bounds: capacity
+reservations, the remembered answers' index), nodes (.nodes), retentions (.retentions), claims
+(.claims) and expiry (.expiry); this class hands each operation to its part.
+
 `counts()` and `next_deadline()` are sync in the protocol: they answer from a view held in this
 process, refreshed from the server by every `expire_due` (the registry's expiry timer runs it
 at least every `expiry_max_sleep` seconds) and moved by this replica's own operations in between.
@@ -65,13 +70,139 @@ puts in flight; `fenced_conversations` counts it plus lingering fences; `remembe
 
 from __future__ import annotations
 
+from redis.commands.core import AsyncScript
+
+from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
+from kvshuttle.registry.model import (
+    Conversation,
+    ExpiryResult,
+    Move,
+    Node,
+    PutResult,
+    Retention,
+    RetentionChange,
+    StoreCounts,
+)
+from kvshuttle.registry.store.contract import StoreLimits
+from kvshuttle.registry.store.redis.bounds import RedisBounds
+from kvshuttle.registry.store.redis.claims import RedisClaims
 from kvshuttle.registry.store.redis.codec import RedisClient
 from kvshuttle.registry.store.redis.expiry import RedisExpiry
+from kvshuttle.registry.store.redis.keys import RedisKeys
+from kvshuttle.registry.store.redis.nodes import RedisNodes
+from kvshuttle.registry.store.redis.retentions import RedisRetentions
+from kvshuttle.registry.store.redis.shared import RedisShared
 
 __all__ = ["RedisClient", "RedisStore"]
 
 
-class RedisStore(RedisExpiry):
-    """See the module docstring: nodes (redis_nodes), retentions (redis_retentions), claims
-    (redis_claims), expiry (redis_expiry) over the keys and shared steps of redis_keys and the
-    codec of redis_codec. `client` must be created with decode_responses=False."""
+class RedisStore:
+    """See the module docstring. `client` must be created with decode_responses=False."""
+
+    def __init__(
+        self,
+        client: RedisClient,
+        limits: StoreLimits | None = None,
+        *,
+        prefix: str = "kvshuttle",
+        incarnation_base: int = 0,
+    ) -> None:
+        keys = RedisKeys(prefix)
+        self._shared = RedisShared(client, limits or StoreLimits(), keys, incarnation_base=incarnation_base)
+        self.bounds = RedisBounds(self._shared)
+        self._nodes = RedisNodes(self._shared)
+        self._retentions = RedisRetentions(self._shared, self.bounds)
+        self._claims = RedisClaims(self._shared, self.bounds)
+        self._expiry = RedisExpiry(self._shared, self.bounds)
+
+    @property
+    def client(self) -> RedisClient:
+        return self._shared.client
+
+    @property
+    def keys(self) -> RedisKeys:
+        return self._shared.keys
+
+    @property
+    def scripts(self) -> dict[str, AsyncScript]:
+        """The registered scripts by name (each one's `sha` is what EVALSHA sends)."""
+        return self._shared.scripts
+
+    # ---- nodes -----------------------------------------------------------------------------
+
+    async def register_node(
+        self, spec: NodeSpec, ttl: float, now: float
+    ) -> tuple[Node, list[RetentionChange], bool]:
+        return await self._nodes.register_node(spec, ttl, now)
+
+    async def heartbeat_node(
+        self, name: str, incarnation: int, ttl: float, load: NodeLoad, now: float
+    ) -> Node:
+        return await self._nodes.heartbeat_node(name, incarnation, ttl, load, now)
+
+    async def deregister_node(self, name: str, incarnation: int | None, now: float) -> list[RetentionChange]:
+        return await self._nodes.deregister_node(name, incarnation, now)
+
+    async def get_node(self, name: str) -> Node:
+        return await self._nodes.get_node(name)
+
+    async def list_nodes(
+        self, *, role: NodeRole | None, model: str | None, after: str, limit: int
+    ) -> list[Node]:
+        return await self._nodes.list_nodes(role=role, model=model, after=after, limit=limit)
+
+    # ---- retentions ------------------------------------------------------------------------
+
+    async def put_retention(
+        self, retention: Retention, ttl: float, now: float, *, request_id: str
+    ) -> tuple[PutResult, list[RetentionChange]]:
+        return await self._retentions.put_retention(retention, ttl, now, request_id=request_id)
+
+    async def get_retention(self, name: str) -> Retention:
+        return await self._retentions.get_retention(name)
+
+    async def get_conversation(self, name: str) -> Conversation:
+        return await self._retentions.get_conversation(name)
+
+    async def renew_retention(
+        self, name: str, ttl: float, max_ttl: float, now: float
+    ) -> tuple[Retention, list[RetentionChange]]:
+        return await self._retentions.renew_retention(name, ttl, max_ttl, now)
+
+    async def list_retentions(
+        self, *, tenant: str, conversation: str | None, node: str | None, after: str, limit: int
+    ) -> list[Retention]:
+        return await self._retentions.list_retentions(
+            tenant=tenant, conversation=conversation, node=node, after=after, limit=limit
+        )
+
+    # ---- claims ----------------------------------------------------------------------------
+
+    async def claim_retention(
+        self, name: str, holder: str, claim_ttl: float, now: float, *, request_id: str
+    ) -> tuple[Retention, list[RetentionChange]]:
+        return await self._claims.claim_retention(name, holder, claim_ttl, now, request_id=request_id)
+
+    async def release_retention(
+        self, name: str, claim_id: str, force: bool, now: float, *, keep: bool = False
+    ) -> list[RetentionChange]:
+        return await self._claims.release_retention(name, claim_id, force, now, keep=keep)
+
+    async def move_retention(
+        self, move: Move, ttl: float, now: float, *, request_id: str
+    ) -> tuple[Retention, list[RetentionChange]]:
+        return await self._claims.move_retention(move, ttl, now, request_id=request_id)
+
+    async def evict_retention(self, name: str, node: str, now: float) -> list[RetentionChange]:
+        return await self._claims.evict_retention(name, node, now)
+
+    # ---- expiry and this replica's view ----------------------------------------------------
+
+    async def expire_due(self, now: float) -> ExpiryResult:
+        return await self._expiry.expire_due(now)
+
+    def next_deadline(self) -> float | None:
+        return self._shared.deadline
+
+    def counts(self) -> StoreCounts:
+        return self._shared.counts

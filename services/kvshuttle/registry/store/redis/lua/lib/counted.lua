@@ -1,0 +1,11 @@
+-- The retention deadline set's members per tenant, moved by every script that adds or removes
+-- one, so the count is exact (kvshuttle.registry.store.redis.bounds: it is what capacity counts).
+-- KEYS[3] is that count hash and KEYS[4] the members reserved past a limit, given with the
+-- retention deadline set only.
+
+local function counted(member, delta)
+  if not KEYS[3] or delta == 0 then return end
+  local t = string.match(member, '^tenants/([^/]+)/') or ''
+  if redis.call('HINCRBY', KEYS[3], t, delta) <= 0 then redis.call('HDEL', KEYS[3], t) end
+  if delta < 0 then redis.call('HDEL', KEYS[4], member) end
+end
