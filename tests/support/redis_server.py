@@ -25,6 +25,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+CLUSTER_BUS_OFFSET = 10000  # a Cluster node also listens on its port + 10000 (its bus)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_cluster_port() -> int:
+    """A free port whose Cluster bus port is free too: an ephemeral port above 55535 has no bus
+    port at all, and one taken makes the node exit at start."""
+    while True:
+        port = free_port()
+        if port + CLUSTER_BUS_OFFSET <= 65535 and _bindable(port + CLUSTER_BUS_OFFSET):
+            return port
+
+
 def _require(resolve: Callable[[], str]) -> str:
     """A binary from `resolve`; without one the test skips (fails where KVSHUTTLE_REQUIRE_REDIS
     is set, as in CI)."""
@@ -56,6 +77,8 @@ class RedisServer:
         self.options = list(options)
         self.port = 0
         self._binary = redis_binary()
+        flags = zip(self.options, self.options[1:], strict=False)
+        self._cluster = ("--cluster-enabled", "yes") in flags
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -103,7 +126,8 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         assert self._proc is None, "already running"
-        ports = ([self.port] if self.port else []) + [free_port() for _ in range(3)]
+        pick = free_cluster_port if self._cluster else free_port
+        ports = ([self.port] if self.port else []) + [pick() for _ in range(3)]
         for port in ports:
             if self._spawn(port):
                 return self
@@ -131,4 +155,12 @@ def running_redis(directory: Path, options: Sequence[str] = NO_PERSISTENCE) -> I
         server.kill()
 
 
-__all__ = ["NO_PERSISTENCE", "RedisServer", "free_port", "redis_binary", "redis_cli", "running_redis"]
+__all__ = [
+    "NO_PERSISTENCE",
+    "RedisServer",
+    "free_cluster_port",
+    "free_port",
+    "redis_binary",
+    "redis_cli",
+    "running_redis",
+]

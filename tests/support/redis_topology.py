@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -16,7 +15,7 @@ from typing import Any, cast
 
 import pytest
 import redis
-from tests.support.redis_server import RedisServer, free_port, redis_binary, redis_cli
+from tests.support.redis_server import RedisServer, free_cluster_port, free_port, redis_binary, redis_cli
 
 SERVICE = "kvmaster"
 # What the failover tests run every data node with: AOF, so a restarted node has its writes.
@@ -155,21 +154,6 @@ def sentinel_group(root: Path, **kwargs: Any) -> Iterator[SentinelGroup]:
         yield SentinelGroup(stack, root, **kwargs)
 
 
-def cluster_port() -> int:
-    """A free port whose cluster bus port (the port + 10000) exists and is free too: a node
-    without one exits at once."""
-    while True:
-        port = free_port()
-        if port + 10000 > 65535:
-            continue
-        with socket.socket() as bus:
-            try:
-                bus.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
-
-
 class ReplicatedCluster:
     """A Redis Cluster of `masters` masters with one replica each (`redis-cli --cluster create
     --cluster-replicas 1`), `cluster-node-timeout` `node_timeout_ms` and
@@ -194,7 +178,7 @@ class ReplicatedCluster:
             "--cluster-require-full-coverage", "yes" if full_coverage else "no",
         )  # fmt: skip
         self.nodes = [
-            SentinelGroup._server(stack, root / f"node{i}", options, cluster_port())
+            SentinelGroup._server(stack, root / f"node{i}", options, free_cluster_port())
             for i in range(2 * masters)
         ]
         addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
