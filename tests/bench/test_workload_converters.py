@@ -118,3 +118,10 @@ def test_the_cli_writes_agent_sessions_and_cuts_them(
     assert main(["stats", str(out), "--max-model-len", "16384", "--low-water", "0.75"]) == 0
     printed = capsys.readouterr().out
     assert "sessions            5" in printed and "cut at 16,384 tokens:" in printed
+
+
+def test_the_example_trace_is_what_the_agent_converter_writes(tmp_path: Path) -> None:
+    out = tmp_path / "a.jsonl"
+    args = ["convert", "agent", "--sessions", "2", "--seed", "1", "--block-size", "512", "--out", str(out)]
+    assert main(args) == 0
+    assert out.read_text() == (ROOT / "bench" / "cluster" / "examples" / "agent-2-sessions.jsonl").read_text()
