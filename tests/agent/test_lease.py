@@ -110,3 +110,22 @@ async def test_report_now_sends_a_heartbeat_with_the_new_load_before_the_interva
     finally:
         task.cancel()
     assert [x.engine_healthy for x in port.loads] == [False, True]
+
+
+async def test_a_cancel_in_the_step_a_report_now_wakes_the_lease_stops_it() -> None:
+    # The agent's shutdown cancels the lease; the engine poller's report_now() may wake its sleep
+    # in the same step (under load). On Python 3.11 asyncio.wait_for would return the wake-up and
+    # swallow the cancel (CPython gh-86296): the lease then heartbeats on and shutdown waits forever.
+    port = Port()
+    lease = NodeLease(
+        port, SPEC, ttl=7200, heartbeat_interval=3600, load=NodeLoad, backoff=Backoff(0.01, 0.02)
+    )
+    task = asyncio.create_task(lease.run())
+    await port.beat.wait()  # registered and heartbeated: now asleep for the interval
+    await asyncio.sleep(0)
+    lease.report_now()
+    await asyncio.sleep(0)  # the wake-up's waiter finishes in this step
+    task.cancel()
+    async with asyncio.timeout(5):
+        await asyncio.wait([task])
+    assert task.cancelled()

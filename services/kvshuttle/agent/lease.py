@@ -130,8 +130,11 @@ class NodeLease:
 
     async def _sleep(self, seconds: float) -> None:
         """Sleep, woken early by `lost()` or `report_now()`."""
+        # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that lands in the step the
+        # wake-up finishes (CPython gh-86296), and the agent's shutdown then waits forever.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
 
     async def _register(self) -> float:
         """One registration attempt; returns the delay before the next step."""
