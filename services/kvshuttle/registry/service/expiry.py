@@ -64,8 +64,11 @@ class RegistryExpiry:
                 delay = max_sleep
             self._wake.clear()
             if delay > 0:
+                # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that lands in the
+                # step the wake-up finishes (CPython gh-86296).
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=delay)
+                    async with asyncio.timeout(delay):
+                        await self._wake.wait()
             try:
                 await self.expire_due()
             except Unavailable as err:
