@@ -7,7 +7,7 @@ BUF := npx --yes @bufbuild/buf
 PROTOS := $(shell find proto -name '*.proto' | sort)
 GEN_OUT := services
 
-.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test quick unit deploy-check demo bench load chaos clean
+.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test quick unit deploy-check demo bench load chaos profile clean
 
 help:
 	@echo "make demo   - real vLLM prefill/decode + kvshuttle: an agent session, TTFT with and without reuse"
@@ -18,6 +18,7 @@ help:
 	@echo "make deploy-check - render the Kubernetes overlays (kubectl kustomize), validate them (Kubernetes 1.32, strict), test them"
 	@echo "make vllm   - install the CPU build of vLLM into .venv-vllm (done by make test and demo)"
 	@echo "make proto  - regenerate Python code from proto/"
+	@echo "make profile MODEL=Qwen/Qwen3-32B GPU=h200_sxm TP=2 - an engine profile from aiconfigurator (deploy/profiles/)"
 	@echo "make bench  - run the benchmarks under bench/ (results in bench/results/)"
 	@echo "make load   - the bounded load run over stand-in engines (LOAD_ARGS=--full: 10k turns per configuration)"
 	@echo "make chaos  - the chaos suite: faults under a conversation workload on real vLLM (table and"
@@ -118,5 +119,21 @@ CHAOS_MARKERS ?= chaos
 chaos: venv vllm
 	KVSHUTTLE_RESULTS_DIR=bench/results $(BIN)/pytest -q -m "$(CHAOS_MARKERS)" tests/chaos
 
+# An engine profile (deploy/profiles/README.md) from NVIDIA's aiconfigurator, in a venv of its own:
+# it brings pandas, pyarrow, plotly, bokeh... that the project's venv does without.
+PROFILE_VENV := .venv-profile
+AICONFIGURATOR_SPEC := aiconfigurator==0.12.0
+
+$(PROFILE_VENV)/.installed:
+	$(PY) -m venv $(PROFILE_VENV)
+	$(PROFILE_VENV)/bin/pip install -q --upgrade pip
+	$(PROFILE_VENV)/bin/pip install -q $(AICONFIGURATOR_SPEC)
+	touch $@
+
+profile: $(PROFILE_VENV)/.installed
+	@test -n "$(MODEL)" -a -n "$(GPU)" -a -n "$(TP)" || { echo "usage: make profile MODEL=Qwen/Qwen3-32B GPU=h200_sxm TP=2 [OUT=file]"; exit 2; }
+	PYTHONPATH=services:. $(PROFILE_VENV)/bin/python -m deploy.profiles.generate \
+	  --model $(MODEL) --gpu $(GPU) --tp $(TP) $(if $(OUT),--out $(OUT))
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PROFILE_VENV) .pytest_cache .mypy_cache .ruff_cache

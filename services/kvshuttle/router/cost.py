@@ -88,7 +88,17 @@ class ModelProfile:
             raise ValueError(f"profile {self.model}: times must not be negative")
 
 
+# What a profile file holds for the router, and the sections of an engine profile
+# (deploy/profiles/schema.py) that only the fleet emulator reads: accepted and ignored here.
+_ROUTER_KEYS = frozenset({"model", "kv_bytes_per_token", "min_reuse_tokens", "prefill", "link"})
+EMULATOR_SECTIONS = frozenset({"decode", "engine", "hardware"})
+
+
 def profile_from_dict(data: dict[str, Any]) -> ModelProfile:
+    unknown = sorted(set(data) - _ROUTER_KEYS - EMULATOR_SECTIONS)
+    if unknown:
+        # A misspelt key would otherwise fall back to its default without a word.
+        raise ValueError(f"malformed profile {data.get('model', '?')}: unknown key(s) {', '.join(unknown)}")
     try:
         return ModelProfile(
             model=str(data["model"]),
