@@ -49,7 +49,8 @@ from tokenizers import Tokenizer
 from deploy.standin import http
 from deploy.standin.config import StandinConfig, config_from_argv
 from deploy.standin.events import EventPublisher
-from deploy.standin.kv import CacheFull, KvCache, output_tokens, vllm_block_hashes
+from deploy.standin.kv import output_tokens, vllm_block_hashes
+from deploy.standin.kvpool import CacheFull, KvBlockPool
 from deploy.standin.script import Script, Transcript, eos_id, scripted_answer
 
 _MAX_TIMINGS: Final = 200_000
@@ -67,7 +68,7 @@ class StandinEngine:
         self.eos_id = eos_id(config.model_dir, self.tokenizer)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.vocabulary, self.texts = http.plain_vocabulary(self.tokenizer)
-        self.cache = KvCache(config.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
+        self.cache = KvBlockPool(config.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
         self.counters = {"requests": 0, "kv_reads": 0, "kv_blocks_read": 0, "kv_load_failures": 0,
                          "kv_reads_declined": 0, "holdings_expired": 0}  # fmt: skip
         self.running = 0
