@@ -54,13 +54,11 @@ class StandinCluster:
         self.profile = profile
         self.time_scale = time_scale
         self.model = served_model_name or (profile.model if profile else "m")
-        roles: list[Literal["prefill", "decode"]] = ["prefill"] * prefill + ["decode"] * decode
-        counts = {"prefill": 0, "decode": 0}
+        roles: tuple[Literal["prefill", "decode"], ...] = ("prefill", "decode")
         self.engines: list[StandinEngine] = []
         self.names: list[str] = []
-        for role in roles:
-            name = f"{role}-{counts[role]}"
-            counts[role] += 1
+        for role, index in ((r, i) for r, n in zip(roles, (prefill, decode), strict=True) for i in range(n)):
+            name = f"{role}-{index}"
             self.names.append(name)
             config = in_process_config(
                 role,
