@@ -51,7 +51,6 @@ import uuid
 from collections import OrderedDict
 from typing import Any, Final
 
-import aiohttp
 from aiohttp import web
 from tokenizers import Tokenizer
 
@@ -61,6 +60,7 @@ from deploy.standin.events import EventPublisher
 from deploy.standin.kv import output_tokens, vllm_block_hashes
 from deploy.standin.kvpool import CacheFull, KvBlockPool
 from deploy.standin.link import Link
+from deploy.standin.reads import RemoteReader
 from deploy.standin.script import Script, Transcript, eos_id, scripted_answer
 from deploy.standin.timing import FixedTiming, Run, SteppedTiming, Timing
 
@@ -97,12 +97,12 @@ class StandinEngine:
         if profile is None:
             decode_ms = config.decode_ms_per_token if config.role == "decode" else 0.0
             self.timing = FixedTiming(config.prefill_us_per_token, decode_ms, scale)
-            self.link = None
         else:
             self.timing = SteppedTiming(profile, self.cache, time_scale=scale)
-            self.link = link or Link(profile.link, time_scale=scale)
+            link = link or Link(profile.link, time_scale=scale)
         self.counters = {"requests": 0, "kv_reads": 0, "kv_blocks_read": 0, "kv_load_failures": 0,
                          "kv_reads_declined": 0, "holdings_expired": 0}  # fmt: skip
+        self.reader = RemoteReader(config, link if profile else None, self.counters)
         self.running = 0
         self.timings: OrderedDict[str, float] = OrderedDict()
         self.events = EventPublisher()
@@ -110,7 +110,6 @@ class StandinEngine:
         self.url = ""
         self.side_channel_port = config.side_channel_port
         self.events_endpoint = self.replay_endpoint = ""
-        self._session: aiohttp.ClientSession | None = None
         self._runners: list[web.AppRunner] = []
         self._expiry: asyncio.Task[None] | None = None
 
@@ -128,42 +127,6 @@ class StandinEngine:
         if contents is None:
             return web.json_response({"error": "no such holding"}, status=404)
         return web.json_response({"blocks": [list(c) for c in contents]})
-
-    async def _read_remote(self, params: dict[str, Any], skip_blocks: int, upto: int) -> list[int] | None:
-        """Tokens [skip_blocks * bs, upto) of the remote holding `params` name, read and freed
-        there; None when the read failed."""
-        ids = (params.get("remote_block_ids") or [[]])[0]
-        bs = self.config.block_size
-        wanted = ids[skip_blocks : -(-upto // bs)]
-        url = f"http://{params.get('remote_host')}:{params.get('remote_port')}/kv/read"
-        assert self._session is not None
-        try:
-            async with self._session.post(
-                url, json={"holding": params.get("remote_request_id"), "block_ids": wanted}
-            ) as response:
-                if response.status != 200:
-                    return None
-                blocks = (await response.json())["blocks"]
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
-            return None
-        if wanted:
-            await self._transfer(len(wanted))
-            self.counters["kv_reads"] += 1
-            self.counters["kv_blocks_read"] += len(wanted)
-        tokens = [t for block in blocks for t in block]
-        return tokens[: upto - skip_blocks * bs]
-
-    async def _transfer(self, blocks: int) -> None:
-        """A READ's time: the link's for the blocks' bytes (profile-timed), else flat per block."""
-        cfg = self.config
-        if self.link is None or cfg.profile is None:
-            await asyncio.sleep(blocks * cfg.read_us_per_block / 1e6 * cfg.time_scale)
-        else:
-            await self.link.transfer(blocks * cfg.block_size * cfg.profile.kv_bytes_per_token)
-
-    async def _notify_only(self, params: dict[str, Any]) -> None:
-        """Tell the holder its blocks are no longer wanted (vLLM notifies on every outcome)."""
-        await self._read_remote(params, 0, 0)
 
     # -- a request's KV ----------------------------------------------------------------------
 
@@ -183,9 +146,9 @@ class StandinEngine:
             )
             if not worth:
                 self.counters["kv_reads_declined"] += 1
-                await self._notify_only(params)
+                await self.reader.notify(params)
             else:
-                read = await self._read_remote(params, len(content) // bs, n)
+                read = await self.reader.read(params, len(content) // bs, n)
                 if read is None:
                     self.counters["kv_load_failures"] += 1
                     if self.config.kv_load_failure_policy == "fail":
@@ -401,7 +364,7 @@ class StandinEngine:
         self.events_endpoint, self.replay_endpoint = self.events.bind(
             cfg.host, cfg.kv_events_port, cfg.kv_replay_port
         )
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        self.reader.open()
         side = web.Application()
         side.router.add_post("/kv/read", self._kv_read)
         app = web.Application(client_max_size=64 * 2**20)
@@ -432,9 +395,7 @@ class StandinEngine:
         await self.timing.stop()
         while self._runners:
             await self._runners.pop().cleanup()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.reader.close()
         await self.events.close()
 
     async def serve(self, stop: asyncio.Event) -> None:

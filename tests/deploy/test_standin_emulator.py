@@ -162,9 +162,10 @@ async def test_a_profile_timed_prefill_takes_the_profiles_time_and_decode_answer
             second = await post(session, decode.url, body)
             took = time.perf_counter() - began
         assert second["choices"][0]["token_ids"] == output_tokens(prompt, 10, decode.vocabulary)
-        assert decode.stats()["kv_reads_total"] == 1 and decode.link is not None
-        assert decode.link.bytes_moved == 32 * 32 * PROFILE.kv_bytes_per_token  # 1000 tokens: 32 blocks
-        read = PROFILE.link.ms(decode.link.bytes_moved)
+        link = decode.reader.link
+        assert decode.stats()["kv_reads_total"] == 1 and link is not None
+        assert link.bytes_moved == 32 * 32 * PROFILE.kv_bytes_per_token  # 1000 tokens: 32 blocks
+        read = PROFILE.link.ms(link.bytes_moved)
         decode_steps = sum(PROFILE.decode.itl_ms(1, 1000 + i) for i in range(1, 10))
         assert took >= (read + PROFILE.prefill.ms(1, 999) + decode_steps) / 1e3 * SCALE
         assert prefill.cache.holdings() == 0  # decode's read freed prefill's blocks
