@@ -19,6 +19,7 @@ from deploy.standin.engine import StandinEngine
 from deploy.standin.kv import int64_of, output_tokens, vllm_block_hashes
 from deploy.standin.kvpool import KvBlockPool
 from deploy.standin.link import Link, ProcessorSharing
+from deploy.standin.timing import SteppedTiming
 from deploy.standin.tokenizer import make_tokenizer
 
 from kvshuttle.router.cost import LinkModel, PrefillModel
@@ -171,6 +172,27 @@ async def test_a_profile_timed_prefill_takes_the_profiles_time_and_decode_answer
         assert prefill.cache.holdings() == 0  # decode's read freed prefill's blocks
     finally:
         await prefill.stop()
+        await decode.stop()
+
+
+async def test_a_stream_is_paced_per_step_and_a_failed_read_fails_under_policy_fail(model_dir: Path) -> None:
+    decode = engine("decode", model_dir, kv_load_failure_policy="fail")
+    await decode.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "m", "prompt": list(range(10, 110)), "max_tokens": 6, "stream": True}
+            async with session.post(f"{decode.url}/v1/completions", json=body) as response:
+                events = [line async for line in response.content if line.startswith(b"data: {")]
+            assert len(events) == 6
+            gone = {"remote_block_ids": [[0, 1, 2]], "remote_request_id": "gone", "remote_num_tokens": 100,
+                    "remote_host": "127.0.0.1", "remote_port": decode.side_channel_port}  # fmt: skip
+            body = {"model": "m", "prompt": list(range(10, 110)), "kv_transfer_params": gone}
+            async with session.post(f"{decode.url}/v1/completions", json=body) as response:
+                assert response.status == 500
+                assert (await response.json())["error"]["message"] == "KV load failed"
+        assert decode.stats()["kv_load_failures_total"] == 1
+        assert isinstance(decode.timing, SteppedTiming) and decode.timing.steps == 6
+    finally:
         await decode.stop()
 
 
