@@ -1,13 +1,18 @@
 """The stand-in engine's configuration (deploy/standin/engine.py): from its command line, or for
-an engine in a test's own event loop."""
+an engine in a test's own event loop. With an engine profile (deploy/profiles) the engine is
+profile-timed (deploy/standin/timing.py) and the profile sets its block size, pool size and
+recompute threshold; without one it takes the flat per-token costs below."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
+
+from deploy.profiles.schema import EngineProfile, ProfileError, load_engine_profiles
 
 HOST: Final = "127.0.0.1"
 
@@ -33,6 +38,32 @@ class StandinConfig:
     kv_blocks_ttl: float = 480.0
     kv_lease_s: float = 30.0
     kv_recompute_threshold: int = 64
+    # vLLM's NixlConnector kv_load_failure_policy: a failed READ is recomputed, or fails the request.
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    profile: EngineProfile | None = None
+    # Every modelled or configured duration (compute, reads, TTLs) times this: 0.1 runs ten times
+    # faster than the profile's hardware.
+    time_scale: float = 1.0
+
+
+def with_profile(config: StandinConfig, profile: EngineProfile) -> StandinConfig:
+    """`config` profile-timed: the profile's block size, pool and recompute threshold."""
+    return dataclasses.replace(
+        config,
+        profile=profile,
+        block_size=profile.engine.block_size,
+        num_blocks=profile.engine.kv_capacity_blocks,
+        kv_recompute_threshold=profile.min_reuse_tokens,
+    )
+
+
+def engine_profile(path: Path, model: str | None = None) -> EngineProfile:
+    """The profile of `model` in the file (None: its only one); ProfileError if there is none."""
+    profiles = load_engine_profiles(path)
+    chosen = [p for p in profiles if model is None or p.model == model]
+    if len(chosen) != 1:
+        raise ProfileError(f"{path}: {len(chosen)} profiles for model {model!r}; name one of them")
+    return chosen[0]
 
 
 def in_process_config(
@@ -55,6 +86,10 @@ def config_from_argv(argv: Sequence[str] | None = None, *, description: str = ""
     ap.add_argument("--served-model-name", default="m")
     ap.add_argument("--host", default=HOST)
     ap.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    ap.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"), default="recompute")
+    ap.add_argument("--profile", type=Path, help="an engine profile (deploy/profiles): profile-timed")
+    ap.add_argument("--profile-model", help="which of the file's profiles (default: its only one)")
+    ap.add_argument("--time-scale", type=float, default=1.0)
     for name, kind, default in (
         ("block-size", int, 32), ("num-blocks", int, 4096), ("max-model-len", int, 8192),
         ("prefill-us-per-token", float, 20.0), ("decode-ms-per-token", float, 0.5),
@@ -62,4 +97,7 @@ def config_from_argv(argv: Sequence[str] | None = None, *, description: str = ""
         ("kv-recompute-threshold", int, 64),
     ):  # fmt: skip
         ap.add_argument(f"--{name}", type=kind, default=default)
-    return StandinConfig(**vars(ap.parse_args(argv)))
+    args = vars(ap.parse_args(argv))
+    path, model = args.pop("profile"), args.pop("profile_model")
+    config = StandinConfig(**args)
+    return config if path is None else with_profile(config, engine_profile(path, model))

@@ -6,6 +6,14 @@ the output (deploy/standin/kv.py), so reuse of the wrong blocks is visible in th
         --kv-events-port E --kv-replay-port R --engine-id ID --model-dir .run/models/tiny \
         [--block-size 32] [--num-blocks 4096] [--prefill-us-per-token 20] [--decode-ms-per-token 0.5]
         [--read-us-per-block 50] [--kv-blocks-ttl 480] [--kv-lease-s 30] [--kv-recompute-threshold 64]
+        [--kv-load-failure-policy recompute|fail] [--profile deploy/profiles/F.toml [--profile-model M]]
+        [--time-scale 1.0]
+
+With `--profile` it emulates the profile's engine (deploy/standin/timing.py): one forward at a
+time, chunked prefill under the token budget, batched decode, requests queued for blocks of its
+pool (the profile's size; deploy/standin/kvpool.py), and reads over a shared link
+(deploy/standin/link.py); `--time-scale` runs it faster than the profile's hardware. Without one
+it takes the flat per-token costs, each request on its own.
 
 * `POST /v1/completions`: token-id prompts, `kv_transfer_params` in and out as vLLM's (turn 1's
   `do_remote_decode` to prefill: prefill keeps the prompt's blocks for decode and answers
@@ -19,8 +27,9 @@ the output (deploy/standin/kv.py), so reuse of the wrong blocks is visible in th
 * The NIXL side channel, stood in for by HTTP on `--side-channel-port`: `POST /kv/read`
   `{"holding": remote_request_id, "block_ids": [...]}` answers the blocks' contents and frees
   them (the READ and the notification in one); 404 for a holding it no longer has. A reader
-  sleeps `--read-us-per-block` per block read; a failed read recomputes (vLLM's
-  `kv_load_failure_policy: recompute`), counted in `standin_kv_load_failures_total`.
+  sleeps `--read-us-per-block` per block read (profile-timed: its link's time for the bytes); a
+  failed read recomputes, or with `--kv-load-failure-policy fail` fails the request with a 500
+  (vLLM's `kv_load_failure_policy`), counted in `standin_kv_load_failures_total`.
 * KV events: ZMQ PUB on `--kv-events-port` (`[topic, seq, msgpack [ts, [events], 0]]`, one
   batch per request that changed the cache) and the replay ROUTER on `--kv-replay-port`, in
   vLLM's frame shapes (deploy/standin/events.py; kvshuttle.vllm.kv_events decodes them).
@@ -42,24 +51,39 @@ import uuid
 from collections import OrderedDict
 from typing import Any, Final
 
-import aiohttp
 from aiohttp import web
 from tokenizers import Tokenizer
 
 from deploy.standin import http
 from deploy.standin.config import StandinConfig, config_from_argv
 from deploy.standin.events import EventPublisher
-from deploy.standin.kv import CacheFull, KvCache, output_tokens, vllm_block_hashes
+from deploy.standin.kv import output_tokens, vllm_block_hashes
+from deploy.standin.kvpool import CacheFull, KvBlockPool
+from deploy.standin.link import Link
+from deploy.standin.reads import RemoteReader
 from deploy.standin.script import Script, Transcript, eos_id, scripted_answer
+from deploy.standin.timing import FixedTiming, Run, SteppedTiming, Timing
 
 _MAX_TIMINGS: Final = 200_000
 
 
+class KvLoadFailed(Exception):
+    """A READ failed under `kv_load_failure_policy: fail`."""
+
+
 class StandinEngine:
     """`script`: answers and faults (none by default); `record`: keep a transcript of every
-    request and answer (in-process tests; a long run would grow it without bound)."""
+    request and answer (in-process tests; a long run would grow it without bound). Profile-timed,
+    its reads go over `link` (default: a link of its own, the profile's)."""
 
-    def __init__(self, config: StandinConfig, *, script: Script | None = None, record: bool = False) -> None:
+    def __init__(
+        self,
+        config: StandinConfig,
+        *,
+        script: Script | None = None,
+        record: bool = False,
+        link: Link | None = None,
+    ) -> None:
         self.config = config
         self.script = script or Script()
         self.transcript = Transcript(recording=record)
@@ -67,9 +91,18 @@ class StandinEngine:
         self.eos_id = eos_id(config.model_dir, self.tokenizer)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.vocabulary, self.texts = http.plain_vocabulary(self.tokenizer)
-        self.cache = KvCache(config.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
+        self.cache = KvBlockPool(config.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
+        scale, profile = config.time_scale, config.profile
+        self.timing: Timing
+        if profile is None:
+            decode_ms = config.decode_ms_per_token if config.role == "decode" else 0.0
+            self.timing = FixedTiming(config.prefill_us_per_token, decode_ms, scale)
+        else:
+            self.timing = SteppedTiming(profile, self.cache, time_scale=scale)
+            link = link or Link(profile.link, time_scale=scale)
         self.counters = {"requests": 0, "kv_reads": 0, "kv_blocks_read": 0, "kv_load_failures": 0,
                          "kv_reads_declined": 0, "holdings_expired": 0}  # fmt: skip
+        self.reader = RemoteReader(config, link if profile else None, self.counters)
         self.running = 0
         self.timings: OrderedDict[str, float] = OrderedDict()
         self.events = EventPublisher()
@@ -77,7 +110,6 @@ class StandinEngine:
         self.url = ""
         self.side_channel_port = config.side_channel_port
         self.events_endpoint = self.replay_endpoint = ""
-        self._session: aiohttp.ClientSession | None = None
         self._runners: list[web.AppRunner] = []
         self._expiry: asyncio.Task[None] | None = None
 
@@ -91,45 +123,18 @@ class StandinEngine:
     async def _kv_read(self, request: web.Request) -> web.Response:
         body = await request.json()
         contents = self.cache.take(str(body.get("holding")), [int(b) for b in body.get("block_ids", [])])
+        self.timing.kick()
         if contents is None:
             return web.json_response({"error": "no such holding"}, status=404)
         return web.json_response({"blocks": [list(c) for c in contents]})
-
-    async def _read_remote(self, params: dict[str, Any], skip_blocks: int, upto: int) -> list[int] | None:
-        """Tokens [skip_blocks * bs, upto) of the remote holding `params` name, read and freed
-        there; None when the read failed."""
-        ids = (params.get("remote_block_ids") or [[]])[0]
-        bs = self.config.block_size
-        wanted = ids[skip_blocks : -(-upto // bs)]
-        url = f"http://{params.get('remote_host')}:{params.get('remote_port')}/kv/read"
-        assert self._session is not None
-        try:
-            async with self._session.post(
-                url, json={"holding": params.get("remote_request_id"), "block_ids": wanted}
-            ) as response:
-                if response.status != 200:
-                    return None
-                blocks = (await response.json())["blocks"]
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
-            return None
-        if wanted:
-            await asyncio.sleep(len(wanted) * self.config.read_us_per_block / 1e6)
-            self.counters["kv_reads"] += 1
-            self.counters["kv_blocks_read"] += len(wanted)
-        tokens = [t for block in blocks for t in block]
-        return tokens[: upto - skip_blocks * bs]
-
-    async def _notify_only(self, params: dict[str, Any]) -> None:
-        """Tell the holder its blocks are no longer wanted (vLLM notifies on every outcome)."""
-        await self._read_remote(params, 0, 0)
 
     # -- a request's KV ----------------------------------------------------------------------
 
     async def _prompt_kv(
         self, prompt: list[int], params: dict[str, Any], salt: str | None
-    ) -> tuple[list[int], int, int]:
-        """The KV content of the prompt (local prefix hits, remote blocks, computed), the tokens
-        found or read (prefill's `remote_prefill_cached_tokens`), and the tokens computed."""
+    ) -> tuple[list[int], int]:
+        """The KV content of the prompt (local prefix hits, remote blocks, the rest computed)
+        and the tokens found or read (prefill's `remote_prefill_cached_tokens`)."""
         bs = self.config.block_size
         hashes = vllm_block_hashes(prompt, bs, salt)
         content: list[int] = [t for block in self.cache.local_hit(hashes) for t in block]
@@ -141,17 +146,17 @@ class StandinEngine:
             )
             if not worth:
                 self.counters["kv_reads_declined"] += 1
-                await self._notify_only(params)
+                await self.reader.notify(params)
             else:
-                read = await self._read_remote(params, len(content) // bs, n)
+                read = await self.reader.read(params, len(content) // bs, n)
                 if read is None:
-                    self.counters["kv_load_failures"] += 1  # recompute
+                    self.counters["kv_load_failures"] += 1
+                    if self.config.kv_load_failure_policy == "fail":
+                        raise KvLoadFailed("KV load failed")
                 else:
                     content = content[: len(content) // bs * bs] + read
         found = len(content)
-        computed = len(prompt) - found
-        await asyncio.sleep(computed * self.config.prefill_us_per_token / 1e6)
-        return content + prompt[found:], found, computed
+        return content + prompt[found:], found
 
     def _keep(
         self, tokens: list[int], content: list[int], salt: str | None, ttl: float
@@ -160,7 +165,7 @@ class StandinEngine:
         ids = self.cache.place(tokens, content, vllm_block_hashes(tokens, self.config.block_size, salt), salt)
         self.publish()
         holding = f"cmpl-{uuid.uuid4().hex}-0-{uuid.uuid4().hex[:8]}"
-        self.cache.hold(holding, ids, time.monotonic() + ttl)
+        self.cache.hold(holding, ids, time.monotonic() + ttl * self.config.time_scale)
         return holding, ids
 
     def _cache_only(self, tokens: list[int], content: list[int], salt: str | None) -> None:
@@ -182,7 +187,9 @@ class StandinEngine:
             "dcp_size": 1,
             "pp_size": 1,
             "remote_num_tokens": tokens,
-            "remote_blocks_expiry_time": None if prefill else time.perf_counter() + self.config.kv_blocks_ttl,
+            "remote_blocks_expiry_time": None
+            if prefill
+            else time.perf_counter() + self.config.kv_blocks_ttl * self.config.time_scale,
             "transfer_mode": "pull",
             **extra,
         }
@@ -220,6 +227,8 @@ class StandinEngine:
                 return await self._complete(request, request_id, req)
             except CacheFull as exc:
                 return http.error_response(str(exc), 400)
+            except KvLoadFailed as exc:
+                return http.error_response(str(exc), 500)
         finally:
             self.running -= 1
             self.timings[request_id] = time.perf_counter() - started
@@ -231,16 +240,24 @@ class StandinEngine:
     ) -> web.StreamResponse:
         prompt, salt = req.prompt, req.cache_salt
         got = req.kv_transfer_params if self.script.kv_connector else {}
-        content, found, _ = await self._prompt_kv(prompt, got, salt)
+        content, found = await self._prompt_kv(prompt, got, salt)
         answer = self._answer(content, req)
-        out_params = None if answer.aborted else self._retain(prompt, content, answer.ids, found, got, salt)
-        self.transcript.answer(answer.ids, out_params)
-        used = http.usage(prompt, answer.ids, found)
-        top = http.head(request_id, self.config.served_model_name)
-        if req.stream:
-            return await self._stream(request, req, top, answer, out_params, used)
-        await asyncio.sleep(self._per_token_s * len(answer.ids))
-        return web.json_response(http.completion_body(req, top, answer, out_params, used))
+        run = self.timing.submit(len(prompt), found, len(answer.ids))
+        try:
+            await run.prefilled()
+            out_params = None
+            if not answer.aborted:
+                out_params = self._retain(prompt, content, answer.ids, found, got, salt)
+            run.placed()
+            self.transcript.answer(answer.ids, out_params)
+            used = http.usage(prompt, answer.ids, found)
+            top = http.head(request_id, self.config.served_model_name)
+            if req.stream:
+                return await self._stream(request, req, top, answer, out_params, used, run)
+            await run.finished()
+            return web.json_response(http.completion_body(req, top, answer, out_params, used))
+        finally:
+            run.close()
 
     def _answer(self, content: list[int], req: http.CompletionRequest) -> http.Answer:
         """The output: the script's text (then EOS) if it has one, else the tokens the KV
@@ -262,6 +279,7 @@ class StandinEngine:
         answer: http.Answer,
         params: dict[str, Any] | None,
         used: dict[str, Any],
+        run: Run,
     ) -> web.StreamResponse:
         script = self.script
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -272,7 +290,9 @@ class StandinEngine:
                 if i == script.fail_after_tokens:
                     await response.write(http.sse_error("EngineCore died", 500))
                     return response
-                await asyncio.sleep(self._per_token_s + script.token_delay)
+                await run.token(i)
+                if script.token_delay:
+                    await asyncio.sleep(script.token_delay)
                 await response.write(chunk)
             await response.write(http.sse_tail(req, top, used))
             await response.write_eof()
@@ -283,10 +303,6 @@ class StandinEngine:
         except ConnectionResetError:  # the client closed the connection: vLLM aborts the request
             self.transcript.cancelled.set()
         return response
-
-    @property
-    def _per_token_s(self) -> float:
-        return self.config.decode_ms_per_token / 1e3 if self.config.role == "decode" else 0.0
 
     def _retain(
         self,
@@ -313,8 +329,8 @@ class StandinEngine:
         return web.Response(status=200)
 
     async def _metrics(self, _: web.Request) -> web.Response:
-        model, usage = self.config.served_model_name, self.cache.usage()
-        text = http.metrics_text(model, self.running, usage, self.stats())
+        model, usage, waiting = self.config.served_model_name, self.cache.usage(), self.timing.waiting
+        text = http.metrics_text(model, self.running - waiting, waiting, usage, self.stats())
         return web.Response(text=text, content_type="text/plain")
 
     def stats(self) -> dict[str, int]:
@@ -334,8 +350,11 @@ class StandinEngine:
 
     async def _expire(self) -> None:
         while True:
-            await asyncio.sleep(1.0)
-            self.counters["holdings_expired"] += self.cache.expire(time.monotonic())
+            await asyncio.sleep(min(1.0, self.config.time_scale))
+            expired = self.cache.expire(time.monotonic())
+            if expired:
+                self.counters["holdings_expired"] += expired
+                self.timing.kick()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -345,7 +364,7 @@ class StandinEngine:
         self.events_endpoint, self.replay_endpoint = self.events.bind(
             cfg.host, cfg.kv_events_port, cfg.kv_replay_port
         )
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        self.reader.open()
         side = web.Application()
         side.router.add_post("/kv/read", self._kv_read)
         app = web.Application(client_max_size=64 * 2**20)
@@ -355,6 +374,7 @@ class StandinEngine:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/standin/timings", self._timings)
         self._expiry = asyncio.create_task(self._expire())
+        self.timing.start()
         ports = []
         for application, port in ((side, cfg.side_channel_port), (app, cfg.port)):
             runner = web.AppRunner(application, access_log=None)
@@ -372,11 +392,10 @@ class StandinEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._expiry
             self._expiry = None
+        await self.timing.stop()
         while self._runners:
             await self._runners.pop().cleanup()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self.reader.close()
         await self.events.close()
 
     async def serve(self, stop: asyncio.Event) -> None:

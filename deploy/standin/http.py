@@ -196,12 +196,12 @@ def models_body(model: str, root: Path, max_model_len: int) -> dict[str, Any]:
     return {"object": "list", "data": [entry]}
 
 
-def metrics_text(model: str, running: int, kv_usage: float, stats: Mapping[str, int]) -> str:
+def metrics_text(model: str, running: int, waiting: int, kv_usage: float, stats: Mapping[str, int]) -> str:
     """vLLM's gauges kvshuttle's agent reads, then the stand-in's own counters."""
     labels = f'{{engine="0",model_name="{model}"}}'
     lines = [
         "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{labels} {running}",
-        "# TYPE vllm:num_requests_waiting gauge", f"vllm:num_requests_waiting{labels} 0",
+        "# TYPE vllm:num_requests_waiting gauge", f"vllm:num_requests_waiting{labels} {waiting}",
         "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{labels} {kv_usage}",
     ]  # fmt: skip
     for name, value in stats.items():

@@ -1,5 +1,6 @@
-"""The stand-in engine's KV cache (deploy/standin/engine.py): no tensors, only which tokens'
-KV each block holds, so that reading the wrong blocks changes the output.
+"""The stand-in engine's KV content (deploy/standin/engine.py): no tensors, only which tokens'
+KV each block holds, so that reading the wrong blocks changes the output; and vLLM's block hashes.
+The blocks themselves, the prefix cache and the holdings are deploy/standin/kvpool.py's.
 
 A block holds `content`: the tokens whose KV it stands for. A request's KV is computed from its
 prompt (content = the prompt's tokens), found in the local prefix cache (content = what the cached
@@ -8,30 +9,22 @@ output tokens are a deterministic function of the content (`output_tokens`), so 
 handed KV of other tokens answers differently from a clean recompute of the same prompt, which is
 exactly `output_tokens(prompt, n)`.
 
-The prefix cache is vLLM's: full blocks keyed by vLLM's block hash of the request's tokens (SHA-256
-of the pickled `(parent hash, block tokens, extra keys)`, from NONE_HASH; the request's
-`cache_salt` is the first block's extra key), published as BlockStored (the hash's low 64 bits, as
-`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` does), evicted least recently used when a block is needed
-(BlockRemoved). Blocks held for a remote reader (prefill's for decode, decode's retained for the
-next turn's prefill) are pinned until read once or expired; when nothing else can make room the
-oldest holding is dropped (its reader then fails and recomputes).
+Block hashes are vLLM's: SHA-256 of the pickled `(parent hash, block tokens, extra keys)`, from
+NONE_HASH; the request's `cache_salt` is the first block's extra key; KV events carry the hash's
+low 64 bits (`int64_of`), as `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` does.
 """
 
 from __future__ import annotations
 
 import hashlib
 import pickle
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 
 __all__ = [
     "NONE_HASH",
-    "CacheFull",
-    "Held",
-    "KvCache",
     "content_digest",
+    "int64_of",
     "output_tokens",
     "vllm_block_hashes",
 ]
@@ -77,204 +70,3 @@ def output_tokens(content: Sequence[int], count: int, vocabulary: Sequence[int])
         h = hashlib.blake2b(digest + i.to_bytes(4, "little"), digest_size=8).digest()
         out.append(vocabulary[int.from_bytes(h, "little") % len(vocabulary)])
     return out
-
-
-class CacheFull(Exception):
-    """A request needs more blocks than the whole cache has."""
-
-
-@dataclass(slots=True)
-class _Block:
-    content: tuple[int, ...]
-    vllm_hash: bytes | None  # set while the block is in the prefix cache
-    refs: int = 0
-
-
-@dataclass(slots=True)
-class Held:
-    """Blocks pinned for one remote reader, in position order."""
-
-    block_ids: list[int]
-    expires_at: float
-
-
-class KvCache:
-    """`num_blocks` blocks of `block_size` tokens; events for the publisher accumulate in `events`."""
-
-    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True) -> None:
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError("num_blocks and block_size must be positive")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.prefix_caching = prefix_caching
-        self._free = list(range(num_blocks - 1, -1, -1))
-        self._blocks: dict[int, _Block] = {}
-        self._cached: OrderedDict[bytes, int] = OrderedDict()  # hash -> block id, LRU first
-        self._held: OrderedDict[str, Held] = OrderedDict()  # oldest first
-        self.events: list[dict[str, Any]] = []
-        self.evicted_blocks = 0
-        self.dropped_holdings = 0
-
-    # -- reading -----------------------------------------------------------------------------
-
-    def local_hit(self, hashes: Sequence[bytes]) -> list[tuple[int, ...]]:
-        """Contents of the leading blocks found in the prefix cache (touched as used)."""
-        found = []
-        for h in hashes if self.prefix_caching else ():
-            block_id = self._cached.get(h)
-            if block_id is None:
-                break
-            self._cached.move_to_end(h)
-            found.append(self._blocks[block_id].content)
-        return found
-
-    def take(self, holding: str, block_ids: Sequence[int]) -> list[tuple[int, ...]] | None:
-        """A remote reader's READ of `block_ids` of `holding`, then its notification: the
-        blocks' contents, the holding released (single use). None when the holding is unknown
-        (expired, already read, dropped) or does not hold those blocks."""
-        held = self._held.pop(holding, None)
-        if held is None:
-            return None
-        wanted = set(block_ids)
-        contents = [self._blocks[b].content for b in block_ids] if wanted <= set(held.block_ids) else None
-        self._release(held.block_ids)
-        return contents
-
-    def holdings(self) -> int:
-        return len(self._held)
-
-    def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
-
-    # -- writing -----------------------------------------------------------------------------
-
-    def place(
-        self,
-        tokens: Sequence[int],
-        content: Sequence[int],
-        hashes: Sequence[bytes],
-        cache_salt: str | None = None,
-    ) -> list[int]:
-        """Blocks for a sequence of `tokens` whose KV holds `content` (as long as `tokens`),
-        `hashes` its vLLM block hashes: leading blocks the prefix cache has are shared, the rest
-        allocated (full ones cached and published; `cache_salt` the request's). Their ids come
-        back pinned: `hold` or `release` them. Raises CacheFull."""
-        bs = self.block_size
-        count = -(-len(tokens) // bs)
-        if count > self.num_blocks:
-            raise CacheFull(f"{len(tokens)} tokens need {count} blocks; the cache has {self.num_blocks}")
-        ids: list[int] = []
-        hits = 0
-        for i, h in enumerate(hashes if self.prefix_caching else ()):
-            block_id = self._cached.get(h)
-            if block_id is None or hits != i:
-                break
-            self._cached.move_to_end(h)
-            self._blocks[block_id].refs += 1
-            ids.append(block_id)
-            hits += 1
-        stored: list[int] = []
-        for i in range(hits, count):
-            block_id = self._allocate()
-            full = (i + 1) * bs <= len(tokens)
-            block = _Block(tuple(content[i * bs : (i + 1) * bs]), None, refs=1)
-            self._blocks[block_id] = block
-            ids.append(block_id)
-            if full and self.prefix_caching and hashes[i] not in self._cached:
-                block.vllm_hash = hashes[i]
-                self._cached[hashes[i]] = block_id
-                stored.append(i)
-        if stored:
-            self._store_event(tokens, hashes, stored, cache_salt)
-        return ids
-
-    def hold(self, holding: str, block_ids: list[int], expires_at: float) -> None:
-        """Keep pinned blocks (from `place`) for one remote reader until `expires_at`."""
-        self._held[holding] = Held(block_ids, expires_at)
-
-    def release(self, block_ids: Sequence[int]) -> None:
-        """Unpin blocks from `place` that nobody will read remotely."""
-        self._release(block_ids)
-
-    def expire(self, now: float) -> int:
-        """Release the holdings due by `now`; how many."""
-        due = [name for name, held in self._held.items() if held.expires_at <= now]
-        for name in due:
-            self._release(self._held.pop(name).block_ids)
-        return len(due)
-
-    def clear(self) -> None:
-        """vLLM's /reset_prefix_cache: unpinned cached blocks leave the cache (AllBlocksCleared)."""
-        for h, block_id in list(self._cached.items()):
-            block = self._blocks[block_id]
-            block.vllm_hash = None
-            del self._cached[h]
-            if block.refs == 0:
-                del self._blocks[block_id]
-                self._free.append(block_id)
-        self.events.append({"type": "AllBlocksCleared"})
-
-    # -- internals ---------------------------------------------------------------------------
-
-    def _release(self, block_ids: Sequence[int]) -> None:
-        for block_id in block_ids:
-            block = self._blocks[block_id]
-            block.refs -= 1
-            if block.refs == 0 and block.vllm_hash is None:  # not cached: free at once
-                del self._blocks[block_id]
-                self._free.append(block_id)
-
-    def _allocate(self) -> int:
-        while not self._free:
-            if not self._evict_one():
-                if not self._held:
-                    raise CacheFull("every block is in use by running requests")
-                _, held = self._held.popitem(last=False)  # the oldest holding makes room
-                self.dropped_holdings += 1
-                self._release(held.block_ids)
-        return self._free.pop()
-
-    def _evict_one(self) -> bool:
-        for h, block_id in self._cached.items():
-            block = self._blocks[block_id]
-            if block.refs == 0:
-                del self._cached[h]
-                del self._blocks[block_id]
-                self._free.append(block_id)
-                self.evicted_blocks += 1
-                self.events.append({"type": "BlockRemoved", "block_hashes": [int64_of(h)], "medium": "GPU"})
-                return True
-        return False
-
-    def _store_event(
-        self, tokens: Sequence[int], hashes: Sequence[bytes], stored: list[int], cache_salt: str | None
-    ) -> None:
-        """One BlockStored per run of consecutive newly cached blocks, shaped as vLLM 0.32's."""
-        bs = self.block_size
-        runs: list[list[int]] = []
-        for i in stored:
-            if runs and runs[-1][-1] == i - 1:
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        for run in runs:
-            first = run[0]
-            # vLLM 0.32 reports the salt (its first block's extra key) untagged.
-            extra: list[list[str] | None] = [None] * len(run)
-            if first == 0 and cache_salt:
-                extra[0] = [cache_salt]
-            self.events.append(
-                {
-                    "type": "BlockStored",
-                    "block_hashes": [int64_of(hashes[i]) for i in run],
-                    "parent_block_hash": None if first == 0 else int64_of(hashes[first - 1]),
-                    "token_ids": list(tokens[first * bs : (run[-1] + 1) * bs]),
-                    "block_size": bs,
-                    "lora_id": None,
-                    "medium": "GPU",
-                    "lora_name": None,
-                    "extra_keys": extra,
-                    "group_idx": 0,
-                    "kv_cache_spec_kind": "full_attention",
-                }
-            )

@@ -58,6 +58,9 @@ class StandinSpec:
     read_us_per_block: float = 50.0
     kv_blocks_ttl: float = 480.0
     host: str = HOST
+    # An engine profile file: profile-timed (deploy/standin/timing.py), `time_scale` x its times.
+    profile: Path | None = None
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -73,7 +76,9 @@ class StandinSpec:
                 "--prefill-us-per-token", str(self.prefill_us_per_token),
                 "--decode-ms-per-token", str(self.decode_ms_per_token),
                 "--read-us-per-block", str(self.read_us_per_block),
-                "--kv-blocks-ttl", str(self.kv_blocks_ttl)]  # fmt: skip
+                "--kv-blocks-ttl", str(self.kv_blocks_ttl), "--time-scale", str(self.time_scale)]  # fmt: skip
+        if self.profile is not None:
+            args += ["--profile", str(self.profile)]
         return args if self.prefix_caching else [*args, "--no-prefix-caching"]
 
 
@@ -147,6 +152,8 @@ class StandinPair:
         decoder_kv_blocks_ttl: float = 480.0,
         prefill_prefix_caching: bool = True,
         decode_prefix_caching: bool = True,
+        profile: Path | None = None,
+        time_scale: float = 1.0,
         start_timeout: float = 30.0,
     ) -> None:
         self.model_dir = Path(model_dir).resolve()
@@ -156,7 +163,7 @@ class StandinPair:
             "model_dir": self.model_dir, "served_model_name": served_model_name, "block_size": block_size,
             "num_blocks": num_blocks, "prefill_us_per_token": prefill_us_per_token,
             "decode_ms_per_token": decode_ms_per_token, "read_us_per_block": read_us_per_block,
-            "kv_blocks_ttl": decoder_kv_blocks_ttl,
+            "kv_blocks_ttl": decoder_kv_blocks_ttl, "profile": profile, "time_scale": time_scale,
         }  # fmt: skip
         self._prefix_caching = {"prefill": prefill_prefix_caching, "decode": decode_prefix_caching}
         self.prefill, self.decode = self._engines()

@@ -1,0 +1,235 @@
+"""The profile-timed stand-in (the emulator): its block pool, its shared link, and engines in one
+event loop answering with the KV they were handed, at the profile's pace (time scaled down)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from deploy.profiles.schema import DecodeModel, EngineLimits, EngineProfile, Hardware
+from deploy.standin.cluster import StandinCluster
+from deploy.standin.config import in_process_config, with_profile
+from deploy.standin.engine import StandinEngine
+from deploy.standin.kv import int64_of, output_tokens, vllm_block_hashes
+from deploy.standin.kvpool import KvBlockPool
+from deploy.standin.link import Link, ProcessorSharing
+from deploy.standin.timing import SteppedTiming
+from deploy.standin.tokenizer import make_tokenizer
+
+from kvshuttle.router.cost import LinkModel, PrefillModel
+
+PROFILE = EngineProfile(
+    model="m",
+    kv_bytes_per_token=16384,
+    min_reuse_tokens=64,
+    prefill=PrefillModel(fixed_ms=50.0, per_token_ms=0.5, per_cached_token_ms=0.02, per_pair_ns=100.0),
+    link=LinkModel(bandwidth_gb_s=4.0, fixed_ms=5.0),
+    decode=DecodeModel(fixed_ms=20.0, per_seq_ms=0.5, per_ctx_token_ns=100.0, max_batch=64),
+    engine=EngineLimits(
+        kv_capacity_tokens=65536, block_size=32, max_num_batched_tokens=2048, gpu_memory_utilization=1.0
+    ),
+    hardware=Hardware(gpu="cpu", tp=1, gpus_per_engine=1, gpu_memory_gib=1.0),
+)
+SCALE = 0.05
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tokenizer(tmp_path_factory.mktemp("model"))
+
+
+# -- the block pool ------------------------------------------------------------------------------
+
+
+def place(pool: KvBlockPool, tokens: list[int]) -> list[int]:
+    return pool.place(tokens, tokens, vllm_block_hashes(tokens, pool.block_size))
+
+
+def test_lru_evicts_the_least_recently_used_unreferenced_block() -> None:
+    pool = KvBlockPool(num_blocks=4, block_size=2)
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    pool.release(place(pool, a))
+    pool.release(place(pool, b))
+    assert len(pool.local_hit(vllm_block_hashes(a, 2))) == 2  # a is used again: b is the LRU
+    pool.events.clear()
+    pool.release(place(pool, c))
+    removed = [h for e in pool.events if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
+    assert removed == [int64_of(h) for h in vllm_block_hashes(b, 2)]
+    assert len(pool.local_hit(vllm_block_hashes(a, 2))) == 2
+    assert pool.local_hit(vllm_block_hashes(b, 2)) == []
+
+
+def test_referenced_blocks_are_not_evicted_and_reservations_count_evictable_ones() -> None:
+    pool = KvBlockPool(num_blocks=4, block_size=2)
+    pinned = place(pool, [1, 2, 3, 4])
+    pool.release(place(pool, [5, 6, 7, 8]))
+    assert pool.available() == 2  # the two cached, unreferenced blocks
+    assert pool.try_reserve(2) and not pool.try_reserve(1)
+    pool.unreserve(2)
+    pool.release(place(pool, [9, 10, 11, 12]))
+    assert len(pool.local_hit(vllm_block_hashes([1, 2, 3, 4], 2))) == 2
+    pool.release(pinned)
+    assert pool.available() == 4
+
+
+def test_retained_blocks_expire_after_the_ttl_and_free_on_the_readers_notification() -> None:
+    pool = KvBlockPool(num_blocks=8, block_size=2, prefix_caching=False)
+    pool.hold("retained", place(pool, [1, 2, 3, 4]), expires_at=100.0)
+    pool.hold("read-once", place(pool, [5, 6, 7, 8]), expires_at=100.0)
+    assert pool.available() == 4
+    assert pool.expire(99.0) == 0
+    assert pool.take("read-once", []) == []  # the notification alone frees them
+    assert pool.available() == 6
+    assert pool.take("read-once", []) is None  # single use
+    assert pool.expire(100.0) == 1 and pool.holdings() == 0
+    assert pool.available() == 8
+
+
+# -- the link ------------------------------------------------------------------------------------
+
+
+def test_reads_overlapping_on_a_link_share_its_bandwidth() -> None:
+    link: ProcessorSharing[str] = ProcessorSharing(bytes_per_s=1e9)
+    link.add("a", 1e9, now=0.0)
+    assert link.next_done() == pytest.approx(1.0)
+    link.add("b", 1e9, now=0.0)
+    assert link.next_done() == pytest.approx(2.0)  # two equal reads: twice as long
+    link.remove("b", now=0.5)  # a moved a quarter of its bytes; alone again
+    assert link.next_done() == pytest.approx(1.25)
+    link.add("c", 0.25e9, now=0.5)
+    assert link.next_done() == pytest.approx(1.0)  # c: 0.25e9 at half the rate
+    assert link.advance(1.0) == ["c"]
+    assert link.advance(1.499) == []
+    assert link.advance(1.5) == ["a"]
+
+
+async def test_two_equal_reads_on_a_link_take_about_twice_one() -> None:
+    link = Link(LinkModel(bandwidth_gb_s=1.0, fixed_ms=0.0), time_scale=1.0)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    await link.transfer(50_000_000)  # 50 ms alone
+    one = loop.time() - began
+    began = loop.time()
+    await asyncio.gather(link.transfer(50_000_000), link.transfer(50_000_000))
+    two = loop.time() - began
+    assert 0.05 <= one < 0.08
+    assert 1.7 < two / one < 2.3
+    assert link.transfers == 3
+
+
+# -- engines -------------------------------------------------------------------------------------
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        got: dict[str, Any] = await response.json()
+        return got
+
+
+def engine(role: Any, model_dir: Path, profile: EngineProfile = PROFILE, **overrides: Any) -> StandinEngine:
+    config = in_process_config(role, f"engine-{role}", model_dir, time_scale=SCALE, **overrides)
+    return StandinEngine(with_profile(config, profile))
+
+
+async def test_a_profile_timed_prefill_takes_the_profiles_time_and_decode_answers_from_its_kv(
+    model_dir: Path,
+) -> None:
+    prefill, decode = engine("prefill", model_dir), engine("decode", model_dir)
+    prompt = [(i * 7) % 500 + 10 for i in range(1000)]
+    await prefill.start()
+    await decode.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            began = time.perf_counter()
+            first = await post(
+                session,
+                prefill.url,
+                {"model": "m", "prompt": prompt, "max_tokens": 1,
+                 "kv_transfer_params": {"do_remote_decode": True}},
+            )  # fmt: skip
+            ttft = time.perf_counter() - began
+            assert ttft >= PROFILE.prefill.ms(1000, 0) / 1e3 * SCALE
+            params = first["kv_transfer_params"]
+            began = time.perf_counter()
+            body = {"model": "m", "prompt": prompt, "max_tokens": 10, "return_token_ids": True,
+                    "kv_transfer_params": params}  # fmt: skip
+            second = await post(session, decode.url, body)
+            took = time.perf_counter() - began
+        assert second["choices"][0]["token_ids"] == output_tokens(prompt, 10, decode.vocabulary)
+        link = decode.reader.link
+        assert decode.stats()["kv_reads_total"] == 1 and link is not None
+        assert link.bytes_moved == 32 * 32 * PROFILE.kv_bytes_per_token  # 1000 tokens: 32 blocks
+        read = PROFILE.link.ms(link.bytes_moved)
+        decode_steps = sum(PROFILE.decode.itl_ms(1, 1000 + i) for i in range(1, 10))
+        assert took >= (read + PROFILE.prefill.ms(1, 999) + decode_steps) / 1e3 * SCALE
+        assert prefill.cache.holdings() == 0  # decode's read freed prefill's blocks
+    finally:
+        await prefill.stop()
+        await decode.stop()
+
+
+async def test_a_stream_is_paced_per_step_and_a_failed_read_fails_under_policy_fail(model_dir: Path) -> None:
+    decode = engine("decode", model_dir, kv_load_failure_policy="fail")
+    await decode.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "m", "prompt": list(range(10, 110)), "max_tokens": 6, "stream": True}
+            async with session.post(f"{decode.url}/v1/completions", json=body) as response:
+                events = [line async for line in response.content if line.startswith(b"data: {")]
+            assert len(events) == 6
+            gone = {"remote_block_ids": [[0, 1, 2]], "remote_request_id": "gone", "remote_num_tokens": 100,
+                    "remote_host": "127.0.0.1", "remote_port": decode.side_channel_port}  # fmt: skip
+            body = {"model": "m", "prompt": list(range(10, 110)), "kv_transfer_params": gone}
+            async with session.post(f"{decode.url}/v1/completions", json=body) as response:
+                assert response.status == 500
+                assert (await response.json())["error"]["message"] == "KV load failed"
+        assert decode.stats()["kv_load_failures_total"] == 1
+        assert isinstance(decode.timing, SteppedTiming) and decode.timing.steps == 6
+    finally:
+        await decode.stop()
+
+
+async def test_a_request_waits_for_blocks(model_dir: Path) -> None:
+    small = dataclasses.replace(
+        PROFILE, engine=dataclasses.replace(PROFILE.engine, kv_capacity_tokens=64 * 32)
+    )  # 64 blocks: one 1500-token request at a time
+    decode = engine("decode", model_dir, profile=small, prefix_caching=False)
+    await decode.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            prompts = [[(i * k) % 500 + 10 for i in range(1500)] for k in (3, 5)]
+            tasks = [
+                asyncio.create_task(post(session, decode.url, {"model": "m", "prompt": p, "max_tokens": 20}))
+                for p in prompts
+            ]
+            await asyncio.sleep(PROFILE.prefill.ms(1500, 0) / 1e3 * SCALE / 2)
+            assert decode.timing.waiting == 1
+            async with session.get(f"{decode.url}/metrics") as response:
+                assert 'vllm:num_requests_waiting{engine="0",model_name="m"} 1' in await response.text()
+            await asyncio.gather(*tasks)
+        assert decode.timing.waiting == 0 and decode.cache.reserved == 0
+    finally:
+        await decode.stop()
+
+
+async def test_a_4p_4d_cluster_in_one_loop_answers_on_every_engine(model_dir: Path) -> None:
+    async with StandinCluster(model_dir, prefill=4, decode=4, profile=PROFILE, time_scale=SCALE) as cluster:
+        endpoints = json.loads(json.dumps(cluster.endpoints()))
+        assert [e["role"] for e in endpoints["engines"]] == ["prefill"] * 4 + ["decode"] * 4
+        assert len({e["url"] for e in endpoints["engines"]}) == 8
+        assert endpoints["block_size"] == 32
+        prompt = list(range(10, 300))
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "m", "prompt": prompt, "max_tokens": 4, "return_token_ids": True}
+            answers = await asyncio.gather(*(post(session, e["url"], body) for e in endpoints["engines"]))
+        vocabulary = cluster.engines[0].vocabulary
+        for answer, e in zip(answers, endpoints["engines"], strict=True):
+            count = 1 if e["role"] == "prefill" else 4
+            assert answer["choices"][0]["token_ids"] == output_tokens(prompt, count, vocabulary)
