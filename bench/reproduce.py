@@ -43,14 +43,14 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 import aiohttp
-
-from bench.report import ROOT, save
 from deploy.profiles.schema import EngineProfile, load_engine_profiles
 from deploy.standin.config import in_process_config, with_profile
 from deploy.standin.engine import StandinEngine
 from deploy.standin.link import Link
 from deploy.standin.scheduler import simulate
 from deploy.standin.tokenizer import make_tokenizer
+
+from bench.report import ROOT, save
 
 __all__ = ["PUBLISHED", "Row", "main", "measured", "simulated", "table"]
 
@@ -118,6 +118,29 @@ class _TimedLink(Link):
 
 
 Mode = Literal["recompute", "reuse"]
+MODES: Final[tuple[Mode, Mode]] = ("recompute", "reuse")
+
+
+@dataclass(frozen=True, slots=True)
+class Sessions:
+    """What each session does: a fill turn and a measured turn at every context length."""
+
+    contexts: Sequence[int]
+    new_tokens: int
+    output_tokens: int
+
+    def __post_init__(self) -> None:
+        # Each fill turn adds tokens to the turn before's prompt and answer.
+        step = self.new_tokens + 2 * self.output_tokens
+        if (
+            self.new_tokens < 1
+            or self.output_tokens < 1
+            or any(
+                later - earlier < step
+                for earlier, later in zip((0, *self.contexts), self.contexts, strict=False)
+            )
+        ):
+            raise ValueError(f"contexts must rise by at least new + 2 x output tokens ({step}) from 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,9 +166,7 @@ async def _session(
     link: _TimedLink,
     mode: Mode,
     seed: int,
-    contexts: Sequence[int],
-    new_tokens: int,
-    output_tokens: int,
+    work: Sessions,
 ) -> list[Sample]:
     """One session through every context: a fill turn, then the measured one."""
     rng = random.Random(seed)  # the same prompts in both modes
@@ -153,8 +174,9 @@ async def _session(
     history: list[int] = []
     held: dict[str, Any] | None = None  # D's params for the next turn's prefill
     samples = []
-    for context in contexts:
-        for length, measuring in ((context - new_tokens - output_tokens + 1, False), (context, True)):
+    for context in work.contexts:
+        fill = context - work.new_tokens - work.output_tokens + 1
+        for length, measuring in ((fill, False), (context, True)):
             prompt = history + [rng.randrange(*_PROMPT_IDS) for _ in range(length - len(history))]
             params = held if mode == "reuse" and held else {"do_remote_decode": True}
             reads = len(link.reads_ms)
@@ -162,9 +184,14 @@ async def _session(
             first = await _post(http, prefill.url, {"model": model, "prompt": prompt, "max_tokens": 1,
                                                     "kv_transfer_params": params})  # fmt: skip
             ttft_ms = (time.perf_counter() - began) * 1e3 / scale
-            answer = await _post(http, decode.url, {"model": model, "prompt": prompt,
-                                                    "max_tokens": output_tokens, "return_token_ids": True,
-                                                    "kv_transfer_params": first["kv_transfer_params"]})  # fmt: skip
+            to_decode = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": work.output_tokens,
+                "return_token_ids": True,
+                "kv_transfer_params": first["kv_transfer_params"],
+            }
+            answer = await _post(http, decode.url, to_decode)
             held = answer["kv_transfer_params"]
             history = prompt + answer["choices"][0]["token_ids"]
             if measuring:
@@ -173,23 +200,15 @@ async def _session(
 
 
 async def _pair_run(
-    profile: EngineProfile,
-    model_dir: Path,
-    *,
-    sessions: int,
-    time_scale: float,
-    contexts: Sequence[int],
-    new_tokens: int,
-    output_tokens: int,
+    profile: EngineProfile, model_dir: Path, work: Sessions, *, sessions: int, time_scale: float
 ) -> list[Sample]:
     """Sessions one after another on a fresh 1P1D pair, prefix caching off on P."""
-    common: dict[str, Any] = {"time_scale": time_scale, "max_model_len": max(contexts) + output_tokens,
+    longest = max(work.contexts) + work.output_tokens
+    common: dict[str, Any] = {"time_scale": time_scale, "max_model_len": longest,
                               "served_model_name": profile.model, "kv_blocks_ttl": 60.0}  # fmt: skip
     link = _TimedLink(profile, time_scale)
-    prefill = StandinEngine(
-        with_profile(in_process_config("prefill", "repro-p", model_dir, prefix_caching=False, **common), profile),
-        link=link,
-    )
+    no_prefix_caching = in_process_config("prefill", "repro-p", model_dir, prefix_caching=False, **common)
+    prefill = StandinEngine(with_profile(no_prefix_caching, profile), link=link)
     decode = StandinEngine(with_profile(in_process_config("decode", "repro-d", model_dir, **common), profile))
     await prefill.start()
     await decode.start()
@@ -197,10 +216,8 @@ async def _pair_run(
         async with aiohttp.ClientSession() as http:
             samples = []
             for seed in range(sessions):
-                for mode in ("recompute", "reuse"):
-                    samples += await _session(
-                        http, prefill, decode, link, mode, seed, contexts, new_tokens, output_tokens
-                    )
+                for mode in MODES:
+                    samples += await _session(http, prefill, decode, link, mode, seed, work)
             return samples
     finally:
         await prefill.stop()
@@ -208,36 +225,31 @@ async def _pair_run(
 
 
 async def measured(
-    profile: EngineProfile,
-    model_dir: Path,
-    *,
-    sessions: int,
-    time_scale: float,
-    contexts: Sequence[int],
-    new_tokens: int,
-    output_tokens: int,
+    profile: EngineProfile, model_dir: Path, work: Sessions, *, sessions: int, time_scale: float
 ) -> tuple[list[Row], dict[str, Any]]:
     """Medians over sessions, the engines' own time (an overhead run) subtracted; the rows and
     the raw figures."""
-    run = {"contexts": contexts, "new_tokens": new_tokens, "output_tokens": output_tokens}
-    timed = await _pair_run(profile, model_dir, sessions=sessions, time_scale=time_scale, **run)
-    overhead = await _pair_run(profile, model_dir, sessions=sessions, time_scale=_OVERHEAD_SCALE, **run)
+    timed = await _pair_run(profile, model_dir, work, sessions=sessions, time_scale=time_scale)
+    overhead = await _pair_run(profile, model_dir, work, sessions=sessions, time_scale=_OVERHEAD_SCALE)
 
     def median(samples: list[Sample], mode: Mode, context: int, scale: float = 1.0) -> float:
         return statistics.median(s.ttft_ms * scale for s in samples if (s.mode, s.context) == (mode, context))
 
     rows, raw = [], []
-    for c in contexts:
+    for c in work.contexts:
         # The overhead run's TTFT, back in real ms, is the engines' CPU time (its modelled part
         # is under a millisecond); the timed run's wall time less that, scaled, is the model's.
-        own = {m: median(overhead, m, c, _OVERHEAD_SCALE) for m in ("recompute", "reuse")}
-        ttft = {m: median(timed, m, c) - own[m] / time_scale for m in ("recompute", "reuse")}
+        own = {m: median(overhead, m, c, _OVERHEAD_SCALE) for m in MODES}
+        ttft = {m: median(timed, m, c) - own[m] / time_scale for m in MODES}
         transfer = statistics.median(s.transfer_ms for s in timed if (s.mode, s.context) == ("reuse", c))
         rows.append(Row(c, ttft["recompute"], ttft["reuse"], transfer))
         raw.append({"context": c, "ttft_ms_uncorrected": {m: median(timed, m, c) for m in own},
                     "engine_cpu_ms": own})  # fmt: skip
     return rows, {"time_scale": time_scale, "sessions": sessions, "per_context": raw,
                   "samples": [dataclasses.asdict(s) for s in timed]}  # fmt: skip
+
+
+_JUDGED: Final = ("recompute_ms", "reuse_ms", "transfer_ms")
 
 
 def _error(got: float, published: float) -> float:
@@ -249,7 +261,7 @@ def row_figures(row: Row) -> dict[str, Any]:
     figures: dict[str, Any] = {**dataclasses.asdict(row), "transfer_share": row.transfer_share}
     pub = PUBLISHED.get(row.context)
     if pub is not None:
-        errors = {k: _error(getattr(row, k), getattr(pub, k)) for k in ("recompute_ms", "reuse_ms", "transfer_ms")}
+        errors = {k: _error(getattr(row, k), getattr(pub, k)) for k in _JUDGED}
         figures |= {"published": {**dataclasses.asdict(pub), "transfer_share": pub.transfer_share},
                     "error": errors, "verdict": verdict(row)}  # fmt: skip
     return figures
@@ -261,8 +273,7 @@ def verdict(row: Row) -> str | None:
     pub = PUBLISHED.get(row.context)
     if pub is None:
         return None
-    keys = ("recompute_ms", "reuse_ms", "transfer_ms")
-    ok = all(abs(_error(getattr(row, k), getattr(pub, k))) <= TARGET for k in keys)
+    ok = all(abs(_error(getattr(row, k), getattr(pub, k))) <= TARGET for k in _JUDGED)
     return "PASS" if ok else "MISS"
 
 
@@ -278,7 +289,7 @@ def table(title: str, rows: Sequence[Row]) -> str:
     for row in rows:
         pub = PUBLISHED.get(row.context)
         share = f"{row.transfer_share:.0%}" + (f" ({pub.transfer_share:.0%})" if pub else "")
-        cells = "".join(f"{cell(row, k):<26}" for k in ("recompute_ms", "reuse_ms", "transfer_ms"))
+        cells = "".join(f"{cell(row, k):<26}" for k in _JUDGED)
         lines.append(f"{row.context:>7}  {cells}{share:<14}{verdict(row) or '-'}")
     return "\n".join(lines)
 
@@ -291,32 +302,26 @@ def chunked(profile: EngineProfile, tokens: int) -> EngineProfile:
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
     (published,) = load_engine_profiles(PUBLISHED_PROFILE)
     (tp2,) = load_engine_profiles(TP2_PROFILE)
-    contexts: list[int] = args.contexts
+    work = Sessions(args.contexts, args.new_tokens, args.output_tokens)
     profiles = [
         ("published fit", PUBLISHED_PROFILE.name, published, True),
-        ("published fit, chunked at 8192", f"{PUBLISHED_PROFILE.name} (8192)", chunked(published, 8192), False),
+        ("published fit, chunked", f"{PUBLISHED_PROFILE.name} @8192", chunked(published, 8192), False),
         ("aiconfigurator TP 2", TP2_PROFILE.name, tp2, True),
     ]
-    results = []
+    results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tokenizer(Path(tmp) / "model")
         for label, name, profile, socket in profiles:
-            rows = simulated(profile, contexts, args.new_tokens)
+            rows = simulated(profile, work.contexts, work.new_tokens)
             print(table(f"\n{label} ({name}), simulate:", rows), flush=True)
-            results.append({"profile": name, "label": label, "way": "simulate", "rows": [row_figures(r) for r in rows]})
+            figures = [row_figures(r) for r in rows]
+            results.append({"profile": name, "label": label, "way": "simulate", "rows": figures})
             if socket and not args.no_socket:
-                rows, raw = await measured(
-                    profile,
-                    model_dir,
-                    sessions=args.sessions,
-                    time_scale=args.time_scale,
-                    contexts=contexts,
-                    new_tokens=args.new_tokens,
-                    output_tokens=args.output_tokens,
-                )
+                scale = args.time_scale
+                rows, raw = await measured(profile, model_dir, work, sessions=args.sessions, time_scale=scale)
                 cpu = max(max(c["engine_cpu_ms"].values()) for c in raw["per_context"])
-                title = (f"\n{label} ({name}), socket: {args.sessions} sessions, time scale "
-                         f"{args.time_scale}, engine CPU time subtracted (up to {cpu:.0f} ms real):")  # fmt: skip
+                title = (f"\n{label} ({name}), socket: {args.sessions} sessions, time scale {scale}, "
+                         f"engine CPU time subtracted (up to {cpu:.0f} ms real):")  # fmt: skip
                 print(table(title, rows), flush=True)
                 results.append({"profile": name, "label": label, "way": "socket",
                                 "rows": [row_figures(r) for r in rows], "socket": raw})  # fmt: skip
