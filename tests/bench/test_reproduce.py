@@ -55,3 +55,5 @@ async def test_a_tiny_socket_session_reuses_on_its_reuse_turn(tmp_path: Path) ->
     assert len(raw["samples"]) == 2
     assert by_mode["recompute"]["transfer_ms"] == 0
     assert by_mode["reuse"]["transfer_ms"] >= 0.98 * PROFILE.link.ms(read_bytes(PROFILE, 768))
+    # The toy proxy's TTFT waits for D's first token after P's.
+    assert all(s["proxy_ttft_ms"] > s["ttft_ms"] for s in raw["samples"])
