@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ ENGINE_PROFILES = [p for p in SHIPPED if p.name not in ROUTER_ONLY]
 EXPECTED = {
     "cpu-small",
     "qwen3-32b-h200-tp2",
+    "qwen3-32b-h200-published",
     "qwen3-32b-h100-tp2",
     "llama-3.1-70b-h200-tp4",
     "llama-3.1-70b-h100-tp4",
@@ -83,6 +85,22 @@ def test_the_router_s_published_profile_is_not_an_engine_profile() -> None:
         ProfileError, match=r"qwen3-32b-h200.toml: profile Qwen/Qwen3-32B: missing section \[profile.decode\]"
     ):
         load_engine_profiles(PROFILES / "qwen3-32b-h200.toml")
+
+
+def test_the_published_engine_profile_is_the_router_s_fit_on_the_tp2_engine() -> None:
+    """qwen3-32b-h200-published.toml: the router's published fit (prefill, link) with the
+    aiconfigurator TP 2 file's decode, engine and hardware, prefill unchunked to 32k."""
+    (published,) = load_engine_profiles(PROFILES / "qwen3-32b-h200-published.toml")
+    (router,) = load_profiles(PROFILES / "qwen3-32b-h200.toml")
+    (tp2,) = load_engine_profiles(PROFILES / "qwen3-32b-h200-tp2.toml")
+    assert (published.prefill, published.link) == (router.prefill, router.link)
+    assert (published.model, published.kv_bytes_per_token, published.min_reuse_tokens) == (
+        router.model,
+        router.kv_bytes_per_token,
+        router.min_reuse_tokens,
+    )
+    assert (published.decode, published.hardware) == (tp2.decode, tp2.hardware)
+    assert published.engine == replace(tp2.engine, max_num_batched_tokens=32768)
 
 
 def test_the_router_accepts_the_engine_sections_and_refuses_unknown_keys() -> None:
