@@ -327,7 +327,7 @@ async def test_the_registry_rides_out_a_sentinel_failover(
                 writers = [Writer(i) for i in range(WRITERS)]
                 kill_time = await run_writers(client, writers, old_master.kill)
                 errors = dict(client.errors)
-                promoted = group.master_port()
+                promoted = group.promoted_port(old_master.port)
                 assert promoted in [r.port for r in group.replicas]
                 assert info(promoted, "replication")["role"] == "master"
                 service.check()  # the same registry process throughout

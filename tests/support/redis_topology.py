@@ -147,6 +147,21 @@ class SentinelGroup:
                 return sentinel.master_port()
         raise AssertionError("no Sentinel answers")
 
+    def promoted_port(self, old: int, timeout: float = 10.0) -> int:
+        """The new master's port, once every Sentinel that answers names the same one, not `old`.
+        The leader's failover reaches the other Sentinels through its hello messages (every 2 s),
+        so right after writes resume on the new master a Sentinel may still name the old one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            named = set()
+            for sentinel in self.sentinels:
+                with contextlib.suppress(redis.RedisError, OSError):
+                    named.add(sentinel.master_port())
+            if len(named) == 1 and old not in named:
+                return named.pop()
+            assert time.monotonic() < deadline, f"the Sentinels name {sorted(named)} {timeout} s on"
+            time.sleep(0.1)
+
 
 @contextlib.contextmanager
 def sentinel_group(root: Path, **kwargs: Any) -> Iterator[SentinelGroup]:
