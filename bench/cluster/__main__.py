@@ -34,8 +34,24 @@ from bench.cluster.workload.model import Session
 from bench.report import ROOT, save
 
 PROFILES = ROOT / "deploy" / "profiles"
-QUICK = {"prefill": 2, "decode": 2, "sessions": 20, "rates": "0.5", "max_turns": 8, "max_output": 128}
-FULL = {"prefill": 4, "decode": 4, "sessions": 60, "rates": "0.25,0.5", "max_turns": 16, "max_output": 256}
+QUICK = {
+    "prefill": 2,
+    "decode": 2,
+    "sessions": 20,
+    "rates": "1",
+    "max_turns": 6,
+    "max_output": 128,
+    "time_scale": 0.5,
+}
+FULL = {
+    "prefill": 4,
+    "decode": 4,
+    "sessions": 40,
+    "rates": "0.5,1",
+    "max_turns": 16,
+    "max_output": 256,
+    "time_scale": 0.5,
+}
 
 
 def workload(args: argparse.Namespace, rates: list[float]) -> list[tuple[float, list[Session]]]:
@@ -65,7 +81,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=131072)
     ap.add_argument("--edit-fraction", type=float, default=0.1,
                     help="share of later turns whose history is resent edited")  # fmt: skip
-    ap.add_argument("--time-scale", type=float, default=0.25, help="real seconds per profile second")
+    ap.add_argument("--time-scale", type=float, help="real seconds per profile second")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--model-dir", type=Path, default=ROOT / ".run" / "models" / "standin")
     args = ap.parse_args(argv)

@@ -26,6 +26,8 @@ from bench.cluster.policies import Served, Turn
 from bench.load import cpu_seconds
 
 DECODER_KV_BLOCKS_TTL_S = 480.0
+# The router's times against decode's TTL, at their defaults, on the emulated clock as that TTL.
+ROUTER_TIMES_S = {"POLICY__RETENTION_MARGIN_S": 30.0, "POLICY__CLAIM_HEADROOM_S": 6.0}
 
 
 class Kvshuttle:
@@ -43,6 +45,7 @@ class Kvshuttle:
             block_size=cluster.profile.engine.block_size,
             decoder_kv_blocks_ttl=DECODER_KV_BLOCKS_TTL_S * cluster.time_scale,
             kv_bytes_per_token=cluster.profile.kv_bytes_per_token,
+            extra_env={"router": {k: str(v * cluster.time_scale) for k, v in ROUTER_TIMES_S.items()}},
         )
         self._cpu0: dict[int, float] = {}
 

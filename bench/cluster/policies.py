@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -248,7 +249,7 @@ class AffinityLocal:
         pass
 
 
-CLIENT_SIDE = {
+CLIENT_SIDE: dict[str, Callable[[EmulatedCluster], Policy]] = {
     "recompute": Recompute,
     "proxy": Proxy,
     "prefix-aware": PrefixAware,
