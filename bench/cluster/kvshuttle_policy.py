@@ -66,7 +66,8 @@ class Kvshuttle:
         found = headers.get("X-Kvshuttle-Prefill-Cached-Tokens") or headers.get(
             "X-Kvshuttle-Reused-Tokens", "0"
         )
-        return Served(answer, headers.get("X-Kvshuttle-Decision", "?"), int(found))
+        reason = f"{headers.get('X-Kvshuttle-Decision', '?')}:{headers.get('X-Kvshuttle-Reason', '?')}"
+        return Served(answer, reason, int(found))
 
     def cpu_s(self) -> float:
         return sum(cpu_seconds(pid) - self._cpu0.get(pid, 0.0) for pid in self._pids())

@@ -16,7 +16,8 @@ itself is bench/cluster/kvshuttle_policy.py (its real services in front of the s
                     on prefills the new tokens itself (the whole prompt sent to it: its prefix
                     cache serves the history); the first turn is P->D
 
-`Served.reason` is the turn's decision: recompute, read (D->P), local, or p2d (a first turn).
+`Served.reason` is the turn's decision: recompute, read (D->P), local, or p2d (a first turn);
+kvshuttle's is the router's decision and its reason (X-Kvshuttle-Decision:X-Kvshuttle-Reason).
 """
 
 from __future__ import annotations
