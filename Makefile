@@ -7,7 +7,7 @@ BUF := npx --yes @bufbuild/buf
 PROTOS := $(shell find proto -name '*.proto' | sort)
 GEN_OUT := services
 
-.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test quick unit deploy-check demo bench load chaos profile clean
+.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test quick unit deploy-check demo bench load bench-cluster chaos profile clean
 
 help:
 	@echo "make demo   - real vLLM prefill/decode + kvshuttle: an agent session, TTFT with and without reuse"
@@ -21,6 +21,7 @@ help:
 	@echo "make profile MODEL=Qwen/Qwen3-32B GPU=h200_sxm TP=2 - an engine profile from aiconfigurator (deploy/profiles/)"
 	@echo "make bench  - run the benchmarks under bench/ (results in bench/results/)"
 	@echo "make load   - the bounded load run over stand-in engines (LOAD_ARGS=--full: 10k turns per configuration)"
+	@echo "make bench-cluster - every routing policy side by side on an emulated 4P+4D cluster (CLUSTER_ARGS=--quick: a small one)"
 	@echo "make chaos  - the chaos suite: faults under a conversation workload on real vLLM (table and"
 	@echo "              bench/results/chaos-*.json; CHAOS_MARKERS='chaos and not slow' skips the engine restart)"
 
@@ -113,6 +114,11 @@ bench: venv
 # increasing rates; needs redis-server. A few minutes; LOAD_ARGS=--full for 10k turns each.
 load: venv
 	$(BIN)/python -m bench.load $(LOAD_ARGS)
+
+# The routing policies side by side (issue 20) on emulated engines (deploy/standin), same trace
+# and rates; table and bench/results/cluster-*.json. CLUSTER_ARGS=--quick for the small one.
+bench-cluster: venv
+	$(BIN)/python -m bench.cluster $(CLUSTER_ARGS)
 
 # Every scenario, then its table; the JSON report is kept with the benchmarks' results.
 CHAOS_MARKERS ?= chaos

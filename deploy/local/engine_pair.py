@@ -87,13 +87,10 @@ class Engine(Protocol):
 
 
 class EnginePair(Protocol):
-    """What the stack reads of its engines (deploy.local.launch.VllmPair, or StandinPair)."""
+    """What the stack reads of its engines (deploy.local.launch.VllmPair, StandinPair, or any
+    number of engines: bench/cluster's emulated cluster); one agent runs beside each."""
 
     @property
     def model_dir(self) -> Path: ...
     @property
-    def prefill(self) -> Engine: ...
-    @property
-    def decode(self) -> Engine: ...
-    @property
-    def engines(self) -> tuple[Engine, Engine]: ...
+    def engines(self) -> tuple[Engine, ...]: ...

@@ -43,7 +43,8 @@ from typing import Any, Literal, Self, TypeVar
 import grpc
 
 from deploy.local.engine_pair import Engine, EnginePair
-from deploy.local.models import kv_bytes_per_token, model_facts
+from deploy.local.models import kv_bytes_per_token as model_kv_bytes_per_token
+from deploy.local.models import model_facts
 from deploy.local.processes import free_ports
 from deploy.local.redis import RedisServer
 from deploy.local.services import Service, grpc_ready, http_ready, prefixed, registry_service
@@ -78,6 +79,7 @@ class KvshuttleStack:
         registry_store: RegistryStore = "memory",
         registry_replicas: int = 1,
         router_replicas: int = 1,
+        kv_bytes_per_token: int | None = None,
     ) -> None:
         _check_topology(registry_store, registry_replicas, router_replicas)
         self.pair = pair
@@ -86,14 +88,21 @@ class KvshuttleStack:
         self.progress = progress
         self.model = served_model_name
         self.block_size = block_size
-        self.kv_bytes_per_token = kv_bytes_per_token(pair.model_dir, dtype="float32")
+        # The engines' KV per token: the model's own (float32, as the local launcher runs it),
+        # or the one given (an emulated cluster's profile: its model_dir holds only a tokenizer).
+        self.kv_bytes_per_token = kv_bytes_per_token or model_kv_bytes_per_token(
+            pair.model_dir, dtype="float32"
+        )
         # Each agent's DRAM pool for parked and prefetched KV (0: none), in the engine's layout:
         # one NIXL region per attention layer.
         self.pool_bytes = pool_bytes
-        self._pool_regions = model_facts(pair.model_dir, dtype="float32").layers
+        self._pool_regions = model_facts(pair.model_dir, dtype="float32").layers if pool_bytes else 0
         # The tenth: the Redis store's server, if any; then each further replica's listen and
-        # metrics ports (one call, so no port is drawn twice).
-        ports = free_ports(10 + 2 * (registry_replicas - 1) + 2 * (router_replicas - 1))
+        # metrics ports, then the agents' beyond two (one call, so no port is drawn twice).
+        engines = len(pair.engines)
+        ports = free_ports(
+            10 + 2 * (registry_replicas - 1) + 2 * (router_replicas - 1) + 2 * max(0, engines - 2)
+        )
         more = iter(ports[10:])
         registry_ports = _replica_ports(ports[0], registry_replicas, more)
         router_ports = _replica_ports(ports[1], router_replicas, more)
@@ -106,17 +115,18 @@ class KvshuttleStack:
         self.gateway_url = f"http://{HOST}:{ports[2]}"
         # The gateway's HMAC key of the tenants' vLLM cache salts (tests derive a tenant's salt).
         self.cache_salt_key = os.urandom(24).hex()
-        self.agent_addrs = (f"{HOST}:{ports[3]}", f"{HOST}:{ports[4]}")
+        agent_ports = (ports[3], ports[4], *(next(more) for _ in range(engines - 2)))[:engines]
+        self.agent_addrs = tuple(f"{HOST}:{port}" for port in agent_ports)
         registry_names = _replica_names("registry", registry_replicas)
         router_names = _replica_names("router", router_replicas)
         self.metrics_ports = dict(zip(registry_names, registry_metrics, strict=True)) | dict(
             zip(router_names, router_metrics, strict=True)
         )
-        self.agent_metrics_ports = (ports[7], ports[8])
+        self.agent_metrics_ports = (ports[7], ports[8], *(next(more) for _ in range(engines - 2)))[:engines]
         extra = extra_env or {}
         log = {"TELEMETRY__LOG_FORMAT": "json"}
         self._tokens = Tokens(self.work_dir / "tokens")
-        agent_ids = {engine.name: f"agent-{engine.name}" for engine in (pair.prefill, pair.decode)}
+        agent_ids = {engine.name: f"agent-{engine.name}" for engine in pair.engines}
         registry_auth = self._tokens.auth(
             {"router": {"role": "router"}, "admin": {"role": "admin"}}
             | {ident: {"role": "agent", "node": f"nodes/{name}"} for name, ident in agent_ids.items()}
@@ -199,7 +209,7 @@ class KvshuttleStack:
             self.work_dir,
         )
 
-    def _agents(self, extra: Mapping[str, str]) -> tuple[Service, Service]:
+    def _agents(self, extra: Mapping[str, str]) -> tuple[Service, ...]:
         def agent(engine: Engine, listen: str, metrics_port: int, registry: str) -> Service:
             host, side_port = engine.side_channel
             return Service(f"agent-{engine.name}", "kvshuttle.agent.main", prefixed("KVSHUTTLE_AGENT_", {
@@ -217,11 +227,12 @@ class KvshuttleStack:
                 "EVENTS__TOPIC": "kv-events", "LEASE__TTL": "10", "LEASE__HEARTBEAT_INTERVAL": "1",
                 "ENGINE__POLL_INTERVAL": "0.5", **self._pool_env(), **extra}), self.work_dir)  # fmt: skip
 
-        (p_metrics, d_metrics) = self.agent_metrics_ports
         registries = ",".join(self.registry_addrs)
-        return (
-            agent(self.pair.prefill, self.agent_addrs[0], p_metrics, registries),
-            agent(self.pair.decode, self.agent_addrs[1], d_metrics, registries),
+        return tuple(
+            agent(engine, listen, metrics, registries)
+            for engine, listen, metrics in zip(
+                self.pair.engines, self.agent_addrs, self.agent_metrics_ports, strict=True
+            )
         )
 
     def _pool_env(self) -> dict[str, str]:
@@ -316,7 +327,7 @@ class KvshuttleStack:
             raise
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Until every service answers and both nodes are registered and healthy."""
+        """Until every service answers and every engine's node is registered and healthy."""
         deadline = time.monotonic() + timeout
         replicas = zip(self.registries + self.routers, self.registry_addrs + self.router_addrs, strict=True)
         pending = {service.name: addr for service, addr in replicas}
@@ -341,7 +352,7 @@ class KvshuttleStack:
             )
         except grpc.RpcError:
             return False
-        engines = {self.pair.prefill.engine_id, self.pair.decode.engine_id}
+        engines = {engine.engine_id for engine in self.pair.engines}
         healthy = {n.engine_id for n in nodes if n.load.engine_healthy} >= engines
         # With pools, each agent's pool registers as a node of its own once it serves.
         pools = {f"nodes/{e.name}-pool" for e in self.pair.engines} if self.pool_bytes else set()

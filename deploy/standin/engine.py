@@ -322,7 +322,8 @@ class StandinEngine:
         if params:  # decode: prompt + output - 1 tokens (the last sampled token has no KV)
             holding, blocks = self._keep(prompt + ids[:-1], content + ids[:-1], salt, cfg.kv_blocks_ttl)
             return self._params(holding, blocks, len(prompt) + len(ids) - 1)
-        self._cache_only(prompt, content, salt)
+        # vLLM caches the answer's full blocks too: the next turn's prompt finds them.
+        self._cache_only(prompt + ids[:-1], content + ids[:-1], salt)
         return None
 
     async def _health(self, _: web.Request) -> web.Response:

@@ -152,6 +152,10 @@ class SteppedTiming:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.steps = 0
+        # Modelled ms (the profile's hardware, not times time_scale) of the steps run: in all,
+        # and their prefill parts (what a benchmark counts as GPU time spent prefilling).
+        self.busy_ms = 0.0
+        self.prefill_ms = 0.0
 
     @property
     def waiting(self) -> int:
@@ -203,6 +207,9 @@ class SteppedTiming:
             end = max(end, loop.time() - _MAX_LAG_S) + step.ms / 1e3 * self.time_scale
             await asyncio.sleep(end - loop.time())
             self.steps += 1
+            self.busy_ms += step.ms
+            if step.chunks:
+                self.prefill_ms += self.scheduler.step_ms(step.chunks, ())
             for request in self.scheduler.finish_step(step, end):
                 run = self._runs.get(request)
                 if run is not None:

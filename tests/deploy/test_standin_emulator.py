@@ -233,3 +233,22 @@ async def test_a_4p_4d_cluster_in_one_loop_answers_on_every_engine(model_dir: Pa
         for answer, e in zip(answers, endpoints["engines"], strict=True):
             count = 1 if e["role"] == "prefill" else 4
             assert answer["choices"][0]["token_ids"] == output_tokens(prompt, count, vocabulary)
+
+
+async def test_a_local_answer_is_cached_and_prefill_time_is_counted(model_dir: Path) -> None:
+    decode = engine("decode", model_dir)
+    await decode.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            prompt = list(range(10, 110))
+            body = {"model": "m", "prompt": prompt, "max_tokens": 40, "return_token_ids": True}
+            first = await post(session, decode.url, body)
+            assert isinstance(decode.timing, SteppedTiming)
+            assert decode.timing.prefill_ms == pytest.approx(PROFILE.prefill.ms(100, 0))
+            assert decode.timing.busy_ms > decode.timing.prefill_ms
+            # vLLM caches the answer's full blocks: the next turn finds prompt + answer - 1.
+            history = prompt + first["choices"][0]["token_ids"]
+            second = await post(session, decode.url, {**body, "prompt": [*history, 11, 12]})
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 128  # 139 tokens: 4 blocks
+    finally:
+        await decode.stop()

@@ -1,0 +1,139 @@
+"""One policy's run: a fresh emulated cluster (same profile, sizes and seed for every policy),
+the policy in front of it, then each session rate in turn: that rate's sessions replayed open
+loop (workload/arrivals.py's Poisson starts; the next rate once every session of this one ended),
+summarized with the cluster's counters and the control plane's CPU over the step."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from deploy.profiles.schema import EngineProfile
+from deploy.standin.kv import output_tokens
+from deploy.standin.tokenizer import SPECIAL
+
+from bench.cluster.engines import EmulatedCluster
+from bench.cluster.kvshuttle_policy import Kvshuttle
+from bench.cluster.policies import CLIENT_SIDE, Policy, PrefixAware
+from bench.cluster.replay import Replay, ReplayConfig, TurnRecord
+from bench.cluster.report import summarize
+from bench.cluster.workload.arrivals import Arrival, poisson_times
+from bench.cluster.workload.model import Session
+from bench.cluster.workload.tokens import TokenMap
+
+POLICIES = ("recompute", "proxy", "prefix-aware", "affinity-local", "kvshuttle")
+
+
+@dataclass(frozen=True)
+class ClusterRun:
+    model_dir: Path
+    profile: EngineProfile
+    prefill: int
+    decode: int
+    time_scale: float
+    max_model_len: int
+    max_output: int
+    max_turns: int
+    edit_fraction: float
+    seed: int
+
+
+def arrivals(sessions: Sequence[Session], rate_per_s: float, seed: int) -> list[Arrival]:
+    """Every session, started as a Poisson process of `rate_per_s` (profile seconds)."""
+    rng = random.Random(seed)
+    times: list[float] = []
+    window = 2 * len(sessions) / rate_per_s
+    while len(times) < len(sessions):
+        times = poisson_times(rate_per_s, 0.0, window, rng)
+        window *= 2
+    return [Arrival(t, s) for t, s in zip(times, sessions, strict=False)]
+
+
+async def open_policy(name: str, cluster: EmulatedCluster) -> Policy:
+    if name == "kvshuttle":
+        # Started afresh once more when it does not come up: on a shared machine another
+        # process may take a port between its probe and the service's bind (as bench/load.py).
+        for attempt in (1, 2):
+            kvshuttle = Kvshuttle(cluster)
+            try:
+                await kvshuttle.start()
+                return kvshuttle
+            except (RuntimeError, TimeoutError):
+                await kvshuttle.close()
+                if attempt == 2:
+                    raise
+            except BaseException:
+                await kvshuttle.close()
+                raise
+    policy: Policy = CLIENT_SIDE[name](cluster)
+    if isinstance(policy, PrefixAware):
+        await policy.ready()
+    return policy
+
+
+async def run_policy(
+    name: str,
+    run: ClusterRun,
+    steps: Sequence[tuple[float, Sequence[Session]]],
+    log: Callable[[str], None],
+) -> tuple[list[dict[str, Any]], list[TurnRecord]]:
+    """`steps`: (session rate, its sessions). One row per step, and every turn's record."""
+    cluster = EmulatedCluster(
+        run.model_dir, run.profile, prefill=run.prefill, decode=run.decode, time_scale=run.time_scale,
+        max_model_len=run.max_model_len,
+    )  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    records: list[TurnRecord] = []
+    async with cluster:
+        vocabulary = cluster.vocabulary
+        vocab_size = cluster.standin.engines[0].vocab_size
+        config = ReplayConfig(
+            token_map=TokenMap(vocab_size, seed=run.seed, reserved=len(SPECIAL)),
+            vocab_size=vocab_size,
+            time_scale=run.time_scale,
+            max_model_len=run.max_model_len,
+            max_output=run.max_output,
+            max_turns=run.max_turns,
+            edit_fraction=run.edit_fraction,
+            seed=run.seed,
+        )
+
+        def expected(prompt: list[int], n: int) -> list[int]:
+            return output_tokens(prompt, n, vocabulary)
+
+        policy = await open_policy(name, cluster)
+        try:
+            connector = aiohttp.TCPConnector(limit=0)
+            # A stream silent this long (real seconds) fails its turn: the run goes on.
+            timeout = aiohttp.ClientTimeout(sock_read=60)
+            async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+                for i, (rate, sessions) in enumerate(steps):
+                    counters0, cpu0 = cluster.counters(), policy.cpu_s()
+                    began = time.monotonic()
+                    got = await Replay(policy, config, expected).run(
+                        http, arrivals(sessions, rate, run.seed + i)
+                    )
+                    wall_s = (time.monotonic() - began) / run.time_scale
+                    counters = {k: v - counters0[k] for k, v in cluster.counters().items()}
+                    summary = summarize(got, counters, gpus=cluster.gpus, wall_s=wall_s,
+                                        cpu_s=policy.cpu_s() - cpu0)  # fmt: skip
+                    rows.append({"policy": name, "rate": rate, "sessions": len(sessions), "summary": summary})
+                    records += got
+                    for failed in [r for r in got if r.error is not None][:3]:
+                        log(f"{name}: {failed.session} turn {failed.turn}: {failed.error}")
+                    log(
+                        f"{name:16} {rate:g} sessions/s: {summary['served']}/{summary['turns']} turns, "
+                        f"wrong {summary['wrong']}, errors {summary['errors']}, "
+                        f"TTFT p50 {summary['ttft_ms']['p50']} ms, {time.monotonic() - began:.0f} s real"
+                    )
+        finally:
+            await policy.close()
+    return rows, records
+
+
+__all__ = ["POLICIES", "ClusterRun", "arrivals", "open_policy", "run_policy"]
