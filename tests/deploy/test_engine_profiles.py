@@ -25,6 +25,7 @@ from deploy.profiles.schema import (
     profile_toml,
 )
 
+from kvshuttle.router.config import RouterSettings
 from kvshuttle.router.cost import EMULATOR_SECTIONS, CostModel, load_profiles, profile_from_dict
 
 REPO = Path(__file__).resolve().parents[2]
@@ -78,6 +79,17 @@ def test_every_engine_profile_loads_and_agrees_with_the_router(path: Path) -> No
 
 def _reparse(text: str) -> EngineProfile:
     return engine_profile_from_dict(tomllib.loads(text)["profile"][0])
+
+
+def test_an_engine_profile_given_inline_reads_as_from_its_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """make demo hands cpu-small to the router as inline JSON (KVSHUTTLE_ROUTER_PROFILES): the
+    engine sections are ignored there as in the file loader, any other unknown key refused."""
+    raw = tomllib.loads((PROFILES / "cpu-small.toml").read_text())["profile"][0]
+    monkeypatch.setenv("KVSHUTTLE_ROUTER_PROFILES", json.dumps([raw]))
+    assert RouterSettings().profiles == load_profiles(PROFILES / "cpu-small.toml")
+    monkeypatch.setenv("KVSHUTTLE_ROUTER_PROFILES", json.dumps([raw | {"bogus": 1}]))
+    with pytest.raises(ValueError, match="bogus"):
+        RouterSettings()
 
 
 def test_the_router_s_published_profile_is_not_an_engine_profile() -> None:

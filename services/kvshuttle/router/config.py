@@ -20,14 +20,14 @@ without a profile could plan nothing. A model named twice is refused at startup.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvshuttle.client.channel import ChannelOptions
 from kvshuttle.client.settings import ServiceConnection
-from kvshuttle.router.cost import ModelProfile
+from kvshuttle.router.cost import EMULATOR_SECTIONS, ModelProfile
 from kvshuttle.router.model import RouterPolicy
 from kvshuttle.serving.settings import AuthSettings, ServerSettings, TelemetrySettings
 
@@ -73,6 +73,19 @@ class RouterSettings(BaseSettings):
     policy: RouterPolicy = Field(default_factory=RouterPolicy)
     # The agents the shuttle calls (policy.parking); their addresses come from the registry.
     agents: AgentConnection = Field(default_factory=AgentConnection)
+
+    @field_validator("profiles", mode="before")
+    @classmethod
+    def _router_sections(cls, value: Any) -> Any:
+        """An engine profile given inline (deploy/profiles: the emulator's decode, engine and
+        hardware sections beside the router's) is read as the file loader reads it: those
+        sections ignored, any other unknown key refused."""
+        if isinstance(value, list):
+            return [
+                {k: v for k, v in p.items() if k not in EMULATOR_SECTIONS} if isinstance(p, dict) else p
+                for p in value
+            ]
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> Self:
