@@ -49,7 +49,12 @@ async def test_a_tiny_socket_session_reuses_on_its_reuse_turn(tmp_path: Path) ->
     model_dir = make_tokenizer(tmp_path / "model")
     rows, raw = await measured(PROFILE, model_dir, Sessions([1024], 256, 4), sessions=1, time_scale=0.02)
     (row,) = rows
-    assert row.context == 1024 and row.recompute_ms > 0 and row.reuse_ms > 0
+    # The corrected TTFTs subtract a second run's engine CPU time, scaled up 50 times here: on a
+    # loaded machine they can be anything, so only what sleeps bound is asserted (no timing).
+    assert row.context == 1024
+    (figures,) = raw["per_context"]
+    read_ms = PROFILE.link.ms(read_bytes(PROFILE, 768))
+    assert figures["ttft_ms_uncorrected"]["reuse"] >= 0.98 * read_ms  # the read is on its path
     # One measured turn per mode (after its fill turn); only reuse read D's 768 tokens.
     by_mode = {s["mode"]: s for s in raw["samples"]}
     assert len(raw["samples"]) == 2
