@@ -27,10 +27,13 @@ def running_stack(
     *,
     extra_env: Mapping[str, Mapping[str, str]] | None = None,
     pool_bytes: int = 0,
+    profile: Mapping[str, Any] = PROFILE,
 ) -> Iterator[KvshuttleStack]:
-    """A started stack on `pair` with PROFILE (agents with DRAM pools of `pool_bytes`, 0: none);
-    stopped at the end, every service exiting 0."""
-    s = KvshuttleStack(pair, work_dir=work_dir, profile=PROFILE, extra_env=extra_env, pool_bytes=pool_bytes)
+    """A started stack on `pair` with `profile` (agents with DRAM pools of `pool_bytes`, 0:
+    none); stopped at the end, every service exiting 0."""
+    s = KvshuttleStack(
+        pair, work_dir=work_dir, profile=dict(profile), extra_env=extra_env, pool_bytes=pool_bytes
+    )
     s.start()
     try:
         yield s

@@ -371,6 +371,35 @@ async def test_a_reuse_turn_hands_prefill_the_plans_params_and_streams_decode(en
     assert env.metrics.get_sample_value("kvshuttle_gateway_reused_tokens_total") == 32
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_an_extend_turn_runs_whole_on_the_holder_without_a_prefill_request(
+    env: Env, stream: bool
+) -> None:
+    holder = pb.Placement(node="nodes/d0", http_endpoint="http://d0")
+    plan = make_plan(2, params={"do_remote_decode": False, "do_remote_prefill": False})
+    plan.prefill.CopyFrom(holder)
+    plan.decision, plan.reason = pb.DECISION_EXTEND, pb.DECISION_REASON_EXTEND_CHEAPER
+    plan.reusable_tokens = 32
+    env.router.plans["r1"] = plan
+    turn = make_turn()
+    if stream:
+        await env.runner.stream(turn, FakeSink())
+    else:
+        await env.runner.complete(turn)
+    await env.background.settle()
+
+    assert env.engines.requests["prefill"] == []  # the holder's prefix cache is the history
+    assert env.engines.log == ["plan r1", "decode", "commit turns/2"]
+    (decode,) = env.engines.requests["decode"]
+    # The plan's params: nothing remote to read, and the holder keeps the turn's KV.
+    assert decode["kv_transfer_params"] == {"do_remote_decode": False, "do_remote_prefill": False}
+    assert decode["prompt"] == PROMPT
+    (commit,) = env.router.commits
+    assert commit.params is not None and to_vllm(commit.params) == d_params()
+    assert not commit.timings.HasField("prefill") and turn.prefill_s is None
+    assert (turn.decision, turn.reason, turn.reused_tokens) == ("extend", "extend_cheaper", 32)
+
+
 async def test_a_failing_prefill_aborts_the_turn_and_reaches_no_decode(env: Env) -> None:
     env.router.plans["r1"] = make_plan(3)
     env.engines.failures["prefill"] = engine_error("prefill", 500, "EngineCore died")

@@ -104,6 +104,9 @@ class RouterSettings(BaseSettings):
         if policy.commit_registry_timeout_s <= 0:
             raise ValueError("policy: commit_registry_timeout_s must be positive")
         _check_parking(policy)
+        e = policy.extend
+        if e.interference_weight < 0 or e.max_batch < 1 or e.max_prefill_ms <= 0:
+            raise ValueError("policy.extend: interference_weight >= 0, max_batch >= 1 and max_prefill_ms > 0")
         return self
 
 

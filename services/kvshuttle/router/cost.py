@@ -11,6 +11,8 @@ computed token attends to every earlier position). Moving `n` bytes of KV costs
 `link.fixed_ms + n / link.bandwidth`. Reuse wins when transfer + suffix prefill is expected to
 be faster than prefilling what the prefill node does not already hold, and the tokens read
 remotely clear the floor (vLLM's `kv_recompute_threshold`: below it vLLM recomputes anyway).
+Extending on the holder (the decode node whose prefix cache holds the history computes the
+new tokens itself) costs its prefill plus its running decodes' delay meanwhile, weighted.
 
 Measured turns (CommitTurn timings) scale the prefill estimate and replace the link bandwidth
 with the median of recent observations, each clipped, so one outlier moves nothing.
@@ -162,6 +164,16 @@ class CostModel:
         cached = min(max(reusable, local_hits), prompt_tokens)
         read = max(reusable - local_hits, 0)
         return Estimate(self.transfer_ms(read), self.prefill_ms(prompt_tokens - cached, cached))
+
+    def extend(
+        self, prompt_tokens: int, held_tokens: int, *, running: int, interference_weight: float
+    ) -> Estimate:
+        """Run the turn on the decode node holding `held_tokens` of the prompt in its prefix
+        cache: it computes the rest (at least the last token, as vLLM does) while each of its
+        `running` decodes waits about as long, weighted by `interference_weight`."""
+        cached = min(held_tokens, prompt_tokens - 1)
+        prefill = self.prefill_ms(prompt_tokens - cached, cached)
+        return Estimate(0.0, prefill, prefill * running * interference_weight)
 
     def observe_prefill(self, *, computed: int, cached: int, measured_ms: float) -> None:
         """A measured prefill (without its KV read) of `computed` tokens on top of `cached` ones."""

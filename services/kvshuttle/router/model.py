@@ -22,6 +22,8 @@ Hashes = Sequence[int] | npt.NDArray[np.uint64]
 class Decision(StrEnum):
     REUSE = "reuse"
     RECOMPUTE = "recompute"
+    # The turn runs on the decode node holding the conversation's KV: no prefill request.
+    EXTEND = "extend"
 
 
 class Reason(StrEnum):
@@ -39,6 +41,7 @@ class Reason(StrEnum):
     NO_CONVERSATION = "no_conversation"
     # The registry did not answer: plain P->D on the last node list it gave, nothing claimed.
     REGISTRY_UNAVAILABLE = "registry_unavailable"
+    EXTEND_CHEAPER = "extend_cheaper"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +88,25 @@ class ParkingPolicy:
     # this (its pool node's lease outlives a killed agent by up to the lease TTL, and vLLM 0.32's
     # prefill hangs on a READ from a dead peer): no answer plans a recompute (NODE_DOWN).
     holder_probe_timeout_s: float = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class ExtendPolicy:
+    """When a turn runs on the decode node that holds its conversation's KV (Decision.EXTEND):
+    that node's prefix cache serves the history and it computes only the new tokens, so no KV
+    moves. Off by default: it puts prefill work on decode nodes, which a P/D split exists to keep
+    off them, so an operator opts in. Needs prefix caching on the decode engines (vLLM's
+    default); a block the holder evicted is only computed again, never read wrong."""
+
+    enabled: bool = False
+    # While the holder prefills, each of its running decodes waits about as long: that delay
+    # counts this much per request against extending (1.0: a running decode's delay weighs as
+    # much as this turn's own time to first token).
+    interference_weight: float = 0.1
+    # The holder takes the turn only with fewer requests than this running and waiting...
+    max_batch: int = 64
+    # ...and only a prefill expected to take at most this long (its batch's longest stall).
+    max_prefill_ms: float = 250.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +158,7 @@ class RouterPolicy:
     remembered_plan_bytes: int = 64 * 2**20
     weights: PlacementWeights = field(default_factory=PlacementWeights)
     parking: ParkingPolicy = field(default_factory=ParkingPolicy)
+    extend: ExtendPolicy = field(default_factory=ExtendPolicy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,10 +275,12 @@ class ClaimInfo:
 class Estimate:
     transfer_ms: float
     prefill_ms: float
+    # Extend only: the holder's running decodes' delay while it prefills, weighted.
+    interference_ms: float = 0.0
 
     @property
     def total_ms(self) -> float:
-        return self.transfer_ms + self.prefill_ms
+        return self.transfer_ms + self.prefill_ms + self.interference_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +316,8 @@ class Plan:
     expire_at: float
     # The retention this turn claimed (and must release or consume), if any.
     claimed: str = ""
+    # Running the turn on the retention's decode holder, where one could.
+    extend_cost: Estimate | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from kvshuttle.router.model import (
 from kvshuttle.router.parts import RouterParts
 from kvshuttle.router.timing import CallTimer
 from kvshuttle.router.turns import TurnState
-from kvshuttle.router.verify import VerifiedPrefix, first_turn_params, prefill_params
+from kvshuttle.router.verify import VerifiedPrefix, extend_params, first_turn_params, prefill_params
 
 __all__ = ["PlanCall", "PlanContext", "PlanIssuer", "Verdict"]
 
@@ -90,6 +90,8 @@ class Verdict:
     # node as the registry lists it (where prefill reads from).
     claim: RetentionInfo | None = None
     holder: NodeInfo | None = None
+    # Running the turn on a decode holder, where it was priced (EXTEND_CHEAPER when it won).
+    extend_cost: Estimate | None = None
 
 
 class PlanIssuer:
@@ -102,12 +104,19 @@ class PlanIssuer:
         req, conversation, n = call.req, call.conversation, int(call.tokens.size)
         prefix, reuse_cost = verdict.prefix, verdict.reuse_cost
         reusable = prefix.tokens if claim is not None and prefix is not None else 0
-        decision = Decision.REUSE if claim is not None else Decision.RECOMPUTE
-        if claim is not None and prefix is not None and verdict.holder is not None:
-            params = prefill_params(claim.retention, prefix, verdict.holder)
+        local_hits = ctx.local_hits
+        if claim is None:
+            decision, params = Decision.RECOMPUTE, first_turn_params()
+        elif reason is Reason.EXTEND_CHEAPER and verdict.holder is not None:
+            # The whole turn on the holder: its prefix cache serves the verified full blocks.
+            decision, params = Decision.EXTEND, extend_params()
+            prefill = decode = verdict.holder
+            reusable = local_hits = reusable // ctx.block_size * ctx.block_size
+        elif prefix is not None and verdict.holder is not None:
+            decision, params = Decision.REUSE, prefill_params(claim.retention, prefix, verdict.holder)
         else:
-            params = first_turn_params()
-        cached = max(reusable, ctx.local_hits)
+            raise AssertionError(f"a claim without a holder ({reason})")
+        cached = max(reusable, local_hits)
         span_context = call.span.get_span_context()
         # CommitTurn checks its tokens against the prompt's chain, which is in decode's block
         # size only when the prefill nodes' is decode's too.
@@ -126,7 +135,7 @@ class PlanIssuer:
             prompt_tail_hash=int(chain[-1]) if len(chain) and same_blocks else 0,
             prompt_full_blocks=len(chain) if same_blocks else 0,
             reusable_tokens=reusable,
-            local_hit_tokens=ctx.local_hits,
+            local_hit_tokens=local_hits,
             decision=decision.value,
             reason=reason.value,
             claimed=claim.retention.name if claim else "",
@@ -154,6 +163,7 @@ class PlanIssuer:
             recompute_cost=ctx.recompute_cost,
             expire_at=state.expire_at,
             claimed=state.claimed,
+            extend_cost=verdict.extend_cost,
         )
         if conversation:
             self._parts.memory.placed(conversation, prefill.name, decode.name)
@@ -168,12 +178,13 @@ class PlanIssuer:
                 "kvshuttle.prompt_tokens": n,
                 "kvshuttle.reused_tokens": reusable,
                 "kvshuttle.recomputed_tokens": n - cached,
-                "kvshuttle.local_hit_tokens": ctx.local_hits,
+                "kvshuttle.local_hit_tokens": local_hits,
                 "kvshuttle.cache_salted": bool(req.cache_salt_sha256),
                 "kvshuttle.prefill_node": prefill.name,
                 "kvshuttle.decode_node": decode.name,
                 "kvshuttle.estimate.reuse_ms": reuse_cost.total_ms if reuse_cost else -1.0,
                 "kvshuttle.estimate.recompute_ms": ctx.recompute_cost.total_ms,
+                "kvshuttle.estimate.extend_ms": verdict.extend_cost.total_ms if verdict.extend_cost else -1.0,
             }
         )
         if req.expected_think_time_s is not None:

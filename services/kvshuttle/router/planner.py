@@ -343,8 +343,43 @@ class Planner:
         elif reuse_cost is None or reuse_cost.total_ms >= ctx.recompute_cost.total_ms:
             reason = Reason.COST
         if reason is None:
-            return Verdict(Reason.REUSE_CHEAPER, prefix, reuse_cost, claim=retention, holder=holder)
-        return Verdict(reason, prefix, reuse_cost)
+            verdict = Verdict(Reason.REUSE_CHEAPER, prefix, reuse_cost, claim=retention, holder=holder)
+        else:
+            verdict = Verdict(reason, prefix, reuse_cost)
+        if holder is not None and reason in (None, Reason.COST, Reason.BELOW_THRESHOLD):
+            return self._extend_or(ctx, verdict, retention, holder)
+        return verdict
+
+    def _extend_or(
+        self, ctx: PlanContext, verdict: Verdict, retention: RetentionInfo, holder: NodeInfo
+    ) -> Verdict:
+        """`verdict` (reuse on prefill, or recompute), or running the turn on `holder` when that
+        is a decode node with room whose prefix cache holds the verified prefix's full blocks
+        (pinned there under the retention), and it is cheaper still."""
+        policy, prefix = self._parts.policy.extend, verdict.prefix
+        if not policy.enabled or holder.role is not NodeRole.DECODE or prefix is None:
+            return verdict
+        held = prefix.tokens // ctx.block_size * ctx.block_size
+        if held == 0 or holder.running_requests + holder.waiting_requests >= policy.max_batch:
+            return verdict
+        call = ctx.call
+        extend = call.cost.extend(
+            int(call.tokens.size),
+            held,
+            running=holder.running_requests,
+            interference_weight=policy.interference_weight,
+        )
+        other = verdict.reuse_cost if verdict.claim is not None else ctx.recompute_cost
+        if extend.prefill_ms > policy.max_prefill_ms or other is None or extend.total_ms >= other.total_ms:
+            return replace(verdict, extend_cost=extend)
+        return Verdict(
+            Reason.EXTEND_CHEAPER,
+            prefix,
+            verdict.reuse_cost,
+            claim=retention,
+            holder=holder,
+            extend_cost=extend,
+        )
 
     async def _where_claimed(
         self, ctx: PlanContext, verdict: Verdict, claim: ClaimInfo
@@ -357,7 +392,7 @@ class Planner:
         seen, got = verdict.claim, claim.retention
         assert seen is not None
         if got.node == seen.node and got.kv_transfer_params == seen.kv_transfer_params:
-            return verdict, claim, Reason.REUSE_CHEAPER
+            return verdict, claim, verdict.reason
         if got.generation == seen.generation and got.num_tokens == seen.num_tokens:
             got = replace(got, known_from_block=seen.known_from_block, known_tokens=seen.known_tokens)
         call = ctx.call

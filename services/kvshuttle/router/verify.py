@@ -145,3 +145,11 @@ def whole_params(retention: RetentionInfo, holder: NodeInfo) -> dict[str, Any]:
 def first_turn_params() -> dict[str, Any]:
     """What prefill gets when nothing is reused: compute, then keep the KV for decode to read."""
     return {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def extend_params() -> dict[str, Any]:
+    """What the holder's request gets on extend: nothing to read remotely (its own prefix cache
+    serves the history), and, being params at all, the blocks kept for the next turn as a
+    decode request's are (vLLM's NixlConnector keeps a decode-side request's blocks when it
+    came with params and bidirectional transfer is on)."""
+    return {"do_remote_decode": False, "do_remote_prefill": False}

@@ -43,7 +43,8 @@ def with_cached_tokens(usage: Any, cached_tokens: int | None) -> Any:
     """`usage` with `prompt_tokens_details.cached_tokens`: the prompt tokens prefill did not
     compute (read from decode's retained KV, or its own prefix cache), as prefill reported them
     (`remote_prefill_cached_tokens`). What agent SDKs read for cache hits; decode's own figure
-    would say nothing (it computes no prompt). Unchanged when either is unknown."""
+    would say nothing (it computes no prompt). Unchanged when either is unknown: an extend turn
+    has no prefill, and decode's own figure is then its prefix cache's hits on the history."""
     if not isinstance(usage, dict) or cached_tokens is None:
         return usage
     details = usage.get("prompt_tokens_details")

@@ -21,6 +21,10 @@ a DecodeSink, which kvshuttle.gateway.http.app implements over its HTTP response
    nothing is retained), the sequence's token ids (prompt + output) and the timings the
    runner measured. It logs `turn.committed` (or `turn.commit_failed`, and aborts the turn).
 
+Extend (DECISION_EXTEND): the router placed the whole turn on the decode node holding the
+conversation's KV, whose prefix cache serves the history. Step 2 is skipped; decode gets the
+plan's params (no remote blocks to read; it keeps the turn's KV for the next turn as usual).
+
 A reuse turn's prefill (it reads retained KV from the node holding it) has a deadline of its
 own, `reuse_prefill_timeout_s` (at most `prefill_timeout_s`): vLLM 0.32 never answers a prefill
 whose KV holder died after prefill had connected to it (the READ fails, the request stays "KV
@@ -285,6 +289,9 @@ class TurnRunner:
             raise engine_error(
                 "prefill", None, "the router placed the turn on a node without an HTTP endpoint"
             )
+        if plan.decision == pb.DECISION_EXTEND:
+            # The holder runs the whole turn: no prefill request, the plan's params to decode.
+            return to_vllm(plan.prefill_kv_transfer_params)
         fields: dict[str, Any] = {
             "model": turn.model,
             **turn.prefill_params,

@@ -41,6 +41,7 @@ __all__ = [
 DECISION_TO_PB: dict[Decision, pb.Decision.ValueType] = {
     Decision.REUSE: pb.DECISION_REUSE,
     Decision.RECOMPUTE: pb.DECISION_RECOMPUTE,
+    Decision.EXTEND: pb.DECISION_EXTEND,
 }
 # One to one by name: Reason.CLAIM_LOST <-> DECISION_REASON_CLAIM_LOST (a test checks both ways).
 REASON_TO_PB: dict[Reason, pb.DecisionReason.ValueType] = {
@@ -84,6 +85,7 @@ def _estimate(estimate: Estimate) -> pb.CostEstimate:
         transfer=to_duration(estimate.transfer_ms / 1e3),
         prefill=to_duration(estimate.prefill_ms / 1e3),
         total=to_duration(estimate.total_ms / 1e3),
+        interference=to_duration(estimate.interference_ms / 1e3),
     )
 
 
@@ -111,6 +113,8 @@ def plan_to_pb(plan: Plan) -> pb.PlanTurnResponse:
     )
     if plan.reuse_cost is not None:
         response.reuse_cost.CopyFrom(_estimate(plan.reuse_cost))
+    if plan.extend_cost is not None:
+        response.extend_cost.CopyFrom(_estimate(plan.extend_cost))
     return response
 
 

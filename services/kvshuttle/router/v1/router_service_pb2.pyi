@@ -33,15 +33,27 @@ class _DecisionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decision.Val
     """Prefill reads the verified prefix from the retention's holder and computes the rest."""
     DECISION_RECOMPUTE: _Decision.ValueType  # 2
     """Prefill computes the whole prompt (local prefix cache hits still apply)."""
+    DECISION_EXTEND: _Decision.ValueType  # 3
+    """Extend on the holder: the whole turn runs on the decode node that holds the conversation's
+    KV, which computes only what its prefix cache lacks (the new tokens) and decodes. No prefill
+    request: `prefill` and `decode` name the holder, and `prefill_kv_transfer_params` is what
+    the holder's request gets (no remote blocks to read; it keeps the turn's KV, as decode does).
+    """
 
 class Decision(_Decision, metaclass=_DecisionEnumTypeWrapper):
-    """Decision is whether a turn reads retained KV or recomputes it."""
+    """Decision is whether a turn reads retained KV, recomputes it, or runs where it is held."""
 
 DECISION_UNSPECIFIED: Decision.ValueType  # 0
 DECISION_REUSE: Decision.ValueType  # 1
 """Prefill reads the verified prefix from the retention's holder and computes the rest."""
 DECISION_RECOMPUTE: Decision.ValueType  # 2
 """Prefill computes the whole prompt (local prefix cache hits still apply)."""
+DECISION_EXTEND: Decision.ValueType  # 3
+"""Extend on the holder: the whole turn runs on the decode node that holds the conversation's
+KV, which computes only what its prefix cache lacks (the new tokens) and decodes. No prefill
+request: `prefill` and `decode` name the holder, and `prefill_kv_transfer_params` is what
+the holder's request gets (no remote blocks to read; it keeps the turn's KV, as decode does).
+"""
 Global___Decision: _TypeAlias = Decision  # noqa: Y015
 
 class _DecisionReason:
@@ -79,6 +91,11 @@ class _DecisionReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decisi
     """The registry did not answer (unreachable, or past its deadline): plain P->D on the last
     nodes it listed (at most the router's degraded_nodes_max_age_s old), nothing claimed.
     """
+    DECISION_REASON_EXTEND_CHEAPER: _DecisionReason.ValueType  # 14
+    """Extend: prefilling the new tokens on the decode node holding the history (its running
+    decodes' delay included) is expected to be faster than moving the KV or recomputing, and
+    the holder has room in its batch.
+    """
 
 class DecisionReason(_DecisionReason, metaclass=_DecisionReasonEnumTypeWrapper):
     """DecisionReason says why a turn was planned the way it was."""
@@ -111,6 +128,11 @@ DECISION_REASON_NO_CONVERSATION: DecisionReason.ValueType  # 12
 DECISION_REASON_REGISTRY_UNAVAILABLE: DecisionReason.ValueType  # 13
 """The registry did not answer (unreachable, or past its deadline): plain P->D on the last
 nodes it listed (at most the router's degraded_nodes_max_age_s old), nothing claimed.
+"""
+DECISION_REASON_EXTEND_CHEAPER: DecisionReason.ValueType  # 14
+"""Extend: prefilling the new tokens on the decode node holding the history (its running
+decodes' delay included) is expected to be faster than moving the KV or recomputing, and
+the holder has room in its batch.
 """
 Global___DecisionReason: _TypeAlias = DecisionReason  # noqa: Y015
 
@@ -184,6 +206,7 @@ class CostEstimate(_message.Message):
     TRANSFER_FIELD_NUMBER: _builtins.int
     PREFILL_FIELD_NUMBER: _builtins.int
     TOTAL_FIELD_NUMBER: _builtins.int
+    INTERFERENCE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def transfer(self) -> _duration_pb2.Duration:
         """Transfer of the reusable KV (zero for recompute)."""
@@ -194,7 +217,13 @@ class CostEstimate(_message.Message):
 
     @_builtins.property
     def total(self) -> _duration_pb2.Duration:
-        """transfer + prefill."""
+        """transfer + prefill + interference."""
+
+    @_builtins.property
+    def interference(self) -> _duration_pb2.Duration:
+        """Extend only: the delay the holder's running decodes are expected to take while it
+        prefills, weighted by the router's extend_interference_weight.
+        """
 
     def __init__(
         self,
@@ -202,10 +231,11 @@ class CostEstimate(_message.Message):
         transfer: _duration_pb2.Duration | None = ...,
         prefill: _duration_pb2.Duration | None = ...,
         total: _duration_pb2.Duration | None = ...,
+        interference: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["prefill", b"prefill", "total", b"total", "transfer", b"transfer"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["interference", b"interference", "prefill", b"prefill", "total", b"total", "transfer", b"transfer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefill", b"prefill", "total", b"total", "transfer", b"transfer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["interference", b"interference", "prefill", b"prefill", "total", b"total", "transfer", b"transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -278,6 +308,7 @@ class PlanTurnResponse(_message.Message):
     REUSE_COST_FIELD_NUMBER: _builtins.int
     RECOMPUTE_COST_FIELD_NUMBER: _builtins.int
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
+    EXTEND_COST_FIELD_NUMBER: _builtins.int
     turn: _builtins.str
     """`turns/{turn}`: the handle CommitTurn and AbortTurn take."""
     generation: _builtins.int
@@ -285,9 +316,11 @@ class PlanTurnResponse(_message.Message):
     decision: Global___Decision.ValueType
     reason: Global___DecisionReason.ValueType
     reusable_tokens: _builtins.int
-    """Tokens of the prompt covered by verified retained KV (full blocks); zero on recompute."""
+    """Tokens of the prompt covered by verified retained KV (full blocks); zero on recompute. On
+    extend, the full blocks of it the holder's prefix cache is expected to serve.
+    """
     tokens_to_compute: _builtins.int
-    """Tokens the prefill computes."""
+    """Tokens the prefill (on extend: the holder) computes."""
     @_builtins.property
     def prefill(self) -> Global___Placement: ...
     @_builtins.property
@@ -306,6 +339,12 @@ class PlanTurnResponse(_message.Message):
     def expire_time(self) -> _timestamp_pb2.Timestamp:
         """The turn handle lapses (and releases what it holds) unless committed or aborted by then."""
 
+    @_builtins.property
+    def extend_cost(self) -> Global___CostEstimate:
+        """Extending on the holder, when the retention's holder is a decode node that could run the
+        turn; unset otherwise.
+        """
+
     def __init__(
         self,
         *,
@@ -321,10 +360,11 @@ class PlanTurnResponse(_message.Message):
         reuse_cost: Global___CostEstimate | None = ...,
         recompute_cost: Global___CostEstimate | None = ...,
         expire_time: _timestamp_pb2.Timestamp | None = ...,
+        extend_cost: Global___CostEstimate | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "expire_time", b"expire_time", "prefill", b"prefill", "prefill_kv_transfer_params", b"prefill_kv_transfer_params", "recompute_cost", b"recompute_cost", "reuse_cost", b"reuse_cost"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "expire_time", b"expire_time", "extend_cost", b"extend_cost", "prefill", b"prefill", "prefill_kv_transfer_params", b"prefill_kv_transfer_params", "recompute_cost", b"recompute_cost", "reuse_cost", b"reuse_cost"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "decode", b"decode", "expire_time", b"expire_time", "generation", b"generation", "prefill", b"prefill", "prefill_kv_transfer_params", b"prefill_kv_transfer_params", "reason", b"reason", "recompute_cost", b"recompute_cost", "reusable_tokens", b"reusable_tokens", "reuse_cost", b"reuse_cost", "tokens_to_compute", b"tokens_to_compute", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "decode", b"decode", "expire_time", b"expire_time", "extend_cost", b"extend_cost", "generation", b"generation", "prefill", b"prefill", "prefill_kv_transfer_params", b"prefill_kv_transfer_params", "reason", b"reason", "recompute_cost", b"recompute_cost", "reusable_tokens", b"reusable_tokens", "reuse_cost", b"reuse_cost", "tokens_to_compute", b"tokens_to_compute", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
