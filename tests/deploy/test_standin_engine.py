@@ -29,7 +29,7 @@ import zmq.asyncio
 from deploy.local.stack import KvshuttleStack
 from deploy.standin.kv import int64_of, vllm_block_hashes
 from deploy.standin.launcher import StandinPair
-from tests.e2e.stacks import PROFILE
+from tests.e2e.stacks import DEAR_LINK, EXTEND_ENV, PROFILE
 
 from kvshuttle.agent.events import ZmqReplayer
 from kvshuttle.core.hashing import cache_salt_digest, chain_hashes, salted_root
@@ -164,6 +164,34 @@ def test_conversations_over_the_real_control_plane_reuse_and_answer_as_a_recompu
         assert body["choices"][0]["token_ids"] == pair.expected(edited, 24)
         assert pair.decode.get_json("/standin/timings")["stats"]["kv_load_failures_total"] == 0
         assert pair.prefill.get_json("/standin/timings")["stats"]["kv_reads_total"] >= 2
+    finally:
+        codes = stack.stop()
+    assert all(code == 0 for code in codes.values()), codes
+
+
+def test_a_short_turn_extends_on_its_holder_as_on_real_vllm(pair: StandinPair, tmp_path: Path) -> None:
+    """tests/e2e/test_extend.py's conversation, on the stand-ins: the same decisions, the holder's
+    full blocks as its cached tokens, the next long turn reading the extend turn's KV."""
+    stack = KvshuttleStack(pair, work_dir=tmp_path / "kvshuttle", profile=DEAR_LINK,
+                           extra_env={"router": EXTEND_ENV})  # fmt: skip
+    stack.start()
+    try:
+        conversation, prompt, seen = f"c-{uuid.uuid4().hex[:8]}", tokens(600, 11), []
+        for new in (40, 400, 0):
+            body, headers = post(
+                f"{stack.gateway_url}/v1/completions",
+                {"model": "m", "prompt": prompt, "max_tokens": 24, "return_token_ids": True,
+                 "conversation_id": conversation},
+            )  # fmt: skip
+            out = body["choices"][0]["token_ids"]
+            assert out == pair.expected(prompt, 24)
+            cached = body["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
+            seen.append((headers["X-Kvshuttle-Decision"], int(headers["X-Kvshuttle-Reused-Tokens"]), cached))
+            prompt = prompt + out + tokens(new, 12 + new)
+        (first, extend, reuse) = seen
+        assert first[0] == "recompute"
+        assert extend == ("extend", 623 // BS * BS, 623 // BS * BS)
+        assert reuse[:2] == ("reuse", 600 + 24 + 40 + 24 - 1)
     finally:
         codes = stack.stop()
     assert all(code == 0 for code in codes.values()), codes

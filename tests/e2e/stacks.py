@@ -19,6 +19,12 @@ PROFILE: dict[str, Any] = {
     "link": {"bandwidth_gb_s": 2.0, "fixed_ms": 1.0},
 }
 
+# Moving KV dear (20 ms a read) so that a short turn extends on its holder (POLICY__EXTEND__*);
+# a prefill past 50 ms (about 225 tokens) stays on the prefill node, which then reads the
+# holder's KV instead.
+DEAR_LINK: dict[str, Any] = {**PROFILE, "link": {"bandwidth_gb_s": 2.0, "fixed_ms": 20.0}}
+EXTEND_ENV = {"POLICY__EXTEND__ENABLED": "true", "POLICY__EXTEND__MAX_PREFILL_MS": "50"}
+
 
 @contextmanager
 def running_stack(

@@ -13,19 +13,12 @@ from typing import Any
 import pytest
 from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
-from tests.e2e.stacks import PROFILE, running_stack
+from tests.e2e.stacks import DEAR_LINK, EXTEND_ENV, running_stack
 from tests.support.turns import post, reference, tokens
 
 pytestmark = pytest.mark.vllm
 BS = 32
 OUT = 24
-# Moving KV dear (20 ms a read) so that a short turn extends; a prefill past 50 ms (about 225
-# tokens here) stays on the prefill node, so a long turn reads the holder's KV instead.
-DEAR_LINK = {**PROFILE, "link": {"bandwidth_gb_s": 2.0, "fixed_ms": 20.0}}
-EXTEND_ENV = {
-    "POLICY__EXTEND__ENABLED": "true",
-    "POLICY__EXTEND__MAX_PREFILL_MS": "50",
-}
 
 
 @pytest.fixture(scope="module")
