@@ -26,8 +26,13 @@ from bench.cluster.policies import Served, Turn
 from bench.load import cpu_seconds
 
 DECODER_KV_BLOCKS_TTL_S = 480.0
-# The router's times against decode's TTL, at their defaults, on the emulated clock as that TTL.
-ROUTER_TIMES_S = {"POLICY__RETENTION_MARGIN_S": 30.0, "POLICY__CLAIM_HEADROOM_S": 6.0}
+# The router's times against decode's TTL, at their defaults, on the emulated clock as that TTL;
+# extend on the holder's bound (ms) too.
+ROUTER_TIMES_S = {"POLICY__RETENTION_MARGIN_S": 30.0, "POLICY__CLAIM_HEADROOM_S": 6.0,
+                  "POLICY__EXTEND__MAX_PREFILL_MS": 250.0}  # fmt: skip
+# Extend on the holder is off by default (an operator's choice: it puts prefill work on decode
+# nodes); the comparison runs kvshuttle with it on.
+ROUTER_SWITCHES = {"POLICY__EXTEND__ENABLED": "true"}
 
 
 class Kvshuttle:
@@ -45,7 +50,12 @@ class Kvshuttle:
             block_size=cluster.profile.engine.block_size,
             decoder_kv_blocks_ttl=DECODER_KV_BLOCKS_TTL_S * cluster.time_scale,
             kv_bytes_per_token=cluster.profile.kv_bytes_per_token,
-            extra_env={"router": {k: str(v * cluster.time_scale) for k, v in ROUTER_TIMES_S.items()}},
+            extra_env={
+                "router": {
+                    **ROUTER_SWITCHES,
+                    **{k: str(v * cluster.time_scale) for k, v in ROUTER_TIMES_S.items()},
+                }
+            },
         )
         self._cpu0: dict[int, float] = {}
 
