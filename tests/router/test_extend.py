@@ -139,3 +139,29 @@ async def test_where_reuse_loses_on_cost_extending_still_beats_recomputing(clust
     plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV))
     assert (plan.decision, plan.reason) == (Decision.EXTEND, Reason.EXTEND_CHEAPER)
     assert plan.reusable_tokens == len(seq) // BS * BS
+
+
+@pytest.mark.parametrize(("another_decode", "decision"), [(True, Decision.EXTEND), (False, Decision.REUSE)])
+async def test_extending_saves_decodes_read_of_the_prompt_from_prefill(
+    cluster: Cluster, another_decode: bool, decision: Decision
+) -> None:
+    """With 2 running on the holder, extending costs 59 x 1.2 = 70.8 ms against reuse's 63.5 ms:
+    but the prefill path's decode then reads the prompt's KV from prefill, 8.8 ms for all 1,164
+    tokens on an idle other decode node, 5.4 ms for the 108 past the held blocks on the holder."""
+    if another_decode:
+        await cluster.add_node("nodes/d1", NodeRole.DECODE)
+    router = cluster.router(extend=ON, node_max_age_s=0)  # every plan reads the nodes' load
+    first, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    holder = first.decode.name
+    node = await cluster.registry.get_node(holder)
+    await cluster.registry.heartbeat_node(
+        holder, node.incarnation, 300, NodeLoad(running_requests=2, engine_healthy=True)
+    )
+    prompt = seq + cluster.tokens(100)
+    plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=CONV))
+    assert plan.decision is decision
+    assert plan.extend_cost is not None and plan.reuse_cost is not None
+    assert plan.extend_cost.total_ms == pytest.approx(70.8)
+    assert plan.reuse_cost.total_ms == pytest.approx(63.5, abs=0.1)
+    if decision is Decision.EXTEND:
+        assert plan.decode.name == holder
