@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvshuttle.router.model import Estimate
+from kvshuttle.router.model import Estimate, ExtendPolicy
 
 _WINDOW = 64
 _MIN_SAMPLES = 4
@@ -185,3 +185,29 @@ class CostModel:
         wire_ms = measured_ms - self.profile.link.fixed_ms
         if nbytes > 0 and wire_ms > 0:
             self._bandwidth.add(nbytes / (wire_ms * 1e6))
+
+
+def price_extend(
+    cost: CostModel,
+    policy: ExtendPolicy,
+    *,
+    prompt_tokens: int,
+    held_tokens: int,
+    running: int,
+    waiting: int,
+    other: Estimate,
+    decode_is_holder: bool,
+) -> tuple[Estimate | None, bool]:
+    """Extending on a decode holder with `held_tokens` of the prompt in full blocks and
+    `running`/`waiting` requests, against `other` (the prefill path: reuse or recompute): its
+    estimate (None: not a candidate, nothing held or no room) and whether it wins. The prefill
+    path also has its decode read the prompt's KV from prefill: all of it, or past the held
+    blocks when that decode is the holder (its prefix cache has them); extending moves nothing."""
+    if not policy.enabled or held_tokens <= 0 or running + waiting >= policy.max_batch:
+        return None, False
+    extend = cost.extend(
+        prompt_tokens, held_tokens, running=running, interference_weight=policy.interference_weight
+    )
+    handoff_ms = cost.transfer_ms(prompt_tokens - (held_tokens if decode_is_holder else 0))
+    wins = extend.prefill_ms <= policy.max_prefill_ms and extend.total_ms < other.total_ms + handoff_ms
+    return extend, wins

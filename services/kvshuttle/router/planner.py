@@ -39,6 +39,7 @@ from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.router import checks
 from kvshuttle.router.chains import NO_CHAIN, Chain
 from kvshuttle.router.claiming import Claimer
+from kvshuttle.router.cost import price_extend
 from kvshuttle.router.model import (
     ClaimInfo,
     NodeInfo,
@@ -355,27 +356,23 @@ class Planner:
     ) -> Verdict:
         """`verdict` (reuse on prefill, or recompute), or running the turn on `holder` when that
         is a decode node with room whose prefix cache holds the verified prefix's full blocks
-        (pinned there under the retention), and it is cheaper still. Cheaper counts what extend
-        saves besides: the prefill path's decode then reads the prompt's KV from prefill, all of
-        it, or only past the held blocks when that decode is the holder (its own prefix cache)."""
-        policy, prefix = self._parts.policy.extend, verdict.prefix
-        if not policy.enabled or holder.role is not NodeRole.DECODE or prefix is None:
+        (pinned there under the retention), and it is cheaper still (kvshuttle.router.cost's
+        price_extend)."""
+        prefix, other = verdict.prefix, verdict.reuse_cost if verdict.claim else ctx.recompute_cost
+        if holder.role is not NodeRole.DECODE or prefix is None or other is None:
             return verdict
-        held = prefix.tokens // ctx.block_size * ctx.block_size
-        if held == 0 or holder.running_requests + holder.waiting_requests >= policy.max_batch:
-            return verdict
-        call, n = ctx.call, int(ctx.call.tokens.size)
-        extend = call.cost.extend(
-            n, held, running=holder.running_requests, interference_weight=policy.interference_weight
+        call = ctx.call
+        extend, wins = price_extend(
+            call.cost,
+            self._parts.policy.extend,
+            prompt_tokens=int(call.tokens.size),
+            held_tokens=prefix.tokens // ctx.block_size * ctx.block_size,
+            running=holder.running_requests,
+            waiting=holder.waiting_requests,
+            other=other,
+            decode_is_holder=ctx.decode.name == holder.name,
         )
-        other = verdict.reuse_cost if verdict.claim is not None else ctx.recompute_cost
-        handoff_ms = call.cost.transfer_ms(n - (held if ctx.decode.name == holder.name else 0))
-        call.span.set_attribute("kvshuttle.estimate.handoff_ms", handoff_ms)
-        if (
-            extend.prefill_ms > policy.max_prefill_ms
-            or other is None
-            or extend.total_ms >= other.total_ms + handoff_ms
-        ):
+        if not wins:
             return replace(verdict, extend_cost=extend)
         return Verdict(
             Reason.EXTEND_CHEAPER,
