@@ -194,7 +194,9 @@ class OpenedPool:
 class DataPlane(Protocol):
     """How KV moves for one agent (see the module doc)."""
 
-    fetch_holder: HolderFetch
+    @property
+    def fetch_holder(self) -> HolderFetch:
+        """How the mover gets a holder's handshake."""
 
     async def verify_engine(
         self,
