@@ -9,6 +9,7 @@ blocks would answer otherwise.
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,13 +19,15 @@ import grpc
 import pytest
 from deploy.local.stack import KvshuttleStack
 from deploy.standin.launcher import StandinPair
+from deploy.standin.tokenizer import make_tokenizer
 from tests.e2e.stacks import PROFILE
-from tests.support.turns import tokens, turn
+from tests.support.turns import turn
 
 from kvshuttle.agent.v1 import agent_service_pb2 as apb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as apb_grpc
 from kvshuttle.gateway.config import DEFAULT_TENANT as TENANT
 
+pytestmark = pytest.mark.slow  # real processes: the engines and kvshuttle's services
 DECODE_POOL, PREFILL_POOL = "nodes/decode-pool", "nodes/prefill-pool"
 ROUTER = {
     "POLICY__PARKING__ENABLED": "true",
@@ -35,14 +38,23 @@ ROUTER = {
 }
 
 
+def tokens(n: int, seed: int) -> list[int]:
+    """Ids within the stand-in tokenizer's vocabulary (past its special tokens)."""
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
 @pytest.fixture
-def stack(vllm_model: Path, tmp_path: Path) -> Iterator[tuple[StandinPair, KvshuttleStack]]:
-    # Prefix caching off on prefill: every reuse turn reads its KV over a side channel.
-    with StandinPair(vllm_model, log_dir=tmp_path / "engines", prefill_prefix_caching=False) as pair:
+def stack(tmp_path: Path) -> Iterator[tuple[StandinPair, KvshuttleStack]]:
+    # A tokenizer only (no model): the engines are stand-ins. Prefix caching off on prefill:
+    # every reuse turn reads its KV over a side channel.
+    model_dir = make_tokenizer(tmp_path / "model")
+    with StandinPair(model_dir, log_dir=tmp_path / "engines", prefill_prefix_caching=False) as pair:
         stack = KvshuttleStack(
             pair,
             work_dir=tmp_path / "kvshuttle",
             profile=PROFILE,
+            kv_bytes_per_token=PROFILE["kv_bytes_per_token"],
             extra_env={"router": ROUTER},
             pool_bytes=64 * 2**20,
             pool_regions=1,
