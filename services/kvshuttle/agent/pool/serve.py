@@ -7,7 +7,9 @@ compatibility hash copied, so prefill accepts it; region names, block lens, layo
 size kept, which prefill asserts) and the agent's fresh engine id, NIXL agent metadata, base
 addresses, block counts, strides and memory type (DRAM) in place of the engine's.
 
-What is published, heartbeats and read-done notifications are kvshuttle.agent.pool.published's.
+What publishing, a reader's heartbeat and its read-done notification mean (the read ids, the
+single-use guard, the advertised deadlines) is kvshuttle.agent.pool.published's; here, how they
+travel over NIXL.
 
 The side channel is unauthenticated: requests are size-capped by ZMQ and decoded strictly; a
 malformed one or one for another rank gets no answer (the asker's REQ times out), never a
