@@ -61,15 +61,17 @@ async def stream(
     url: str,
     body: dict[str, Any],
     node: Node | None = None,
+    *,
+    headers: dict[str, str] | None = None,
 ) -> Streamed:
-    """POST `body` streamed to `url`/v1/completions; `node` counts it in flight."""
+    """POST `body` streamed to `url`/v1/completions (with `headers`); `node` counts it in flight."""
     body = {**body, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
     got = Streamed()
     if node is not None:
         node.in_flight += 1
         node.sent += 1
     try:
-        async with http.post(f"{url}/v1/completions", json=body) as response:
+        async with http.post(f"{url}/v1/completions", json=body, headers=headers) as response:
             if response.status != 200:
                 raise TurnFailed(f"{url}: {response.status} {await response.text()}")
             got.headers = {k: v for k, v in response.headers.items() if k.startswith("X-Kvshuttle")}

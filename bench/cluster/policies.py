@@ -48,6 +48,7 @@ class Turn:
     conversation: str
     prompt: list[int]
     max_tokens: int
+    think_s: float | None = None  # the trace's think time before the next turn (profile seconds)
 
 
 @dataclass

@@ -27,6 +27,7 @@ import aiohttp
 from bench.cluster.client import TurnFailed
 from bench.cluster.policies import Policy, Turn
 from bench.cluster.workload.arrivals import Arrival, send_time_s
+from bench.cluster.workload.model import Request
 from bench.cluster.workload.tokens import TokenMap
 
 
@@ -56,6 +57,15 @@ class ReplayConfig:
     max_turns: int
     edit_fraction: float
     seed: int
+
+
+def think_s(requests: Sequence[Request], i: int, max_turns: int) -> float | None:
+    """The think time the trace gives after turn `i`'s answer (profile seconds), if a next turn
+    is replayed and its time is a think time (a recorded trace's offsets are not)."""
+    if i + 1 >= min(len(requests), max_turns):
+        return None
+    after = requests[i + 1].think_time_ms
+    return None if after is None else after / 1000
 
 
 class Replay:
@@ -112,9 +122,10 @@ class Replay:
             await self._sleep_until(send_time_s(request, arrival.time_s, done_s))
             record = TurnRecord(session.session_id, i, self.now_s(), len(prompt), max_tokens, edited)
             self.records.append(record)
+            turn = Turn(session.session_id, prompt, max_tokens, think_s(session.requests, i, cfg.max_turns))
             sent = time.monotonic()
             try:
-                served = await self.policy.serve(http, Turn(session.session_id, prompt, max_tokens))
+                served = await self.policy.serve(http, turn)
             except (TurnFailed, aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
                 record.error = f"{type(exc).__name__}: {exc}"[:300]
                 return

@@ -18,7 +18,7 @@ from deploy.standin.kv import output_tokens
 from deploy.standin.tokenizer import SPECIAL
 
 from bench.cluster.engines import EmulatedCluster
-from bench.cluster.kvshuttle_policy import Kvshuttle
+from bench.cluster.kvshuttle_policy import VARIANTS, Kvshuttle
 from bench.cluster.policies import CLIENT_SIDE, Policy, PrefixAware
 from bench.cluster.replay import Replay, ReplayConfig, TurnRecord
 from bench.cluster.report import summarize
@@ -26,7 +26,7 @@ from bench.cluster.workload.arrivals import Arrival, poisson_times
 from bench.cluster.workload.model import Session
 from bench.cluster.workload.tokens import TokenMap
 
-POLICIES = ("recompute", "proxy", "prefix-aware", "affinity-local", "kvshuttle")
+POLICIES = ("recompute", "proxy", "prefix-aware", "affinity-local", *VARIANTS)
 
 
 @dataclass(frozen=True)
@@ -55,11 +55,11 @@ def arrivals(sessions: Sequence[Session], rate_per_s: float, seed: int) -> list[
 
 
 async def open_policy(name: str, cluster: EmulatedCluster) -> Policy:
-    if name == "kvshuttle":
+    if name in VARIANTS:
         # Started afresh once more when it does not come up: on a shared machine another
         # process may take a port between its probe and the service's bind (as bench/load.py).
         for attempt in (1, 2):
-            kvshuttle = Kvshuttle(cluster)
+            kvshuttle = Kvshuttle(cluster, name=name)
             try:
                 await kvshuttle.start()
                 return kvshuttle
@@ -114,6 +114,7 @@ async def run_policy(
             async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
                 for i, (rate, sessions) in enumerate(steps):
                     counters0, cpu0 = cluster.counters(), policy.cpu_s()
+                    pool0 = await policy.pool_counters(http) if isinstance(policy, Kvshuttle) else {}
                     began = time.monotonic()
                     got = await Replay(policy, config, expected).run(
                         http, arrivals(sessions, rate, run.seed + i)
@@ -122,6 +123,10 @@ async def run_policy(
                     counters = {k: v - counters0[k] for k, v in cluster.counters().items()}
                     summary = summarize(got, counters, gpus=cluster.gpus, wall_s=wall_s,
                                         cpu_s=policy.cpu_s() - cpu0)  # fmt: skip
+                    if isinstance(policy, Kvshuttle):  # moved over the step; the pools' use at its end
+                        pool = await policy.pool_counters(http)
+                        moved = {k: v - pool0[k] for k, v in pool.items() if k != "pool_used_bytes"}
+                        summary["pool"] = {**moved, "pool_used_bytes": pool["pool_used_bytes"]}
                     rows.append({"policy": name, "rate": rate, "sessions": len(sessions), "summary": summary})
                     records += got
                     for failed in [r for r in got if r.error is not None][:3]:

@@ -10,7 +10,8 @@ tools that call the services directly.
         stack.gateway_url  # OpenAI-compatible, conversation-aware
 
 The pair is anything shaped like `VllmPair` (`EnginePair`, deploy/local/engine_pair.py): real
-vLLM, or the stand-in engines of deploy/standin/launcher.py (no model; pools off).
+vLLM, or the stand-in engines of deploy/standin/launcher.py (no model); with stand-ins and pools,
+run `agent_module="deploy.standin.agent"` with `pool_regions=1`.
 
 The registry keeps its state in memory (the default) or, with `registry_store="redis"`, in a
 `redis-server` the stack starts first on loopback (deploy/local/redis.py: its own port and
@@ -80,6 +81,8 @@ class KvshuttleStack:
         registry_replicas: int = 1,
         router_replicas: int = 1,
         kv_bytes_per_token: int | None = None,
+        pool_regions: int | None = None,
+        agent_module: str = "kvshuttle.agent.main",
     ) -> None:
         _check_topology(registry_store, registry_replicas, router_replicas)
         self.pair = pair
@@ -94,9 +97,13 @@ class KvshuttleStack:
             pair.model_dir, dtype="float32"
         )
         # Each agent's DRAM pool for parked and prefetched KV (0: none), in the engine's layout:
-        # one NIXL region per attention layer.
-        self.pool_bytes = pool_bytes
-        self._pool_regions = model_facts(pair.model_dir, dtype="float32").layers if pool_bytes else 0
+        # one NIXL region per attention layer (or `pool_regions`: stand-ins have one).
+        # What runs beside each engine: kvshuttle's agent, or with stand-in engines and pools
+        # deploy.standin.agent (its pool's KV moved over the stand-ins' side channel, not NIXL).
+        self.pool_bytes, self._agent_module = pool_bytes, agent_module
+        self._pool_regions = (
+            (pool_regions or model_facts(pair.model_dir, dtype="float32").layers) if pool_bytes else 0
+        )
         # The tenth: the Redis store's server, if any; then each further replica's listen and
         # metrics ports, then the agents' beyond two (one call, so no port is drawn twice).
         engines = len(pair.engines)
@@ -212,7 +219,7 @@ class KvshuttleStack:
     def _agents(self, extra: Mapping[str, str]) -> tuple[Service, ...]:
         def agent(engine: Engine, listen: str, metrics_port: int, registry: str) -> Service:
             host, side_port = engine.side_channel
-            return Service(f"agent-{engine.name}", "kvshuttle.agent.main", prefixed("KVSHUTTLE_AGENT_", {
+            return Service(f"agent-{engine.name}", self._agent_module, prefixed("KVSHUTTLE_AGENT_", {
                 "TELEMETRY__LOG_FORMAT": "json", "SERVER__LISTEN": listen,
                 "TELEMETRY__METRICS_LISTEN": f"{HOST}:{metrics_port}",
                 "REGISTRY__ADDRESS": registry, "NODE__NAME": f"nodes/{engine.name}",

@@ -29,7 +29,10 @@ it takes the flat per-token costs, each request on its own.
   them (the READ and the notification in one); 404 for a holding it no longer has. A reader
   sleeps `--read-us-per-block` per block read (profile-timed: its link's time for the bytes); a
   failed read recomputes, or with `--kv-load-failure-policy fail` fails the request with a 500
-  (vLLM's `kv_load_failure_policy`), counted in `standin_kv_load_failures_total`.
+  (vLLM's `kv_load_failure_policy`), counted in `standin_kv_load_failures_total`. `"notify":
+  false` reads without freeing. `GET /kv/handshake`: what NIXL's handshake tells a reader
+  (engine id, block size, blocks, the side channel's URL, the engine's clock and its link), for
+  kvshuttle's agent beside it (deploy/standin/pool_plane.py).
 * KV events: ZMQ PUB on `--kv-events-port` (`[topic, seq, msgpack [ts, [events], 0]]`, one
   batch per request that changed the cache) and the replay ROUTER on `--kv-replay-port`, in
   vLLM's frame shapes (deploy/standin/events.py; kvshuttle.vllm.kv_events decodes them).
@@ -60,7 +63,7 @@ from deploy.standin.events import EventPublisher
 from deploy.standin.kv import output_tokens, vllm_block_hashes
 from deploy.standin.kvpool import CacheFull, KvBlockPool
 from deploy.standin.link import Link
-from deploy.standin.reads import RemoteReader
+from deploy.standin.reads import RemoteReader, side_channel_handshake
 from deploy.standin.script import Script, Transcript, eos_id, scripted_answer
 from deploy.standin.timing import FixedTiming, Run, SteppedTiming, Timing
 
@@ -122,11 +125,18 @@ class StandinEngine:
 
     async def _kv_read(self, request: web.Request) -> web.Response:
         body = await request.json()
-        contents = self.cache.take(str(body.get("holding")), [int(b) for b in body.get("block_ids", [])])
+        wanted = [int(b) for b in body.get("block_ids", [])]
+        notify = body.get("notify", True) is not False
+        contents = self.cache.take(str(body.get("holding")), wanted, notify=notify)
         self.timing.kick()
         if contents is None:
             return web.json_response({"error": "no such holding"}, status=404)
         return web.json_response({"blocks": [list(c) for c in contents]})
+
+    async def _kv_handshake(self, _: web.Request) -> web.Response:
+        """What a NIXL handshake tells a reader, for an agent's pool (deploy/standin/pool_plane.py)."""
+        answer = side_channel_handshake(self.config, self.side_channel_port, self.reader.link)
+        return web.json_response(answer)
 
     # -- a request's KV ----------------------------------------------------------------------
 
@@ -368,6 +378,7 @@ class StandinEngine:
         self.reader.open()
         side = web.Application()
         side.router.add_post("/kv/read", self._kv_read)
+        side.router.add_get("/kv/handshake", self._kv_handshake)
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/health", self._health)

@@ -76,16 +76,19 @@ class KvBlockPool:
             found.append(self._blocks[block_id].content)
         return found
 
-    def take(self, holding: str, block_ids: Sequence[int]) -> list[tuple[int, ...]] | None:
-        """A remote reader's READ of `block_ids` of `holding`, then its notification: the
-        blocks' contents, the holding released (single use). None when the holding is unknown
-        (expired, already read, dropped) or does not hold those blocks."""
-        held = self._held.pop(holding, None)
+    def take(
+        self, holding: str, block_ids: Sequence[int], *, notify: bool = True
+    ) -> list[tuple[int, ...]] | None:
+        """A remote reader's READ of `block_ids` of `holding`, then (`notify`) its notification:
+        the blocks' contents, the holding released (single use). None when the holding is
+        unknown (expired, already read, dropped) or does not hold those blocks."""
+        held = self._held.pop(holding, None) if notify else self._held.get(holding)
         if held is None:
             return None
         wanted = set(block_ids)
         contents = [self._blocks[b].content for b in block_ids] if wanted <= set(held.block_ids) else None
-        self._release(held.block_ids)
+        if notify:
+            self._release(held.block_ids)
         return contents
 
     def holdings(self) -> int:

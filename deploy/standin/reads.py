@@ -1,19 +1,44 @@
 """The reading side of the stand-in's NIXL (deploy/standin/engine.py): a READ of a remote
 engine's held blocks over its side channel (HTTP standing in for NIXL), which also notifies the
 holder (it frees them), timed as the engine is: over its `Link` when profile-timed, else flat
-per block."""
+per block. And what the side channel's handshake answers (`side_channel_handshake`)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import time
+from typing import Any, Final
 
 import aiohttp
 
 from deploy.standin.config import StandinConfig
 from deploy.standin.link import Link
 
-__all__ = ["RemoteReader"]
+__all__ = ["STANDIN_COMPATIBILITY", "RemoteReader", "side_channel_handshake"]
+
+# The stand-ins' "compatibility hash": any two stand-ins read each other's blocks.
+STANDIN_COMPATIBILITY: Final = "standin-v1"
+
+
+def side_channel_handshake(config: StandinConfig, port: int, link: Link | None) -> dict[str, Any]:
+    """GET /kv/handshake: what NIXL's handshake tells a reader (the engine's id, block size and
+    blocks, where to read them, its clock) and the engine's link, whose model an agent beside it
+    times its own reads with (None: not profile-timed)."""
+    return {
+        "engine_id": config.engine_id,
+        "block_size": config.block_size,
+        "num_blocks": config.num_blocks,
+        "compatibility_hash": STANDIN_COMPATIBILITY,
+        "url": f"http://{config.host}:{port}",
+        "clock": time.perf_counter(),
+        "link": None
+        if link is None
+        else {
+            "fixed_ms": link.model.fixed_ms,
+            "bandwidth_gb_s": link.model.bandwidth_gb_s,
+            "time_scale": link.time_scale,
+        },
+    }
 
 
 class RemoteReader:

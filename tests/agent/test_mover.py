@@ -87,6 +87,7 @@ class Side:
     memory: NixlPoolMemory
     server: PoolServer
     registry: Registry
+    parker: Parker
     mover: Mover
 
 
@@ -116,9 +117,10 @@ async def _side(
     server = PoolServer(pool, memory, engine.handshake(), context, host="127.0.0.1")
     await server.start()
     registry = Registry(pool)
+    parker = Parker(pool, memory, timeout=5.0)
     mover = Mover(
         pool=pool,
-        parker=Parker(pool, memory, timeout=5.0),
+        parker=parker,
         server=server,
         registry=registry,
         engine=engine.handshake(),
@@ -131,7 +133,7 @@ async def _side(
         remembered=4,
         monotonic=monotonic,
     )
-    return Side(pool, memory, server, registry, mover)
+    return Side(pool, memory, server, registry, parker, mover)
 
 
 async def _close(side: Side) -> None:
@@ -322,7 +324,7 @@ async def test_prefetch_reads_another_agents_pool_which_frees_its_copy(
         assert side.server.reads == 1
         assert other.mover.stats.moves[("prefetch", "moved")] == 1
         assert other.pool.get(retention()).state is SlotState.PARKED
-        assert set(other.mover._parker.remotes) == {side.server.engine_id}  # the holder's agent, kept
+        assert set(other.parker.remotes) == {side.server.engine_id}  # the holder's agent, kept
     finally:
         await _close(other)
 

@@ -81,8 +81,8 @@ def test_pool_layout_from_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def test_status_metrics_and_cli_report_the_pool(pooled: AgentEnv) -> None:
     pool = pooled.agent.pool
-    assert pool is not None and pooled.agent.pool_memory is not None
-    assert pooled.agent.pool_memory.base_address % 4096 == 0
+    assert pool is not None and pooled.agent.opened is not None
+    assert pooled.agent.opened.memory.base_address % 4096 == 0
     pool.allocate("tenants/t/conversations/c/retentions/1", 3, expire_at=1e18)
     pool.seal("tenants/t/conversations/c/retentions/1")
     pool.allocate("tenants/t/conversations/c/retentions/2", 1, expire_at=1e18)
@@ -150,7 +150,7 @@ async def test_the_agent_waits_for_an_engine_that_does_not_answer_yet(
     async def run() -> None:
         async with started(settings) as agent:
             assert agent.engine_nixl is not None and agent.engine_nixl.metadata.engine_id == "engine-a"
-            assert agent.parker is not None and agent.pool_memory is not None
+            assert agent.parker is not None and agent.opened is not None
             ready.set()
 
     start = asyncio.create_task(run())
@@ -190,8 +190,9 @@ async def test_the_agent_refuses_an_engine_it_cannot_read(
 async def test_the_agent_serves_its_pool_on_a_side_channel_of_its_own(
     pooled: AgentEnv, side_channel: FakeSideChannel
 ) -> None:
-    server, memory = pooled.agent.server, pooled.agent.pool_memory
-    assert server is not None and memory is not None and server.port > 0
+    server, opened = pooled.agent.server, pooled.agent.opened
+    assert server is not None and opened is not None and server.port > 0
+    memory = opened.memory
     got = await fetch_handshake(zmq.asyncio.Context.instance(), "127.0.0.1", server.port, reply_timeout=5)
     assert side_channel.metadata is not None
     assert got.payload.compatibility_hash == "ab" * 32  # the engine's, copied
@@ -214,7 +215,7 @@ async def test_an_agent_configured_not_to_serve_has_no_side_channel(
     settings.pool.serve_port = None
     env = await start_agent(settings)
     try:
-        assert env.agent.pool_memory is not None and env.agent.server is None
+        assert env.agent.opened is not None and env.agent.server is None
     finally:
         await env.stop()
 

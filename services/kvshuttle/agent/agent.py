@@ -7,6 +7,8 @@ pause, so a bug in one part never takes the sidecar (and the node's lease) down 
 With a block pool, `start()` first checks the engine over its NIXL side channel: it waits (with
 backoff) for an engine that does not answer yet, and raises for one it cannot read from; then
 it serves the pool on a side channel of its own (kvshuttle.agent.pool.serve) unless configured off.
+KV moves over the pool's data plane (kvshuttle.agent.pool.data_plane): NIXL's unless the agent is
+given another (an emulated cluster's).
 A served pool is registered as a node of its own (`pool_node_name(node)`, role POOL: a second
 lease, heartbeated with the pool's use as its load), and KV moves into it through the mover
 (kvshuttle.agent.pool.mover), which ParkRetention, Prefetch and PullBlocks call.
@@ -42,7 +44,7 @@ from kvshuttle.agent.lease import NodeLease
 from kvshuttle.agent.model import AgentStatus, Backoff, EventStreamStats, LiveBatch
 from kvshuttle.agent.node_specs import node_spec, pool_node_spec
 from kvshuttle.agent.pool.blocks import BlockPool
-from kvshuttle.agent.pool.side_channel import Handshake, side_channel_endpoint, verify_engine
+from kvshuttle.agent.pool.side_channel import Handshake, side_channel_endpoint
 from kvshuttle.agent.ports import RegistryPort, ReplayPort
 from kvshuttle.core.errors import FailedPrecondition, KvshuttleError, Unavailable
 from kvshuttle.core.nodes import (
@@ -52,10 +54,8 @@ from kvshuttle.vllm.kv_events import KvEventDecoder
 from kvshuttle.vllm.nixl_compat import Expected
 
 if TYPE_CHECKING:  # NIXL is imported only by an agent with a pool (see start)
+    from kvshuttle.agent.pool.data_plane import DataPlane, OpenedPool, ReadServer, SlotReader
     from kvshuttle.agent.pool.mover import Mover
-    from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory
-    from kvshuttle.agent.pool.park import Parker
-    from kvshuttle.agent.pool.serve import PoolServer
 
 __all__ = ["Agent"]
 
@@ -77,9 +77,11 @@ class Agent:
         *,
         replay: ReplayPort | None = None,
         zmq_context: zmq.asyncio.Context | None = None,
+        data_plane: DataPlane | None = None,
     ) -> None:
         """`replay` replaces the ZMQ replay client (tests); `zmq_context` is shared when given
-        (and then not closed here)."""
+        (and then not closed here); `data_plane`: how KV moves into and out of the pool (None:
+        NIXL's)."""
         self.settings = settings
         self._registry = registry
         lease_cfg, events_cfg = settings.lease, settings.events
@@ -139,9 +141,10 @@ class Agent:
         self.pool = BlockPool(layout) if layout is not None else None
         # Set by start() once the engine passed the check; released at shutdown().
         self.engine_nixl: Handshake | None = None
-        self.pool_memory: NixlPoolMemory | None = None
-        self.parker: Parker | None = None
-        self.server: PoolServer | None = None
+        self._data_plane = data_plane
+        self.opened: OpenedPool | None = None
+        self.parker: SlotReader[Any] | None = None
+        self.server: ReadServer | None = None
         self.mover: Mover | None = None
         self.pool_lease: NodeLease | None = None  # the served pool's node
         self.engine_ids: EngineIdWatcher | None = None  # with node.engine_id_file
@@ -196,34 +199,22 @@ class Agent:
         """Check the engine, then serve the pool and register its node (when configured)."""
         # Here, not at module import: an agent without a pool runs without NIXL installed.
         from kvshuttle.agent.pool.mover import Mover  # noqa: PLC0415
-        from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory  # noqa: PLC0415
-        from kvshuttle.agent.pool.park import Parker  # noqa: PLC0415
-        from kvshuttle.agent.pool.serve import PoolServer  # noqa: PLC0415
 
-        self.engine_nixl = await self._verify_engine(pool)
+        plane = self._data_plane
+        if plane is None:
+            from kvshuttle.agent.pool.nixl_plane import NixlDataPlane  # noqa: PLC0415
+
+            plane = self._data_plane = NixlDataPlane()
+        self.engine_nixl = await self._verify_engine(pool, plane)
         # A fresh NIXL name per start: peers cache remote agents by name.
         node = self.lease.spec.name.removeprefix("nodes/")
-        self.pool_memory = NixlPoolMemory(pool.layout, agent_name=f"kvshuttle-{node}-{uuid.uuid4().hex[:12]}")
         pool_cfg = self.settings.pool
-        self.parker = Parker(
-            pool,
-            self.pool_memory,
-            timeout=pool_cfg.park_timeout,
-            max_remotes=pool_cfg.max_remote_agents,
+        assert self._context is not None  # made for the pool in __init__
+        self.opened = await plane.open(
+            pool, self.engine_nixl, pool_cfg, self._context, name=f"kvshuttle-{node}-{uuid.uuid4().hex[:12]}"
         )
-        if pool_cfg.serve_port is not None:
-            assert self._context is not None  # made for the pool in __init__
-            self.server = PoolServer(
-                pool,
-                self.pool_memory,
-                self.engine_nixl,
-                self._context,
-                host=pool_cfg.serve_host,
-                port=pool_cfg.serve_port,
-                lease=pool_cfg.serve_lease,
-                grace=pool_cfg.serve_grace,
-            )
-            await self.server.start()
+        self.parker, self.server = self.opened.reader, self.opened.server
+        if self.server is not None:
             spec = pool_node_spec(
                 self.lease.spec,
                 engine_id=self.server.engine_id,
@@ -238,6 +229,7 @@ class Agent:
                 registry=self._registry,
                 engine=self.engine_nixl,
                 context=self._context,
+                fetch=plane.fetch_holder,
                 node=self.lease.spec.name,
                 pool_node=spec.name,
                 serve_grace=pool_cfg.serve_grace,
@@ -263,17 +255,14 @@ class Agent:
         await self._cancel("pool.lease", "pool.expire")
         if self.pool_lease is not None:
             await self.pool_lease.deregister(deadline_s=self.settings.lease.deregister_timeout)
-        self.pool_lease, self.mover, self.parker = None, None, None
-        if self.server is not None:
-            await self.server.close()
-            self.server = None
-        if self.pool_memory is not None:
-            await asyncio.to_thread(self.pool_memory.close)  # waits for a READ in flight
-            self.pool_memory = None
+        self.pool_lease, self.mover, self.parker, self.server = None, None, None, None
+        if self.opened is not None:
+            await self.opened.close()  # waits for a READ in flight
+            self.opened = None
         self.engine_nixl = None
         self.pool = BlockPool(pool.layout)
 
-    async def _verify_engine(self, pool: BlockPool) -> Handshake:
+    async def _verify_engine(self, pool: BlockPool, plane: DataPlane) -> Handshake:
         """The engine's NIXL handshake, checked against the pin and the pool's layout. Retries
         while the side channel does not answer (the engine may still be starting); raises
         NixlIncompatible, FailedPrecondition (the pool does not mirror the engine's blocks) or
@@ -290,7 +279,7 @@ class Agent:
         assert self._context is not None  # made for the pool in __init__
         while True:
             try:
-                handshake = await verify_engine(
+                handshake = await plane.verify_engine(
                     self._context,
                     node.side_channel_host,
                     node.side_channel_port,
@@ -399,13 +388,11 @@ class Agent:
             # First: its retentions go with it, before the pool stops serving them.
             await self.pool_lease.deregister(deadline_s=deadline)
         await self.lease.deregister(deadline_s=deadline)
-        if self.server is not None:
-            await self.server.close()
+        if self.opened is not None:
+            # Waits for a READ in flight: none may still write into the memory.
+            await self.opened.close()
         if self._owns_context and self._context is not None:
             self._context.destroy(linger=0)
-        if self.pool_memory is not None:
-            # Waits for a READ in flight: none may still write into the memory.
-            await asyncio.to_thread(self.pool_memory.close)
         log.info("agent.stopped", node=self.lease.spec.name)
 
     def status(self) -> AgentStatus:

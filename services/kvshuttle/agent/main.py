@@ -10,6 +10,8 @@ server (health NOT_SERVING, in-flight RPCs drained).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -26,6 +28,9 @@ from kvshuttle.client.registry import RegistryClient
 from kvshuttle.core.errors import KvshuttleError
 from kvshuttle.serving.logging import configure_logging
 from kvshuttle.serving.server import GrpcServer, wait_for_signal
+
+if TYPE_CHECKING:
+    from kvshuttle.agent.pool.data_plane import DataPlane
 
 SERVICE = agent_service_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
 ERROR_DOMAIN = "agent.kvshuttle"
@@ -64,10 +69,11 @@ def build_server(
     )
 
 
-async def serve(settings: AgentSettings) -> None:
+async def serve(settings: AgentSettings, data_plane: DataPlane | None = None) -> None:
+    """The agent until a signal; `data_plane`: its pool's (None: NIXL's)."""
     client = connect_registry(settings)
     try:
-        agent = Agent(settings, GrpcRegistryPort(client))
+        agent = Agent(settings, GrpcRegistryPort(client), data_plane=data_plane)
         server = build_server(settings, agent)
         port = await server.start()
         try:
@@ -80,12 +86,13 @@ async def serve(settings: AgentSettings) -> None:
         await client.close()
 
 
-def main() -> None:
+def main(data_plane: Callable[[AgentSettings], DataPlane] | None = None) -> None:
+    """`data_plane`: makes the pool's from the settings (None: NIXL's)."""
     settings = AgentSettings()  # type: ignore[call-arg]  # node comes from the environment
     configure_logging(settings.telemetry)
     log.info("agent.config", **settings.model_dump(mode="json"))
     try:
-        asyncio.run(serve(settings))
+        asyncio.run(serve(settings, None if data_plane is None else data_plane(settings)))
     except KvshuttleError as exc:  # start refused: the engine check (logged as agent.engine_refused)
         raise SystemExit(f"kvshuttle-agent: refusing to start: {exc.message}") from None
 

@@ -1,7 +1,8 @@
 """The mover: ParkRetention, Prefetch and PullBlocks as one domain operation. No grpc here.
 
 A move reads the blocks a retention's params (`source`, addressed to their holder as the
-registry lists it) describe into fresh pool slots with one NIXL READ (kvshuttle.agent.pool.park),
+registry lists it) describe into fresh pool slots with one READ of the pool's data plane
+(kvshuttle.agent.pool.data_plane: NIXL's, kvshuttle.agent.pool.park),
 seals them until `ttl` + the pool's serve grace from receipt, publishes them on the agent's pool
 server under a fresh read id (kvshuttle.agent.pool.serve), and answers the `pooled` params that read
 them from the agent's pool node. The caller (the router) holds the retention's registry claim
@@ -42,14 +43,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Final
+from typing import Any, Final
 
 import structlog
 import zmq.asyncio
 
 from kvshuttle.agent.pool.blocks import Allocation, BlockPool, SlotState
-from kvshuttle.agent.pool.park import Parker, RetainedBlocks
-from kvshuttle.agent.pool.serve import PoolServer
+from kvshuttle.agent.pool.data_plane import HolderFetch, ReadServer, RetainedBlocks, SlotReader
 from kvshuttle.agent.pool.side_channel import Handshake, fetch_handshake
 from kvshuttle.agent.ports import RegistryPort, RegistryRefused
 from kvshuttle.core.errors import (
@@ -91,7 +91,7 @@ class Moved:
     node: str  # the pool node `pooled` reads from
     pooled: KvTransferParams
     bytes: int
-    read_seconds: float  # the NIXL READ
+    read_seconds: float  # the READ
     expire_time: float  # wall clock: the pool frees the slots then unless read first
 
 
@@ -140,8 +140,8 @@ class Mover:
         self,
         *,
         pool: BlockPool,
-        parker: Parker,
-        server: PoolServer,
+        parker: SlotReader[Any],
+        server: ReadServer,
         registry: RegistryPort,
         engine: Handshake,
         context: zmq.asyncio.Context,
@@ -151,12 +151,13 @@ class Mover:
         max_ttl: float,
         handshake_timeout: float = 5.0,
         remembered: int = 1024,
-        fetch: Callable[..., Awaitable[Handshake]] = fetch_handshake,
+        fetch: HolderFetch = fetch_handshake,
         wall_clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         """`engine`: the own engine's handshake (checked at start); `node`, `pool_node`: the
-        engine's node and the pool's node names. `fetch` replaces fetch_handshake (tests)."""
+        engine's node and the pool's node names. `parker`, `server` and `fetch` are the data plane's
+        (kvshuttle.agent.pool.data_plane); `fetch` defaults to NIXL's."""
         if max_ttl <= 0 or serve_grace < 0 or remembered < 1:
             raise ValueError("max_ttl and remembered must be positive, serve_grace not negative")
         self._pool = pool

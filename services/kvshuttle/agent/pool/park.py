@@ -17,7 +17,6 @@ by engine id, up to `max_remotes` (the least recently read from is removed past 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -28,13 +27,12 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from kvshuttle.agent.pool.blocks import Allocation, BlockPool
+from kvshuttle.agent.pool.blocks import BlockPool
+from kvshuttle.agent.pool.data_plane import Parked, PreparedRead, RetainedBlocks, check_readable
 from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory
 from kvshuttle.agent.pool.side_channel import Handshake
-from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, Unavailable
-from kvshuttle.core.reasons import ErrorReason
+from kvshuttle.core.errors import Unavailable
 from kvshuttle.vllm.nixl_wire import read_done_message
-from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
 __all__ = ["Parked", "Parker", "PreparedRead", "RetainedBlocks"]
 
@@ -45,44 +43,8 @@ log = structlog.get_logger("kvshuttle.agent")
 QUARANTINE: Final = 60.0
 _MIN_POLL: Final = 20e-6
 _MAX_POLL: Final = 1e-3
-_REQUIRED: Final = ("remote_engine_id", "remote_request_id", "remote_num_tokens", "remote_blocks_expiry_time")
 # Holders' NIXL agents kept added (a decode engine or two, a few peers' pools).
 MAX_REMOTES: Final = 16
-
-
-@dataclass(frozen=True, slots=True)
-class RetainedBlocks:
-    """What decode's kv_transfer_params say it retains: one KV-cache group's block ids."""
-
-    engine_id: str
-    request_id: str  # exactly as returned: the notification names it
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    expiry_time: float  # the engine's perf_counter; its blocks may be reused after it
-
-    @classmethod
-    def of(cls, params: KvTransferParams, field: str = "kv_transfer_params") -> RetainedBlocks:
-        """Raises InvalidArgument naming the missing or unusable field."""
-        for name in _REQUIRED:
-            if not params.HasField(name):
-                raise InvalidArgument(f"{field}.{name}", "missing")
-        if len(params.remote_block_ids) != 1 or not params.remote_block_ids[0].block_ids:
-            raise InvalidArgument(f"{field}.remote_block_ids", "must hold one non-empty KV-cache group")
-        return cls(
-            engine_id=params.remote_engine_id,
-            request_id=params.remote_request_id,
-            block_ids=tuple(params.remote_block_ids[0].block_ids),
-            num_tokens=params.remote_num_tokens,
-            expiry_time=params.remote_blocks_expiry_time,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Parked:
-    allocation: Allocation  # SEALED: slot i holds the engine's block_ids[i]
-    num_tokens: int
-    bytes: int  # moved by the READ
-    read_seconds: float  # from posting the READ to its completion
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,15 +54,6 @@ class _Read:
     remote: list[tuple[int, int, int]]
     notification: bytes | None
     deadline: float  # time.monotonic()
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedRead:
-    """A READ whose slots are allocated (FILLING) and not started yet: `Parker.read` it."""
-
-    name: str
-    retained: RetainedBlocks
-    read: _Read
 
 
 class _StillRunning(Unavailable):
@@ -150,7 +103,7 @@ class Parker:
 
     def prepare(
         self, name: str, retained: RetainedBlocks, engine: Handshake, *, notify: bool = True
-    ) -> PreparedRead:
+    ) -> PreparedRead[_Read]:
         """park()'s checks and allocation, at once (no await): raises what park() raises before
         its READ. The slots are FILLING until `read` ends: read it right away."""
         self.check(retained, engine)
@@ -166,7 +119,7 @@ class Parker:
         )
         return PreparedRead(name, retained, read)
 
-    async def read(self, prepared: PreparedRead, *, expire_at: float) -> Parked:
+    async def read(self, prepared: PreparedRead[_Read], *, expire_at: float) -> Parked:
         """Run a prepared READ and seal its slots with `expire_at` (time.monotonic())."""
         name, retained, read = prepared.name, prepared.retained, prepared.read
         future = self._memory.run(lambda: self._read(read))
@@ -194,25 +147,7 @@ class Parker:
     def check(self, retained: RetainedBlocks, engine: Handshake) -> None:
         """Raises what park() raises for params `engine` cannot serve (NODE_MISMATCH,
         PIN_EXPIRED, layout, too few blocks), without touching the pool."""
-        meta = engine.metadata
-        if retained.engine_id != meta.engine_id:
-            raise FailedPrecondition(
-                f"the retention's blocks are on engine {retained.engine_id}, not {meta.engine_id}",
-                reason=ErrorReason.NODE_MISMATCH,
-            )
-        self._pool.layout.check_mirrors([r.block_len for r in engine.layout.regions])
-        if len(retained.block_ids) < math.ceil(retained.num_tokens / meta.block_size):
-            raise InvalidArgument(
-                "kv_transfer_params.remote_block_ids", f"too few blocks for {retained.num_tokens} tokens"
-            )
-        # The engine may reuse the blocks once its pin ends: a READ must finish well before.
-        left = engine.clock.to_local(retained.expiry_time) - time.perf_counter()
-        if left < self._timeout + self._expiry_margin:
-            raise FailedPrecondition(
-                f"the engine's pin on the blocks ends in {left:.1f} s, within a READ's "
-                f"{self._timeout:g} s deadline",
-                reason=ErrorReason.PIN_EXPIRED,
-            )
+        check_readable(self._pool, retained, engine, timeout=self._timeout, expiry_margin=self._expiry_margin)
 
     def _discard(self, name: str, exc: BaseException | None) -> None:
         if isinstance(exc, _StillRunning):

@@ -7,17 +7,9 @@ compatibility hash copied, so prefill accepts it; region names, block lens, layo
 size kept, which prefill asserts) and the agent's fresh engine id, NIXL agent metadata, base
 addresses, block counts, strides and memory type (DRAM) in place of the engine's.
 
-`publish()` registers a sealed allocation under a fresh read id and returns kv_transfer_params
-that name the agent; the router keeps them in the registry (the retention moved to the agent's
-pool node) and hands them to a prefill once it claimed the retention there: the registry's
-claim is the single-use guard. The reader READs the slots and notifies
-`"{read_id}:{consumers}"`, which releases them once that many arrived.
-
-Deadlines: prefill compares `remote_blocks_expiry_time` with its perf_counter rebased by the
-clock offset it measured in the handshake, i.e. in the clock of whoever answered the handshake:
-the agent's own perf_counter, which stamps every reply here. It is the allocation's own expiry
-(the pool's sweep frees it then), and prefill declines a read that would start within 5 s of
-it. A reader's heartbeat naming a read id keeps its allocation at least `lease + grace` longer.
+What publishing, a reader's heartbeat and its read-done notification mean (the read ids, the
+single-use guard, the advertised deadlines) is kvshuttle.agent.pool.published's; here, how they
+travel over NIXL.
 
 The side channel is unauthenticated: requests are size-capped by ZMQ and decoded strictly; a
 malformed one or one for another rank gets no answer (the asker's REQ times out), never a
@@ -30,19 +22,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any, Final
+from dataclasses import replace
+from typing import Final
 
 import structlog
 import zmq
 import zmq.asyncio
 
-from kvshuttle.agent.pool.blocks import Allocation, BlockPool, SlotState
+from kvshuttle.agent.pool.blocks import BlockPool
 from kvshuttle.agent.pool.nixl_memory import NixlPoolMemory
+from kvshuttle.agent.pool.published import PREFILL_EXPIRY_MARGIN, PublishedReads, Served
 from kvshuttle.agent.pool.side_channel import Handshake
-from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.vllm.nixl_wire import (
     Heartbeat,
     NixlHandshakePayload,
@@ -57,30 +49,15 @@ __all__ = ["PREFILL_EXPIRY_MARGIN", "PoolServer", "Served"]
 
 log = structlog.get_logger("kvshuttle.agent")
 
-# vLLM 0.32's _KV_BLOCKS_EXPIRY_SAFETY_MARGIN: prefill declines a read this close to the expiry.
-PREFILL_EXPIRY_MARGIN: Final = 5.0
 # A get_meta request is ~16 bytes; anything much bigger drops the peer's connection.
 _MAX_REQUEST_BYTES: Final = 256
 _FAST_POLL: Final = 1e-3  # while a reader may be on the pool: UCX moves only when polled
 _IDLE_POLL: Final = 0.05
 
 
-@dataclass(slots=True)
-class Served:
-    """A published allocation a reader may read, by the read id its notification names."""
-
-    name: str  # the pool allocation
-    read_id: str
-    slots: tuple[int, ...]  # the allocation's: a later allocation of the same name is another
-    expiry_time: float  # advertised, on the agent's perf_counter
-    notified: int = 0
-    active_until: float = 0.0  # time.monotonic(): a reader heartbeated or notified until then
-
-
-class PoolServer:
-    """The agent's side channel for its pool. `start()` once, `close()` once (before the memory
-    closes). Bounded: a served entry is a live allocation's, so there are never more than the
-    pool has slots."""
+class PoolServer(PublishedReads):
+    """The agent's NIXL side channel for its pool. `start()` once, `close()` once (before the
+    memory closes)."""
 
     def __init__(
         self,
@@ -96,38 +73,18 @@ class PoolServer:
         clock: Callable[[], float] = time.perf_counter,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`engine`: the handshake of the engine whose blocks the pool mirrors (the template).
-        `port` 0: any free port (see `port` after start). `lease` + `grace`: seconds a reader's
-        heartbeat holds its allocation; `lease` more than PREFILL_EXPIRY_MARGIN. `clock` is
-        what deadlines are advertised on, `monotonic` the pool's."""
-        if lease <= PREFILL_EXPIRY_MARGIN or grace < 0:
-            raise ValueError(f"lease must exceed prefill's {PREFILL_EXPIRY_MARGIN:g} s margin, grace >= 0")
-        pool.layout.check_mirrors(engine.metadata.block_lens)
-        self._pool = pool
+        """`engine`: the handshake of the engine whose blocks the pool mirrors (the template);
+        the rest as PublishedReads."""
+        super().__init__(
+            pool, engine, host=host, port=port, lease=lease, grace=grace, clock=clock, monotonic=monotonic
+        )
         self._memory = memory
-        self._engine = engine
         self._context = context
-        self.host = host
-        self.port = port
-        self._lease = lease
-        self._grace = grace
-        self._clock = clock
-        self._monotonic = monotonic
-        # Fresh per server: prefill caches a remote's layout by engine id.
-        self.engine_id = f"kvshuttle-{uuid.uuid4().hex}"
-        self._served: dict[str, Served] = {}  # by read id
-        self._by_name: dict[str, str] = {}  # allocation name -> read id
         self._payload = b""
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.answered = 0
         self.refused = 0
-        self.reads = 0  # allocations released by their read-done notifications
-
-    @property
-    def served(self) -> dict[str, Served]:
-        """Published allocations by read id."""
-        return dict(self._served)
 
     @property
     def serving(self) -> bool:
@@ -170,56 +127,6 @@ class PoolServer:
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
-
-    def publish(self, name: str, num_tokens: int) -> dict[str, Any]:
-        """Serve `name`'s sealed slots under a fresh read id, until the allocation's own expiry,
-        and return the kv_transfer_params that make prefill read them from this agent. Raises
-        NotFound (no such allocation), FailedPrecondition (not PARKED, or already published),
-        InvalidArgument (num_tokens outside the slots)."""
-        allocation = self._pool.get(name)
-        if allocation.state is not SlotState.PARKED:
-            raise FailedPrecondition(f"{name} is {allocation.state}, not sealed")
-        if name in self._by_name:
-            raise FailedPrecondition(f"{name} is served already")
-        block_size = self._engine.metadata.block_size
-        if not 0 < num_tokens <= allocation.blocks * block_size:
-            raise InvalidArgument("num_tokens", f"must be within 1..{allocation.blocks * block_size}")
-        served = Served(
-            name=name,
-            read_id=f"kvshuttle-pool-{uuid.uuid4().hex}",
-            slots=allocation.slots,
-            expiry_time=self._clock() + (allocation.expire_at - self._monotonic()),
-        )
-        self._served[served.read_id] = served
-        self._by_name[name] = served.read_id
-        meta = self._engine.metadata
-        return {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": self.engine_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "remote_block_ids": [list(allocation.slots)],
-            "remote_num_tokens": num_tokens,
-            "remote_request_id": served.read_id,
-            "remote_blocks_expiry_time": served.expiry_time,
-            "tp_size": 1,
-            "pp_size": 1,
-            "dcp_size": meta.dcp_size,
-        }
-
-    def withdraw(self, name: str) -> None:
-        """Stop serving `name` (its allocation was released by its owner)."""
-        read_id = self._by_name.pop(name, None)
-        if read_id is not None:
-            self._served.pop(read_id, None)
-
-    def active(self, name: str) -> bool:
-        """Whether a reader is on `name`'s slots: it heartbeated or notified part of its reads
-        within `lease + grace`. Such an allocation is never evicted."""
-        read_id = self._by_name.get(name)
-        served = None if read_id is None else self._served.get(read_id)
-        return served is not None and served.active_until > self._monotonic()
 
     def _metadata(self, agent_metadata: bytes) -> bytes:
         layout, memory, meta = self._pool.layout, self._memory, self._engine.metadata
@@ -278,48 +185,7 @@ class PoolServer:
         except InvalidArgument as exc:
             log.warning("agent.serve.bad_notification", peer=peer, error=exc.message)
             return
-        now = self._monotonic()
-        hold = now + self._lease + self._grace
         if isinstance(notification, Heartbeat):
-            for read_id in notification.request_ids:
-                if (served := self._served.get(read_id)) is not None and self._current(served) is not None:
-                    served.active_until = max(served.active_until, hold)
-                    allocation = self._pool.get(served.name)
-                    if allocation.expire_at < hold:
-                        self._pool.renew(served.name, expire_at=hold)
-            return
-        served = self._served.get(notification.request_id)
-        if served is None:
-            log.warning("agent.serve.unknown_read", peer=peer, request_id=notification.request_id[:64])
-            return
-        served.notified += 1
-        served.active_until = max(served.active_until, hold)
-        if served.notified >= notification.consumers:
-            self._release(served, "read")
-
-    def _current(self, served: Served) -> Allocation | None:
-        """`served`'s allocation while it is still the one published (sealed, same slots)."""
-        try:
-            allocation = self._pool.get(served.name)
-        except NotFound:
-            return None
-        if allocation.slots != served.slots or allocation.state is not SlotState.PARKED:
-            return None
-        return allocation
-
-    def _sweep(self) -> None:
-        for served in [s for s in self._served.values() if self._current(s) is None]:
-            self._forget(served)  # released meanwhile by its owner, or by expiry
-
-    def _forget(self, served: Served) -> None:
-        del self._served[served.read_id]
-        if self._by_name.get(served.name) == served.read_id:
-            del self._by_name[served.name]
-
-    def _release(self, served: Served, why: str) -> None:
-        self._forget(served)
-        if self._current(served) is None:
-            return
-        allocation = self._pool.release(served.name)
-        self.reads += 1
-        log.info("agent.serve.released", retention=served.name, blocks=allocation.blocks, why=why)
+            self.heartbeat(notification.request_ids)
+        else:
+            self.read_done(peer, notification.request_id, notification.consumers)
