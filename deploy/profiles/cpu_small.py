@@ -35,6 +35,8 @@ MAX_NUM_BATCHED_TOKENS = 2048
 MAX_NUM_SEQS = 128
 # bench/results/nixl_read and deploy/vllm/README.md: a D -> P read of 122.5 MB took 33 ms.
 LINK = LinkModel(bandwidth_gb_s=3.7, fixed_ms=5.0)
+# bench/e2e_vllm.py's turn 2: a 256-token answer and a 256-token new message after turn 1's prompt.
+E2E_ANSWER = E2E_NEW = 256
 # Per-step overhead of a decode step, from the first direct-prefill fit (20 ms).
 DECODE_FIXED_MS = 20.0
 
@@ -47,12 +49,19 @@ def latest_results() -> Path:
 
 
 def ttft_points(results: dict[str, Any]) -> list[tuple[int, int, float]]:
-    """(computed, cached, ttft ms) of every recompute turn."""
+    """(computed, cached, ms) of every turn 2 on P. Recompute: with prefix caching off P computes
+    the whole context; with it on, P's cache holds turn 1's prompt only (context - the answer -
+    the new message: D generated the answer), and P computes the rest. Reuse with caching off:
+    P computes what it did not read from D, the TTFT less the link's time for the read."""
     points = []
     for run in results["results"]:
         for turn in run["ttft"]:
-            cached = int(turn["reused_tokens"]) if run["prefill_prefix_caching"] else 0
-            points.append((int(turn["context_tokens"]) - cached, cached, float(turn["ttft_recompute_ms"])))
+            context, reused = int(turn["context_tokens"]), int(turn["reused_tokens"])
+            cached = context - E2E_ANSWER - E2E_NEW if run["prefill_prefix_caching"] else 0
+            points.append((context - cached, cached, float(turn["ttft_recompute_ms"])))
+            if not run["prefill_prefix_caching"]:
+                read_ms = LINK.ms(reused * KV_BYTES_PER_TOKEN)
+                points.append((context - reused, reused, float(turn["ttft_reuse_ms"]) - read_ms))
     return points
 
 
@@ -91,20 +100,24 @@ def _decode_from_prefill(prefill: PrefillModel) -> DecodeModel:
 
 def header(source: Path, points: Sequence[tuple[int, int, float]], fit: Fit) -> str:
     cold = [p for p in points if p[1] == 0]
-    warm = [p for p in points if p[1] > 0]
+    warm = [p for p in points if p[0] == E2E_ANSWER + E2E_NEW and p[1] > 0]
+    read = [p for p in points if p[1] > 0 and p not in warm]
     where = source.relative_to(REPO) if source.is_relative_to(REPO) else source
-    cold_range = f"{cold[0][0]}-{cold[-1][0]} tokens computed, {cold[0][2]:.0f}-{cold[-1][2]:.0f} ms"
-    warm_range = (
-        f"{warm[0][0]} computed on {warm[0][1]}-{warm[-1][1]} cached, {warm[0][2]:.0f}-{warm[-1][2]:.0f} ms"
-    )
+
+    def span(group: Sequence[tuple[int, int, float]], at: int) -> str:
+        low, high = group[0][at], group[-1][at]
+        return f"{low:.0f}" if low == high else f"{low:.0f}-{high:.0f}"
+
     return f"""\
 Generated: python -m deploy.profiles.cpu_small (do not edit). The `small` test model (56.6M
 parameters, fp32, deploy/vllm/README.md) on one core of this 2-core machine, vLLM CPU build with
 kvshuttle's NIXL fixes.
-prefill: fitted to the recompute TTFTs of {where}:
-  {len(cold)} with prefix caching off on P ({cold_range}),
-  {len(warm)} with it on ({warm_range}): {fit.describe()}.
-  fixed_ms holds what a TTFT adds to prefill (P -> D transfer, D's first step, HTTP).
+prefill: fitted to the TTFTs of {where}:
+  {len(cold)} recomputes, prefix caching off on P ({span(cold, 0)} computed, {span(cold, 2)} ms);
+  {len(warm)} with it on ({span(warm, 0)} computed on {span(warm, 1)} cached: turn 1's prompt;
+  {span(warm, 2)} ms); {len(read)} reuses, caching off ({span(read, 0)} computed on {span(read, 1)}
+  read from D; {span(read, 2)} ms less the read's link time): {fit.describe()}.
+  A TTFT's non-prefill part (P -> D transfer, D's first step, HTTP) is in the terms as fitted.
 link: a D -> P read of 122.5 MB took 33 ms (3.7 GB/s), 5 ms fixed.
 decode: NOT measured. Assumed compute-bound like prefill on this core: per_seq_ms = prefill's
   per_token_ms, per_ctx_token_ns = its per_pair_ns, fixed_ms 20 (the first direct-prefill fit's).

@@ -168,20 +168,26 @@ class StandinEngine:
         found = len(content)
         return content + prompt[found:], found
 
-    def _keep(
-        self, tokens: list[int], content: list[int], salt: str | None, ttl: float
-    ) -> tuple[str, list[int]]:
-        """Blocks for `tokens` (KV `content`) held for one remote reader for `ttl` s."""
-        ids = self.cache.place(tokens, content, vllm_block_hashes(tokens, self.config.block_size, salt), salt)
+    def _place(self, tokens: list[int], content: list[int], salt: str | None, prompt: int) -> list[int]:
+        """Blocks for `tokens` (KV `content`), the first `prompt` of them the request's prompt;
+        their events published."""
+        hashes = vllm_block_hashes(tokens, self.config.block_size, salt)
+        ids = self.cache.place(tokens, content, hashes, salt, prompt_tokens=prompt)
         self.publish()
+        return ids
+
+    def _keep(
+        self, tokens: list[int], content: list[int], salt: str | None, ttl: float, prompt: int
+    ) -> tuple[str, list[int]]:
+        """Blocks for `tokens` (KV `content`; `prompt` of them the prompt) held for one remote
+        reader for `ttl` s."""
+        ids = self._place(tokens, content, salt, prompt)
         holding = f"cmpl-{uuid.uuid4().hex}-0-{uuid.uuid4().hex[:8]}"
         self.cache.hold(holding, ids, time.monotonic() + ttl * self.config.time_scale)
         return holding, ids
 
-    def _cache_only(self, tokens: list[int], content: list[int], salt: str | None) -> None:
-        ids = self.cache.place(tokens, content, vllm_block_hashes(tokens, self.config.block_size, salt), salt)
-        self.publish()
-        self.cache.release(ids)
+    def _cache_only(self, tokens: list[int], content: list[int], salt: str | None, prompt: int) -> None:
+        self.cache.release(self._place(tokens, content, salt, prompt))
 
     def _params(self, holding: str, ids: list[int], tokens: int, **extra: Any) -> dict[str, Any]:
         prefill = self.config.role == "prefill"
@@ -327,13 +333,15 @@ class StandinEngine:
         the params that name them (None: nothing held)."""
         cfg = self.config
         if params and cfg.role == "prefill":
-            holding, blocks = self._keep(prompt, content, salt, cfg.kv_lease_s)
+            holding, blocks = self._keep(prompt, content, salt, cfg.kv_lease_s, len(prompt))
             return self._params(holding, blocks, len(prompt), remote_prefill_cached_tokens=found)
         if params:  # decode: prompt + output - 1 tokens (the last sampled token has no KV)
-            holding, blocks = self._keep(prompt + ids[:-1], content + ids[:-1], salt, cfg.kv_blocks_ttl)
+            holding, blocks = self._keep(
+                prompt + ids[:-1], content + ids[:-1], salt, cfg.kv_blocks_ttl, len(prompt)
+            )
             return self._params(holding, blocks, len(prompt) + len(ids) - 1)
         # vLLM caches the answer's full blocks too: the next turn's prompt finds them.
-        self._cache_only(prompt + ids[:-1], content + ids[:-1], salt)
+        self._cache_only(prompt + ids[:-1], content + ids[:-1], salt, len(prompt))
         return None
 
     async def _health(self, _: web.Request) -> web.Response:

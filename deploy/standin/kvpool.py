@@ -123,11 +123,15 @@ class KvBlockPool:
         content: Sequence[int],
         hashes: Sequence[bytes],
         cache_salt: str | None = None,
+        *,
+        prompt_tokens: int | None = None,
     ) -> list[int]:
         """Blocks for a sequence of `tokens` whose KV holds `content` (as long as `tokens`),
         `hashes` its vLLM block hashes: leading blocks the prefix cache has are shared, the rest
-        allocated (full ones cached and published; `cache_salt` the request's). Their ids come
-        back pinned: `hold` or `release` them. Raises CacheFull."""
+        allocated (full ones cached and published; `cache_salt` the request's). Tokens past
+        `prompt_tokens` (default: none) were generated: vLLM caches each block they fill in its
+        own decode step, so each is a BlockStored of its own. Their ids come back pinned: `hold`
+        or `release` them. Raises CacheFull."""
         bs = self.block_size
         count = -(-len(tokens) // bs)
         if count > self.num_blocks:
@@ -155,7 +159,8 @@ class KvBlockPool:
                 self._cached[hashes[i]] = block_id
                 stored.append(i)
         if stored:
-            self._store_event(tokens, hashes, stored, cache_salt)
+            generated = len(tokens) if prompt_tokens is None else prompt_tokens
+            self._store_event(tokens, hashes, stored, cache_salt, first_generated=generated // bs)
         return ids
 
     def hold(self, holding: str, block_ids: list[int], expires_at: float) -> None:
@@ -221,13 +226,20 @@ class KvBlockPool:
         return False
 
     def _store_event(
-        self, tokens: Sequence[int], hashes: Sequence[bytes], stored: list[int], cache_salt: str | None
+        self,
+        tokens: Sequence[int],
+        hashes: Sequence[bytes],
+        stored: list[int],
+        cache_salt: str | None,
+        *,
+        first_generated: int,
     ) -> None:
-        """One BlockStored per run of consecutive newly cached blocks, shaped as vLLM 0.32's."""
+        """One BlockStored per run of consecutive newly cached prompt blocks, and one per block
+        from `first_generated` on (filled by decode steps), shaped as vLLM 0.32's."""
         bs = self.block_size
         runs: list[list[int]] = []
         for i in stored:
-            if runs and runs[-1][-1] == i - 1:
+            if runs and runs[-1][-1] == i - 1 and i < first_generated:
                 runs[-1].append(i)
             else:
                 runs.append([i])

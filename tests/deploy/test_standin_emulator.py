@@ -65,6 +65,17 @@ def test_lru_evicts_the_least_recently_used_unreferenced_block() -> None:
     assert pool.local_hit(vllm_block_hashes(b, 2)) == []
 
 
+def test_blocks_filled_by_generated_tokens_are_stored_one_event_each_as_vllms_decode_steps() -> None:
+    # Real vLLM (tests/e2e/test_conformance.py): a prompt's new full blocks in one BlockStored,
+    # then one per block a decode step fills, each linked to the block before.
+    pool = KvBlockPool(num_blocks=16, block_size=2)
+    tokens = list(range(1, 10))  # a 5-token prompt (2 full blocks) + 4 generated: blocks 2 and 3
+    hashes = [int64_of(h) for h in vllm_block_hashes(tokens, 2)]
+    pool.place(tokens, tokens, vllm_block_hashes(tokens, 2), prompt_tokens=5)
+    stored = [(e["block_hashes"], e["parent_block_hash"]) for e in pool.events]
+    assert stored == [(hashes[:2], None), (hashes[2:3], hashes[1]), (hashes[3:4], hashes[2])]
+
+
 def test_referenced_blocks_are_not_evicted_and_reservations_count_evictable_ones() -> None:
     pool = KvBlockPool(num_blocks=4, block_size=2)
     pinned = place(pool, [1, 2, 3, 4])

@@ -1,4 +1,4 @@
-"""kvshuttle's services beside the session's vLLM pair, as the e2e tests start them."""
+"""kvshuttle's services beside the session's vLLM pair (or a stand-in pair), as the e2e tests start them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from deploy.local.launch import VllmPair
+from deploy.local.engine_pair import EnginePair
 from deploy.local.stack import KvshuttleStack
 
 # Prefill dear, moving KV cheap: reuse wins whenever the prefix verifies (CPU-class engines).
@@ -28,7 +28,7 @@ EXTEND_ENV = {"POLICY__EXTEND__ENABLED": "true", "POLICY__EXTEND__MAX_PREFILL_MS
 
 @contextmanager
 def running_stack(
-    pair: VllmPair,
+    pair: EnginePair,
     work_dir: Path,
     *,
     extra_env: Mapping[str, Mapping[str, str]] | None = None,
