@@ -80,12 +80,14 @@ unit: venv
 	$(BIN)/pytest -q
 
 # The Kubernetes manifests (deploy/kubernetes): each overlay rendered offline by kubectl's
-# kustomize, every object validated strictly against Kubernetes 1.32's schema, then the test
+# kustomize, every object validated strictly against Kubernetes 1.32's schema (the Gateway API
+# objects against their vendored CRDs', deploy/kubernetes/schemas), then the tests
 # of what the rendered objects must hold, and the production overlay's gateway -> router mTLS
 # with certificates as its Certificates issue them (both also part of `unit`).
 deploy-check: venv
 	$(BIN)/python -m deploy.kubernetes.check
-	$(BIN)/pytest -q tests/deploy/test_kubernetes_manifests.py tests/deploy/test_router_certificate.py
+	$(BIN)/pytest -q tests/deploy/test_kubernetes_manifests.py tests/deploy/test_inference_pool.py \
+	  tests/deploy/test_router_certificate.py
 
 test: lint proto-check typecheck deploy-check vllm unit
 
