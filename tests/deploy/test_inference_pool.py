@@ -97,6 +97,17 @@ def test_the_router_grants_the_picker_the_gateway_role() -> None:
     assert pool.identity_problems(RENDERED) == []
 
 
+def test_prometheus_scrapes_the_picker() -> None:
+    service = m.one(RENDERED, "Service", "kvshuttle-epp")
+    monitors = [
+        s
+        for s in m.find(RENDERED, "ServiceMonitor")
+        if m.selects(s["spec"]["selector"], service["metadata"]["labels"])
+    ]
+    assert [s["metadata"]["name"] for s in monitors] == ["kvshuttle"]
+    assert auth.crd_problems(RENDERED) == []  # and on a port the Service has
+
+
 @pytest.mark.parametrize(
     "problems_of",
     [
