@@ -15,7 +15,7 @@ help:
 	@echo "make demo-registry - the registry alone, driven by the kvshuttle CLI"
 	@echo "make test   - buf lint/format, generated-code freshness, ruff, import layers, mypy, deploy-check, pytest (real vLLM included)"
 	@echo "make quick  - lint, types and every test that needs no real vLLM and runs no failover scenario (about two minutes here)"
-	@echo "make deploy-check - render the Kubernetes overlays (kubectl kustomize), validate them (Kubernetes 1.32, strict), test them"
+	@echo "make deploy-check - render the Kubernetes overlays (kubectl kustomize), validate them (Kubernetes 1.32 and the vendored Gateway API CRDs, strict), test them"
 	@echo "make vllm   - install the CPU build of vLLM into .venv-vllm (done by make test and demo)"
 	@echo "make proto  - regenerate Python code from proto/"
 	@echo "make profile MODEL=Qwen/Qwen3-32B GPU=h200_sxm TP=2 - an engine profile from aiconfigurator (deploy/profiles/)"
@@ -80,12 +80,14 @@ unit: venv
 	$(BIN)/pytest -q
 
 # The Kubernetes manifests (deploy/kubernetes): each overlay rendered offline by kubectl's
-# kustomize, every object validated strictly against Kubernetes 1.32's schema, then the test
+# kustomize, every object validated strictly against Kubernetes 1.32's schema (the Gateway API
+# objects against their vendored CRDs', deploy/kubernetes/schemas), then the tests
 # of what the rendered objects must hold, and the production overlay's gateway -> router mTLS
 # with certificates as its Certificates issue them (both also part of `unit`).
 deploy-check: venv
 	$(BIN)/python -m deploy.kubernetes.check
-	$(BIN)/pytest -q tests/deploy/test_kubernetes_manifests.py tests/deploy/test_router_certificate.py
+	$(BIN)/pytest -q tests/deploy/test_kubernetes_manifests.py tests/deploy/test_inference_pool.py \
+	  tests/deploy/test_router_certificate.py
 
 test: lint proto-check typecheck deploy-check vllm unit
 

@@ -1,8 +1,10 @@
 """`make deploy-check`'s first half: render every overlay with `kubectl kustomize` (offline) and
 validate each object it renders against Kubernetes' own schema, strictly (no property the
-schema does not know). The objects of CRDs the validator ships no schema for (cert-manager's,
-the Prometheus Operator's) are listed and left to tests/deploy/test_kubernetes_manifests.py,
-which checks them structurally; an object of any other unknown kind fails.
+schema does not know). The Gateway API objects (InferencePool, HTTPRoute) are validated as
+strictly against their CRDs' schemas, vendored from their releases (crd_schemas.py). The
+objects of the other CRDs (cert-manager's, the Prometheus Operator's) are listed and left to
+tests/deploy/test_kubernetes_manifests.py, which checks them structurally; an object of any
+other unknown kind fails.
 
     python -m deploy.kubernetes.check            # every overlay
 """
@@ -21,12 +23,17 @@ from typing import Any
 import kubernetes_validate
 import yaml
 
+from deploy.kubernetes import crd_schemas
+
 ROOT = Path(__file__).resolve().parent
-OVERLAYS = ("dev", "production")
+# The overlays that run the whole stack their own way, and those that add to one.
+STACK_OVERLAYS = ("dev", "production")
+OVERLAYS = (*STACK_OVERLAYS, "inference-pool")
 # The schema version the objects are validated against (kubernetes-validate ships 1.25-1.37).
 KUBERNETES_VERSION = "1.32.0"
-# API groups of the CRDs the manifests use: no schema in the validator, checked by the test.
+# API groups of the CRDs the manifests use with no schema vendored: checked by the test.
 CRD_GROUPS = frozenset({"cert-manager.io", "monitoring.coreos.com"})
+CRD_SCHEMAS = crd_schemas.load()
 
 Manifest = dict[str, Any]
 
@@ -70,6 +77,11 @@ def describe(obj: Manifest) -> str:
     return f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
 
 
+def crd_schema(obj: Manifest) -> crd_schemas.CrdSchema | None:
+    """The vendored schema of the object's kind, if any."""
+    return CRD_SCHEMAS.get((str(obj.get("apiVersion")), str(obj.get("kind"))))
+
+
 def validate(objects: Sequence[Manifest]) -> tuple[list[str], list[str]]:
     """(errors, CRD objects not schema-checked) of `objects`, each validated strictly."""
     errors: list[str] = []
@@ -77,6 +89,10 @@ def validate(objects: Sequence[Manifest]) -> tuple[list[str], list[str]]:
     for obj in objects:
         if api_group(obj) in CRD_GROUPS:
             crds.append(describe(obj))
+            continue
+        crd = crd_schema(obj)
+        if crd is not None:
+            errors += [f"{describe(obj)}: {e}" for e in crd_schemas.errors(crd, obj)]
             continue
         try:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
@@ -107,8 +123,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         kinds = Counter(str(obj.get("kind")) for obj in objects)
         summary = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
         print(f"overlays/{overlay}: {len(objects)} objects ({summary})")
-        valid = len(objects) - len(crds) - len(errors)
+        invalid = {e.split(":", 1)[0] for e in errors}
+        native = [o for o in objects if api_group(o) not in CRD_GROUPS and crd_schema(o) is None]
+        valid = sum(describe(o) not in invalid for o in native)
         print(f"  valid against Kubernetes {KUBERNETES_VERSION} (strict): {valid}")
+        for obj in objects:
+            crd = crd_schema(obj)
+            if crd is None:
+                continue
+            verdict = "INVALID" if describe(obj) in invalid else "valid"
+            print(
+                f"  {describe(obj)}: {verdict} against schemas/{crd.source} (strict; its "
+                f"{crd.cel_rules} CEL rules not evaluated)"
+            )
         if crds:
             print(f"  CRD objects, checked by the test instead: {', '.join(crds)}")
         for error in errors:

@@ -62,7 +62,7 @@ def overlay_problems(objects: Objects, overlay: str) -> list[str]:
     return problems
 
 
-def _grants(env: dict[str, str], prefix: str) -> dict[str, dict[str, Any]]:
+def grants(env: dict[str, str], prefix: str) -> dict[str, dict[str, Any]]:
     return dict(json.loads(env.get(f"KVSHUTTLE_{prefix}_AUTH__IDENTITIES", "{}")))
 
 
@@ -94,7 +94,7 @@ def _server_tokens(objects: Objects, role: str) -> dict[str, str]:
     return {}
 
 
-def _presented(
+def presented(
     objects: Objects, w: m.Workload, c: dict[str, Any], conn: str, callee: str, pod: str
 ) -> str | None:
     """The identity `c` presents on its connection `conn` (e.g. ROUTER_REGISTRY) to `callee`."""
@@ -128,24 +128,24 @@ def identity_problems(objects: Objects) -> list[str]:
     servers = _server_envs(objects)
     for caller, callee, conn, role in CALLERS:
         w = service_workload(objects, caller)
-        ident = _presented(objects, w, w.container(caller), f"{caller.upper()}_{conn}", callee, w.name)
-        grant = _grants(servers[callee], SERVERS[callee]).get(ident or "")
+        ident = presented(objects, w, w.container(caller), f"{caller.upper()}_{conn}", callee, w.name)
+        grant = grants(servers[callee], SERVERS[callee]).get(ident or "")
         if grant is None or grant["role"] != role:
             problems.append(f"{caller} -> {callee}: identity {ident} has grant {grant}, want role {role}")
     router = service_workload(objects, "router")
-    ident = _presented(objects, router, router.container("router"), "ROUTER_AGENTS", "agent", router.name)
-    if (_grants(servers["agent"], "AGENT").get(ident or "") or {}).get("role") != "router":
+    ident = presented(objects, router, router.container("router"), "ROUTER_AGENTS", "agent", router.name)
+    if (grants(servers["agent"], "AGENT").get(ident or "") or {}).get("role") != "router":
         problems.append(f"router -> agents: identity {ident} not granted role router by the agents")
     # The registry's own reading of its grants (named, or by pattern for certificates).
     registry_identities = Identities(
-        AuthSettings.model_validate({"identities": _grants(servers["registry"], "REGISTRY")}).identities
+        AuthSettings.model_validate({"identities": grants(servers["registry"], "REGISTRY")}).identities
     )
     pods = [f"{w.name}-{ordinal}" for w in engines(objects) for ordinal in range(w.replicas)]
     for w in engines(objects):
         for ordinal in range(w.replicas):
             pod = f"{w.name}-{ordinal}"
             agent = w.container("agent")
-            ident = _presented(objects, w, agent, "AGENT_REGISTRY", "registry", pod)
+            ident = presented(objects, w, agent, "AGENT_REGISTRY", "registry", pod)
             by_certificate = "KVSHUTTLE_AGENT_REGISTRY__CERT_CHAIN" in m.env(agent, objects)
             granted = (
                 registry_identities.of_certificate([ident or ""], [])

@@ -19,9 +19,14 @@ from kvshuttle.router.main import SERVICE as ROUTER_SERVICE
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_COMPONENTS = ("prefill", "decode")
-GRPC_PORTS = {"registry": 50051, "router": 50061, "agent": 50071}
-# The health name a gRPC service reports on besides the server's own ("").
-HEALTH_SERVICES = {"registry": REGISTRY_SERVICE, "router": ROUTER_SERVICE, "agent": AGENT_SERVICE}
+GRPC_PORTS = {"registry": 50051, "router": 50061, "agent": 50071, "epp": 9002}
+# The health names a gRPC service's probes may ask for: the server's own ("") or the service's.
+# The endpoint picker's are those its protocol names, one per probe (overlays/inference-pool).
+HEALTH_SERVICES = {
+    role: {"readinessProbe": {"", name}, "livenessProbe": {"", name}}
+    for role, name in (("registry", REGISTRY_SERVICE), ("router", ROUTER_SERVICE), ("agent", AGENT_SERVICE))
+}
+HEALTH_SERVICES["epp"] = {"readinessProbe": {"readiness"}, "livenessProbe": {"liveness"}}
 # Containers that may write their root filesystem: vLLM and its kernels write compile caches
 # beside their packages.
 WRITABLE_ROOT = frozenset({"vllm"})
@@ -196,8 +201,9 @@ def grpc_probe_problems(
         return [f"{where}: {kind} is not a native grpc probe: {probe}"]
     if grpc.get("port") != port:
         return [f"{where}: {kind} probes port {grpc.get('port')}, the health listener is on {port}"]
-    if grpc.get("service", "") not in {"", HEALTH_SERVICES[role]}:
-        return [f"{where}: {kind} asks for {grpc['service']!r}, the {role} reports {HEALTH_SERVICES[role]!r}"]
+    wanted = HEALTH_SERVICES[role][kind]
+    if grpc.get("service", "") not in wanted:
+        return [f"{where}: {kind} asks for {grpc.get('service', '')!r}, want one of {sorted(wanted)}"]
     return []
 
 

@@ -29,10 +29,10 @@ from tests.deploy.network_checks import network_problems
 pytestmark = pytest.mark.k8s
 
 Objects = list[dict[str, Any]]
-RENDERED = {overlay: check.render(overlay) for overlay in check.OVERLAYS}
+RENDERED = {overlay: check.render(overlay) for overlay in check.STACK_OVERLAYS}
 
 
-@pytest.fixture(params=check.OVERLAYS)
+@pytest.fixture(params=check.STACK_OVERLAYS)
 def overlay(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 

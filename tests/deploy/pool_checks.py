@@ -1,0 +1,169 @@
+"""The inference-pool overlay's names, each resolved the way the cluster resolves it: the
+InferencePool's selector to the decode pods and its target port to the port the router's plans
+name, its endpointPickerRef to the picker's Service, port and pods, the HTTPRoute's backend to
+the pool, and the NetworkPolicies that let the gateway's Envoy pods (and only them) reach the
+picker and the decode pods, and the picker reach the router. Used by test_inference_pool.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.deploy import auth_checks as auth
+from tests.deploy import manifests as m
+from tests.deploy.manifest_checks import service_workload
+
+Objects = list[dict[str, Any]]
+POOL_GROUP = "inference.networking.k8s.io"
+# The label Istio, kgateway and agentgateway put on the Envoy pods of a Gateway.
+GATEWAY_NAME_LABEL = "gateway.networking.k8s.io/gateway-name"
+
+
+def _pool(objects: Objects) -> dict[str, Any]:
+    (pool,) = m.find(objects, "InferencePool")
+    return pool
+
+
+def _service_port(service: dict[str, Any], number: int) -> dict[str, Any] | None:
+    return next((p for p in service["spec"]["ports"] if p["port"] == number), None)
+
+
+def _container_port(w: m.Workload, target: int | str) -> int | None:
+    """The container port a Service's targetPort (number or name) reaches in the workload."""
+    for c in w.containers():
+        for p in c.get("ports", []):
+            if target in (p["containerPort"], p.get("name")):
+                return int(p["containerPort"])
+    return None
+
+
+def _selected(objects: Objects, selector: dict[str, Any]) -> list[str]:
+    return [w.name for w in m.workloads(objects) if m.selects(selector, w.labels)]
+
+
+def pool_problems(objects: Objects) -> list[str]:
+    """The pool holds the decode pods, on the port the plans name as their endpoint."""
+    problems = []
+    pool = _pool(objects)
+    decode = service_workload(objects, "decode")
+    members = _selected(objects, pool["spec"]["selector"])
+    if members != [decode.name]:
+        problems.append(f"InferencePool selects {members}, want the decode pods ({decode.name}) alone")
+    # The picker answers with the plan's decode endpoint: the agent's NODE__HTTP_ENDPOINT.
+    agent = m.env(decode.container("agent"), objects)
+    planned = m.port_of_address(agent["KVSHUTTLE_AGENT_NODE__HTTP_ENDPOINT"])
+    ports = [p["number"] for p in pool["spec"]["targetPorts"]]
+    if ports != [planned] or _container_port(decode, planned) is None:
+        problems.append(f"InferencePool targetPorts {ports}, the plans name decode port {planned}")
+    return problems
+
+
+def picker_problems(objects: Objects) -> list[str]:
+    """endpointPickerRef names the picker's Service, on the port its ext_proc server listens."""
+    ref = _pool(objects)["spec"]["endpointPickerRef"]
+    if ref.get("group", "") != "" or ref.get("kind", "Service") != "Service":
+        return [f"endpointPickerRef {ref}: not a Service"]
+    services = m.find(objects, "Service", ref["name"])
+    if not services:
+        return [f"endpointPickerRef names Service {ref['name']}, which is not rendered"]
+    pickers = _selected(objects, {"matchLabels": services[0]["spec"]["selector"]})
+    epp = service_workload(objects, "epp")
+    if pickers != [epp.name]:
+        return [f"endpointPickerRef: Service {ref['name']} selects {pickers}, want {epp.name}"]
+    port = _service_port(services[0], ref["port"]["number"])
+    if port is None:
+        return [f"endpointPickerRef: Service {ref['name']} has no port {ref['port']['number']}"]
+    problems = []
+    listen = m.port_of_address(m.env(epp.container("epp"), objects)["KVSHUTTLE_EPP_LISTEN"])
+    if _container_port(epp, port.get("targetPort", port["port"])) != listen:
+        problems.append(
+            f"endpointPickerRef: port {ref['port']['number']} does not reach ext_proc on {listen}"
+        )
+    if epp.container("epp").get("command") != ["kvshuttle-epp"]:
+        problems.append(f"{epp.name}: runs {epp.container('epp').get('command')}, want kvshuttle-epp")
+    if epp.container("epp")["image"] != service_workload(objects, "gateway").container("gateway")["image"]:
+        problems.append(f"{epp.name}: not the gateway's image")
+    return problems
+
+
+def route_problems(objects: Objects) -> list[str]:
+    """Every HTTPRoute sends to the pool, from a Gateway."""
+    problems = []
+    pool = _pool(objects)["metadata"]["name"]
+    routes = m.find(objects, "HTTPRoute")
+    if not routes:
+        problems.append("no HTTPRoute")
+    for route in routes:
+        name = route["metadata"]["name"]
+        if not all(p.get("kind", "Gateway") == "Gateway" for p in route["spec"]["parentRefs"]):
+            problems.append(f"HTTPRoute {name}: a parent that is not a Gateway")
+        for rule in route["spec"]["rules"]:
+            for ref in rule["backendRefs"]:
+                if (ref.get("group"), ref.get("kind"), ref["name"]) != (POOL_GROUP, "InferencePool", pool):
+                    problems.append(f"HTTPRoute {name}: backend {ref}, want InferencePool {pool}")
+    return problems
+
+
+def _gateway_names(objects: Objects) -> set[str]:
+    return {p["name"] for r in m.find(objects, "HTTPRoute") for p in r["spec"]["parentRefs"]}
+
+
+def _ingress(objects: Objects, workload: str) -> list[tuple[dict[str, Any], int, int]]:
+    """(peer, port, end port) of every ingress rule that applies to the workload's pods."""
+    (w,) = [x for x in m.workloads(objects) if x.name == workload]
+    return [
+        (peer, p["port"], p.get("endPort", p["port"]))
+        for policy in m.find(objects, "NetworkPolicy")
+        if m.selects(policy["spec"]["podSelector"], w.labels)
+        for rule in policy["spec"].get("ingress", [])
+        for p in rule.get("ports", [])
+        for peer in rule.get("from", [{}])
+    ]
+
+
+def _is_envoy(peer: dict[str, Any], gateways: set[str]) -> bool:
+    labels = peer.get("podSelector", {}).get("matchLabels", {})
+    return "namespaceSelector" not in peer and labels.get(GATEWAY_NAME_LABEL) in gateways
+
+
+def network_problems(objects: Objects) -> list[str]:
+    """Envoy reaches the picker's ext_proc port, and nobody else does; Envoy reaches the decode
+    pods on the pool's port; the picker reaches every router replica."""
+    problems = []
+    gateways = _gateway_names(objects)
+    epp = service_workload(objects, "epp")
+    ext_proc = m.port_of_address(m.env(epp.container("epp"), objects)["KVSHUTTLE_EPP_LISTEN"])
+    rules = _ingress(objects, epp.name)
+    if not any(_is_envoy(peer, gateways) and lo <= ext_proc <= hi for peer, lo, hi in rules):
+        problems.append(f"{epp.name}: no NetworkPolicy lets the Envoy pods of {sorted(gateways)} in")
+    for peer, lo, hi in rules:
+        if lo <= ext_proc <= hi and not _is_envoy(peer, gateways):
+            problems.append(f"{epp.name}: ext_proc port {ext_proc} open to {peer or 'anyone'}")
+    decode = service_workload(objects, "decode")
+    port = _pool(objects)["spec"]["targetPorts"][0]["number"]
+    if not any(
+        _is_envoy(peer, gateways) and lo <= port <= hi for peer, lo, hi in _ingress(objects, decode.name)
+    ):
+        problems.append(f"{decode.name}: the Envoy pods may not reach port {port}")
+    env = m.env(epp.container("epp"), objects)
+    router = service_workload(objects, "router")
+    for address in m.addresses(env["KVSHUTTLE_EPP_ROUTER__ADDRESS"]):
+        port = m.port_of_address(address)
+        allowed = [
+            peer
+            for peer, lo, hi in _ingress(objects, router.name)
+            if lo <= port <= hi and "podSelector" in peer and m.selects(peer["podSelector"], epp.labels)
+        ]
+        if not allowed:
+            problems.append(f"{epp.name} -> {router.name} ({address}): not allowed by any NetworkPolicy")
+    return problems
+
+
+def identity_problems(objects: Objects) -> list[str]:
+    """The router grants the identity the picker presents the gateway's role."""
+    epp, router = service_workload(objects, "epp"), service_workload(objects, "router")
+    ident = auth.presented(objects, epp, epp.container("epp"), "EPP_ROUTER", "router", epp.name)
+    grants = auth.grants(m.env(router.container("router"), objects), "ROUTER")
+    grant = grants.get(ident or "")
+    if grant is None or grant["role"] != "gateway":
+        return [f"epp -> router: identity {ident} has grant {grant}, want role gateway"]
+    return []

@@ -1,0 +1,237 @@
+"""The inference-pool overlay (deploy/kubernetes/overlays/inference-pool): production plus
+kvshuttle's endpoint picker behind an InferencePool of the decode pods. Its Gateway API objects
+are valid against the vendored CRDs' schemas, strictly; its names line up (pool -> decode pods on
+the planned port, endpointPickerRef -> the picker's Service and port, HTTPRoute -> the pool,
+NetworkPolicies -> the picker's pods, from the gateway's Envoy pods); the router grants the
+picker's identity; and the stack's own checks still hold with the picker in it. Each check also
+catches a broken copy."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from deploy.kubernetes import check
+from tests.deploy import address_checks as addresses
+from tests.deploy import auth_checks as auth
+from tests.deploy import manifest_checks as checks
+from tests.deploy import manifests as m
+from tests.deploy import pool_checks as pool
+
+pytestmark = pytest.mark.k8s
+
+Objects = list[dict[str, Any]]
+RENDERED = check.render("inference-pool")
+
+
+def objects() -> Objects:
+    return copy.deepcopy(RENDERED)
+
+
+def test_it_is_production_plus_the_picker_pool_and_route() -> None:
+    production = {check.describe(o) for o in check.render("production")}
+    here = {check.describe(o) for o in RENDERED}
+    assert here - production == {
+        "ServiceAccount/kvshuttle-epp",
+        "Deployment/kvshuttle-epp",
+        "Service/kvshuttle-epp",
+        "PodDisruptionBudget/kvshuttle-epp",
+        "Certificate/kvshuttle-epp",
+        "NetworkPolicy/kvshuttle-epp",
+        "NetworkPolicy/kvshuttle-decode-from-gateway",
+        "InferencePool/kvshuttle-decode",
+        "HTTPRoute/kvshuttle",
+    }
+    assert production <= here
+    assert {o["metadata"].get("namespace") for o in RENDERED if o["kind"] != "Namespace"} == {"kvshuttle"}
+
+
+def test_the_gateway_api_objects_are_valid_against_their_crds() -> None:
+    errors, unchecked = check.validate(RENDERED)
+    assert errors == []
+    assert not {"InferencePool", "HTTPRoute"} & {c.split("/")[0] for c in unchecked}
+    assert check.crd_schema(m.one(RENDERED, "InferencePool", "kvshuttle-decode")) is not None
+    assert check.crd_schema(m.one(RENDERED, "HTTPRoute", "kvshuttle")) is not None
+
+
+def test_the_validator_refuses_what_the_crd_schemas_do_not_allow() -> None:
+    broken = objects()
+    pool_spec = m.one(broken, "InferencePool", "kvshuttle-decode")["spec"]
+    pool_spec["endpointPickerRef"]["failureMode"] = "Open"  # not in the enum
+    pool_spec["targetPorts"] = [{"numbre": 8000}]  # unknown field, required one missing
+    route = m.one(broken, "HTTPRoute", "kvshuttle")
+    route["spec"]["rules"][0]["backendRefs"][0]["weight"] = "one"  # an integer
+    del route["spec"]["parentRefs"][0]["name"]
+    errors, _ = check.validate(broken)
+    for expected in (
+        "InferencePool/kvshuttle-decode: 'Open' is not one of ['FailOpen', 'FailClose']",
+        "InferencePool/kvshuttle-decode: 'number' is a required property (at spec.targetPorts.0)",
+        "InferencePool/kvshuttle-decode: Additional properties are not allowed ('numbre' was unexpected)",
+        "HTTPRoute/kvshuttle: 'one' is not of type 'integer' (at spec.rules.0.backendRefs.0.weight)",
+        "HTTPRoute/kvshuttle: 'name' is a required property (at spec.parentRefs.0)",
+    ):
+        assert any(e.startswith(expected) for e in errors), (expected, errors)
+    assert len(errors) == 5, errors
+
+
+def test_the_pool_holds_the_decode_pods_on_the_planned_port() -> None:
+    assert pool.pool_problems(RENDERED) == []
+
+
+def test_the_pool_names_the_picker_service_and_port() -> None:
+    assert pool.picker_problems(RENDERED) == []
+
+
+def test_the_route_sends_to_the_pool() -> None:
+    assert pool.route_problems(RENDERED) == []
+
+
+def test_only_the_gateway_envoy_reaches_the_picker_which_reaches_the_router() -> None:
+    assert pool.network_problems(RENDERED) == []
+
+
+def test_the_router_grants_the_picker_the_gateway_role() -> None:
+    assert pool.identity_problems(RENDERED) == []
+
+
+def test_prometheus_scrapes_the_picker() -> None:
+    service = m.one(RENDERED, "Service", "kvshuttle-epp")
+    monitors = [
+        s
+        for s in m.find(RENDERED, "ServiceMonitor")
+        if m.selects(s["spec"]["selector"], service["metadata"]["labels"])
+    ]
+    assert [s["metadata"]["name"] for s in monitors] == ["kvshuttle"]
+    assert auth.crd_problems(RENDERED) == []  # and on a port the Service has
+
+
+@pytest.mark.parametrize(
+    "problems_of",
+    [
+        checks.probe_problems,
+        checks.security_problems,
+        checks.image_problems,
+        checks.resource_problems,
+        checks.pdb_problems,
+        checks.secret_problems,
+        checks.sidecar_problems,
+        auth.crd_problems,
+        auth.identity_problems,
+        lambda o: auth.overlay_problems(o, "production"),
+        addresses.tls_name_problems,
+        addresses.router_list_problems,
+        addresses.registry_address_problems,
+    ],
+)
+def test_the_stack_checks_hold_with_the_picker(problems_of: Callable[[Objects], list[str]]) -> None:
+    assert problems_of(RENDERED) == []
+
+
+# --- each check catches a broken object ----------------------------------------------------------
+
+
+def _epp(o: Objects) -> dict[str, Any]:
+    (container,) = m.one(o, "Deployment", "kvshuttle-epp")["spec"]["template"]["spec"]["containers"]
+    found: dict[str, Any] = container
+    return found
+
+
+def _selector_typo(o: Objects) -> None:
+    m.one(o, "InferencePool", "kvshuttle-decode")["spec"]["selector"]["matchLabels"][
+        "app.kubernetes.io/component"
+    ] = "decoder"
+
+
+def _prefill_too(o: Objects) -> None:
+    del m.one(o, "InferencePool", "kvshuttle-decode")["spec"]["selector"]["matchLabels"][
+        "app.kubernetes.io/component"
+    ]
+
+
+def _pool_port(o: Objects) -> None:
+    m.one(o, "InferencePool", "kvshuttle-decode")["spec"]["targetPorts"] = [{"number": 8200}]
+
+
+def _picker_name(o: Objects) -> None:
+    m.one(o, "InferencePool", "kvshuttle-decode")["spec"]["endpointPickerRef"]["name"] = "kvshuttle-gateway"
+
+
+def _picker_port(o: Objects) -> None:
+    m.one(o, "InferencePool", "kvshuttle-decode")["spec"]["endpointPickerRef"]["port"] = {"number": 9464}
+
+
+def _picker_listens_elsewhere(o: Objects) -> None:
+    env = _epp(o)["env"]
+    (listen,) = [v for v in env if v["name"] == "KVSHUTTLE_EPP_LISTEN"]
+    listen["value"] = "0.0.0.0:9010"
+
+
+def _route_to_service(o: Objects) -> None:
+    ref = m.one(o, "HTTPRoute", "kvshuttle")["spec"]["rules"][0]["backendRefs"][0]
+    ref.update({"group": "", "kind": "Service", "name": "kvshuttle-vllm-decode", "port": 8000})
+
+
+def _picker_open_to_all(o: Objects) -> None:
+    m.one(o, "NetworkPolicy", "kvshuttle-epp")["spec"]["ingress"][0]["from"] = [{"podSelector": {}}]
+
+
+def _policy_on_the_gateway(o: Objects) -> None:
+    policy = m.one(o, "NetworkPolicy", "kvshuttle-epp")
+    policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] = "gateway"
+
+
+def _other_gateway(o: Objects) -> None:
+    m.one(o, "HTTPRoute", "kvshuttle")["spec"]["parentRefs"][0]["name"] = "public-gateway"
+
+
+def _router_closed_to_picker(o: Objects) -> None:
+    policy = m.one(o, "NetworkPolicy", "kvshuttle-router")
+    policy["spec"]["ingress"] = [
+        r for r in policy["spec"]["ingress"] if "epp" not in json.dumps(r.get("from", []))
+    ]
+
+
+def _ungranted(o: Objects) -> None:
+    m.one(o, "Certificate", "kvshuttle-epp")["spec"]["uris"] = ["spiffe://kvshuttle/picker"]
+
+
+def _probe_asks_the_server(o: Objects) -> None:
+    _epp(o)["readinessProbe"]["grpc"]["service"] = "liveness"
+
+
+BROKEN: dict[str, tuple[Callable[[Objects], None], Callable[[Objects], list[str]], str]] = {
+    "a selector no pod has": (_selector_typo, pool.pool_problems, "InferencePool selects []"),
+    "a pool of prefill and decode pods": (_prefill_too, pool.pool_problems, "want the decode pods"),
+    "a pool port the plans do not name": (_pool_port, pool.pool_problems, "plans name decode port 8000"),
+    "endpointPickerRef to another Service": (_picker_name, pool.picker_problems, "want kvshuttle-epp"),
+    "endpointPickerRef on the metrics port": (_picker_port, pool.picker_problems, "does not reach ext_proc"),
+    "a picker listening elsewhere": (_picker_listens_elsewhere, pool.picker_problems, "ext_proc on 9010"),
+    "a route to the decode Service": (_route_to_service, pool.route_problems, "want InferencePool"),
+    "the picker open to every pod": (_picker_open_to_all, pool.network_problems, "ext_proc port 9002 open"),
+    "the picker's policy on other pods": (_policy_on_the_gateway, pool.network_problems, "no NetworkPolicy"),
+    "Envoy of another Gateway": (_other_gateway, pool.network_problems, "may not reach port 8000"),
+    "the router closed to the picker": (
+        _router_closed_to_picker,
+        pool.network_problems,
+        "-> kvshuttle-router",
+    ),
+    "a picker identity the router does not grant": (_ungranted, pool.identity_problems, "want role gateway"),
+    "a readiness probe on liveness": (
+        _probe_asks_the_server,
+        checks.probe_problems,
+        "want one of ['readiness']",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_each_check_catches_a_broken_object(case: str) -> None:
+    break_it, problems_of, expected = BROKEN[case]
+    broken = objects()
+    assert problems_of(broken) == []
+    break_it(broken)
+    found = problems_of(broken)
+    assert any(expected in p for p in found), json.dumps(found, indent=1)
