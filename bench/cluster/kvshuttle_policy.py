@@ -5,10 +5,11 @@ emulated engines; a turn is one streamed request to the gateway with its convers
 The router gets the engines' profile on the emulated clock (EmulatedCluster.router_profile) and
 decode's KV TTL scaled as the engines' is, its other times at their defaults scaled alike.
 Parking, prefetch and extend on the holder are on (`kvshuttle`), or one of them off
-(`kvshuttle-no-park`, `kvshuttle-no-prefetch`, `kvshuttle-no-extend`): each agent (deploy.standin.agent) has a host
-pool of POOL_BYTES whose KV moves over the stand-ins' side channel, timed by the engine's link
-(deploy/standin/pool_plane.py). A turn whose trace gives the next turn's think time sends it as
-the prefetch hint (X-Kvshuttle-Expected-Think-Time, on the emulated clock): a perfect hint.
+(`kvshuttle-no-park`, `kvshuttle-no-prefetch`, `kvshuttle-no-extend`): each agent
+(deploy.standin.agent) has a host pool of POOL_BYTES whose KV moves over the stand-ins' side
+channel, timed by the engine's link (deploy/standin/pool_plane.py). A turn whose trace gives the
+next turn's think time sends it as the prefetch hint (X-Kvshuttle-Expected-Think-Time, on the
+emulated clock): a perfect hint.
 
 CPU per turn is the services' own (from /proc: registry, router, gateway, agents). The agents'
 moves (`pool_counters`): bytes parked and prefetched (cumulative) and their pools' use now.
