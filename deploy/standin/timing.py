@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Final, Protocol
 
 from deploy.profiles.schema import EngineProfile
 from deploy.standin.kvpool import CacheFull, KvBlockPool
 from deploy.standin.scheduler import EngineRequest, Scheduler
 
-__all__ = ["FixedTiming", "Run", "SteppedTiming", "Timing"]
+__all__ = ["EngineDied", "FixedTiming", "Run", "SteppedTiming", "Timing"]
+
+log = logging.getLogger(__name__)
 
 # A request waiting for blocks looks again this often (real seconds) even without a kick.
 _RECHECK_S: Final = 0.05
@@ -111,6 +114,11 @@ class FixedTiming:
         pass
 
 
+class EngineDied(RuntimeError):
+    """The engine's step loop ended with an error: its requests fail (HTTP 500) instead of
+    waiting forever for steps that will not come."""
+
+
 class _SteppedRun:
     def __init__(self, owner: SteppedTiming, request: EngineRequest) -> None:
         self._owner = owner
@@ -122,6 +130,8 @@ class _SteppedRun:
 
     async def token(self, index: int) -> None:
         while len(self.request.token_times) <= index:
+            if self._owner.failure is not None:
+                raise EngineDied("the engine's step loop died") from self._owner.failure
             self.progress.clear()
             await self.progress.wait()
 
@@ -156,12 +166,16 @@ class SteppedTiming:
         # and their prefill parts (what a benchmark counts as GPU time spent prefilling).
         self.busy_ms = 0.0
         self.prefill_ms = 0.0
+        # Why the step loop died, if it did.
+        self.failure: BaseException | None = None
 
     @property
     def waiting(self) -> int:
         return self.scheduler.waiting
 
     def submit(self, prompt: int, cached: int, output: int) -> Run:
+        if self.failure is not None:
+            raise EngineDied("the engine's step loop died") from self.failure
         blocks = -(-(prompt + output - 1) // self.pool.block_size)
         if blocks > self.pool.num_blocks:
             tokens = prompt + output - 1
@@ -182,12 +196,21 @@ class SteppedTiming:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._drive())
+        self._task.add_done_callback(self._driver_done)
+
+    def _driver_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        self.failure = task.exception()
+        log.error("the step loop died: %r", self.failure)
+        for run in self._runs.values():
+            run.progress.set()  # each fails (EngineDied) rather than waiting on
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # Cancelled, or dead already (its error logged and kept in `failure`).
+            await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
     async def _drive(self) -> None:

@@ -3,12 +3,14 @@ profile's formulas, exactly."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
 from deploy.profiles.schema import DecodeModel, EngineLimits, EngineProfile, Hardware
 from deploy.standin.kvpool import KvBlockPool
 from deploy.standin.scheduler import EngineRequest, Scheduler, simulate
+from deploy.standin.timing import EngineDied, SteppedTiming
 
 from kvshuttle.router.cost import LinkModel, PrefillModel
 
@@ -97,3 +99,20 @@ def test_admission_stops_at_max_batch() -> None:
         scheduler.add(10, 0, 4, 0.0)
     step = scheduler.next_step()
     assert step is not None and len(step.chunks) == 2 and scheduler.waiting == 1
+
+
+async def test_requests_fail_rather_than_hang_when_the_step_loop_dies() -> None:
+    timing = SteppedTiming(PROFILE, KvBlockPool(num_blocks=1024, block_size=16), time_scale=0.001)
+    timing.start()
+    waiting = timing.submit(100, 0, 4)
+
+    def broken(*_: object) -> None:
+        raise ZeroDivisionError("a bug in a step")
+
+    timing.scheduler.next_step = broken  # type: ignore[method-assign]
+    timing.kick()
+    with pytest.raises(EngineDied):
+        await asyncio.wait_for(waiting.prefilled(), 5)
+    with pytest.raises(EngineDied):
+        timing.submit(100, 0, 4)
+    await timing.stop()

@@ -1,5 +1,6 @@
 """On a pytest-timeout, the stack of every asyncio task as well as every thread's, so a hung async
-test says which await it hangs on.
+test says which await it hangs on; and the test's event loop stopped, so the timeout fails it
+even where the loop swallows the timeout's exception.
 
 pytest-timeout dumps the threads only: for an async test that is the event loop idling in
 select(), which names no await. Here its `pytest_timeout_set_timer` is wrapped: with the signal
@@ -68,6 +69,11 @@ def _dump_then(previous: Any, item: pytest.Item) -> Any:
             terminal.sep("+", title="asyncio tasks at the timeout")
             terminal.write(format_tasks(loop) + "\n")
             terminal.flush()
+            # The timeout's exception is raised in whatever frame the signal lands in: inside
+            # a callback or another task's step the loop swallows it (logged, the test hangs
+            # on). Stopping the loop fails the test either way ("Event loop stopped before
+            # Future completed" when the exception was swallowed).
+            loop.stop()
         previous(signum, frame)
 
     return handler
