@@ -80,6 +80,8 @@ class FakeAgents:
         # Endpoints whose agent does not answer a liveness probe (killed).
         self.dead: set[str] = set()
         self.probes: list[str] = []
+        # Set: a move answers only once it is set (a READ in flight).
+        self.gate: asyncio.Event | None = None
 
     async def park(
         self, endpoint: str, retention: str, *, source: dict[str, Any], ttl: float, request_id: str
@@ -96,6 +98,8 @@ class FakeAgents:
         ttl: float,
         request_id: str,
     ) -> Pooled:
+        if self.gate is not None:
+            await self.gate.wait()
         return self._answer(f"prefetch {target_node}", endpoint, retention, source, ttl)
 
     def _answer(self, kind: str, endpoint: str, retention: str, source: dict[str, Any], ttl: float) -> Pooled:
@@ -473,6 +477,44 @@ async def test_a_long_think_time_prefetches_to_the_next_prefill_nodes_pool(clust
     )
     assert plan.decision is Decision.REUSE and plan.prefill.name == "nodes/p"
     assert plan.prefill_kv_transfer_params["remote_engine_id"] == "pool-engine-p-pool"
+
+
+async def test_a_turn_coming_back_while_its_kv_is_prefetched_waits_and_reads_it_where_it_landed(
+    cluster: Cluster,
+) -> None:
+    router = cluster.router(enabled=False, prefetch_enabled=True)
+    cluster.agents.gate = asyncio.Event()
+    _, seq = await cluster.turn(router, cluster.tokens(500), expected_think_time_s=60.0)
+    assert await shuttle(router).step() == 1  # the prefetch holds the retention's claim
+    assert shuttle(router).move_in_flight(CONV) is not None
+    plan = asyncio.ensure_future(
+        router.plan_turn(
+            PlanRequest(model=MODEL, prompt_token_ids=seq + cluster.tokens(5), conversation=CONV)
+        )
+    )
+    await asyncio.sleep(0.05)
+    assert not plan.done()  # waiting for the move, not recomputing on a lost claim
+    cluster.agents.gate.set()
+    got = await asyncio.wait_for(plan, 5)
+    assert (got.decision, got.reason) == (Decision.REUSE, Reason.REUSE_CHEAPER)
+    assert got.prefill_kv_transfer_params["remote_engine_id"] == "pool-engine-p-pool"
+    assert shuttle(router).move_in_flight(CONV) is None
+
+
+async def test_a_move_longer_than_move_wait_s_leaves_the_turn_to_recompute(cluster: Cluster) -> None:
+    router = cluster.router(enabled=False, prefetch_enabled=True, move_wait_s=0.05)
+    cluster.agents.gate = asyncio.Event()
+    _, seq = await cluster.turn(router, cluster.tokens(500), expected_think_time_s=60.0)
+    assert await shuttle(router).step() == 1
+    plan = await asyncio.wait_for(
+        router.plan_turn(
+            PlanRequest(model=MODEL, prompt_token_ids=seq + cluster.tokens(5), conversation=CONV)
+        ),
+        5,
+    )
+    assert (plan.decision, plan.reason) == (Decision.RECOMPUTE, Reason.CLAIM_LOST)
+    cluster.agents.gate.set()
+    await shuttle(router).drain()
 
 
 async def test_a_short_think_time_or_none_does_not_prefetch(cluster: Cluster) -> None:

@@ -128,6 +128,8 @@ def _check_parking(policy: RouterPolicy) -> None:
             "holder_probe_timeout_s "
             "must be positive"
         )
+    if p.move_wait_s < 0:
+        raise ValueError("policy.parking: move_wait_s must be at least 0")
     if p.park_before_pin_s < 0 or not 0 < p.park_kv_usage_above <= 1:
         raise ValueError("policy.parking: park_before_pin_s >= 0 and 0 < park_kv_usage_above <= 1")
     if p.max_in_flight < 1 or p.max_scheduled < 1:

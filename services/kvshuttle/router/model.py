@@ -88,6 +88,10 @@ class ParkingPolicy:
     # this (its pool node's lease outlives a killed agent by up to the lease TTL, and vLLM 0.32's
     # prefill hangs on a READ from a dead peer): no answer plans a recompute (NODE_DOWN).
     holder_probe_timeout_s: float = 0.25
+    # A plan for a conversation whose retention this replica is moving (the move holds its
+    # claim) waits at most this long for the move, then plans on where it went; without the
+    # wait the turn would recompute (CLAIM_LOST) when it comes back while its KV is in flight.
+    move_wait_s: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)

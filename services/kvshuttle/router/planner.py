@@ -161,6 +161,13 @@ class Planner:
             # The previous turn's commit is being stored here (it came through another gateway,
             # or this one did not wait): what this turn may read is what it stores.
             await timer.registry(asyncio.wait({storing}, timeout=self._parts.policy.commit_wait_s))
+        shuttle = self._parts.shuttle
+        moving = shuttle.move_in_flight(conversation) if shuttle is not None and conversation else None
+        if moving is not None:
+            # This replica is moving the retention (park or prefetch) and holds its claim: the
+            # turn reads it where it lands rather than recomputing on a lost claim.
+            await timer.registry(asyncio.wait({moving}, timeout=self._parts.policy.parking.move_wait_s))
+            structlog.contextvars.bind_contextvars(waited_for_move=True)
         nodes = await timer.registry(self._parts.nodes.nodes(req.model))  # cached: usually no round trip
         if not placeable(nodes, req.model):
             # A node that just registered (an agent back) is not in the list in hand yet.

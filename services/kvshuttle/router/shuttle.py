@@ -93,6 +93,8 @@ class Shuttle:
         self._models: dict[str, int] = {}
         self._seq = 0
         self._moving: set[asyncio.Task[Outcome]] = set()
+        # Conversation -> its retention's move while it runs (it holds the retention's claim).
+        self._moving_for: dict[str, asyncio.Task[Outcome]] = {}
         self._closed = False
 
     def __len__(self) -> int:
@@ -101,6 +103,10 @@ class Shuttle:
     @property
     def in_flight(self) -> int:
         return len(self._moving)
+
+    def move_in_flight(self, conversation: str) -> asyncio.Task[Outcome] | None:
+        """The move of the conversation's retention while it runs (None: there is none)."""
+        return self._moving_for.get(conversation)
 
     # ---- the schedule ----------------------------------------------------------------------
 
@@ -284,10 +290,13 @@ class Shuttle:
     def _start(self, entry: ScheduledMove, reason: MoveReason) -> None:
         task = asyncio.create_task(self._move(entry, reason), context=contextvars.Context())
         self._moving.add(task)
+        self._moving_for[entry.conversation] = task
         self._metrics.moves_in_flight.set(len(self._moving))
 
         def done(t: asyncio.Task[Outcome]) -> None:
             self._moving.discard(t)
+            if self._moving_for.get(entry.conversation) is t:
+                del self._moving_for[entry.conversation]
             self._metrics.moves_in_flight.set(len(self._moving))
 
         task.add_done_callback(done)
