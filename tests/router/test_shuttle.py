@@ -26,6 +26,7 @@ from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import (
     CommitRequest,
     Decision,
+    ExtendPolicy,
     NodeInfo,
     ParkingPolicy,
     Plan,
@@ -176,8 +177,12 @@ class Cluster:
             NodeLoad(engine_healthy=healthy, kv_cache_usage=kv_cache_usage),
         )
 
-    def router(self, **parking: Any) -> Router:
-        policy = RouterPolicy(node_max_age_s=0.0, parking=ParkingPolicy(**{"enabled": True, **parking}))
+    def router(self, *, extend: ExtendPolicy | None = None, **parking: Any) -> Router:
+        policy = RouterPolicy(
+            node_max_age_s=0.0,
+            parking=ParkingPolicy(**{"enabled": True, **parking}),
+            extend=extend or ExtendPolicy(),
+        )
         return Router(
             InProcessPort(self.registry),
             self.clock,
@@ -515,6 +520,19 @@ async def test_a_move_longer_than_move_wait_s_leaves_the_turn_to_recompute(clust
     assert (plan.decision, plan.reason) == (Decision.RECOMPUTE, Reason.CLAIM_LOST)
     cluster.agents.gate.set()
     await shuttle(router).drain()
+
+
+@pytest.mark.parametrize(("computed", "prefetched"), [(100, False), (1000, True)])
+async def test_with_extend_on_a_conversation_whose_next_turn_would_extend_keeps_its_kv_on_the_holder(
+    cluster: Cluster, computed: int, prefetched: bool
+) -> None:
+    """A turn that computed 100 tokens: a next one like it extends on the holder (55 ms of
+    prefill, within 250), so the KV stays there; 1,000 tokens (505 ms) would not: prefetch."""
+    router = cluster.router(enabled=False, prefetch_enabled=True, extend=ExtendPolicy(enabled=True))
+    await cluster.turn(router, cluster.tokens(computed), expected_think_time_s=60.0)
+    assert await tick(router) == int(prefetched)
+    holder = (await cluster.registry.get_retention(f"{CONV}/retentions/1")).node
+    assert holder == ("nodes/p-pool" if prefetched else "nodes/d")
 
 
 async def test_a_short_think_time_or_none_does_not_prefetch(cluster: Cluster) -> None:

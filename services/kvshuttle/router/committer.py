@@ -238,6 +238,7 @@ class Committer:
                 pin_expire_at=pin,
                 prefill_node=state.prefill_node,
                 expected_think_time_s=state.expected_think_time_s,
+                computed_tokens=state.prompt_tokens - max(state.reusable_tokens, state.local_hit_tokens),
             )
         return CommitResult(stored.name, stored.expire_at)
 

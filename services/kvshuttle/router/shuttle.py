@@ -119,9 +119,10 @@ class Shuttle:
         pin_expire_at: float,
         prefill_node: str,
         expected_think_time_s: float | None,
+        computed_tokens: int = 0,
     ) -> None:
         """Schedule the retention a commit of this replica just stored (replacing whatever the
-        conversation had scheduled)."""
+        conversation had scheduled); `computed_tokens`: what the turn computed."""
         if self._closed:
             return
         now = self._clock.now()
@@ -138,7 +139,7 @@ class Shuttle:
             kind=MoveKind.PARK,
             reason=MoveReason.IDLE,
         )
-        if self._wants_prefetch(entry, prefill_node, expected_think_time_s):
+        if self._wants_prefetch(entry, prefill_node, expected_think_time_s, computed_tokens):
             entry.kind, entry.reason, entry.target = MoveKind.PREFETCH, MoveReason.THINK_TIME, prefill_node
             self._put(entry)
             return
@@ -153,16 +154,29 @@ class Shuttle:
         if entry is not None:
             self._dropped(entry)
 
-    def _wants_prefetch(self, entry: ScheduledMove, prefill_node: str, think_s: float | None) -> bool:
+    def _wants_prefetch(
+        self, entry: ScheduledMove, prefill_node: str, think_s: float | None, computed: int
+    ) -> bool:
         if not self._parking.prefetch_enabled or think_s is None or not prefill_node:
             return False
         if prefill_node == entry.node:  # a kv_both node: its next prefill reads locally already
             return False
         cost = self._costs.get(entry.model)
-        if cost is None:
+        if cost is None or self._next_turn_extends(entry, cost, computed):
             return False
         move_s = cost.transfer_ms(entry.num_tokens) / 1e3
         return think_s >= self._parking.prefetch_margin * move_s
+
+    def _next_turn_extends(self, entry: ScheduledMove, cost: CostModel, computed: int) -> bool:
+        """With extend on the holder, a next turn computing as much as this one did would run on
+        the decode node holding the KV (its prefill within max_prefill_ms): moving the KV away
+        would only make that turn read it back."""
+        extend = self._policy.extend
+        if not extend.enabled:
+            return False
+        estimate = cost.extend(entry.num_tokens + max(computed, 1), entry.num_tokens, running=0,
+                               interference_weight=0.0)  # fmt: skip
+        return estimate.prefill_ms <= extend.max_prefill_ms
 
     def _park_entry(self, entry: ScheduledMove, pin_expire_at: float) -> ScheduledMove | None:
         """The park schedule of `entry` (None with parking off): idle, or before the pin ends
