@@ -10,8 +10,9 @@ that the prompt extends it answers those turns from the wrong KV.
 
 Times: the engines run `time_scale` times faster than the profile's hardware, and the replay
 scales the trace's times (arrivals, think times) the same way; records are in the profile's
-time (real seconds / time_scale). A turn is `wrong` when its answer differs from a clean
-recompute of its prompt (deploy/standin/kv.py's `output_tokens`).
+time (real seconds / time_scale). With `horizon_s` no turn is sent after it. A turn is `wrong`
+when its answer differs from a clean recompute of its prompt (deploy/standin/kv.py's
+`output_tokens`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ class ReplayConfig:
     max_turns: int
     edit_fraction: float
     seed: int
+    # No turn is sent later than this (profile seconds after the replay began): a step's length
+    # bound, as a measurement window; the sessions still running end there. None: no bound.
+    horizon_s: float | None = None
 
 
 class Replay:
@@ -109,7 +113,10 @@ class Replay:
                 prompt = trace
             if len(prompt) + max_tokens > cfg.max_model_len:
                 return  # the session ends where its context would not fit
-            await self._sleep_until(send_time_s(request, arrival.time_s, done_s))
+            send_s = send_time_s(request, arrival.time_s, done_s)
+            if cfg.horizon_s is not None and send_s > cfg.horizon_s:
+                return
+            await self._sleep_until(send_s)
             record = TurnRecord(session.session_id, i, self.now_s(), len(prompt), max_tokens, edited)
             self.records.append(record)
             sent = time.monotonic()
