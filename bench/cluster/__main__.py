@@ -1,17 +1,19 @@
 """The cluster-scale comparison (issue 20): every policy on the same emulated engines
-(deploy/standin: profile-timed vLLM + NixlConnector stand-ins in this process), the same trace
-and the same session rates, one run; a table per policy and rate, and the JSON.
+(deploy/standin: profile-timed vLLM + NixlConnector stand-ins in this process), the same traces
+and the same session rates, one run; a table per workload, policy and rate, the JSON and PNGs.
 
     python -m bench.cluster --quick            # 2P+2D, 20 agent sessions, one rate: a few minutes
-    python -m bench.cluster                    # the full comparison (make bench-cluster)
+    python -m bench.cluster                    # the full comparison (make bench-cluster): <= 20 minutes
     python -m bench.cluster --trace T.jsonl --rates 0.2,0.5 --prefill 4 --decode 4 --policies proxy,kvshuttle
 
 Policies (bench/cluster/policies.py, kvshuttle_policy.py): recompute, proxy, prefix-aware,
-affinity-local, kvshuttle. Workload: a session trace (bench/cluster/workload; `--trace`), or the
-synthetic agent loop (workload/agent.py) generated with `--seed`; each rate replays
-`--sessions` sessions of its own, the same ones for every policy. Turns past `--max-turns` per
-session are dropped and answers capped at `--max-output` tokens (bounds on the run's length
-on this machine). Figures: bench/cluster/report.py. Writes bench/results/cluster-<utc>.json.
+affinity-local, kvshuttle. Workloads (bench/cluster/plan.py): the Mooncake conversation trace
+(sampled with `--seed`, its turn gaps divided by `--gap-divisor`), the synthetic agent loop
+(generated with `--seed`), or a session trace (`--trace`); each rate replays rate x `--window`
+sessions of its own, the same ones for every policy, and sends no turn past `--horizon` into the
+step. Turns past `--max-turns` per session are dropped and answers capped at `--max-output`
+tokens. Figures: bench/cluster/report.py, plots.py. Writes bench/results/cluster-<utc>.json and
+its PNGs.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ FULL = {
     "decode": 8,
     "workloads": "mooncake,agent",
     "rates": None,  # each workload's own (FULL_RATES)
-    "window": 25.0,
-    "horizon": 35.0,
+    "window": 24.0,
+    "horizon": 32.0,
     "max_turns": 8,
     "max_output": 128,
     "time_scale": 1.0,

@@ -3,7 +3,7 @@ and rate, one line per policy.
 
 - `ttft_cdf`: each policy's TTFT CDF (report.py's percentiles), log time axis
 - `decode_kv_blocks`: the decode engines' KV blocks over the step (run.py's KvSampler), in use
-  (solid) and held for a next turn's reader (dashed)
+  (wide) and held for a next turn's reader (dashed)
 """
 
 from __future__ import annotations
@@ -75,8 +75,10 @@ def decode_kv_blocks(rows: Sequence[Row], path: Path, title: str) -> Path:
         for row in members:
             series = row.get("decode_kv_blocks") or []
             t = [p[0] for p in series]
-            (line,) = ax.plot(t, [p[1] for p in series], label=row["policy"])
-            ax.plot(t, [p[2] for p in series], color=line.get_color(), linestyle="--", linewidth=1)
+            # In use wide and pale, held thin and dashed on it: they coincide where only retained
+            # blocks are left.
+            (line,) = ax.plot(t, [p[1] for p in series], label=row["policy"], linewidth=3, alpha=0.4)
+            ax.plot(t, [p[2] for p in series], color=line.get_color(), linestyle="--", linewidth=1.2)
         ax.set(title=f"{workload}, {rate:g} sessions/s (dashed: held for a next turn)",
                xlabel="s into the step (profile time)", ylabel="decode KV blocks, all D")  # fmt: skip
         ax.grid(alpha=0.3)

@@ -99,8 +99,8 @@ class KvBlockPool:
         return self.num_blocks - len(self._free) - self._idle
 
     def held_blocks(self) -> int:
-        """Blocks pinned for remote readers."""
-        return sum(len(held.block_ids) for held in self._held.values())
+        """Distinct blocks pinned for remote readers (holdings share their prefix-cached blocks)."""
+        return len(set().union(*(held.block_ids for held in self._held.values())))
 
     def available(self) -> int:
         """Blocks a new request could get without dropping a holding: free or evictable, less
