@@ -10,9 +10,9 @@ that the prompt extends it answers those turns from the wrong KV.
 
 Times: the engines run `time_scale` times faster than the profile's hardware, and the replay
 scales the trace's times (arrivals, think times) the same way; records are in the profile's
-time (real seconds / time_scale). With `horizon_s` no turn is sent after it. A turn is `wrong`
-when its answer differs from a clean recompute of its prompt (deploy/standin/kv.py's
-`output_tokens`).
+time (real seconds / time_scale). With `horizon_s` no turn is sent after it, and the turns still
+in flight `drain_s` after it are cut. A turn is `wrong` when its answer differs from a clean
+recompute of its prompt (deploy/standin/kv.py's `output_tokens`).
 """
 
 from __future__ import annotations
@@ -60,6 +60,9 @@ class ReplayConfig:
     # No turn is sent later than this (profile seconds after the replay began): a step's length
     # bound, as a measurement window; the sessions still running end there. None: no bound.
     horizon_s: float | None = None
+    # With a horizon: the turns still in flight this long after it are cut (an error each), so
+    # that a hung request does not hold the step for the client's 60 s silence timeout.
+    drain_s: float = 20.0
 
 
 class Replay:
@@ -86,7 +89,17 @@ class Replay:
 
     async def run(self, http: aiohttp.ClientSession, arrivals: Sequence[Arrival]) -> list[TurnRecord]:
         self._t0 = time.monotonic()
-        await asyncio.gather(*(self._session(http, a) for a in arrivals))
+        cfg = self.config
+        sessions = [asyncio.create_task(self._session(http, a)) for a in arrivals]
+        if not sessions:
+            return self.records
+        end = None if cfg.horizon_s is None else (cfg.horizon_s + cfg.drain_s) * cfg.time_scale
+        done, pending = await asyncio.wait(sessions, timeout=end)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task in done:
+            task.result()  # a bug in a session raises here
         return self.records
 
     def _edit(self, token: int) -> int:
@@ -122,6 +135,9 @@ class Replay:
             sent = time.monotonic()
             try:
                 served = await self.policy.serve(http, Turn(session.session_id, prompt, max_tokens))
+            except asyncio.CancelledError:
+                record.error = "cut: in flight at the step's end"
+                raise
             except (TurnFailed, aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
                 record.error = f"{type(exc).__name__}: {exc}"[:300]
                 return

@@ -3,6 +3,8 @@ the replay's horizon, on made-up turn records, traces and an instant policy: no 
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -112,11 +114,16 @@ def test_each_rate_replays_rate_times_window_sessions_of_its_own() -> None:
 
 
 class Instant:
-    """A policy answering every turn at once with one token."""
+    """A policy answering every turn at once with one token; a turn of `hangs` never."""
 
     name = "instant"
 
+    def __init__(self, hangs: str = "") -> None:
+        self.hangs = hangs
+
     async def serve(self, http: aiohttp.ClientSession, turn: Turn) -> Served:
+        if turn.conversation == self.hangs:
+            await asyncio.Event().wait()
         return Served(Streamed(ids=[7], token_times=[time.monotonic()]), "recompute:test", 0)
 
     def cpu_s(self) -> float:
@@ -126,16 +133,28 @@ class Instant:
         pass
 
 
-async def test_no_turn_is_sent_past_the_horizon() -> None:
+async def test_no_turn_is_sent_past_the_horizon_and_none_stays_in_flight_past_the_drain() -> None:
     requests = tuple(
         Request(4 * (i + 1), 1, tuple(range(i + 1)), arrival_offset_ms=i * 10_000.0) for i in range(3)
     )
     sessions = [Session(f"s{k}", 4, requests) for k in range(2)]
-    config = ReplayConfig(token_map=TokenMap(100, reserved=2), vocab_size=100, time_scale=1e-4,
+    config = ReplayConfig(token_map=TokenMap(100, reserved=2), vocab_size=100, time_scale=0.01,
                           max_model_len=1000, max_output=1, max_turns=3, edit_fraction=0.0, seed=1,
                           horizon_s=15.0)  # fmt: skip
     replay = Replay(Instant(), config, lambda prompt, n: [7])
     async with aiohttp.ClientSession() as http:
         got = await replay.run(http, [Arrival(0.0, sessions[0]), Arrival(20.0, sessions[1])])
-    # s0's turns at 0 and 10 s; its third (20 s) and all of s1 (from 20 s) are past 15 s.
+    # s0's turns at 0 and 10 s; its third (20 s) and all of s1 (from 20 s) are past 15 s (100 ms
+    # of real time a profile 10 s: wide of the loop's jitter).
     assert sorted((r.session, r.turn) for r in got) == [("s0", 0), ("s0", 1)]
+    assert all(r.error is None for r in got)
+
+    # A turn still in flight drain_s after the horizon is cut, an error; the others are kept.
+    hung = Replay(
+        Instant(hangs="s1"), dataclasses.replace(config, horizon_s=25.0, drain_s=5.0), lambda p, n: [7]
+    )
+    async with aiohttp.ClientSession() as http:
+        got = await hung.run(http, [Arrival(0.0, sessions[0]), Arrival(20.0, sessions[1])])
+    assert sorted((r.session, r.turn, r.error) for r in got) == [
+        ("s0", 0, None), ("s0", 1, None), ("s0", 2, None), ("s1", 0, "cut: in flight at the step's end")
+    ]  # fmt: skip
