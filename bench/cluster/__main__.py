@@ -59,7 +59,7 @@ FULL = {
     "max_output": 128,
     "time_scale": 1.0,
 }
-FULL_RATES = {"mooncake": (1.5, 4.0), "agent": (1.0, 2.5)}
+FULL_RATES = {"mooncake": (2.0, 8.0), "agent": (1.0, 2.5)}
 
 
 def workloads(args: argparse.Namespace) -> list[Workload]:
