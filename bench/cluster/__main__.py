@@ -53,8 +53,8 @@ FULL = {
     "decode": 8,
     "workloads": "mooncake,agent",
     "rates": None,  # each workload's own (FULL_RATES)
-    "window": 24.0,
-    "horizon": 32.0,
+    "window": 21.0,
+    "horizon": 28.0,
     "max_turns": 8,
     "max_output": 128,
     "time_scale": 1.0,

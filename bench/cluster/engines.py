@@ -9,8 +9,6 @@ benchmark reports in the profile's time (real seconds / time_scale).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +21,6 @@ from deploy.standin.engine import StandinEngine
 from deploy.standin.timing import SteppedTiming
 
 Role = Literal["prefill", "decode"]
-STOP_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,11 +149,7 @@ class EmulatedCluster:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        # An engine's stop waits up to aiohttp's 60 s for its handlers: a hung request's is cut
-        # short (the loop's end cancels it) rather than holding the run.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(STOP_S):
-                await self.standin.stop()
+        await self.standin.stop()
 
 
 class RoundRobin:

@@ -62,7 +62,7 @@ class ReplayConfig:
     horizon_s: float | None = None
     # With a horizon: the turns still in flight this long after it are cut (an error each), so
     # that a hung request does not hold the step for the client's 60 s silence timeout.
-    drain_s: float = 20.0
+    drain_s: float = 15.0
 
 
 class Replay:
