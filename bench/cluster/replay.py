@@ -30,6 +30,8 @@ from bench.cluster.policies import Policy, Turn
 from bench.cluster.workload.arrivals import Arrival, send_time_s
 from bench.cluster.workload.tokens import TokenMap
 
+CUT = "cut: in flight at the step's end"  # a turn's error when the step's drain ended it
+
 
 @dataclass
 class TurnRecord:
@@ -136,7 +138,7 @@ class Replay:
             try:
                 served = await self.policy.serve(http, Turn(session.session_id, prompt, max_tokens))
             except asyncio.CancelledError:
-                record.error = "cut: in flight at the step's end"
+                record.error = CUT
                 raise
             except (TurnFailed, aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
                 record.error = f"{type(exc).__name__}: {exc}"[:300]
@@ -159,4 +161,4 @@ class Replay:
             prompt = prompt + history
 
 
-__all__ = ["Replay", "ReplayConfig", "TurnRecord"]
+__all__ = ["CUT", "Replay", "ReplayConfig", "TurnRecord"]

@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from bench.cluster.replay import TurnRecord
+from bench.cluster.replay import CUT, TurnRecord
 
 TTFT_SLO_S = 2.0
 ITL_SLO_S = 0.1
@@ -64,6 +64,7 @@ def summarize(
         "turns": len(records),
         "served": len(served),
         "errors": sum(r.error is not None for r in records),
+        "cut": sum(r.error == CUT for r in records),  # of the errors: in flight at the step's end
         "wrong": sum(r.wrong for r in served),
         "edited_turns": sum(r.edited for r in records),
         "wrong_on_edited": sum(r.wrong and r.edited for r in served),
@@ -93,8 +94,8 @@ def summarize(
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """One line per (workload, policy, rate)."""
     head = (f"{'workload':8} {'policy':16} {'rate':>5} {'P busy':>6} {'turns':>5} {'wrong':>5} {'err':>3} "
-            f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'ITL p50':>7} {'p99':>6} {'goodput':>8} {'SLO':>5} "
-            f"{'pf GPU-s':>8} {'MB/turn':>8} {'park MB':>7} {'reuse':>5} {'cpu ms':>6}  "
+            f"{'cut':>3} {'TTFT p50':>8} {'p90':>7} {'p99':>7} {'ITL p50':>7} {'p99':>6} {'goodput':>8} "
+            f"{'SLO':>5} {'pf GPU-s':>8} {'MB/turn':>8} {'park MB':>7} {'reuse':>5} {'cpu ms':>6}  "
             "decisions")  # fmt: skip
     lines = [head]
 
@@ -107,6 +108,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"{row.get('workload', '-'):8} {row['policy']:16} {row['rate']:5.2f} "
             f"{f(s.get('prefill_nodes_busy'), 6, 2)} {s['turns']:5d} {s['wrong']:5d} {s['errors']:3d} "
+            f"{s.get('cut', 0):3d} "
             f"{f(s['ttft_ms']['p50'], 8)} {f(s['ttft_ms']['p90'], 7)} {f(s['ttft_ms']['p99'], 7)} "
             f"{f(s['itl_ms']['p50'], 7, 1)} {f(s['itl_ms']['p99'], 6, 1)} "
             f"{s['goodput_turns_per_s_per_gpu']:8.4f} {s['slo_attainment']:5.2f} "

@@ -14,7 +14,7 @@ from bench.cluster import plots
 from bench.cluster.client import Streamed
 from bench.cluster.plan import Workload, compress_gaps, mooncake_sessions, sessions_per_rate
 from bench.cluster.policies import Served, Turn
-from bench.cluster.replay import Replay, ReplayConfig, TurnRecord
+from bench.cluster.replay import CUT, Replay, ReplayConfig, TurnRecord
 from bench.cluster.report import summarize, table
 from bench.cluster.workload.arrivals import Arrival
 from bench.cluster.workload.model import Request, Session
@@ -34,6 +34,7 @@ def summary() -> dict[str, object]:
         record(2, 0.1, "extend:holder_cheaper"),  # a decision the harness does not know of
         record(3, 3.0, "recompute:cost"),  # misses the TTFT SLO
         record(4, 0.1, "reuse:reuse_cheaper", itl_s=0.2),  # misses the ITL SLO
+        TurnRecord("s", 5, 0.0, 1000, 4, False, error=CUT),
     ]
     return summarize(records, COUNTERS, gpus=4, wall_s=10.0, cpu_s=0.05, prefill_gpus=2)
 
@@ -41,7 +42,8 @@ def summary() -> dict[str, object]:
 def test_the_summary_counts_every_decision_and_the_prefill_nodes_busy_share() -> None:
     s = summary()
     assert s["decisions"] == {"recompute:cost": 2, "reuse:reuse_cheaper": 2, "extend:holder_cheaper": 1}
-    assert s["slo_attainment"] == 0.6
+    assert (s["turns"], s["served"], s["errors"], s["cut"]) == (6, 5, 1, 1)
+    assert s["slo_attainment"] == 0.5
     assert s["goodput_turns_per_s_per_gpu"] == round(3 / 10.0 / 4, 4)
     assert s["prefill_nodes_busy"] == 0.25  # 5 GPU-s over 10 s on 2 GPUs
     assert s["parked_bytes"] == 0
@@ -156,5 +158,5 @@ async def test_no_turn_is_sent_past_the_horizon_and_none_stays_in_flight_past_th
     async with aiohttp.ClientSession() as http:
         got = await hung.run(http, [Arrival(0.0, sessions[0]), Arrival(20.0, sessions[1])])
     assert sorted((r.session, r.turn, r.error) for r in got) == [
-        ("s0", 0, None), ("s0", 1, None), ("s0", 2, None), ("s1", 0, "cut: in flight at the step's end")
+        ("s0", 0, None), ("s0", 1, None), ("s0", 2, None), ("s1", 0, CUT)
     ]  # fmt: skip
