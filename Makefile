@@ -21,7 +21,7 @@ help:
 	@echo "make profile MODEL=Qwen/Qwen3-32B GPU=h200_sxm TP=2 - an engine profile from aiconfigurator (deploy/profiles/)"
 	@echo "make bench  - run the benchmarks under bench/ (results in bench/results/)"
 	@echo "make load   - the bounded load run over stand-in engines (LOAD_ARGS=--full: 10k turns per configuration)"
-	@echo "make bench-cluster - every routing policy side by side on an emulated 4P+4D cluster (CLUSTER_ARGS=--quick: a small one)"
+	@echo "make bench-cluster - every routing policy side by side on an emulated 8P+8D cluster, Mooncake and agent traces, <= 20 min (CLUSTER_ARGS=--quick: a small one)"
 	@echo "make chaos  - the chaos suite: faults under a conversation workload on real vLLM (table and"
 	@echo "              bench/results/chaos-*.json; CHAOS_MARKERS='chaos and not slow' skips the engine restart)"
 

@@ -1,17 +1,19 @@
 """The cluster-scale comparison (issue 20): every policy on the same emulated engines
-(deploy/standin: profile-timed vLLM + NixlConnector stand-ins in this process), the same trace
-and the same session rates, one run; a table per policy and rate, and the JSON.
+(deploy/standin: profile-timed vLLM + NixlConnector stand-ins in this process), the same traces
+and the same session rates, one run; a table per workload, policy and rate, the JSON and PNGs.
 
     python -m bench.cluster --quick            # 2P+2D, 20 agent sessions, one rate: a few minutes
-    python -m bench.cluster                    # the full comparison (make bench-cluster)
+    python -m bench.cluster                    # the full comparison (make bench-cluster): <= 20 minutes
     python -m bench.cluster --trace T.jsonl --rates 0.2,0.5 --prefill 4 --decode 4 --policies proxy,kvshuttle
 
 Policies (bench/cluster/policies.py, kvshuttle_policy.py): recompute, proxy, prefix-aware,
-affinity-local, kvshuttle. Workload: a session trace (bench/cluster/workload; `--trace`), or the
-synthetic agent loop (workload/agent.py) generated with `--seed`; each rate replays
-`--sessions` sessions of its own, the same ones for every policy. Turns past `--max-turns` per
-session are dropped and answers capped at `--max-output` tokens (bounds on the run's length
-on this machine). Figures: bench/cluster/report.py. Writes bench/results/cluster-<utc>.json.
+affinity-local, kvshuttle. Workloads (bench/cluster/plan.py): the Mooncake conversation trace
+(sampled with `--seed`, its turn gaps divided by `--gap-divisor`), the synthetic agent loop
+(generated with `--seed`), or a session trace (`--trace`); each rate replays rate x `--window`
+sessions of its own, the same ones for every policy, and sends no turn past `--horizon` into the
+step. Turns past `--max-turns` per session are dropped and answers capped at `--max-output`
+tokens. Figures: bench/cluster/report.py, plots.py. Writes bench/results/cluster-<utc>.json and
+its PNGs.
 """
 
 from __future__ import annotations
@@ -26,56 +28,71 @@ from typing import Any
 from deploy.standin.config import engine_profile
 from deploy.standin.tokenizer import make_tokenizer
 
+from bench.cluster import plots
+from bench.cluster.plan import Workload, sessions_per_rate
 from bench.cluster.report import table
 from bench.cluster.run import POLICIES, ClusterRun, run_policy
-from bench.cluster.workload.agent import AgentLoop, generate
-from bench.cluster.workload.jsonl import read_sessions
-from bench.cluster.workload.model import Session
 from bench.report import ROOT, save
 
 PROFILES = ROOT / "deploy" / "profiles"
 QUICK = {
+    "policies": "recompute,proxy,prefix-aware,affinity-local,kvshuttle",
     "prefill": 2,
     "decode": 2,
-    "sessions": 20,
+    "workloads": "agent",
     "rates": "1",
+    "window": 20.0,
+    "horizon": None,
     "max_turns": 6,
     "max_output": 128,
     "time_scale": 0.5,
 }
+# The issue's comparison, sized to <= 20 minutes here (bench/cluster/README.md): 8P+8D at time
+# scale 1, each workload at a rate far from and one near recompute's saturation.
 FULL = {
-    "prefill": 4,
-    "decode": 4,
-    "sessions": 40,
-    "rates": "0.5,1",
-    "max_turns": 16,
-    "max_output": 256,
-    "time_scale": 0.5,
+    # kvshuttle as shipped and with each of parking and prefetch off (kvshuttle-no-extend: ask).
+    "policies": "recompute,proxy,prefix-aware,affinity-local,"
+    "kvshuttle,kvshuttle-no-park,kvshuttle-no-prefetch",
+    "prefill": 8,
+    "decode": 8,
+    "workloads": "mooncake,agent",
+    "rates": None,  # each workload's own (FULL_RATES)
+    "window": 21.0,
+    "horizon": 28.0,
+    "max_turns": 8,
+    "max_output": 128,
+    "time_scale": 1.0,
 }
+FULL_RATES = {"mooncake": (2.0, 8.0), "agent": (1.0, 2.5)}
 
 
-def workload(args: argparse.Namespace, rates: list[float]) -> list[tuple[float, list[Session]]]:
-    """Each rate's sessions: consecutive slices of the trace, or of one generated pool."""
-    need = args.sessions * len(rates)
-    if args.trace is not None:
-        pool = list(read_sessions(args.trace))
-        if len(pool) < need:
-            raise SystemExit(f"{args.trace}: {len(pool)} sessions; {need} needed")
-    else:
-        pool = generate(AgentLoop(), sessions=need, seed=args.seed)
-    return [(rate, pool[i * args.sessions : (i + 1) * args.sessions]) for i, rate in enumerate(rates)]
+def workloads(args: argparse.Namespace) -> list[Workload]:
+    names = [str(args.trace)] if args.trace is not None else args.workloads.split(",")
+    unknown = [n for n in names if n not in FULL_RATES and args.trace is None]
+    if unknown:
+        raise SystemExit(f"unknown workloads {unknown}; choose from {sorted(FULL_RATES)} or give --trace")
+    if args.rates is None and args.trace is not None:
+        raise SystemExit("--trace needs --rates")
+    return [
+        Workload(n, tuple(float(r) for r in args.rates.split(",")) if args.rates else FULL_RATES[n])
+        for n in names
+    ]
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.cluster", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the small comparison: " + str(QUICK))
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", help=f"of {', '.join(POLICIES)}")
     ap.add_argument("--profile", type=Path, default=PROFILES / "qwen3-32b-h200-tp2.toml")
     ap.add_argument("--prefill", type=int)
     ap.add_argument("--decode", type=int)
-    ap.add_argument("--trace", type=Path, help="a session-trace JSONL (default: the synthetic agent loop)")
-    ap.add_argument("--sessions", type=int, help="sessions per rate")
+    ap.add_argument("--workloads", help="of mooncake (the conversation trace) and agent (the synthetic loop)")
+    ap.add_argument("--trace", type=Path, help="a session-trace JSONL instead of --workloads (needs --rates)")
     ap.add_argument("--rates", help="session starts per second (profile time), one step each")
+    ap.add_argument("--window", type=float, help="each rate replays rate x this many seconds of sessions")
+    ap.add_argument("--horizon", type=float, help="no turn is sent later than this into a step (s)")
+    ap.add_argument("--gap-divisor", type=float, default=60.0,
+                    help="mooncake: the gaps between a session's turns divided by this")  # fmt: skip
     ap.add_argument("--max-turns", type=int)
     ap.add_argument("--max-output", type=int)
     ap.add_argument("--max-model-len", type=int, default=131072)
@@ -93,7 +110,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    rates = [float(r) for r in args.rates.split(",")]
     policies = args.policies.split(",")
     unknown = set(policies) - set(POLICIES)
     if unknown:
@@ -111,23 +127,32 @@ def main(argv: list[str] | None = None) -> None:
         max_turns=args.max_turns,
         edit_fraction=args.edit_fraction,
         seed=args.seed,
+        horizon_s=args.horizon,
     )
-    steps = workload(args, rates)
+    plan = [
+        (w.name if w.name in FULL_RATES else Path(w.name).stem,
+         sessions_per_rate(w, window_s=args.window, seed=args.seed, gap_divisor=args.gap_divisor))
+        for w in workloads(args)
+    ]  # fmt: skip
     began, started = time.monotonic(), datetime.now(UTC)
 
     def log(line: str) -> None:
         print(f"[{time.monotonic() - began:5.0f} s] {line}", flush=True)
 
+    gpus = (run.prefill + run.decode) * run.profile.hardware.gpus_per_engine
+    hardware = run.profile.hardware
+    title = f"{run.profile.model} {hardware.gpu} TP{hardware.tp}, {run.prefill}P+{run.decode}D"
     rows: list[dict[str, Any]] = []
-    for name in policies:
-        got, _ = asyncio.run(run_policy(name, run, steps, log))
-        rows += got
-        out: dict[str, Any] = {"total_wall_s": round(time.monotonic() - began, 1), "rows": rows,
-                               "profile": run.profile.model, "gpus": (run.prefill + run.decode)
-                               * run.profile.hardware.gpus_per_engine}  # fmt: skip
-        path = save("cluster", out, args=args, utc=started)  # after every policy: a stopped run keeps it
+    for workload, steps in plan:
+        for name in policies:
+            got, _ = asyncio.run(run_policy(name, run, steps, log, workload=workload))
+            rows += got
+            out: dict[str, Any] = {"total_wall_s": round(time.monotonic() - began, 1), "rows": rows,
+                                   "profile": run.profile.model, "gpus": gpus}  # fmt: skip
+            path = save("cluster", out, args=args, utc=started)  # after every policy: a stopped run keeps it
+    pngs = plots.write(rows, path, title)
     print(table(rows))
-    print(f"total {time.monotonic() - began:.0f} s; wrote {path}")
+    print(f"total {time.monotonic() - began:.0f} s; wrote {path}, {', '.join(p.name for p in pngs)}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import aiohttp
 
 from bench.cluster.engines import Node
 
+MAX_LINE_BYTES = 64 << 20
+
 
 class TurnFailed(Exception):
     """An engine or the gateway answered an error."""
@@ -75,7 +77,9 @@ async def stream(
             if response.status != 200:
                 raise TurnFailed(f"{url}: {response.status} {await response.text()}")
             got.headers = {k: v for k, v in response.headers.items() if k.startswith("X-Kvshuttle")}
-            async for line in response.content:
+            # The first chunk carries the prompt's ids (return_token_ids): past aiohttp's 512 KiB
+            # line limit from ~80k tokens.
+            while line := await response.content.readline(max_line_length=MAX_LINE_BYTES):
                 if not line.startswith(b"data: {"):
                     continue
                 chunk = json.loads(line[6:])

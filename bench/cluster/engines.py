@@ -103,17 +103,29 @@ class EmulatedCluster:
         return len(self.nodes) * self.profile.hardware.gpus_per_engine
 
     def counters(self) -> dict[str, float]:
-        """Modelled GPU seconds (busy, prefilling; every GPU of an engine counted) and KV bytes
-        read between engines, summed over the cluster, since it started."""
+        """Modelled GPU seconds (busy, prefilling, the prefill nodes busy; every GPU of an engine
+        counted) and KV bytes read between engines, summed over the cluster, since it started."""
         gpus = self.profile.hardware.gpus_per_engine
-        busy = prefill = moved = 0.0
+        busy = prefill = prefill_nodes_busy = moved = 0.0
         for engine in self.standin.engines:
             if isinstance(engine.timing, SteppedTiming):
                 busy += engine.timing.busy_ms / 1e3 * gpus
                 prefill += engine.timing.prefill_ms / 1e3 * gpus
+                if engine.config.role == "prefill":
+                    prefill_nodes_busy += engine.timing.busy_ms / 1e3 * gpus
             if engine.reader.link is not None:
                 moved += engine.reader.link.bytes_moved
-        return {"gpu_busy_s": busy, "prefill_gpu_s": prefill, "bytes_moved": moved}
+        return {"gpu_busy_s": busy, "prefill_gpu_s": prefill, "prefill_nodes_busy_gpu_s": prefill_nodes_busy,
+                "bytes_moved": moved}  # fmt: skip
+
+    def decode_kv_blocks(self) -> dict[str, int]:
+        """The decode engines' KV pools now, summed: blocks in use (running requests' and those
+        retained for a next turn's reader) and of them the retained ones."""
+        pools = [node.engine.cache for node in self.of_role("decode")]
+        return {
+            "in_use": sum(p.referenced_blocks() for p in pools),
+            "held": sum(p.held_blocks() for p in pools),
+        }
 
     def router_profile(self) -> dict[str, Any]:
         """The profile's cost model (kvshuttle.router.cost) on the emulated clock: the router

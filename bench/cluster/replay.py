@@ -10,7 +10,8 @@ that the prompt extends it answers those turns from the wrong KV.
 
 Times: the engines run `time_scale` times faster than the profile's hardware, and the replay
 scales the trace's times (arrivals, think times) the same way; records are in the profile's
-time (real seconds / time_scale). A turn is `wrong` when its answer differs from a clean
+time (real seconds / time_scale). With `horizon_s` no turn is sent after it, and the turns still
+in flight `drain_s` after it are cut. A turn is `wrong` when its answer differs from a clean
 recompute of its prompt (deploy/standin/kv.py's `output_tokens`).
 """
 
@@ -29,6 +30,8 @@ from bench.cluster.policies import Policy, Turn
 from bench.cluster.workload.arrivals import Arrival, send_time_s
 from bench.cluster.workload.model import Request
 from bench.cluster.workload.tokens import TokenMap
+
+CUT = "cut: in flight at the step's end"  # a turn's error when the step's drain ended it
 
 
 @dataclass
@@ -57,6 +60,12 @@ class ReplayConfig:
     max_turns: int
     edit_fraction: float
     seed: int
+    # No turn is sent later than this (profile seconds after the replay began): a step's length
+    # bound, as a measurement window; the sessions still running end there. None: no bound.
+    horizon_s: float | None = None
+    # With a horizon: the turns still in flight this long after it are cut (an error each), so
+    # that a hung request does not hold the step for the client's 60 s silence timeout.
+    drain_s: float = 15.0
 
 
 def think_s(requests: Sequence[Request], i: int, max_turns: int) -> float | None:
@@ -92,7 +101,17 @@ class Replay:
 
     async def run(self, http: aiohttp.ClientSession, arrivals: Sequence[Arrival]) -> list[TurnRecord]:
         self._t0 = time.monotonic()
-        await asyncio.gather(*(self._session(http, a) for a in arrivals))
+        cfg = self.config
+        sessions = [asyncio.create_task(self._session(http, a)) for a in arrivals]
+        if not sessions:
+            return self.records
+        end = None if cfg.horizon_s is None else (cfg.horizon_s + cfg.drain_s) * cfg.time_scale
+        done, pending = await asyncio.wait(sessions, timeout=end)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task in done:
+            task.result()  # a bug in a session raises here
         return self.records
 
     def _edit(self, token: int) -> int:
@@ -119,13 +138,19 @@ class Replay:
                 prompt = trace
             if len(prompt) + max_tokens > cfg.max_model_len:
                 return  # the session ends where its context would not fit
-            await self._sleep_until(send_time_s(request, arrival.time_s, done_s))
+            send_s = send_time_s(request, arrival.time_s, done_s)
+            if cfg.horizon_s is not None and send_s > cfg.horizon_s:
+                return
+            await self._sleep_until(send_s)
             record = TurnRecord(session.session_id, i, self.now_s(), len(prompt), max_tokens, edited)
             self.records.append(record)
             turn = Turn(session.session_id, prompt, max_tokens, think_s(session.requests, i, cfg.max_turns))
             sent = time.monotonic()
             try:
                 served = await self.policy.serve(http, turn)
+            except asyncio.CancelledError:
+                record.error = CUT
+                raise
             except (TurnFailed, aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
                 record.error = f"{type(exc).__name__}: {exc}"[:300]
                 return
@@ -147,4 +172,4 @@ class Replay:
             prompt = prompt + history
 
 
-__all__ = ["Replay", "ReplayConfig", "TurnRecord"]
+__all__ = ["CUT", "Replay", "ReplayConfig", "TurnRecord"]

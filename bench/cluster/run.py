@@ -1,10 +1,13 @@
 """One policy's run: a fresh emulated cluster (same profile, sizes and seed for every policy),
 the policy in front of it, then each session rate in turn: that rate's sessions replayed open
 loop (workload/arrivals.py's Poisson starts; the next rate once every session of this one ended),
-summarized with the cluster's counters and the control plane's CPU over the step."""
+summarized with the cluster's counters and the control plane's CPU over the step, and the decode
+engines' KV blocks sampled through it."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +44,25 @@ class ClusterRun:
     max_turns: int
     edit_fraction: float
     seed: int
+    horizon_s: float | None = None  # per step; see ReplayConfig
+    sample_s: float = 1.0  # decode KV blocks sampled this often (profile seconds)
+
+
+class KvSampler:
+    """The decode engines' KV blocks every `every_s` profile seconds over one step: a series of
+    [t_s, in use, held for a next turn's reader] (EmulatedCluster.decode_kv_blocks)."""
+
+    def __init__(self, cluster: EmulatedCluster, every_s: float) -> None:
+        self.cluster, self.every_s = cluster, every_s
+        self.series: list[list[float]] = []
+
+    async def sample(self) -> None:
+        scale, began = self.cluster.time_scale, time.monotonic()
+        while True:
+            blocks = self.cluster.decode_kv_blocks()
+            t_s = round((time.monotonic() - began) / scale, 2)
+            self.series.append([t_s, blocks["in_use"], blocks["held"]])
+            await asyncio.sleep(self.every_s * scale)
 
 
 def arrivals(sessions: Sequence[Session], rate_per_s: float, seed: int) -> list[Arrival]:
@@ -81,8 +103,11 @@ async def run_policy(
     run: ClusterRun,
     steps: Sequence[tuple[float, Sequence[Session]]],
     log: Callable[[str], None],
+    *,
+    workload: str = "trace",
 ) -> tuple[list[dict[str, Any]], list[TurnRecord]]:
-    """`steps`: (session rate, its sessions). One row per step, and every turn's record."""
+    """`steps`: (session rate, its sessions) of `workload`. One row per step, and every turn's
+    record."""
     cluster = EmulatedCluster(
         run.model_dir, run.profile, prefill=run.prefill, decode=run.decode, time_scale=run.time_scale,
         max_model_len=run.max_model_len,
@@ -101,6 +126,7 @@ async def run_policy(
             max_turns=run.max_turns,
             edit_fraction=run.edit_fraction,
             seed=run.seed,
+            horizon_s=run.horizon_s,
         )
 
         def expected(prompt: list[int], n: int) -> list[int]:
@@ -116,23 +142,35 @@ async def run_policy(
                     counters0, cpu0 = cluster.counters(), policy.cpu_s()
                     pool0 = await policy.pool_counters(http) if isinstance(policy, Kvshuttle) else {}
                     began = time.monotonic()
-                    got = await Replay(policy, config, expected).run(
-                        http, arrivals(sessions, rate, run.seed + i)
-                    )
+                    sampler = KvSampler(cluster, run.sample_s)
+                    sampling = asyncio.create_task(sampler.sample())
+                    try:
+                        got = await Replay(policy, config, expected).run(
+                            http, arrivals(sessions, rate, run.seed + i)
+                        )
+                    finally:
+                        sampling.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await sampling
                     wall_s = (time.monotonic() - began) / run.time_scale
                     counters = {k: v - counters0[k] for k, v in cluster.counters().items()}
                     summary = summarize(got, counters, gpus=cluster.gpus, wall_s=wall_s,
-                                        cpu_s=policy.cpu_s() - cpu0)  # fmt: skip
+                                        cpu_s=policy.cpu_s() - cpu0, prefill_gpus=run.prefill
+                                        * run.profile.hardware.gpus_per_engine)  # fmt: skip
                     if isinstance(policy, Kvshuttle):  # moved over the step; the pools' use at its end
                         pool = await policy.pool_counters(http)
                         moved = {k: v - pool0[k] for k, v in pool.items() if k != "pool_used_bytes"}
                         summary["pool"] = {**moved, "pool_used_bytes": pool["pool_used_bytes"]}
-                    rows.append({"policy": name, "rate": rate, "sessions": len(sessions), "summary": summary})
+                        summary["parked_bytes"] = moved.get("parked_bytes", 0.0)
+                    rows.append({"policy": name, "workload": workload, "profile": run.profile.model,
+                                 "rate": rate, "sessions": len(sessions), "summary": summary,
+                                 "decode_kv_blocks": sampler.series})  # fmt: skip
                     records += got
                     for failed in [r for r in got if r.error is not None][:3]:
                         log(f"{name}: {failed.session} turn {failed.turn}: {failed.error}")
                     log(
-                        f"{name:16} {rate:g} sessions/s: {summary['served']}/{summary['turns']} turns, "
+                        f"{name:16} {workload} {rate:g} sessions/s: "
+                        f"{summary['served']}/{summary['turns']} turns, "
                         f"wrong {summary['wrong']}, errors {summary['errors']}, "
                         f"TTFT p50 {summary['ttft_ms']['p50']} ms, {time.monotonic() - began:.0f} s real"
                     )
@@ -141,4 +179,4 @@ async def run_policy(
     return rows, records
 
 
-__all__ = ["POLICIES", "ClusterRun", "arrivals", "open_policy", "run_policy"]
+__all__ = ["POLICIES", "ClusterRun", "KvSampler", "arrivals", "open_policy", "run_policy"]

@@ -68,6 +68,7 @@ from deploy.standin.script import Script, Transcript, eos_id, scripted_answer
 from deploy.standin.timing import FixedTiming, Run, SteppedTiming, Timing
 
 _MAX_TIMINGS: Final = 200_000
+_SHUTDOWN_S: Final = 5.0
 
 
 class KvLoadFailed(Exception):
@@ -397,7 +398,9 @@ class StandinEngine:
         self.timing.start()
         ports = []
         for application, port in ((side, cfg.side_channel_port), (app, cfg.port)):
-            runner = web.AppRunner(application, access_log=None)
+            # A stop waits this long for requests in flight, not aiohttp's 60 s: a benchmark
+            # stopping its engines under a hung request (bench/cluster/README.md) waited for it.
+            runner = web.AppRunner(application, access_log=None, shutdown_timeout=_SHUTDOWN_S)
             self._runners.append(runner)
             await runner.setup()
             await web.TCPSite(runner, cfg.host, port).start()

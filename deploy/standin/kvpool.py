@@ -97,6 +97,14 @@ class KvBlockPool:
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
+    def referenced_blocks(self) -> int:
+        """Blocks in use (running requests' and held ones), the prefix cache's idle ones not counted."""
+        return self.num_blocks - len(self._free) - self._idle
+
+    def held_blocks(self) -> int:
+        """Distinct blocks pinned for remote readers (holdings share their prefix-cached blocks)."""
+        return len(set().union(*(held.block_ids for held in self._held.values())))
+
     def available(self) -> int:
         """Blocks a new request could get without dropping a holding: free or evictable, less
         the reservations."""

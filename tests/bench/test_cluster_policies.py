@@ -37,8 +37,12 @@ async def test_recompute_is_right_and_the_proxy_answers_edited_histories_wrong(r
     lines: list[str] = []
     rows: dict[str, dict[str, object]] = {}
     for name in ("recompute", "proxy", "prefix-aware", "affinity-local"):
-        got, records = await run_policy(name, run, [(1.0, sessions)], lines.append)
+        got, records = await run_policy(name, run, [(1.0, sessions)], lines.append, workload="agent")
         assert len(records) == 6 and all(r.error is None for r in records), lines
+        assert got[0]["workload"] == "agent" and got[0]["profile"] == "Qwen/Qwen3-32B"
+        # Decode's KV sampled through the step: [t, in use, held], held a part of in use.
+        series = got[0]["decode_kv_blocks"]
+        assert series and all(len(p) == 3 and 0 <= p[2] <= p[1] for p in series)
         rows[name] = got[0]["summary"]
     assert rows["recompute"]["wrong"] == rows["prefix-aware"]["wrong"] == rows["affinity-local"]["wrong"] == 0
     assert rows["proxy"]["wrong"] == rows["proxy"]["wrong_on_edited"] == 4  # every read turn
