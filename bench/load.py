@@ -42,7 +42,8 @@ second table printed; `cp` is kvshuttle's processes together), and per turn, fro
 log (bench/load_account.py), its log lines and the RPCs it served by method and caller.
 `--profile DIR` records every kvshuttle process with py-spy over the steps (speedscope JSON in
 DIR/<config>/; py-spy is in the dev extras; on a busy machine its on-CPU samples also catch a
-process preempted at a syscall, so read shares, not absolute times).
+process preempted at a syscall, so read shares, not absolute times; `--profile-gil` keeps only
+samples holding the GIL, Python's own work).
 Prints the tables, writes bench/results/load-<utc time>.json; `--keep-logs` keeps each
 configuration's work folder under `--dir` (every service's structlog JSON: the gateway's
 `request.done` per turn, one `rpc.done` per RPC with its duration).
@@ -368,7 +369,7 @@ async def run_config(run: Run, args: argparse.Namespace, log: Callable[[str], No
         profiles = None
         if args.profile is not None:
             services = {k: p for k, p in procs.items() if k.startswith(_CONTROL_PLANE)}
-            profiles = Profiles(args.profile / run.config, services)
+            profiles = Profiles(args.profile / run.config, services, gil=args.profile_gil)
         steps = []
         for rate in args.rates:
             account.mark()
@@ -457,6 +458,8 @@ def main() -> None:
     )
     ap.add_argument("--profile", type=Path, default=None,
                     help="py-spy profiles of the services, in PROFILE/<config>/")  # fmt: skip
+    ap.add_argument("--profile-gil", action="store_true",
+                    help="profile only samples that hold the GIL (py-spy --gil)")  # fmt: skip
     ap.add_argument("--keep-logs", action="store_true",
                     help="keep the work folders (services' structlog JSON, engines' logs)")  # fmt: skip
     args = ap.parse_args()

@@ -54,14 +54,17 @@ class LogAccount:
 
 
 class Profiles:
-    """py-spy recording each process (speedscope JSON, on-CPU samples only) until `stop()`."""
+    """py-spy recording each process (speedscope JSON, on-CPU samples only) until `stop()`.
+    With `gil`, only samples of a thread holding the GIL: Python's own work, without the waits at
+    a syscall that on-CPU samples also catch on a busy machine (a process preempted there)."""
 
-    def __init__(self, out: Path, pids: dict[str, int], *, rate: int = 200) -> None:
+    def __init__(self, out: Path, pids: dict[str, int], *, rate: int = 200, gil: bool = False) -> None:
         exe = shutil.which("py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
         if exe is None:
             raise RuntimeError("--profile needs py-spy (pip install py-spy; the dev extras have it)")
         out.mkdir(parents=True, exist_ok=True)
-        self.paths = {name: out / f"{name}.speedscope.json" for name in pids}
+        suffix = "-gil" if gil else ""
+        self.paths = {name: out / f"{name}{suffix}.speedscope.json" for name in pids}
         self._procs = [
             subprocess.Popen(
                 [
@@ -71,7 +74,8 @@ class Profiles:
                     str(pid),
                     "--rate",
                     str(rate),
-                    "--nonblocking",
+                    # The --gil profiles of issue 21 were taken so: pausing the process per sample.
+                    "--gil" if gil else "--nonblocking",
                     "--format",
                     "speedscope",
                     "--output",
