@@ -47,7 +47,7 @@ async def serve() -> None:
 
 async def measure(port: int, server_pid: int, rate: float, calls: int) -> dict[str, Any]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = channel.unary_unary(_METHOD)
+        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(_METHOD)
         payload = b"x" * 300
         for _ in range(100):  # warm-up: the connection, the first calls
             await call(payload)

@@ -153,6 +153,10 @@ class Run:
             decode_ms_per_token=args.decode_ms_per_token,
             read_us_per_block=args.read_us_per_block,
             num_blocks=args.num_blocks,
+            # Room for a conversation that took every turn (long prompts: --first-tokens 32768).
+            max_model_len=max(
+                8192, args.first_tokens + (args.user_tokens + args.max_tokens) * args.turns + 64
+            ),
         )
         store: RegistryStore = "memory" if config == "memory" else "redis"
         self.stack = KvshuttleStack(self.pair, work_dir=work, profile=PROFILE, registry_store=store)
