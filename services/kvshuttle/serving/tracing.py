@@ -12,7 +12,7 @@ the global one.
 A provider with no span processor (no OTLP endpoint, no exporter: nothing is exported) gives
 spans that record nothing: each still gets the ids and the sampled flag the SDK would give it
 (its log lines carry them, the calls made under it pass them on), without the attributes,
-events and timing no one would read (issue 21: ~20 µs a span, ~15 spans a turn).
+events and timing no one would read (issue 21: ~20 µs a span, about a dozen spans a turn).
 """
 
 from __future__ import annotations
