@@ -37,7 +37,14 @@ highest rate whose achieved rate is >= 90% of the offered and whose control-plan
 4x the first step's. RSS of every process before the first step, after the last and after
 `--cool-down-s` idle. The machine's busy cores per step (/proc/stat) and those not this run's
 (`others_cores`): on a shared machine, a step slowed by other work shows there.
-Prints a table, writes bench/results/load-<utc time>.json; `--keep-logs` keeps each
+Per step also, the control plane's own account: CPU milliseconds per turn per process (the
+second table printed; `cp` is kvshuttle's processes together), and per turn, from each service's
+log (bench/load_account.py), its log lines and the RPCs it served by method and caller.
+`--profile DIR` records every kvshuttle process with py-spy over the steps (speedscope JSON in
+DIR/<config>/; py-spy is in the dev extras; on a busy machine its on-CPU samples also catch a
+process preempted at a syscall, so read shares, not absolute times; `--profile-gil` keeps only
+samples holding the GIL, Python's own work).
+Prints the tables, writes bench/results/load-<utc time>.json; `--keep-logs` keeps each
 configuration's work folder under `--dir` (every service's structlog JSON: the gateway's
 `request.done` per turn, one `rpc.done` per RPC with its duration).
 """
@@ -67,6 +74,7 @@ from deploy.local.stack import HOST, KvshuttleStack, RegistryStore
 from deploy.local.vllm_venv import ensure_model
 from deploy.standin.launcher import StandinPair
 
+from bench.load_account import LogAccount, Profiles
 from bench.report import save
 
 CONFIGS = ("memory", "redis-1", "redis-2")
@@ -79,6 +87,8 @@ PROFILE: dict[str, Any] = {
     "link": {"bandwidth_gb_s": 10.0, "fixed_ms": 0.2},
 }
 _TICK = os.sysconf("SC_CLK_TCK")
+# kvshuttle's own processes, by name prefix (engines, redis-server and the client are not).
+_CONTROL_PLANE = ("registry", "router", "gateway", "agent")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -143,6 +153,10 @@ class Run:
             decode_ms_per_token=args.decode_ms_per_token,
             read_us_per_block=args.read_us_per_block,
             num_blocks=args.num_blocks,
+            # Room for a conversation that took every turn (long prompts: --first-tokens 32768).
+            max_model_len=max(
+                8192, args.first_tokens + (args.user_tokens + args.max_tokens) * args.turns + 64
+            ),
         )
         store: RegistryStore = "memory" if config == "memory" else "redis"
         self.stack = KvshuttleStack(self.pair, work_dir=work, profile=PROFILE, registry_store=store)
@@ -174,6 +188,13 @@ class Run:
         if self.stack.redis is not None and self.stack.redis.proc is not None:
             found["redis-server"] = self.stack.redis.proc.pid
         found["client"] = os.getpid()
+        return found
+
+    def logs(self) -> dict[str, Path]:
+        """Every kvshuttle service's structlog file, by process name."""
+        found = {s.name: s.log_path for s in self.stack.services}
+        if self.replica is not None:
+            found["registry-2"] = self.replica.log_path
         return found
 
     def start(self) -> None:
@@ -287,6 +308,8 @@ class Run:
 def summarize_step(step: Step, cpu: dict[str, float], machine_s: float) -> dict[str, Any]:
     ms = 1e3
     done = len(step.latency_s)
+    # Every turn costs CPU, a failed one too: CPU per turn is per arrival.
+    per_turn = {k: round(v * ms / max(step.turns, 1), 2) for k, v in cpu.items()}
     p = {f"{name}_{q}_ms": (None if (v := pct(values, qq)) is None else round(v * ms, 2))
          for name, values in (("latency", step.latency_s), ("control_plane", step.control_s))
          for q, qq in (("p50", 0.5), ("p99", 0.99))}  # fmt: skip
@@ -303,6 +326,10 @@ def summarize_step(step: Step, cpu: dict[str, float], machine_s: float) -> dict[
         **p,
         "wall_s": round(step.wall_s, 2),
         "cpu_s": {k: round(v, 2) for k, v in cpu.items()},
+        "cpu_ms_per_turn": per_turn,
+        "control_plane_cpu_ms_per_turn": round(
+            sum(v for k, v in per_turn.items() if k.startswith(_CONTROL_PLANE)), 2
+        ),
         "cpu_share_all": round(sum(cpu.values()) / step.wall_s, 2) if step.wall_s else 0.0,
         "cpu_share_of_core": {k: round(v / step.wall_s, 2) for k, v in cpu.items()} if step.wall_s else {},
         # Cores the whole machine kept busy, and those of it not this run's processes (other
@@ -342,17 +369,27 @@ async def run_config(run: Run, args: argparse.Namespace, log: Callable[[str], No
         conversations = run.conversations(run.config)
         procs = run.processes()
         rss_before = {k: round(rss_mib(p), 1) for k, p in procs.items()}
+        account = LogAccount(run.logs())
+        profiles = None
+        if args.profile is not None:
+            services = {k: p for k, p in procs.items() if k.startswith(_CONTROL_PLANE)}
+            profiles = Profiles(args.profile / run.config, services, gil=args.profile_gil)
         steps = []
         for rate in args.rates:
+            account.mark()
             cpu0, machine0 = {k: cpu_seconds(p) for k, p in procs.items()}, machine_busy_seconds()
             step = await run.step(session, rate, per_step, conversations)
             cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in procs.items()}
             steps.append(summarize_step(step, cpu, machine_busy_seconds() - machine0))
+            steps[-1]["per_turn"] = account.per_turn(step.turns)
             s = steps[-1]
             log(f"{run.config:8} {rate:6.0f}/s -> {s['achieved_turns_s']:6.1f}/s  cp p50 "
                 f"{s['control_plane_p50_ms']} p99 {s['control_plane_p99_ms']} ms  reuse {s['reuse_ratio']}  "
                 f"wrong {s['wrong']} errors {s['errors']}  cpu {s['cpu_share_all']} cores "
                 f"(machine {s['machine_busy_cores']}, others {s['others_cores']})")  # fmt: skip
+        if profiles is not None:
+            await asyncio.to_thread(profiles.stop)
+            log(f"{run.config}: profiles in {args.profile / run.config}")
         rss_after = {k: round(rss_mib(p), 1) for k, p in procs.items()}
         await asyncio.sleep(args.cool_down_s)
         rss_cool = {k: round(rss_mib(p), 1) for k, p in procs.items()}
@@ -383,6 +420,21 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{r['config']:8} knee {r['knee_offered_turns_s']}/s offered "
             f"({r['knee_achieved_turns_s']}/s achieved), max {r['max_achieved_turns_s']}/s"
         )
+    return "\n".join(lines) + "\n\n" + cpu_table(results)
+
+
+def cpu_table(results: list[dict[str, Any]]) -> str:
+    """CPU milliseconds per turn, one column per process, one row per step; `cp` is kvshuttle's
+    own processes together (the engines, redis-server and the client apart)."""
+    names = sorted({k for r in results for s in r["steps"] for k in s["cpu_ms_per_turn"]})
+    lines = [f"{'CPU ms/turn':11} {'offered':>7} {'cp':>6} " + " ".join(f"{n[:14]:>14}" for n in names)]
+    for r in results:
+        for s in r["steps"]:
+            row = s["cpu_ms_per_turn"]
+            lines.append(
+                f"{r['config']:11} {s['offered_turns_s']:7.0f} {s['control_plane_cpu_ms_per_turn']:6.2f} "
+                + " ".join(f"{row[n]:14.2f}" if n in row else f"{'':14}" for n in names)
+            )
     return "\n".join(lines)
 
 
@@ -408,6 +460,10 @@ def main() -> None:
         default=Path(tempfile.gettempdir()),
         help="where each configuration's work folder (logs, tokens, Redis) is made",
     )
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="py-spy profiles of the services, in PROFILE/<config>/")  # fmt: skip
+    ap.add_argument("--profile-gil", action="store_true",
+                    help="profile only samples that hold the GIL (py-spy --gil)")  # fmt: skip
     ap.add_argument("--keep-logs", action="store_true",
                     help="keep the work folders (services' structlog JSON, engines' logs)")  # fmt: skip
     args = ap.parse_args()

@@ -52,6 +52,7 @@ class StandinSpec:
     served_model_name: str = "m"
     block_size: int = 32
     num_blocks: int = 4096
+    max_model_len: int = 8192
     prefix_caching: bool = True
     prefill_us_per_token: float = 20.0
     decode_ms_per_token: float = 0.5
@@ -73,6 +74,7 @@ class StandinSpec:
                 "--engine-id", self.engine_id, "--model-dir", str(self.model_dir),
                 "--served-model-name", self.served_model_name, "--host", self.host,
                 "--block-size", str(self.block_size), "--num-blocks", str(self.num_blocks),
+                "--max-model-len", str(self.max_model_len),
                 "--prefill-us-per-token", str(self.prefill_us_per_token),
                 "--decode-ms-per-token", str(self.decode_ms_per_token),
                 "--read-us-per-block", str(self.read_us_per_block),
@@ -146,6 +148,7 @@ class StandinPair:
         served_model_name: str = "m",
         block_size: int = 32,
         num_blocks: int = 4096,
+        max_model_len: int = 8192,
         prefill_us_per_token: float = 20.0,
         decode_ms_per_token: float = 0.5,
         read_us_per_block: float = 50.0,
@@ -161,7 +164,8 @@ class StandinPair:
         self.start_timeout = start_timeout
         self._common: dict[str, Any] = {
             "model_dir": self.model_dir, "served_model_name": served_model_name, "block_size": block_size,
-            "num_blocks": num_blocks, "prefill_us_per_token": prefill_us_per_token,
+            "num_blocks": num_blocks, "max_model_len": max_model_len,
+            "prefill_us_per_token": prefill_us_per_token,
             "decode_ms_per_token": decode_ms_per_token, "read_us_per_block": read_us_per_block,
             "kv_blocks_ttl": decoder_kv_blocks_ttl, "profile": profile, "time_scale": time_scale,
         }  # fmt: skip

@@ -107,6 +107,10 @@ def test_vllm_metrics_parsing() -> None:
     assert nan.kv_cache_usage is None
     with pytest.raises(ValueError):
         parse_vllm_metrics("vllm:num_requests_running{engine= 3\n")
+    with pytest.raises(ValueError):  # no load family in it: the whole text is parsed
+        parse_vllm_metrics("this is { not prometheus")
+    # With them, only their lines are parsed: a broken line of another family goes unseen.
+    assert parse_vllm_metrics(VLLM_METRICS + "vllm:other_total{engine= 3\n") == metrics
 
 
 async def test_the_process_registers_and_deregisters_on_sigterm(registry_env: RegistryEnv) -> None:

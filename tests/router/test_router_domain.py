@@ -409,6 +409,31 @@ async def test_commit_and_abort_finish_a_turn_once(cluster: Cluster) -> None:
         await other_replica.abort_turn(plan.turn, "late")
 
 
+async def test_a_stored_commit_consumes_the_claim_without_a_release(cluster: Cluster) -> None:
+    router = cluster.router()
+    port = cluster.port(router)
+    _, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    prompt = seq + cluster.tokens(50)
+    plan, seq2 = await run_turn(router, cluster, prompt)
+    assert plan.claimed == f"{CONV}/retentions/1"
+    # The put of turn 2 replaced the claimed retention: one registry write, no release.
+    assert "release" not in port.calls
+    with pytest.raises(NotFound):
+        await cluster.registry.get_retention(plan.claimed)
+    await cluster.registry.get_retention(f"{CONV}/retentions/2")
+
+    # Decode kept nothing: nothing is stored, so the consumed claim is released.
+    prompt3 = seq2 + cluster.tokens(50)
+    plan3 = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt3, conversation=CONV))
+    assert plan3.claimed == f"{CONV}/retentions/2"
+    await router.commit_turn(
+        CommitRequest(turn=plan3.turn, token_ids=prompt3 + [1] * 10, decode_kv_transfer_params=None)
+    )
+    assert port.calls["release"] == 1
+    with pytest.raises(NotFound):
+        await cluster.registry.get_retention(plan3.claimed)
+
+
 async def test_bad_commits_change_nothing(cluster: Cluster) -> None:
     router = cluster.router()
     prompt = cluster.tokens(500)

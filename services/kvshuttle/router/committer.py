@@ -118,16 +118,25 @@ class Committer:
                     or chain[state.prompt_full_blocks - 1] != state.prompt_tail_hash
                 ):
                     raise InvalidArgument("token_ids", "does not start with the planned prompt")
-            # Read or not, a claimed retention is consumed: prefill notified its holder. Released
-            # while the new one is stored (the two are independent: a put replaces whatever the
-            # conversation holds), so the commit waits for one round trip, not two.
-            release = asyncio.ensure_future(self._release(state, "commit")) if state.claimed else None
+            # Read or not, a claimed retention is consumed: prefill notified its holder. A stored
+            # put removed it already (a put replaces whatever the conversation holds, claimed or
+            # not: one registry call, not two); otherwise it is released here, unless the
+            # registry did not answer the put: then the claim lapses on its TTL, the retention
+            # with it, and the commit waits for one timeout, not two.
+            result = _NOTHING_STORED
             try:
                 with self._parts.memory.storing(state.conversation):
                     result = await self._store(state, tokens, chain, params if retains else None, timer)
             finally:
-                if release is not None:
-                    await timer.registry(release)
+                if state.claimed and not result.retention:
+                    if result.not_stored == "registry_unavailable":
+                        log.warning(
+                            "commit.release_failed",
+                            reason=ErrorReason.REGISTRY_UNAVAILABLE,
+                            retention=log_name(state.claimed),
+                        )
+                    else:
+                        await timer.registry(self._release(state, "commit"))
             if not result.retention and state.conversation and self._parts.shuttle is not None:
                 self._parts.shuttle.forget(state.conversation)  # what it had scheduled was consumed
             self._observe(state, req.timings)

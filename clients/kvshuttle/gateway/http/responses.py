@@ -10,9 +10,10 @@ to a client).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
+
+import orjson
 
 from kvshuttle.gateway.parsing import OutputParser
 from kvshuttle.gateway.turns.record import DecodeOutput
@@ -29,7 +30,9 @@ __all__ = [
 
 
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    """Compact UTF-8 JSON. orjson: a long prompt's token ids echoed back (`return_token_ids`) cost
+    the stdlib encoder ~90 ns an id, ~20x orjson's."""
+    return orjson.dumps(obj)
 
 
 def sse(obj: Any) -> bytes:

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import orjson
 
 from kvshuttle.gateway.config import EngineSettings
 from kvshuttle.gateway.errors import GatewayError, engine_error, engine_message, engine_timeout
@@ -83,7 +84,8 @@ class EngineClient:
         except aiohttp.ClientError as exc:
             raise engine_error(role, None, type(exc).__name__) from None
         try:
-            parsed = json.loads(raw)
+            # orjson: decode's answer echoes the prompt's ids (return_token_ids), ~2.5x faster.
+            parsed = orjson.loads(raw)
         except ValueError:
             raise engine_error(role, None, "the answer is not JSON") from None
         if not isinstance(parsed, dict):
