@@ -550,6 +550,23 @@ async def test_a_router_out_of_reach_serves_plain_pd_on_the_models_last_placemen
     assert env.metrics.get_sample_value("kvshuttle_gateway_turns_total", labels) == 1
 
 
+async def test_an_extend_plan_is_not_the_placement_a_router_out_of_reach_falls_back_on(env: Env) -> None:
+    await placed_once(env)
+    holder = pb.Placement(node="nodes/d1", http_endpoint="http://d1")
+    extend = make_plan(2, params={"do_remote_decode": False, "do_remote_prefill": False})
+    extend.prefill.CopyFrom(holder)
+    extend.decode.CopyFrom(holder)
+    extend.decision, extend.reason = pb.DECISION_EXTEND, pb.DECISION_REASON_EXTEND_CHEAPER
+    env.router.plans["r1"] = extend
+    await env.runner.complete(make_turn("r1"))
+    await env.background.settle()
+    env.engines.endpoints.clear()
+    env.router.plan_failure = unreachable()
+    await env.runner.complete(make_turn("r2"))
+    # Plain P->D on the last prefill-and-decode pair, not the holder named twice.
+    assert env.engines.endpoints == [("prefill", "http://p-last"), ("decode", "http://d-last")]
+
+
 @pytest.mark.parametrize(
     ("router_reason", "reason"),
     [("NO_PREFILL_NODE", "no_prefill_node"), ("NO_DECODE_NODE", "no_decode_node")],

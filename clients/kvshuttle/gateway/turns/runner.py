@@ -213,7 +213,8 @@ class TurnRunner:
             turn.outcome = "router_error"
             raise router_error(err) from None
         turn.plan_s = time.perf_counter() - started
-        if plan.prefill.http_endpoint and plan.decode.http_endpoint:
+        if plan.prefill.http_endpoint and plan.decode.http_endpoint and plan.decision != pb.DECISION_EXTEND:
+            # The P->D pair to fall back on (an extend plan names the decode holder twice).
             self._last_placement[turn.model] = (plan.prefill, plan.decode)
         turn.decision = _enum_name(pb.Decision.Name(plan.decision), "DECISION_")
         turn.reason = _enum_name(pb.DecisionReason.Name(plan.reason), "DECISION_REASON_")
