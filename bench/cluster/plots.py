@@ -45,6 +45,14 @@ def _figure(count: int) -> tuple[Any, list[Axes]]:
     return fig, flat[:count]
 
 
+def _save(fig: Any, title: str, path: Path) -> Path:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def ttft_cdf(rows: Sequence[Row], path: Path, title: str) -> Path:
     groups = panels(rows)
     fig, axes = _figure(len(groups))
@@ -61,11 +69,7 @@ def ttft_cdf(rows: Sequence[Row], path: Path, title: str) -> Path:
         )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, title, path)
 
 
 def decode_kv_blocks(rows: Sequence[Row], path: Path, title: str) -> Path:
@@ -83,11 +87,7 @@ def decode_kv_blocks(rows: Sequence[Row], path: Path, title: str) -> Path:
                xlabel="s into the step (profile time)", ylabel="decode KV blocks, all D")  # fmt: skip
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, title, path)
 
 
 def write(rows: Sequence[Row], json_path: Path, title: str) -> list[Path]:
