@@ -322,7 +322,7 @@ async def test_the_registry_rides_out_a_sentinel_failover(
         }
         with registry_process(tmp_path, redis_env) as (service, addr, token):
             old_master = group.master
-            async with client_to(addr, token) as client:
+            async with client_to(addr, token, service.log_path) as client:
                 await client.register()
                 writers = [Writer(i) for i in range(WRITERS)]
                 kill_time = await run_writers(client, writers, old_master.kill)
