@@ -38,8 +38,11 @@ highest rate whose achieved rate is >= 90% of the offered and whose control-plan
 `--cool-down-s` idle. The machine's busy cores per step (/proc/stat) and those not this run's
 (`others_cores`): on a shared machine, a step slowed by other work shows there.
 Per step also, the control plane's own account: CPU milliseconds per turn per process (the
-second table printed; `cp` is kvshuttle's processes together), and per turn, from each service's
-log (bench/load_account.py), its log lines and the RPCs it served by method and caller.
+second table printed; `cp` is kvshuttle's processes together; `cp-idle` the same less each
+process's CPU over `--idle-s` seconds with no turn, before the steps, scaled to the step's wall
+time: the turns' own cost, which compares across rates), and per turn, from each service's
+log (bench/load_account.py), its log lines and the RPCs it served by method and caller, and from
+the router's and registry's /metrics the serialized request and response bytes by method.
 `--profile DIR` records every kvshuttle process with py-spy over the steps (speedscope JSON in
 DIR/<config>/; py-spy is in the dev extras; on a busy machine its on-CPU samples also catch a
 process preempted at a syscall, so read shares, not absolute times; `--profile-gil` keeps only
@@ -74,7 +77,7 @@ from deploy.local.stack import HOST, KvshuttleStack, RegistryStore
 from deploy.local.vllm_venv import ensure_model
 from deploy.standin.launcher import StandinPair
 
-from bench.load_account import LogAccount, Profiles
+from bench.load_account import LogAccount, Profiles, WireAccount
 from bench.report import save
 
 CONFIGS = ("memory", "redis-1", "redis-2")
@@ -305,11 +308,17 @@ class Run:
         return step
 
 
-def summarize_step(step: Step, cpu: dict[str, float], machine_s: float) -> dict[str, Any]:
+def summarize_step(
+    step: Step, cpu: dict[str, float], machine_s: float, idle: dict[str, float]
+) -> dict[str, Any]:
     ms = 1e3
     done = len(step.latency_s)
     # Every turn costs CPU, a failed one too: CPU per turn is per arrival.
     per_turn = {k: round(v * ms / max(step.turns, 1), 2) for k, v in cpu.items()}
+    net = {
+        k: round(max(v - idle.get(k, 0.0) * step.wall_s, 0.0) * ms / max(step.turns, 1), 2)
+        for k, v in cpu.items()
+    }
     p = {f"{name}_{q}_ms": (None if (v := pct(values, qq)) is None else round(v * ms, 2))
          for name, values in (("latency", step.latency_s), ("control_plane", step.control_s))
          for q, qq in (("p50", 0.5), ("p99", 0.99))}  # fmt: skip
@@ -329,6 +338,12 @@ def summarize_step(step: Step, cpu: dict[str, float], machine_s: float) -> dict[
         "cpu_ms_per_turn": per_turn,
         "control_plane_cpu_ms_per_turn": round(
             sum(v for k, v in per_turn.items() if k.startswith(_CONTROL_PLANE)), 2
+        ),
+        # Less each process's idle CPU over the step's wall time: the turns' own cost.
+        "idle_cpu_ms_per_s": {k: round(v * ms, 2) for k, v in idle.items()},
+        "cpu_ms_per_turn_less_idle": net,
+        "control_plane_cpu_ms_per_turn_less_idle": round(
+            sum(v for k, v in net.items() if k.startswith(_CONTROL_PLANE)), 2
         ),
         "cpu_share_all": round(sum(cpu.values()) / step.wall_s, 2) if step.wall_s else 0.0,
         "cpu_share_of_core": {k: round(v / step.wall_s, 2) for k, v in cpu.items()} if step.wall_s else {},
@@ -368,8 +383,16 @@ async def run_config(run: Run, args: argparse.Namespace, log: Callable[[str], No
         await run.step(session, 5.0, 40, run.conversations(f"{run.config}-warmup"))
         conversations = run.conversations(run.config)
         procs = run.processes()
+        # Each process's CPU a second with no turn at all (heartbeats, polls): what a step's
+        # per-turn figures less idle leave out, so that steps at different rates compare.
+        cpu0 = {k: cpu_seconds(p) for k, p in procs.items()}
+        await asyncio.sleep(args.idle_s)
+        idle = {k: (cpu_seconds(p) - cpu0[k]) / args.idle_s for k, p in procs.items()} if args.idle_s else {}
         rss_before = {k: round(rss_mib(p), 1) for k, p in procs.items()}
         account = LogAccount(run.logs())
+        wire = WireAccount(
+            {name: f"http://{HOST}:{port}/metrics" for name, port in run.stack.metrics_ports.items()}
+        )
         profiles = None
         if args.profile is not None:
             services = {k: p for k, p in procs.items() if k.startswith(_CONTROL_PLANE)}
@@ -377,11 +400,13 @@ async def run_config(run: Run, args: argparse.Namespace, log: Callable[[str], No
         steps = []
         for rate in args.rates:
             account.mark()
+            await asyncio.to_thread(wire.mark)
             cpu0, machine0 = {k: cpu_seconds(p) for k, p in procs.items()}, machine_busy_seconds()
             step = await run.step(session, rate, per_step, conversations)
             cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in procs.items()}
-            steps.append(summarize_step(step, cpu, machine_busy_seconds() - machine0))
+            steps.append(summarize_step(step, cpu, machine_busy_seconds() - machine0, idle))
             steps[-1]["per_turn"] = account.per_turn(step.turns)
+            steps[-1]["per_turn"]["bytes"] = await asyncio.to_thread(wire.per_turn, step.turns)
             s = steps[-1]
             log(f"{run.config:8} {rate:6.0f}/s -> {s['achieved_turns_s']:6.1f}/s  cp p50 "
                 f"{s['control_plane_p50_ms']} p99 {s['control_plane_p99_ms']} ms  reuse {s['reuse_ratio']}  "
@@ -420,21 +445,51 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{r['config']:8} knee {r['knee_offered_turns_s']}/s offered "
             f"({r['knee_achieved_turns_s']}/s achieved), max {r['max_achieved_turns_s']}/s"
         )
-    return "\n".join(lines) + "\n\n" + cpu_table(results)
+    return "\n".join(lines) + "\n\n" + cpu_table(results) + "\n\n" + account_table(results)
 
 
 def cpu_table(results: list[dict[str, Any]]) -> str:
     """CPU milliseconds per turn, one column per process, one row per step; `cp` is kvshuttle's
     own processes together (the engines, redis-server and the client apart)."""
     names = sorted({k for r in results for s in r["steps"] for k in s["cpu_ms_per_turn"]})
-    lines = [f"{'CPU ms/turn':11} {'offered':>7} {'cp':>6} " + " ".join(f"{n[:14]:>14}" for n in names)]
+    lines = [f"{'CPU ms/turn':11} {'offered':>7} {'cp':>6} {'cp-idle':>7} "
+             + " ".join(f"{n[:14]:>14}" for n in names)]  # fmt: skip
     for r in results:
         for s in r["steps"]:
             row = s["cpu_ms_per_turn"]
             lines.append(
                 f"{r['config']:11} {s['offered_turns_s']:7.0f} {s['control_plane_cpu_ms_per_turn']:6.2f} "
+                f"{s['control_plane_cpu_ms_per_turn_less_idle']:7.2f} "
                 + " ".join(f"{row[n]:14.2f}" if n in row else f"{'':14}" for n in names)
             )
+    return "\n".join(lines)
+
+
+def account_table(results: list[dict[str, Any]]) -> str:
+    """Per turn: the RPCs each service served (by method and caller) and the serialized bytes
+    of each method's requests and responses."""
+    lines = [f"{'per turn':11} {'offered':>7} {'service':9} {'method <- caller':44} {'calls':>6} "
+             f"{'req B':>9} {'resp B':>8}"]  # fmt: skip
+    for r in results:
+        for s in r["steps"]:
+            account = s["per_turn"]
+            for service, calls in account["rpcs"].items():
+                wire = account.get("bytes", {}).get(service, {})
+                for key, count in calls.items():
+                    method = key.split(" <- ")[0]
+                    sizes = wire.get(method, {})
+                    share = count / sum(v for k, v in calls.items() if k.split(" <- ")[0] == method)
+                    lines.append(
+                        f"{r['config']:11} {s['offered_turns_s']:7.0f} {service:9} {key[:44]:44} "
+                        f"{count:6.3f} {sizes.get('request', 0) * share:9.0f} "
+                        f"{sizes.get('response', 0) * share:8.0f}"
+                    )
+            total = sum(sum(v.values()) for v in account["rpcs"].values())
+            nbytes = sum(
+                x for m in account.get("bytes", {}).values() for sides in m.values() for x in sides.values()
+            )
+            lines.append(f"{r['config']:11} {s['offered_turns_s']:7.0f} all: {total:.2f} RPCs, "
+                         f"{nbytes:.0f} bytes per turn")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -454,6 +509,8 @@ def main() -> None:
     ap.add_argument("--read-us-per-block", type=float, default=20.0)
     ap.add_argument("--num-blocks", type=int, default=65536)
     ap.add_argument("--cool-down-s", type=float, default=10.0)
+    ap.add_argument("--idle-s", type=float, default=10.0,
+                    help="seconds with no turn before the steps, for each process's idle CPU")  # fmt: skip
     ap.add_argument(
         "--dir",
         type=Path,

@@ -8,6 +8,14 @@ process taken with py-spy while the steps run.
 
 An RPC is one `rpc.done` line (the server interceptor writes exactly one per call, with the
 caller's identity), so `rpcs` is every call the service served, by method and caller.
+
+    wire = WireAccount({"registry": metrics_url, ...}); wire.mark()
+    ... a step ...
+    wire.per_turn(turns)  # {"registry": {"PutRetention": {"request": 812.0, "response": 95.0}}}
+
+Bytes per RPC: the serialized request and response bytes each service received and sent per
+turn, by method (kvshuttle_rpc_{request,response}_bytes_total from its /metrics; every RPC of a
+turn is served by the router or a registry, so theirs cover them all).
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from urllib.request import urlopen
+
+from prometheus_client.parser import text_string_to_metric_families
 
 
 class LogAccount:
@@ -51,6 +62,42 @@ class LogAccount:
             if calls:
                 rpcs[name] = {k: round(v / max(turns, 1), 3) for k, v in sorted(calls.items())}
         return {"log_lines": dict(lines), "rpcs": dict(rpcs)}
+
+
+_WIRE = {"kvshuttle_rpc_request_bytes": "request", "kvshuttle_rpc_response_bytes": "response"}
+
+
+class WireAccount:
+    """Serialized RPC bytes per turn by service and method, from each service's /metrics."""
+
+    def __init__(self, urls: dict[str, str]) -> None:
+        self._urls = urls
+        self._marked: dict[tuple[str, str, str], float] = {}
+
+    def _read(self) -> dict[tuple[str, str, str], float]:
+        totals: dict[tuple[str, str, str], float] = {}
+        for name, url in self._urls.items():
+            with urlopen(url, timeout=10) as response:
+                text = response.read().decode()
+            for family in text_string_to_metric_families(text):
+                side = _WIRE.get(family.name)
+                if side is None:
+                    continue
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        totals[(name, sample.labels["method"], side)] = sample.value
+        return totals
+
+    def mark(self) -> None:
+        self._marked = self._read()
+
+    def per_turn(self, turns: int) -> dict[str, dict[str, dict[str, float]]]:
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for (name, method, side), value in sorted(self._read().items()):
+            delta = value - self._marked.get((name, method, side), 0.0)
+            if delta:
+                out.setdefault(name, {}).setdefault(method, {})[side] = round(delta / max(turns, 1), 1)
+        return out
 
 
 class Profiles:

@@ -307,3 +307,22 @@ async def test_oversized_request_is_resource_exhausted_with_error_info(harness: 
     info = error_info(err)
     assert (info.reason, info.metadata["limit"]) == ("MESSAGE_TOO_LARGE", str(limit))
     assert (await harness.log.done_once("Echo"))["code"] == "RESOURCE_EXHAUSTED"
+
+
+async def test_bytes_on_the_wire_are_counted_per_method(harness: Harness) -> None:
+    request = Request(request_id="b-1", serving_data="x" * 300)
+    response = await harness.unary("Echo", request)
+    await harness.unary("Echo", request)
+    replies = [reply async for reply in harness.stream(Request(serving_data="3"))]
+
+    labels = {"service": SERVICE, "method": "Echo"}
+    sent = harness.registry.get_sample_value("kvshuttle_rpc_response_bytes_total", labels)
+    received = harness.registry.get_sample_value("kvshuttle_rpc_request_bytes_total", labels)
+    assert received == 2 * request.ByteSize()
+    assert sent == 2 * response.ByteSize()
+    count = {"service": SERVICE, "method": "Count"}
+    streamed = Request(serving_data="3").ByteSize()
+    assert harness.registry.get_sample_value("kvshuttle_rpc_request_bytes_total", count) == streamed
+    assert harness.registry.get_sample_value("kvshuttle_rpc_response_bytes_total", count) == sum(
+        reply.ByteSize() for reply in replies
+    )

@@ -46,6 +46,7 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from opentelemetry import propagate, trace
+from prometheus_client import Counter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from structlog.typing import FilteringBoundLogger
 
@@ -96,8 +97,11 @@ class _Unparsed:
     too_large: bool
 
 
-def _parsing(deserializer: Callable[[bytes], Any] | None, max_bytes: int) -> Callable[[bytes], Any]:
+def _parsing(
+    deserializer: Callable[[bytes], Any] | None, max_bytes: int, received: Counter
+) -> Callable[[bytes], Any]:
     def parse(data: bytes) -> Any:
+        received.inc(len(data))
         if len(data) > max_bytes:
             return _Unparsed(len(data), too_large=True)
         try:
@@ -106,6 +110,23 @@ def _parsing(deserializer: Callable[[bytes], Any] | None, max_bytes: int) -> Cal
             return _Unparsed(len(data), too_large=False)
 
     return parse
+
+
+def _counting_in(deserializer: Callable[[bytes], Any], received: Counter) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        received.inc(len(data))
+        return deserializer(data)
+
+    return parse
+
+
+def _counting(serializer: Callable[[Any], bytes], sent: Counter) -> Callable[[Any], bytes]:
+    def serialize(message: Any) -> bytes:
+        data = serializer(message)
+        sent.inc(len(data))
+        return data
+
+    return serialize
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,13 +181,19 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         behavior: Callable[..., Any] = getattr(handler, attribute)
         # grpc.aio picks how to drive a handler by its kind, so the wrapper must be of the same kind.
         wrap = self._wrap_generator if inspect.isasyncgenfunction(behavior) else self._wrap_coroutine
+        received, sent = self._metrics.byte_counters(service, method)
         request_deserializer = handler.request_deserializer
         if not handler.request_streaming:
-            request_deserializer = _parsing(request_deserializer, self._max_request_bytes)
+            request_deserializer = _parsing(request_deserializer, self._max_request_bytes, received)
+        elif request_deserializer is not None:
+            request_deserializer = _counting_in(request_deserializer, received)
+        response_serializer = handler.response_serializer
+        if response_serializer is not None:
+            response_serializer = _counting(response_serializer, sent)
         wrapped = factory(
             wrap(behavior, service, method),
             request_deserializer=request_deserializer,
-            response_serializer=handler.response_serializer,
+            response_serializer=response_serializer,
         )
         self._wrapped[full_method] = (handler, wrapped)
         return wrapped

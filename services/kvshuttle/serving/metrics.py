@@ -11,8 +11,11 @@ _DURATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
 
 class RpcMetrics:
     """kvshuttle_rpc_total{service,method,code}, kvshuttle_rpc_duration_seconds{service,method},
-    kvshuttle_rpc_rejections_total{service,method,reason} and
-    kvshuttle_auth_denied_total{service,method,reason}.
+    kvshuttle_rpc_rejections_total{service,method,reason},
+    kvshuttle_auth_denied_total{service,method,reason}, and the serialized bytes of requests and
+    responses, kvshuttle_rpc_request_bytes_total{service,method} and
+    kvshuttle_rpc_response_bytes_total{service,method} (what each call carries on the wire,
+    before gRPC's framing).
 
     Registers its collectors on `registry`: the process default in production, a fresh
     CollectorRegistry in tests (a registry refuses the same metric name twice).
@@ -45,6 +48,27 @@ class RpcMetrics:
             "RPCs refused for their caller (UNAUTHENTICATED, PERMISSION_DENIED), by reason.",
             ["service", "method", "reason"],
             registry=registry,
+        )
+
+        self._request_bytes = Counter(
+            "kvshuttle_rpc_request_bytes",
+            "Serialized request bytes received, by gRPC service and method.",
+            ["service", "method"],
+            registry=registry,
+        )
+        self._response_bytes = Counter(
+            "kvshuttle_rpc_response_bytes",
+            "Serialized response bytes sent, by gRPC service and method.",
+            ["service", "method"],
+            registry=registry,
+        )
+
+    def byte_counters(self, service: str, method: str) -> tuple[Counter, Counter]:
+        """The request and response byte counters of one method, looked up once per method
+        rather than on every call."""
+        return (
+            self._request_bytes.labels(service=service, method=method),
+            self._response_bytes.labels(service=service, method=method),
         )
 
     def denied(self, service: str, method: str, reason: str) -> None:
