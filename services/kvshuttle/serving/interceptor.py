@@ -46,8 +46,8 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 from opentelemetry import propagate, trace
-from prometheus_client import Counter
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import Counter
 from structlog.typing import FilteringBoundLogger
 
 from kvshuttle.core.errors import InvalidArgument, KvshuttleError, ResourceExhausted
