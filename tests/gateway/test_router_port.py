@@ -37,11 +37,13 @@ class Env:
         plan = await self.port.plan_turn(
             MODEL, prompt, conversation=conversation, request_id=f"r{len(prompt)}", cache_salt_sha256=b""
         )
-        sequence = prompt + self.tokens(70)
+        output = self.tokens(70)
+        sequence = prompt + output
         await self.port.commit_turn(
             plan.turn,
             conversation=conversation,
-            token_ids=sequence,
+            prompt_token_ids=prompt,
+            output_token_ids=output,
             decode_kv_transfer_params=self.tokens.decode_params(plan, len(sequence)),
             timings=pb.TurnTimings(),
         )
@@ -146,3 +148,53 @@ async def test_with_every_replica_down_the_turn_gets_unavailable(env: Env) -> No
     # What the turn runner degrades on: plain P->D on the model's last placement.
     assert failed.value.code == "UNAVAILABLE" and failed.value.reason is None
     assert all(env.count("kvshuttle_gateway_router_failovers_total", r) == 1 for r in env.routers)
+
+
+async def test_a_commit_that_lands_on_another_replica_is_sent_again_whole(env: Env) -> None:
+    assert env.port.replicas is not None
+    conversation = CONVERSATIONS[0]
+    prompt = env.tokens(PROMPT)
+    plan = await env.port.plan_turn(
+        MODEL, prompt, conversation=conversation, request_id="r1", cache_salt_sha256=b""
+    )
+    home, nxt = env.port.replicas.ranked(conversation)[:2]
+    await env.routers[home].server.stop()  # the replica that planned, and holds the prompt
+    output = env.tokens(70)
+    sequence = prompt + output
+
+    result = await env.port.commit_turn(
+        plan.turn,
+        conversation=conversation,
+        prompt_token_ids=prompt,
+        output_token_ids=output,
+        decode_kv_transfer_params=env.tokens.decode_params(plan, len(sequence)),
+        timings=pb.TurnTimings(),
+    )
+
+    # The next replica refused the output alone (PROMPT_NOT_HELD) and stored the whole sequence.
+    assert result.retention
+    assert env.metrics.get_sample_value("kvshuttle_gateway_commits_resent_total") == 1.0
+    second = await env.port.plan_turn(
+        MODEL, sequence + env.tokens(50), conversation=conversation, request_id="r2", cache_salt_sha256=b""
+    )
+    assert second.decision == pb.DECISION_REUSE
+    assert env.count("kvshuttle_gateway_router_picks_total", nxt) == 2
+
+
+async def test_a_commit_on_the_replica_that_planned_sends_the_output_alone(env: Env) -> None:
+    assert env.port.replicas is not None
+    _, sequence = await env.turn(CONVERSATIONS[1], env.tokens(PROMPT))
+    second, _ = await env.turn(CONVERSATIONS[1], sequence + env.tokens(50))
+
+    assert second.decision == pb.DECISION_REUSE
+    assert env.metrics.get_sample_value("kvshuttle_gateway_commits_resent_total") == 0.0
+    home = env.routers[env.port.replicas.ranked(CONVERSATIONS[1])[0]].metrics
+
+    def received(method: str) -> float:
+        labels = {"service": "kvshuttle.router.v1.RouterService", "method": method}
+        return home.get_sample_value("kvshuttle_rpc_request_bytes_total", labels) or 0.0
+
+    # Two prompts of 4,000+ tokens planned (2-3 bytes an id); two outputs of 70 committed, with
+    # decode's params (block ids): far less than a prompt sent again.
+    assert received("PlanTurn") > 2 * 2 * PROMPT
+    assert received("CommitTurn") < 2 * PROMPT

@@ -13,7 +13,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,7 +135,8 @@ class FakeRouter:
         turn: str,
         *,
         conversation: str,
-        token_ids: Iterable[int],
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
         decode_kv_transfer_params: KvTransferParams | None,
         timings: pb.TurnTimings,
     ) -> pb.CommitTurnResponse:
@@ -144,7 +145,8 @@ class FakeRouter:
         self.log.append(f"commit {turn}")
         if self.commit_failure is not None:
             raise self.commit_failure
-        self.commits.append(Commit(turn, conversation, list(token_ids), decode_kv_transfer_params, timings))
+        sequence = [*prompt_token_ids, *output_token_ids]
+        self.commits.append(Commit(turn, conversation, sequence, decode_kv_transfer_params, timings))
         retained = decode_kv_transfer_params is not None
         return pb.CommitTurnResponse(retention=f"{CONVERSATION}/retentions/1" if retained else "")
 

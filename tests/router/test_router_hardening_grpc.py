@@ -297,3 +297,86 @@ async def test_durations_outside_protobufs_range_are_invalid_argument(c: Cluster
         "timings.prefill",
     )
     assert await registry_state(c.registry) == before
+
+
+# ---- CommitTurn's output alone (the prompt held by the replica that planned) ----------------
+
+
+async def test_a_commit_of_the_output_alone_stores_what_the_whole_sequence_would(c: Cluster) -> None:
+    prompt, output = c.tokens(PROMPT), c.tokens(OUTPUT)
+    plan = await c.plan(prompt)
+    sequence = [*prompt, *output]
+    params = c.tokens.decode_params(plan, len(sequence))
+
+    first = await c.a.client.commit_turn(
+        plan.turn, output_token_ids=output, decode_kv_transfer_params=params, request_id="commit-1"
+    )
+
+    stored = await retention(c)
+    assert stored.num_tokens == len(sequence)
+    assert list(stored.block_hashes) == chain_hashes(sequence, BS)[: len(sequence) // BS]
+    # A retry with the whole sequence is the same request (one fingerprint): the first answer.
+    again = await c.a.client.commit_turn(
+        plan.turn, token_ids=sequence, decode_kv_transfer_params=params, request_id="commit-1"
+    )
+    assert again == first
+    next_plan = await c.plan([*sequence, *c.tokens(50)])
+    assert next_plan.decision == pb.DECISION_REUSE
+
+
+async def test_a_replica_that_did_not_plan_the_turn_refuses_its_output_alone(c: Cluster) -> None:
+    prompt, output = c.tokens(PROMPT), c.tokens(OUTPUT)
+    plan = await c.plan(prompt)  # on a
+    sequence = [*prompt, *output]
+    params = c.tokens.decode_params(plan, len(sequence))
+    before = await registry_state(c.registry)
+
+    err = await fails(
+        c.b.client.commit_turn(plan.turn, output_token_ids=output, decode_kv_transfer_params=params)
+    )
+
+    assert (err.code, err.reason, err.field) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "PROMPT_NOT_HELD",
+        "output_token_ids",
+    )
+    assert await registry_state(c.registry) == before
+    # The whole sequence commits there.
+    committed = await c.commit(plan, sequence, on=c.b)
+    assert committed.retention == f"{CONV}/retentions/1"
+
+
+async def test_a_finished_turns_prompt_is_let_go(c: Cluster) -> None:
+    prompt, output = c.tokens(PROMPT), c.tokens(OUTPUT)
+    plan = await c.plan(prompt)
+    await c.a.client.abort_turn(plan.turn, reason="test")
+
+    err = await fails(c.a.client.commit_turn(plan.turn, output_token_ids=output))
+
+    assert (err.code, err.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "PROMPT_NOT_HELD")
+    err = await fails(c.a.client.commit_turn(plan.turn, token_ids=[*prompt, *output]))
+    assert (err.code, err.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "TURN_FINISHED")
+
+
+async def test_a_commit_with_both_the_sequence_and_the_output_alone_is_invalid_argument(c: Cluster) -> None:
+    prompt, output = c.tokens(PROMPT), c.tokens(OUTPUT)
+    plan = await c.plan(prompt)
+
+    both = await fails(
+        c.a.client.commit_turn(plan.turn, token_ids=[*prompt, *output], output_token_ids=output)
+    )
+    too_long = await fails(c.a.client.commit_turn(plan.turn, output_token_ids=[5] * (MAX_OUTPUT_TOKENS + 1)))
+
+    assert (both.code, both.reason, both.field) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_ARGUMENT",
+        "output_token_ids",
+    )
+    assert (too_long.code, too_long.field) == (grpc.StatusCode.INVALID_ARGUMENT, "output_token_ids.token_ids")
+    # Refused before anything changed: the turn still commits its output alone.
+    committed = await c.a.client.commit_turn(
+        plan.turn,
+        output_token_ids=output,
+        decode_kv_transfer_params=c.tokens.decode_params(plan, len(prompt) + len(output)),
+    )
+    assert committed.retention

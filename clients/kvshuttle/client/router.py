@@ -60,14 +60,20 @@ class RouterClient(ServiceClient):
         timings: pb.TurnTimings | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
+        output_token_ids: Iterable[int] | None = None,
     ) -> pb.CommitTurnResponse:
-        """Finish `turn` ("turns/{turn}"): store decode's retained KV (prompt + output `token_ids`)."""
+        """Finish `turn` ("turns/{turn}"): store decode's retained KV (prompt + output `token_ids`).
+        With `output_token_ids` instead, the output alone: the replica that planned the turn
+        holds its prompt; another refuses it (FAILED_PRECONDITION, PROMPT_NOT_HELD)."""
         request = pb.CommitTurnRequest(
             request_id=new_request_id(request_id),
             turn=turn,
             decode_kv_transfer_params=decode_kv_transfer_params,
             token_ids=token_ids,
             timings=timings,
+            output_token_ids=None
+            if output_token_ids is None
+            else pb.OutputTokenIds(token_ids=output_token_ids),
         )
         return await self._unary("CommitTurn", request, pb.CommitTurnResponse, timeout)
 

@@ -54,6 +54,12 @@ class GatewayMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.commits_resent = Counter(
+            "kvshuttle_gateway_commits_resent",
+            "CommitTurn calls sent again with the whole sequence: the router replica that "
+            "answered did not hold the turn's prompt (PROMPT_NOT_HELD).",
+            registry=registry,
+        )
         self.reuse_fallbacks = Counter(
             "kvshuttle_gateway_reuse_fallbacks",
             "Reuse turns whose prefill was run again as a plain recompute, by why: "

@@ -54,6 +54,8 @@ class ErrorReason(StrEnum):
     TURN_NOT_FOUND = "TURN_NOT_FOUND"  # the handle is malformed or not this router's
     TURN_EXPIRED = "TURN_EXPIRED"
     TURN_FINISHED = "TURN_FINISHED"  # already committed or aborted
+    # A commit of the output alone on a replica that does not hold the turn's prompt.
+    PROMPT_NOT_HELD = "PROMPT_NOT_HELD"
     NO_PREFILL_NODE = "NO_PREFILL_NODE"
     NO_DECODE_NODE = "NO_DECODE_NODE"
     # A call to another kvshuttle service failed.
@@ -109,6 +111,7 @@ SERVICE_REASONS: Final[dict[str, frozenset[ErrorReason]]] = {
             ErrorReason.TURN_NOT_FOUND,
             ErrorReason.TURN_EXPIRED,
             ErrorReason.TURN_FINISHED,
+            ErrorReason.PROMPT_NOT_HELD,
             ErrorReason.NO_PREFILL_NODE,
             ErrorReason.NO_DECODE_NODE,
             ErrorReason.REGISTRY_UNAVAILABLE,

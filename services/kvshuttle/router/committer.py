@@ -30,6 +30,7 @@ from opentelemetry import trace
 
 from kvshuttle.core.digest import log_name
 from kvshuttle.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from kvshuttle.core.hashing import token_array
 from kvshuttle.core.limits import MAX_BLOCK_HASHES, MAX_GENERATION
 from kvshuttle.core.names import check_id
 from kvshuttle.core.reasons import ErrorReason
@@ -86,10 +87,7 @@ class Committer:
         if req.request_id:
             check_id(req.request_id, "request_id", max_length=policy.max_id_length)
         state = self._parts.codec.decode(req.turn)
-        # The whole sequence: a prompt at PlanTurn's bound plus the answer stays committable.
-        tokens = checks.token_ids(
-            req.token_ids, "token_ids", max_tokens=policy.max_prompt_tokens + policy.max_output_tokens
-        )
+        tokens = self._sequence(req, state)
         checks.timings(req.timings)
         fingerprint = b""
         if req.request_id:
@@ -165,6 +163,34 @@ class Committer:
         self._parts.metrics.own_seconds.labels("CommitTurn").observe(timer.own_cpu_s())
         structlog.contextvars.bind_contextvars(retention=log_name(result.retention), **timer.log_fields())
         return result
+
+    def _sequence(self, req: CommitRequest, state: TurnState) -> npt.NDArray[np.uint32]:
+        """The turn's whole sequence: as sent, or the prompt held here since the plan plus the
+        output sent alone. The fingerprint of a retry is the same either way."""
+        policy = self._parts.policy
+        if req.output_token_ids is None:
+            # A prompt at PlanTurn's bound plus the answer stays committable.
+            return checks.token_ids(
+                req.token_ids, "token_ids", max_tokens=policy.max_prompt_tokens + policy.max_output_tokens
+            )
+        if len(req.token_ids):
+            raise InvalidArgument("output_token_ids", "set with token_ids; send one of the two")
+        try:
+            output = token_array(req.output_token_ids)
+        except ValueError as exc:
+            raise InvalidArgument("output_token_ids.token_ids", str(exc)) from exc
+        if output.size > policy.max_output_tokens:
+            raise InvalidArgument(
+                "output_token_ids.token_ids", f"more than {policy.max_output_tokens} tokens"
+            )
+        prompt = self._parts.memory.held_prompt(state.turn_id)
+        if prompt is None:
+            raise FailedPrecondition(
+                "this router replica does not hold the turn's prompt; send token_ids",
+                reason=ErrorReason.PROMPT_NOT_HELD,
+                metadata={"field": "output_token_ids"},
+            )
+        return np.concatenate([prompt, output]) if output.size else prompt
 
     async def _store(
         self,

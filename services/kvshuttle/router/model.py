@@ -160,6 +160,9 @@ class RouterPolicy:
     remembered_turns: int = 100_000
     # Estimated bytes of the plans remembered by request id (each holds prefill's block ids).
     remembered_plan_bytes: int = 64 * 2**20
+    # The prompts of the turns planned here and not yet finished (uint32 each), so that a
+    # commit need not send its prompt again (CommitTurn's output_token_ids); the oldest go first.
+    held_prompt_bytes: int = 128 * 2**20
     weights: PlacementWeights = field(default_factory=PlacementWeights)
     parking: ParkingPolicy = field(default_factory=ParkingPolicy)
     extend: ExtendPolicy = field(default_factory=ExtendPolicy)
@@ -341,6 +344,8 @@ class CommitRequest:
     decode_kv_transfer_params: dict[str, Any] | None
     timings: TurnTimings = field(default_factory=TurnTimings)
     request_id: str = ""
+    # Instead of token_ids: the output alone, after the prompt this replica holds for the turn.
+    output_token_ids: TokenIds | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -167,6 +167,7 @@ class PlanIssuer:
         )
         if conversation:
             self._parts.memory.placed(conversation, prefill.name, decode.name)
+        self._parts.memory.hold_prompt(state.turn_id, call.tokens)
         self._parts.metrics.decided(decision, reason, reusable, n - cached)
         call.span.set_attributes(
             {

@@ -73,6 +73,7 @@ class Router:
             remembered_turns=policy.remembered_turns,
             hint_bytes=policy.retention_hint_bytes,
             plan_bytes=policy.remembered_plan_bytes,
+            prompt_bytes=policy.held_prompt_bytes,
         )
         # The caches the planner and the committer share, exported as metrics.
         self.chains = ChainCache(policy.chain_cache_bytes)

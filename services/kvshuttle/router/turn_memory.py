@@ -9,10 +9,12 @@ retries exact:
 * the turns finished here (committed or aborted), so a second commit or abort is refused at once;
 * each conversation's last prefill and decode node, a tie-break for its next placement;
 * the retention each conversation's last commit here stored (`hints`, see hints.py);
-* the commits being stored right now, which a plan of the same conversation waits for.
+* the commits being stored right now, which a plan of the same conversation waits for;
+* the prompts of the turns planned here and not yet finished, so that their commits may send
+  the output alone (a commit that finds none sends the whole sequence).
 
 Each table keeps its last `remembered_turns` entries; plans (which hold prefill's block ids) and
-hints are bounded by bytes too.
+hints and prompts are bounded by bytes too.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ class _Recent(Generic[T]):
     def get(self, key: str) -> T | None:
         hit = self._entries.get(key)
         return None if hit is None else hit[0]
+
+    def pop(self, key: str) -> None:
+        hit = self._entries.pop(key, None)
+        if hit is not None:
+            self.nbytes -= hit[1]
 
     def put(self, key: str, value: T) -> None:
         old = self._entries.pop(key, None)
@@ -99,7 +106,14 @@ def commit_fingerprint(req: CommitRequest, tokens: np.ndarray[Any, Any]) -> byte
 
 
 class TurnMemory:
-    def __init__(self, *, remembered_turns: int, hint_bytes: int, plan_bytes: int = 64 * 2**20) -> None:
+    def __init__(
+        self,
+        *,
+        remembered_turns: int,
+        hint_bytes: int,
+        plan_bytes: int = 64 * 2**20,
+        prompt_bytes: int = 128 * 2**20,
+    ) -> None:
         self.hints = RetentionHints(hint_bytes)
         # A plan holds prefill's params, whose block ids can be tens of thousands: by bytes too.
         self._plans: _Recent[tuple[bytes, Plan]] = _Recent(
@@ -107,6 +121,9 @@ class TurnMemory:
         )
         self._commits: _Recent[tuple[bytes, CommitResult]] = _Recent(remembered_turns)
         self._finished: _Recent[str] = _Recent(remembered_turns)
+        self._prompts: _Recent[np.ndarray[Any, Any]] = _Recent(
+            remembered_turns, max_bytes=prompt_bytes, size=lambda tokens: int(tokens.nbytes) + 100
+        )
         self._nodes: _Recent[tuple[str, str]] = _Recent(remembered_turns)
         self._storing: dict[str, asyncio.Future[None]] = {}
 
@@ -145,6 +162,14 @@ class TurnMemory:
 
     def finish(self, turn_id: str, outcome: str) -> None:
         self._finished.put(turn_id, outcome)
+        self._prompts.pop(turn_id)
+
+    def hold_prompt(self, turn_id: str, tokens: np.ndarray[Any, Any]) -> None:
+        """The prompt of a turn planned here (treated as read-only), until it finishes."""
+        self._prompts.put(turn_id, tokens)
+
+    def held_prompt(self, turn_id: str) -> np.ndarray[Any, Any] | None:
+        return self._prompts.get(turn_id)
 
     def last_nodes(self, conversation: str) -> tuple[str, str]:
         """The conversation's last (prefill, decode) node planned here; ("", "") if none."""

@@ -8,7 +8,7 @@ GatewayError, already what the client sees (engine_error, engine_timeout).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
@@ -39,12 +39,14 @@ class RouterPort(Protocol):
         turn: str,
         *,
         conversation: str,
-        token_ids: Iterable[int],
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
         decode_kv_transfer_params: KvTransferParams | None,
         timings: pb.TurnTimings,
     ) -> pb.CommitTurnResponse:
         """CommitTurn of the turn `turn` (its handle) of `conversation` ("": none), which
-        routes it to the router replica that planned it."""
+        routes it to the router replica that planned it; the sequence is the prompt plus the
+        output (which the router may be sent alone: the replica that planned holds the prompt)."""
         ...
 
     async def abort_turn(self, turn: str, *, conversation: str, reason: str) -> None: ...

@@ -18,7 +18,7 @@ settled turn is refused as such.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -175,23 +175,38 @@ class GrpcRouterPort:
         turn: str,
         *,
         conversation: str,
-        token_ids: Iterable[int],
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
         decode_kv_transfer_params: KvTransferParams | None,
         timings: pb.TurnTimings,
     ) -> pb.CommitTurnResponse:
-        ids, request_id = list(token_ids), new_request_id(None)
+        """The output alone first (the replica that planned holds the prompt: a long prompt is
+        not sent twice), the whole sequence when the replica answering does not hold it
+        (PROMPT_NOT_HELD: another replica planned, or it restarted). One request id for both:
+        the router fingerprints the whole sequence either way."""
+        request_id = new_request_id(None)
 
-        async def commit(client: RouterClient, deadline_s: float) -> pb.CommitTurnResponse:
-            return await client.commit_turn(
-                turn,
-                token_ids=ids,
-                decode_kv_transfer_params=decode_kv_transfer_params,
-                timings=timings,
-                request_id=request_id,
-                timeout=deadline_s,
-            )
+        def commit(**tokens: Sequence[int]) -> Call[pb.CommitTurnResponse]:
+            async def call(client: RouterClient, deadline_s: float) -> pb.CommitTurnResponse:
+                return await client.commit_turn(
+                    turn,
+                    decode_kv_transfer_params=decode_kv_transfer_params,
+                    timings=timings,
+                    request_id=request_id,
+                    timeout=deadline_s,
+                    **tokens,
+                )
 
-        return await self._call(conversation or turn, commit)
+            return call
+
+        try:
+            return await self._call(conversation or turn, commit(output_token_ids=output_token_ids))
+        except RouterFailure as err:
+            if err.reason != "PROMPT_NOT_HELD":
+                raise
+        self._metrics.commits_resent.inc()
+        whole = [*prompt_token_ids, *output_token_ids]
+        return await self._call(conversation or turn, commit(token_ids=whole))
 
     async def abort_turn(self, turn: str, *, conversation: str, reason: str) -> None:
         async def abort(client: RouterClient, deadline_s: float) -> None:

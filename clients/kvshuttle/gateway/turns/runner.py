@@ -457,12 +457,12 @@ class TurnRunner:
                 log.warning("decode.bad_kv_transfer_params", error=exc.message)
         elif out.finish_reason is not None:
             log.debug("decode.no_kv_transfer_params", stop_strings=turn.stop_strings)
-        tokens = turn.prompt_ids + out.token_ids if out.ids_complete else turn.prompt_ids
         try:
             result = await self._router.commit_turn(
                 handle,
                 conversation=turn.conversation,
-                token_ids=tokens,
+                prompt_token_ids=turn.prompt_ids,
+                output_token_ids=out.token_ids if out.ids_complete else [],
                 decode_kv_transfer_params=params,
                 timings=timings,
             )

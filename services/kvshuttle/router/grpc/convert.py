@@ -162,4 +162,5 @@ def commit_request_from_pb(request: pb.CommitTurnRequest) -> CommitRequest:
         decode_kv_transfer_params=_decode_params(request),
         timings=_timings(request),
         request_id=request.request_id,
+        output_token_ids=request.output_token_ids.token_ids if request.HasField("output_token_ids") else None,
     )

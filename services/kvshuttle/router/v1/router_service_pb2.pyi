@@ -439,6 +439,7 @@ class CommitTurnRequest(_message.Message):
     DECODE_KV_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id; a repeated request returns the first response unchanged. The same id
     with another request body is INVALID_ARGUMENT (REQUEST_ID_REUSED).
@@ -454,11 +455,20 @@ class CommitTurnRequest(_message.Message):
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The finished sequence's token ids: prompt plus output; at most 524,288 (a prompt at
-        PlanTurn's bound plus 262,144 tokens of output).
+        PlanTurn's bound plus 262,144 tokens of output). Empty when output_token_ids is set.
         """
 
     @_builtins.property
     def timings(self) -> Global___TurnTimings: ...
+    @_builtins.property
+    def output_token_ids(self) -> Global___OutputTokenIds:
+        """Instead of token_ids: the output's token ids alone, the sequence being the prompt PlanTurn
+        was given plus these, so that a long prompt is not sent twice. The router replica that
+        planned the turn holds its prompt until the turn finishes (bounded; a replica under
+        pressure lets the oldest go); any other answers FAILED_PRECONDITION (PROMPT_NOT_HELD), and
+        the caller sends token_ids instead. Set at most one of the two.
+        """
+
     def __init__(
         self,
         *,
@@ -467,14 +477,37 @@ class CommitTurnRequest(_message.Message):
         decode_kv_transfer_params: _kv_transfer_params_pb2.KvTransferParams | None = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         timings: Global___TurnTimings | None = ...,
+        output_token_ids: Global___OutputTokenIds | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["decode_kv_transfer_params", b"decode_kv_transfer_params", "timings", b"timings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decode_kv_transfer_params", b"decode_kv_transfer_params", "output_token_ids", b"output_token_ids", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_kv_transfer_params", b"decode_kv_transfer_params", "request_id", b"request_id", "timings", b"timings", "token_ids", b"token_ids", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_kv_transfer_params", b"decode_kv_transfer_params", "output_token_ids", b"output_token_ids", "request_id", b"request_id", "timings", b"timings", "token_ids", b"token_ids", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CommitTurnRequest: _TypeAlias = CommitTurnRequest  # noqa: Y015
+
+@_typing.final
+class OutputTokenIds(_message.Message):
+    """The output of a turn: its token ids (at most 262,144; none when decode produced nothing)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OutputTokenIds: _TypeAlias = OutputTokenIds  # noqa: Y015
 
 @_typing.final
 class CommitTurnResponse(_message.Message):

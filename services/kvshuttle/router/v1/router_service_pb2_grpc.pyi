@@ -43,6 +43,9 @@ class RouterServiceStub:
         signing key, a forged handle, another router version's format).
       TURN_EXPIRED: the turn's claim lapsed before CommitTurn.
       TURN_FINISHED: the turn was already committed or aborted, or a later turn committed.
+      PROMPT_NOT_HELD: CommitTurn with output_token_ids only, on a replica that does not hold
+        the turn's prompt (another replica planned it, or this one restarted or let it go; metadata
+        "field": "output_token_ids"): send the whole sequence in token_ids instead.
       NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
       REGISTRY_UNAVAILABLE: PlanTurn only: the registry did not answer in time and the last
         node list it gave is older than the router's degraded_nodes_max_age_s (younger, the
@@ -97,6 +100,9 @@ class RouterServiceAsyncStub(RouterServiceStub):
         signing key, a forged handle, another router version's format).
       TURN_EXPIRED: the turn's claim lapsed before CommitTurn.
       TURN_FINISHED: the turn was already committed or aborted, or a later turn committed.
+      PROMPT_NOT_HELD: CommitTurn with output_token_ids only, on a replica that does not hold
+        the turn's prompt (another replica planned it, or this one restarted or let it go; metadata
+        "field": "output_token_ids"): send the whole sequence in token_ids instead.
       NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
       REGISTRY_UNAVAILABLE: PlanTurn only: the registry did not answer in time and the last
         node list it gave is older than the router's degraded_nodes_max_age_s (younger, the
@@ -147,6 +153,9 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
         signing key, a forged handle, another router version's format).
       TURN_EXPIRED: the turn's claim lapsed before CommitTurn.
       TURN_FINISHED: the turn was already committed or aborted, or a later turn committed.
+      PROMPT_NOT_HELD: CommitTurn with output_token_ids only, on a replica that does not hold
+        the turn's prompt (another replica planned it, or this one restarted or let it go; metadata
+        "field": "output_token_ids"): send the whole sequence in token_ids instead.
       NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
       REGISTRY_UNAVAILABLE: PlanTurn only: the registry did not answer in time and the last
         node list it gave is older than the router's degraded_nodes_max_age_s (younger, the
