@@ -65,15 +65,14 @@ class RouterClient(ServiceClient):
         """Finish `turn` ("turns/{turn}"): store decode's retained KV (prompt + output `token_ids`).
         With `output_token_ids` instead, the output alone: the replica that planned the turn
         holds its prompt; another refuses it (FAILED_PRECONDITION, PROMPT_NOT_HELD)."""
+        output = None if output_token_ids is None else pb.OutputTokenIds(token_ids=output_token_ids)
         request = pb.CommitTurnRequest(
             request_id=new_request_id(request_id),
             turn=turn,
             decode_kv_transfer_params=decode_kv_transfer_params,
             token_ids=token_ids,
             timings=timings,
-            output_token_ids=None
-            if output_token_ids is None
-            else pb.OutputTokenIds(token_ids=output_token_ids),
+            output_token_ids=output,
         )
         return await self._unary("CommitTurn", request, pb.CommitTurnResponse, timeout)
 
