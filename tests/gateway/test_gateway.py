@@ -412,9 +412,13 @@ async def test_header_and_body_conversation_ids_must_agree(c: Cluster) -> None:
 async def test_an_unknown_model_is_404_and_a_bad_body_400(c: Cluster) -> None:
     status, body = await c.post(CHAT, {"model": "nope", "messages": first_messages()})
     assert status == 404 and assert_openai_error(body, "model_not_found")["param"] == "model"
-    async with c.http.post(c.url + CHAT, data=b"{not json") as response:
-        assert response.status == 400
-        assert_openai_error(await response.json())
+    # Not JSON, and what only a lenient parser takes: NaN, a lone surrogate.
+    for raw in (b"{not json", b'{"model": "m", "prompt": [1], "temperature": NaN}',
+                b'{"model": "m", "prompt": "\\ud800"}'):  # fmt: skip
+        async with c.http.post(c.url + CHAT, data=raw) as response:
+            assert response.status == 400
+            assert "not valid JSON" in assert_openai_error(await response.json())["message"]
+    assert c.prefill.transcript.requests == []
     async with c.http.get(c.url + "/v1/nothing") as response:
         assert response.status == 404
         assert_openai_error(await response.json(), "not_found")
