@@ -120,7 +120,8 @@ async def conversation(
             )
         )
         t1 = time.perf_counter()
-        sequence = prompt + [rng.randrange(10, 150_000) for _ in range(output)]
+        answer = [rng.randrange(10, 150_000) for _ in range(output)]
+        sequence = prompt + answer
         blocks = -(-len(sequence) // BLOCK)
         params = KvTransferParams(
             do_remote_decode=True,
@@ -134,7 +135,12 @@ async def conversation(
         block_id += blocks
         t2 = time.perf_counter()
         await stub.CommitTurn(
-            pb.CommitTurnRequest(turn=plan.turn, token_ids=sequence, decode_kv_transfer_params=params)
+            # The output alone, as the gateway sends it: this replica planned the turn.
+            pb.CommitTurnRequest(
+                turn=plan.turn,
+                output_token_ids=pb.OutputTokenIds(token_ids=answer),
+                decode_kv_transfer_params=params,
+            )
         )
         t3 = time.perf_counter()
         out.append(
