@@ -11,6 +11,7 @@ from kvshuttle.router.chains import ChainCache
 from kvshuttle.router.hints import RetentionHints
 from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import RetentionInfo
+from kvshuttle.router.turn_memory import TurnMemory
 
 
 def retention(conversation: str, generation: int, blocks: int) -> RetentionInfo:
@@ -62,7 +63,9 @@ def test_the_bound_evicts_the_least_recently_used() -> None:
 def test_the_caches_are_exported_as_metrics() -> None:
     registry = CollectorRegistry()
     chains, hints = ChainCache(1 << 20), RetentionHints(1 << 20)
-    RouterMetrics(registry).watch_caches(chains, hints)
+    memory = TurnMemory(remembered_turns=10, hint_bytes=1 << 20)
+    RouterMetrics(registry).watch_caches(chains, hints, memory.prompts)
+    memory.hold_prompt("t1", np.arange(100, dtype=np.uint32))
     tokens = np.arange(64, dtype=np.uint32)
     chains.chain("c1", tokens, 16)  # hashed whole
     chains.chain("c1", np.arange(80, dtype=np.uint32), 16)  # extends the remembered prefix
@@ -77,6 +80,8 @@ def test_the_caches_are_exported_as_metrics() -> None:
     assert sample("kvshuttle_router_cache_entries", cache="hints") == 1
     assert sample("kvshuttle_router_cache_bytes", cache="hints") == hints.nbytes > 0
     assert sample("kvshuttle_router_cache_bytes", cache="chains") == chains.nbytes > 0
+    assert sample("kvshuttle_router_cache_entries", cache="prompts") == 1
+    assert sample("kvshuttle_router_cache_bytes", cache="prompts") == memory.prompts.nbytes >= 400
 
 
 def test_the_bound_counts_a_retentions_known_tokens() -> None:

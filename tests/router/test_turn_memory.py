@@ -133,3 +133,15 @@ def test_remembered_plans_are_bounded_by_bytes() -> None:
     assert memory.earlier_plan("c", "m", "r0", b"fp") is None
     assert memory.earlier_plan("c", "m", "r99", b"fp") is not None
     assert 0 < memory._plans.nbytes <= 4 << 20 and len(memory._plans) == (4 << 20) // (1024 + 8 + 36 * 16_384)
+
+
+def test_held_prompts_are_bounded_by_bytes_and_let_go_when_the_turn_finishes() -> None:
+    memory = TurnMemory(remembered_turns=100, hint_bytes=1 << 20, prompt_bytes=3 * (4000 + 100))
+    for i in range(4):
+        memory.hold_prompt(f"t{i}", np.full(1000, i, dtype=np.uint32))  # 4,000 bytes each
+
+    assert memory.held_prompt("t0") is None  # the oldest out: three fit
+    assert [int(memory.held_prompt(f"t{i}")[0]) for i in (1, 2, 3)] == [1, 2, 3]  # type: ignore[index]
+    memory.finish("t2", "committed")
+    assert memory.held_prompt("t2") is None
+    assert (len(memory.prompts), memory.prompts.nbytes) == (2, 2 * (4000 + 100))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -17,12 +18,21 @@ _BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1
 _MOVE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-class CacheCollector(Collector):
-    """The replica's prompt-chain cache and retention hints, read at scrape time."""
+class _Sized(Protocol):
+    @property
+    def nbytes(self) -> int: ...
 
-    def __init__(self, chains: ChainCache, hints: RetentionHints) -> None:
+    def __len__(self) -> int: ...
+
+
+class CacheCollector(Collector):
+    """The replica's prompt-chain cache, retention hints and (given) the prompts it holds for
+    the turns it planned, read at scrape time."""
+
+    def __init__(self, chains: ChainCache, hints: RetentionHints, prompts: _Sized | None = None) -> None:
         self._chains = chains
         self._hints = hints
+        self._prompts = prompts
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         lookups = CounterMetricFamily(
@@ -39,7 +49,10 @@ class CacheCollector(Collector):
         size = GaugeMetricFamily(
             "kvshuttle_router_cache_bytes", "Estimated bytes of the replica's caches.", labels=["cache"]
         )
-        for name, cache in (("chains", self._chains), ("hints", self._hints)):
+        caches: list[tuple[str, _Sized]] = [("chains", self._chains), ("hints", self._hints)]
+        if self._prompts is not None:
+            caches.append(("prompts", self._prompts))
+        for name, cache in caches:
             entries.add_metric([name], len(cache))
             size.add_metric([name], cache.nbytes)
         yield entries
@@ -131,8 +144,8 @@ class RouterMetrics:
             "kvshuttle_router_moves_in_flight", "Shuttle moves running now.", registry=registry
         )
 
-    def watch_caches(self, chains: ChainCache, hints: RetentionHints) -> None:
-        self._registry.register(CacheCollector(chains, hints))
+    def watch_caches(self, chains: ChainCache, hints: RetentionHints, prompts: _Sized | None = None) -> None:
+        self._registry.register(CacheCollector(chains, hints, prompts))
 
     def decided(self, decision: Decision, reason: Reason, reused: int, recomputed: int) -> None:
         self.decisions.labels(decision.value, reason.value).inc()

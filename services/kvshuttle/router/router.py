@@ -78,7 +78,7 @@ class Router:
         # The caches the planner and the committer share, exported as metrics.
         self.chains = ChainCache(policy.chain_cache_bytes)
         self.hints = memory.hints
-        metrics.watch_caches(self.chains, self.hints)
+        metrics.watch_caches(self.chains, self.hints, memory.prompts)
         parking = policy.parking
         self.shuttle = (
             Shuttle(

@@ -171,6 +171,11 @@ class TurnMemory:
     def held_prompt(self, turn_id: str) -> np.ndarray[Any, Any] | None:
         return self._prompts.get(turn_id)
 
+    @property
+    def prompts(self) -> _Recent[np.ndarray[Any, Any]]:
+        """The held prompts (their count and estimated bytes are exported as a cache)."""
+        return self._prompts
+
     def last_nodes(self, conversation: str) -> tuple[str, str]:
         """The conversation's last (prefill, decode) node planned here; ("", "") if none."""
         return self._nodes.get(conversation) or ("", "")
