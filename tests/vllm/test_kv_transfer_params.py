@@ -72,6 +72,10 @@ def test_seen_on_the_cpu_build_round_trips() -> None:
         ({"remote_port": 2**40}, "kv_transfer_params.remote_port"),
         ({"remote_blocks_expiry_time": "soon"}, "kv_transfer_params.remote_blocks_expiry_time"),
         ({"remote_block_ids": [[-1]]}, "kv_transfer_params.remote_block_ids"),
+        ({"remote_block_ids": [[1, 2**32]]}, "kv_transfer_params.remote_block_ids"),
+        ({"remote_block_ids": [[1, True]]}, "kv_transfer_params.remote_block_ids"),
+        ({"remote_block_ids": [[1, 2.0]]}, "kv_transfer_params.remote_block_ids"),
+        ({"remote_block_ids": [1, "2"]}, "kv_transfer_params.remote_block_ids"),
     ],
 )
 def test_malformed_fields_are_named(params: dict[str, object], field: str) -> None:

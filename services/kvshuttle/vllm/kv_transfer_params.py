@@ -9,6 +9,7 @@ and an unset field is left out of the dict.
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 from google.protobuf import json_format
@@ -39,11 +40,24 @@ def _block_groups(value: Any, field: str) -> list[list[int]]:
         raise InvalidArgument(field, "must be a list")
     groups = value if value and all(isinstance(g, list) for g in value) else [value]
     for group in groups:
-        if not isinstance(group, list) or not all(
-            isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= _UINT32_MAX for b in group
-        ):
+        if not isinstance(group, list) or not _uint32s(group):
             raise InvalidArgument(field, "block ids must be non-negative integers")
     return groups
+
+
+def _uint32s(values: list[Any]) -> bool:
+    """Whether `values` are ints (bools excluded) in uint32 range: by type and range in C (map,
+    set, array's conversion), not per element in Python: a long sequence has thousands of
+    block ids."""
+    if not values:
+        return True
+    if set(map(type, values)) != {int}:
+        return False
+    try:
+        array("I", values)  # 4-byte unsigned on every platform CPython supports here
+    except OverflowError:
+        return False
+    return True
 
 
 def from_vllm(params: dict[str, Any], field: str = "kv_transfer_params") -> KvTransferParams:
