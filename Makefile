@@ -12,6 +12,7 @@ GEN_OUT := services
 help:
 	@echo "make demo   - real vLLM prefill/decode + kvshuttle: an agent session, TTFT with and without reuse"
 	@echo "              REGISTRY_STORE=redis: the registry's state in a local Redis (valkey-server from the venv)"
+	@echo "              OTLP_ENDPOINT=http://host:4317: one trace per turn, vLLM's spans included (docs/operations/tracing.md)"
 	@echo "make demo-registry - the registry alone, driven by the kvshuttle CLI"
 	@echo "make test   - buf lint/format, generated-code freshness, ruff, import layers, mypy, deploy-check, pytest (real vLLM included)"
 	@echo "make quick  - lint, types and every test that needs no real vLLM and runs no failover scenario (about two minutes here)"
@@ -98,8 +99,10 @@ quick: lint proto-check typecheck
 	$(BIN)/pytest -q -n auto --dist loadfile -m "$(QUICK_MARKERS)"
 
 # REGISTRY_STORE=memory|redis (default: memory, or $$KVSHUTTLE_DEMO_REGISTRY_STORE): where the registry keeps its state.
+# OTLP_ENDPOINT=http://host:4317 (or $$KVSHUTTLE_OTLP_ENDPOINT): services and engines export their spans there.
 demo: venv vllm
-	$(BIN)/python -m deploy.demo $(if $(REGISTRY_STORE),--registry-store $(REGISTRY_STORE))
+	$(BIN)/python -m deploy.demo $(if $(REGISTRY_STORE),--registry-store $(REGISTRY_STORE)) \
+	  $(if $(OTLP_ENDPOINT),--otlp-endpoint $(OTLP_ENDPOINT))
 
 # The registry alone, driven by the kvshuttle CLI (no vLLM): leases, claims, fencing, expiry.
 demo-registry: venv

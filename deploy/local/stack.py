@@ -27,6 +27,10 @@ block index is fed to every replica from one Redis stream). The routers share
 one turn-signing key, so any replica commits a turn another planned. `stack.registry` /
 `stack.router` and `registry_addr` / `router_addr` are the first replica's.
 
+With `otlp_endpoint` ("http://host:4317") every service exports its spans to that OTLP/gRPC
+collector (TELEMETRY__OTLP_ENDPOINT); start the engines with the same endpoint (`VllmPair`'s
+`otlp_traces_endpoint`) and a turn is one trace, engines included (docs/operations/tracing.md).
+
 Used by `make demo`, the end-to-end tests and bench/e2e_vllm.py.
 """
 
@@ -83,6 +87,7 @@ class KvshuttleStack:
         kv_bytes_per_token: int | None = None,
         pool_regions: int | None = None,
         agent_module: str = "kvshuttle.agent.main",
+        otlp_endpoint: str | None = None,
     ) -> None:
         _check_topology(registry_store, registry_replicas, router_replicas)
         self.pair = pair
@@ -132,6 +137,9 @@ class KvshuttleStack:
         self.agent_metrics_ports = (ports[7], ports[8], *(next(more) for _ in range(engines - 2)))[:engines]
         extra = extra_env or {}
         log = {"TELEMETRY__LOG_FORMAT": "json"}
+        if otlp_endpoint:
+            log["TELEMETRY__OTLP_ENDPOINT"] = otlp_endpoint
+        self._telemetry = log
         self._tokens = Tokens(self.work_dir / "tokens")
         agent_ids = {engine.name: f"agent-{engine.name}" for engine in pair.engines}
         registry_auth = self._tokens.auth(
@@ -220,7 +228,7 @@ class KvshuttleStack:
         def agent(engine: Engine, listen: str, metrics_port: int, registry: str) -> Service:
             host, side_port = engine.side_channel
             return Service(f"agent-{engine.name}", self._agent_module, prefixed("KVSHUTTLE_AGENT_", {
-                "TELEMETRY__LOG_FORMAT": "json", "SERVER__LISTEN": listen,
+                **self._telemetry, "SERVER__LISTEN": listen,
                 "TELEMETRY__METRICS_LISTEN": f"{HOST}:{metrics_port}",
                 "REGISTRY__ADDRESS": registry, "NODE__NAME": f"nodes/{engine.name}",
                 "REGISTRY__TOKEN_FILE": str(self._tokens.file(self._agent_ids[engine.name])),
