@@ -114,7 +114,7 @@ class OtlpReceiver(tpb_grpc.TraceServiceServicer):
 
     async def start(self) -> None:
         self._server = grpc.aio.server()
-        tpb_grpc.add_TraceServiceServicer_to_server(self, self._server)
+        tpb_grpc.add_TraceServiceServicer_to_server(self, self._server)  # type: ignore[no-untyped-call]
         self.port = self._server.add_insecure_port(f"{self._host}:{self._port}")
         await self._server.start()
 
@@ -124,7 +124,9 @@ class OtlpReceiver(tpb_grpc.TraceServiceServicer):
             self._server = None
 
     async def Export(
-        self, request: tpb.ExportTraceServiceRequest, context: grpc.aio.ServicerContext
+        self,
+        request: tpb.ExportTraceServiceRequest,
+        context: grpc.aio.ServicerContext[tpb.ExportTraceServiceRequest, tpb.ExportTraceServiceResponse],
     ) -> tpb.ExportTraceServiceResponse:
         got = spans_of(request)
         with self._changed:
@@ -149,7 +151,9 @@ class OtlpReceiver(tpb_grpc.TraceServiceServicer):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     names = sorted({(s.service, s.name) for s in self._spans})
-                    raise TimeoutError(f"not received in {timeout:.0f} s; have {len(self._spans)} spans: {names}")
+                    raise TimeoutError(
+                        f"not received in {timeout:.0f} s; have {len(self._spans)} spans: {names}"
+                    )
                 self._changed.wait(left)
             return list(self._spans)
 

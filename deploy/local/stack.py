@@ -136,10 +136,9 @@ class KvshuttleStack:
         )
         self.agent_metrics_ports = (ports[7], ports[8], *(next(more) for _ in range(engines - 2)))[:engines]
         extra = extra_env or {}
-        log = {"TELEMETRY__LOG_FORMAT": "json"}
-        if otlp_endpoint:
-            log["TELEMETRY__OTLP_ENDPOINT"] = otlp_endpoint
-        self._telemetry = log
+        self._telemetry = log = {"TELEMETRY__LOG_FORMAT": "json"} | (
+            {"TELEMETRY__OTLP_ENDPOINT": otlp_endpoint} if otlp_endpoint else {}
+        )
         self._tokens = Tokens(self.work_dir / "tokens")
         agent_ids = {engine.name: f"agent-{engine.name}" for engine in pair.engines}
         registry_auth = self._tokens.auth(

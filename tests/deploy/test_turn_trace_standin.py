@@ -17,7 +17,7 @@ from deploy.local.stack import KvshuttleStack
 from deploy.standin.launcher import StandinPair
 from deploy.standin.tokenizer import make_tokenizer
 from tests.e2e.stacks import PROFILE
-from tests.support.turn_traces import ENGINE_ATTRIBUTES, check_one_trace_per_turn, keep_tree, turn_traces
+from tests.support.turn_traces import TREE_ATTRIBUTES, check_one_trace_per_turn, keep_tree, turn_traces
 from tests.support.turns import turn
 
 pytestmark = pytest.mark.slow  # real processes: the engines and kvshuttle's services
@@ -31,9 +31,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 @pytest.fixture
-def traced(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[tuple[OtlpReceiver, KvshuttleStack]]:
+def traced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[OtlpReceiver, KvshuttleStack]]:
     # Every process's batch exporter sends within 0.2 s instead of 5 s (the SDK reads it from
     # the environment the stack's processes inherit).
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
@@ -75,4 +73,4 @@ def test_each_turn_is_one_trace_with_the_engines_spans(traced: tuple[OtlpReceive
         check_one_trace_per_turn(trace, ENGINES)
     # The reuse turn's router claimed the retention in the registry, inside the same trace.
     assert {"claim", "/kvshuttle.registry.v1.RegistryService/ClaimRetention"} <= {s.name for s in traces[1]}
-    keep_tree("trace-tree-standin", "\n\n".join(trace_tree(t, ENGINE_ATTRIBUTES) for t in traces))
+    keep_tree("trace-tree-standin", "\n\n".join(trace_tree(t, TREE_ATTRIBUTES) for t in traces))

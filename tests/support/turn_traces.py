@@ -15,8 +15,8 @@ from kvshuttle.gateway.config import DEFAULT_TENANT
 GATEWAY, ROUTER, REGISTRY = "kvshuttle-gateway", "kvshuttle-router", "kvshuttle-registry"
 PLAN_TURN = "/kvshuttle.router.v1.RouterService/PlanTurn"
 COMMIT_TURN = "/kvshuttle.router.v1.RouterService/CommitTurn"
-# What the tree shows of the engines' spans.
-ENGINE_ATTRIBUTES = (
+# What the printed trees show of the spans' attributes (where a span has them).
+TREE_ATTRIBUTES = (
     "gen_ai.usage.prompt_tokens",
     "gen_ai.usage.completion_tokens",
     "gen_ai.latency.time_in_queue",
@@ -24,6 +24,7 @@ ENGINE_ATTRIBUTES = (
     "gen_ai.latency.time_in_model_prefill",
     "kvshuttle.decision",
     "kvshuttle.reused_tokens",
+    "kvshuttle.remote_cached_tokens",
 )
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,7 +42,8 @@ def turn_traces(
             (
                 s
                 for s in spans
-                if (s.service, s.name) == (GATEWAY, "turn") and s.attributes.get("kvshuttle.conversation") == digest
+                if (s.service, s.name) == (GATEWAY, "turn")
+                and s.attributes.get("kvshuttle.conversation") == digest
             ),
             key=lambda s: s.start_ns,
         )
