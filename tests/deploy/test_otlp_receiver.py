@@ -25,9 +25,11 @@ async def test_exported_spans_arrive_whole_and_make_a_tree() -> None:
         caller = trace.SpanContext(0xABC, 0x123, is_remote=True, trace_flags=trace.TraceFlags(1))
 
         def spans() -> tuple[int, int]:  # the exporter blocks: off the receiver's loop
-            with tracer.start_as_current_span("root", kind=SpanKind.SERVER) as root:
-                with tracer.start_as_current_span("child", attributes={"n": 7, "x": 0.5}):
-                    pass
+            with (
+                tracer.start_as_current_span("root", kind=SpanKind.SERVER) as root,
+                tracer.start_as_current_span("child", attributes={"n": 7, "x": 0.5}),
+            ):
+                pass
             tracer.start_span("late", trace.set_span_in_context(trace.NonRecordingSpan(caller))).end()
             return root.get_span_context().trace_id, root.get_span_context().span_id
 
