@@ -88,7 +88,7 @@ unit: venv
 deploy-check: venv
 	$(BIN)/python -m deploy.kubernetes.check
 	$(BIN)/pytest -q tests/deploy/test_kubernetes_manifests.py tests/deploy/test_inference_pool.py \
-	  tests/deploy/test_router_certificate.py
+	  tests/deploy/test_router_certificate.py tests/deploy/test_engine_tracing_manifests.py
 
 test: lint proto-check typecheck deploy-check vllm unit
 
