@@ -12,12 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from deploy.local.otlp import OtlpReceiver, receiver_in_thread, trace_tree
+from deploy.local.otlp import OtlpReceiver, receiver_in_thread
 from deploy.local.stack import KvshuttleStack
 from deploy.standin.launcher import StandinPair
 from deploy.standin.tokenizer import make_tokenizer
 from tests.e2e.stacks import PROFILE
-from tests.support.turn_traces import TREE_ATTRIBUTES, check_one_trace_per_turn, keep_tree, turn_traces
+from tests.support.turn_traces import check_one_trace_per_turn, keep_trees, turn_traces
 from tests.support.turns import turn
 
 pytestmark = pytest.mark.slow  # real processes: the engines and kvshuttle's services
@@ -73,4 +73,4 @@ def test_each_turn_is_one_trace_with_the_engines_spans(traced: tuple[OtlpReceive
         check_one_trace_per_turn(trace, ENGINES)
     # The reuse turn's router claimed the retention in the registry, inside the same trace.
     assert {"claim", "/kvshuttle.registry.v1.RegistryService/ClaimRetention"} <= {s.name for s in traces[1]}
-    keep_tree("trace-tree-standin", "\n\n".join(trace_tree(t, TREE_ATTRIBUTES) for t in traces))
+    keep_trees("tests/deploy/test_turn_trace_standin.py", "trace-tree-standin", traces)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 from deploy.local.launch import VllmPair
-from deploy.local.otlp import OtlpReceiver, receiver_in_thread, trace_tree
+from deploy.local.otlp import OtlpReceiver, receiver_in_thread
 from deploy.local.stack import KvshuttleStack
 from tests.e2e.stacks import running_stack
-from tests.support.turn_traces import TREE_ATTRIBUTES, check_one_trace_per_turn, keep_tree, turn_traces
+from tests.support.turn_traces import check_one_trace_per_turn, keep_trees, turn_traces
 from tests.support.turns import reference, tokens, turn
 from tests.support.vllm_session import E2E_BLOCKS
 
@@ -75,4 +75,4 @@ def test_each_turn_is_one_trace_with_vllms_request_spans(
                     assert span.attributes[f"gen_ai.latency.{key}"] >= 0, (key, span.attributes)
     reuse = traces[1]
     assert {"claim", "/kvshuttle.registry.v1.RegistryService/ClaimRetention"} <= {s.name for s in reuse}
-    keep_tree("trace-tree-vllm", "\n\n".join(trace_tree(t, TREE_ATTRIBUTES) for t in traces))
+    keep_trees("tests/e2e/test_turn_trace.py", "trace-tree-vllm", traces)

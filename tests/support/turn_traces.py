@@ -3,10 +3,11 @@ of the spans an in-process OTLP receiver (deploy/local/otlp.py) got from a whole
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from datetime import UTC, datetime
 from pathlib import Path
 
+from bench.report import save
 from deploy.local.otlp import OtlpReceiver, Span, trace_tree
 
 from kvshuttle.core.digest import log_digest
@@ -104,12 +105,15 @@ def check_one_trace_per_turn(trace: list[Span], engines: tuple[str, str]) -> Non
     assert registry and all(ids[s.parent_id].service == ROUTER for s in registry), trace_tree(trace)
 
 
-def keep_tree(name: str, text: str) -> Path:
-    """`text` (trace trees) kept as `name-<stamp>.txt` under $KVSHUTTLE_RESULTS_DIR or
-    .run/results, and printed."""
+def keep_trees(bench: str, name: str, traces: list[list[Span]]) -> Path:
+    """Print the traces' trees and keep them, with every span, as `name-<utc>.json` under
+    $KVSHUTTLE_RESULTS_DIR or .run/results (bench/report.py's header; `bench`: what made it)."""
+    trees = [trace_tree(t, TREE_ATTRIBUTES) for t in traces]
     out_dir = Path(os.environ.get("KVSHUTTLE_RESULTS_DIR") or ROOT / ".run" / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.txt"
-    path.write_text(text + "\n")
-    print(f"\n{text}\n(kept in {path})")
+    figures = {
+        "trees": [tree.splitlines() for tree in trees],
+        "traces": [[dataclasses.asdict(s) for s in t] for t in traces],
+    }
+    path = save(bench, figures, args=None, name=name, directory=out_dir)
+    print("\n" + "\n\n".join(trees) + f"\n(kept in {path})")
     return path
