@@ -12,14 +12,20 @@ vLLM (`--otlp-traces-endpoint`) both speak OTLP/gRPC to it.
 `OtlpReceiver` itself is a grpc.aio server (start/stop on the caller's loop); `receiver_in_thread`
 runs one on a loop of its own for synchronous callers. Spans are kept in arrival order, the
 oldest dropped past `max_spans`.
+
+Run as a program it is a collector for a look without installing one: it prints each turn's
+trace tree once the trace has had no new span for `--settle` seconds.
+
+    python -m deploy.local.otlp [--listen 127.0.0.1:4317]   # then: make demo OTLP_ENDPOINT=http://127.0.0.1:4317
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -103,6 +109,9 @@ class OtlpReceiver(tpb_grpc.TraceServiceServicer):
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, max_spans: int = 200_000) -> None:
         self._host, self._port = host, port
         self._spans: deque[Span] = deque(maxlen=max_spans)
+        # Trace id -> when its latest span arrived (monotonic), oldest first; as bounded.
+        self._arrived: OrderedDict[str, float] = OrderedDict()
+        self._max_traces = max_spans
         self._changed = threading.Condition()
         self._server: grpc.aio.Server | None = None
         self.port = 0
@@ -129,10 +138,22 @@ class OtlpReceiver(tpb_grpc.TraceServiceServicer):
         context: grpc.aio.ServicerContext[tpb.ExportTraceServiceRequest, tpb.ExportTraceServiceResponse],
     ) -> tpb.ExportTraceServiceResponse:
         got = spans_of(request)
+        now = time.monotonic()
         with self._changed:
             self._spans.extend(got)
+            for span in got:
+                self._arrived[span.trace_id] = now
+                self._arrived.move_to_end(span.trace_id)
+            while len(self._arrived) > self._max_traces:
+                self._arrived.popitem(last=False)
             self._changed.notify_all()
         return tpb.ExportTraceServiceResponse()
+
+    def settled(self, quiet_s: float) -> list[str]:
+        """The traces whose latest span arrived over `quiet_s` seconds ago, oldest first."""
+        cutoff = time.monotonic() - quiet_s
+        with self._changed:
+            return [trace_id for trace_id, at in self._arrived.items() if at <= cutoff]
 
     def spans(self) -> list[Span]:
         with self._changed:
@@ -220,3 +241,52 @@ def trace_tree(spans: Sequence[Span], attributes: Iterable[str] = ()) -> str:
 
 def _short(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m deploy.local.otlp",
+        description="An OTLP/gRPC collector that prints each trace's tree once it has settled.",
+    )
+    ap.add_argument("--listen", default="127.0.0.1:4317", help="host:port (default: %(default)s)")
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=8.0,
+        help="seconds without a new span before a trace is printed (exporters send every 5 s)",
+    )
+    ap.add_argument(
+        "--root",
+        default="turn",
+        help="print only traces whose root span has this name (default: the gateway's turns); '' for all",
+    )
+    ap.add_argument(
+        "--attributes",
+        default="kvshuttle.decision,kvshuttle.reused_tokens,gen_ai.latency.time_in_queue,"
+        "gen_ai.latency.time_to_first_token,gen_ai.latency.time_in_model_prefill",
+        help="comma-separated span attributes to show",
+    )
+    args = ap.parse_args(argv)
+    host, _, port = args.listen.rpartition(":")
+    shown = [a for a in args.attributes.split(",") if a]
+    done: OrderedDict[str, None] = OrderedDict()
+    with receiver_in_thread(host=host.strip("[]"), port=int(port)) as receiver:
+        print(f"collecting OTLP/gRPC traces on {receiver.endpoint}; Ctrl-C stops", flush=True)
+        try:
+            while True:
+                time.sleep(1.0)
+                for trace_id in receiver.settled(args.settle):
+                    if trace_id in done:
+                        continue
+                    done[trace_id] = None
+                    if len(done) > 100_000:
+                        done.popitem(last=False)
+                    spans = receiver.trace(trace_id)
+                    if not args.root or any(s.name == args.root and not s.parent_id for s in spans):
+                        print(trace_tree(spans, shown) + "\n", flush=True)
+        except KeyboardInterrupt:
+            return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -38,6 +38,9 @@ async def test_exported_spans_arrive_whole_and_make_a_tree() -> None:
     finally:
         await receiver.stop()
 
+    # Settled (no new span for a while: what `python -m deploy.local.otlp` prints) in arrival order.
+    assert receiver.settled(0.0) == [format(trace_id, "032x"), format(0xABC, "032x")]
+    assert receiver.settled(3600.0) == []
     got = receiver.trace(format(trace_id, "032x"))
     assert [(s.name, s.service, s.kind) for s in got] == [
         ("root", "svc-a", "SERVER"),
