@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import grpc
@@ -258,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--root",
         default="turn",
-        help="print only traces whose root span has this name (default: the gateway's turns); '' for all",
+        help="print only traces with a span of this name (default: the gateway's turns); '' for all",
     )
     ap.add_argument(
         "--attributes",
@@ -270,22 +272,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     host, _, port = args.listen.rpartition(":")
     shown = [a for a in args.attributes.split(",") if a]
     done: OrderedDict[str, None] = OrderedDict()
-    with receiver_in_thread(host=host.strip("[]"), port=int(port)) as receiver:
+    with receiver_in_thread(host=host.strip("[]"), port=int(port)) as receiver, _sigterm_interrupts():
         print(f"collecting OTLP/gRPC traces on {receiver.endpoint}; Ctrl-C stops", flush=True)
         try:
             while True:
                 time.sleep(1.0)
-                for trace_id in receiver.settled(args.settle):
-                    if trace_id in done:
+                settled = [t for t in receiver.settled(args.settle) if t not in done]
+                if not settled:
+                    continue
+                by_trace: dict[str, list[Span]] = {}
+                for span in receiver.spans():
+                    by_trace.setdefault(span.trace_id, []).append(span)
+                for trace_id in settled:
+                    spans = sorted(by_trace.get(trace_id, []), key=lambda s: s.start_ns)
+                    # A turn's root span ends last (after a long decode, say): until it came,
+                    # the trace is not done. (A caller's `traceparent` makes `turn` a child.)
+                    wanted = any(s.name == args.root for s in spans) if args.root else False
+                    if not wanted and not any(not s.parent_id for s in spans):
                         continue
                     done[trace_id] = None
                     if len(done) > 100_000:
                         done.popitem(last=False)
-                    spans = receiver.trace(trace_id)
-                    if not args.root or any(s.name == args.root and not s.parent_id for s in spans):
+                    if wanted or not args.root:
                         print(trace_tree(spans, shown) + "\n", flush=True)
         except KeyboardInterrupt:
             return 0
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM stops the collector as Ctrl-C does."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
