@@ -7,6 +7,7 @@ picker has answered the request path, the response headers (the served endpoint 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -209,7 +210,10 @@ class Envoy:
         call = self.stub.Process()
         answers = Answers()
         for message in request:
-            await call.write(message)
+            try:
+                await call.write(message)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                break  # the picker ended the stream early (an ImmediateResponse): read it below
         wanted = _request_answers(request)
         while wanted:
             got = await call.read()

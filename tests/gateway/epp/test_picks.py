@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
+from pydantic import SecretStr
 from structlog.testing import capture_logs
 from tests.gateway.epp.envoy import (
     COMPLETIONS,
@@ -33,10 +34,12 @@ from tests.gateway.epp.envoy import (
 from tests.router.helpers import MODEL, Tokens, heartbeat
 from tests.serving.echo import JsonLog
 
+from kvshuttle.core.auth import Role
 from kvshuttle.gateway.pd_headers import PLAN_HEADER, PREFILLER_HOST_PORT_HEADER, TURN_HEADER
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 from kvshuttle.router.v1 import router_service_pb2 as pb
+from kvshuttle.serving.settings import AuthSettings, Grant
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
 
@@ -401,3 +404,42 @@ async def test_the_pick_is_a_span_whose_context_the_sidecar_gets(c: EppCluster) 
     planned = spans["/kvshuttle.router.v1.RouterService/PlanTurn"]
     assert planned.context.trace_id == pick.context.trace_id
     assert PLAN_HEADER in answers.set_headers
+
+
+async def test_with_identities_only_a_gateway_of_the_tenant_may_call(
+    model_dir: Path, chat_tokenizer: ChatTokenizer
+) -> None:
+    auth = AuthSettings(
+        identities={
+            "envoy": Grant(role=Role.GATEWAY, tenants=["default"]),
+            "other-tenant": Grant(role=Role.GATEWAY, tenants=["acme"]),
+        },
+        tokens={
+            "envoy": SecretStr("envoy-token-0123456789"),
+            "other-tenant": SecretStr("acme-token-0123456789"),
+        },
+    )
+    c = await start_epp(model_dir, chat_tokenizer, auth=auth)
+    try:
+        messages = [
+            request_headers(COMPLETIONS),
+            *body_chunks(json.dumps({"model": MODEL, "prompt": ids(8)}).encode()),
+        ]
+        for token, code in (
+            (None, grpc.StatusCode.UNAUTHENTICATED),
+            ("acme-token-0123456789", grpc.StatusCode.PERMISSION_DENIED),
+        ):
+            metadata = () if token is None else (("authorization", f"Bearer {token}"),)
+            # Refused before any message is read: the caller learns it on its first read.
+            call = c.envoy.stub.Process(metadata=metadata)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call.read()
+            assert refused.value.code() == code
+        call = c.envoy.stub.Process(metadata=(("authorization", "Bearer envoy-token-0123456789"),))
+        for message in messages:
+            await call.write(message)
+        await call.done_writing()
+        answers = [a async for a in call]
+        assert answers[0].HasField("request_headers")
+    finally:
+        await stop_epp(c)
