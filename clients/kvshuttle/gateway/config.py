@@ -100,6 +100,7 @@ class ModelSettings(BaseModel):
 class EngineSettings(BaseModel):
     """HTTP calls to the vLLM engines the router places a turn on."""
 
+    # Opening a connection to an engine.
     connect_timeout_s: float = Field(default=5.0, gt=0)
     # The whole prefill request (it computes the prompt, or reads it from a retention).
     prefill_timeout_s: float = Field(default=600.0, gt=0)
@@ -128,6 +129,7 @@ class RouterConnection(ServiceConnection):
     "dns:///name:port"), as for any service. Affinity needs the replicas listed: one DNS name
     stands for a set the gateway does not see, so it is refused with "conversation"."""
 
+    # "conversation" or "round_robin"; None: conversation with several addresses, else round robin.
     affinity: Literal["conversation", "round_robin"] | None = None
     # A replica that did not answer is passed over this long, doubled per failure in a row up
     # to failover_max_backoff_s; then the next call tries it again.
