@@ -111,9 +111,11 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
     for line in markdown.splitlines(keepends=True):
         if line.lstrip().startswith(("```", "~~~")):
             fenced = not fenced
-        elif not fenced:
-            line = LINK.sub(lambda m: _rewrite(m, page.file.src_uri, page_dir), line)
-        out.append(line)
+            out.append(line)
+        elif fenced:
+            out.append(line)
+        else:
+            out.append(LINK.sub(lambda m: _rewrite(m, page.file.src_uri, page_dir), line))
     return "".join(out)
 
 

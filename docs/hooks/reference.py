@@ -58,7 +58,7 @@ def proto_files() -> list[Path]:
 def descriptor_set(protos: list[Path] | None = None) -> descriptor_pb2.FileDescriptorSet:
     """protoc's descriptors of kvshuttle's protos with their comments (grpcio-tools' protoc and
     its bundled well-known types: no network)."""
-    from grpc_tools import protoc  # noqa: PLC0415  (a dev dependency: only the docs build needs it)
+    from grpc_tools import protoc  # type: ignore[import-untyped]  # noqa: PLC0415  (dev dependency)
 
     protos = proto_files() if protos is None else protos
     well_known = Path(protoc.__file__).parent / "_proto"
@@ -198,7 +198,10 @@ def api_reference(protos: list[Path] | None = None) -> str:
     order = ["registry", "router", "agent", "vllm"]  # the turn's order; vLLM's params last
     files = sorted(
         (f for f in descriptor_set(protos).file if f.package.startswith("kvshuttle.")),
-        key=lambda f: (order.index(f.package.split(".")[1]) if f.package.split(".")[1] in order else 99, f.name),
+        key=lambda f: (
+            order.index(f.package.split(".")[1]) if f.package.split(".")[1] in order else 99,
+            f.name,
+        ),
     )
     known = _known_names(files)
     out = [
@@ -266,7 +269,9 @@ def class_comments(cls: type) -> dict[str, str]:
     for stmt in body:
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
             name = stmt.target.id
-        elif isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+        elif (
+            isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+        ):
             name = stmt.targets[0].id
         else:
             previous = None
@@ -278,7 +283,9 @@ def class_comments(cls: type) -> dict[str, str]:
         while line >= 1 and lines[line - 1].strip().startswith("#"):
             above.insert(0, comments.get(line, ""))
             line -= 1
-        inline = [comments[n] for n in range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1) if n in comments]
+        inline = [
+            comments[n] for n in range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1) if n in comments
+        ]
         text = " ".join([*above, *(c for c in inline if c not in above)]).strip()
         if text:
             found[name] = text
@@ -311,7 +318,7 @@ def field_comment(model: type, name: str, description: str | None = None) -> str
     if description:
         return description
     for cls in model.__mro__:
-        if name in cls.__dict__.get("__annotations__", {}):
+        if name in inspect.get_annotations(cls):
             text = class_comments(cls).get(name) or docstring_fields(cls).get(name)
             if text:
                 return text
@@ -334,7 +341,11 @@ def settings_classes() -> list[type[BaseSettings]]:
     found: dict[str, type[BaseSettings]] = {}
     for module in _import_settings_modules():
         for _, obj in inspect.getmembers(module, inspect.isclass):
-            if issubclass(obj, BaseSettings) and obj is not BaseSettings and obj.__module__ == module.__name__:
+            if (
+                issubclass(obj, BaseSettings)
+                and obj is not BaseSettings
+                and obj.__module__ == module.__name__
+            ):
                 found[obj.__module__ + "." + obj.__qualname__] = obj
     order = ["REGISTRY", "ROUTER", "AGENT", "GATEWAY"]  # the services first, in the turn's order
 
@@ -347,7 +358,9 @@ def settings_classes() -> list[type[BaseSettings]]:
 
 
 def _nests(annotation: Any) -> bool:
-    return isinstance(annotation, type) and (issubclass(annotation, BaseModel) or dataclasses.is_dataclass(annotation))
+    return isinstance(annotation, type) and (
+        issubclass(annotation, BaseModel) or dataclasses.is_dataclass(annotation)
+    )
 
 
 def _model_of(annotation: Any) -> type | None:
@@ -373,22 +386,21 @@ class _Field:
 
 
 def _fields(cls: type) -> list[_Field]:
-    if isinstance(cls, type) and issubclass(cls, BaseModel):
-        out = []
+    """A pydantic model's or a dataclass's fields, each with its default (_UNSET: required)."""
+    out = []
+    if issubclass(cls, BaseModel):
         for name, info in cls.model_fields.items():
             default = _UNSET if info.is_required() else info.get_default(call_default_factory=True)
             out.append(_Field(name, info.annotation, default, info.description, info.exclude is True))
         return out
     hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
+    for f in dataclasses.fields(typing.cast(Any, cls)):
+        value: Any = _UNSET
         if f.default is not dataclasses.MISSING:
-            default: Any = f.default
+            value = f.default
         elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = _UNSET
-        out.append(_Field(f.name, hints.get(f.name, f.type), default, None, False))
+            value = f.default_factory()
+        out.append(_Field(f.name, hints.get(f.name, f.type), value, None, False))
     return out
 
 
@@ -454,8 +466,8 @@ def configuration_reference() -> str:
         "Every environment variable each kvshuttle process reads, generated from its settings class",
         "at every docs build: the name, the default and what the source says it means. Nested",
         "settings join with `__` (`KVSHUTTLE_ROUTER_POLICY__PARKING__ENABLED`); lists, maps and",
-        "nested objects may also be given whole as JSON. The [configuration guide](../operations/configuration.md)",
-        "says which matter in practice.",
+        "nested objects may also be given whole as JSON. The",
+        "[configuration guide](../operations/configuration.md) says which matter in practice.",
         "",
     ]
     for cls in settings_classes():
@@ -495,8 +507,11 @@ def errors_reference() -> str:
     ]
     for reason in ErrorReason:
         services = sorted(s for s, reasons in SERVICE_REASONS.items() if reason in reasons)
-        meaning = _meaning(listed[reason.value]) if reason.value in listed else own.get(reason.name) or (
-            f"the generic reason of status {reason.value}" if reason.name in _STATUS_NAMES else ""
+        meaning = (
+            _meaning(listed[reason.value])
+            if reason.value in listed
+            else own.get(reason.name)
+            or (f"the generic reason of status {reason.value}" if reason.name in _STATUS_NAMES else "")
         )
         where = ", ".join(services) if services else "(no service's API lists it)"
         out.append(f"| `{reason.value}` | {meaning if '<br>' in meaning else _cell(meaning)} | {where} |")
@@ -567,5 +582,5 @@ def _inline_member_comments(cls: type) -> dict[str, str]:
 
 
 def _is_heading(text: str) -> bool:
-    """"Nodes.", "Turns (router).", "Retentions and conversations.": a few words naming a group."""
+    """ "Nodes.", "Turns (router).", "Retentions and conversations.": a few words naming a group."""
     return len(text.split()) <= 4 and text.endswith((".", ":"))
