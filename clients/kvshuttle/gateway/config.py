@@ -67,7 +67,7 @@ class ModelSettings(BaseModel):
     # Template variables every request gets (vLLM's --default-chat-template-kwargs); a
     # request's chat_template_kwargs override them.
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    # How a chat's earlier turns become token ids (gateway README, "History mode"):
+    # How a chat's earlier turns become token ids (docs/architecture/gateway.md, "History mode"):
     # "exact_tokens": an assistant message whose text is exactly the answer decode gave the
     # conversation's last turn carries decode's generated ids (the KV decode retained then
     # verifies whole); "retokenize": the whole chat is tokenized from its text every turn.
