@@ -133,7 +133,7 @@ def test_strict_build_fails_on_a_broken_link(tmp_path: Path) -> None:
         "# Getting started\n\nSee [the missing page](missing.md).\n"
     )
     # The hook and the pages it links into (protos, results) are the repository's.
-    for name in ("proto", "bench", "deploy", "clients", "README.md"):
+    for name in ("proto", "bench", "deploy", "services", "clients", "README.md"):
         (site / name).symlink_to(ROOT / name)
     done = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
