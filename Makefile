@@ -7,14 +7,15 @@ BUF := npx --yes @bufbuild/buf
 PROTOS := $(shell find proto -name '*.proto' | sort)
 GEN_OUT := services
 
-.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test quick unit deploy-check demo bench load bench-cluster chaos profile clean
+.PHONY: help venv vllm demo-registry proto proto-check lint typecheck docs test quick unit deploy-check demo bench load bench-cluster chaos profile clean
 
 help:
 	@echo "make demo   - real vLLM prefill/decode + kvshuttle: an agent session, TTFT with and without reuse"
 	@echo "              REGISTRY_STORE=redis: the registry's state in a local Redis (valkey-server from the venv)"
 	@echo "make demo-registry - the registry alone, driven by the kvshuttle CLI"
-	@echo "make test   - buf lint/format, generated-code freshness, ruff, import layers, mypy, deploy-check, pytest (real vLLM included)"
-	@echo "make quick  - lint, types and every test that needs no real vLLM and runs no failover scenario (about two minutes here)"
+	@echo "make test   - buf lint/format, generated-code freshness, ruff, import layers, mypy, deploy-check, docs, pytest (real vLLM included)"
+	@echo "make quick  - lint, types, docs and every test that needs no real vLLM and runs no failover scenario (about two minutes here)"
+	@echo "make docs   - the docs site (mkdocs, Material), built strictly into .run/site: broken links and missing pages fail"
 	@echo "make deploy-check - render the Kubernetes overlays (kubectl kustomize), validate them (Kubernetes 1.32 and the vendored Gateway API CRDs, strict), test them"
 	@echo "make vllm   - install the CPU build of vLLM into .venv-vllm (done by make test and demo)"
 	@echo "make proto  - regenerate Python code from proto/"
@@ -89,12 +90,18 @@ deploy-check: venv
 	$(BIN)/pytest -q tests/deploy/test_kubernetes_manifests.py tests/deploy/test_inference_pool.py \
 	  tests/deploy/test_router_certificate.py
 
-test: lint proto-check typecheck deploy-check vllm unit
+# The docs site (mkdocs.yml, docs/): built strictly, so a broken link, a bad anchor or a page missing
+# from the tree fails; the API, configuration and error-reason pages are generated from the protos
+# and the settings classes at every build (docs/hooks), offline.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+test: lint proto-check typecheck deploy-check docs vllm unit
 
 # The inner loop: no real vLLM, no chaos, no failover scenario (markers in pyproject.toml), on
 # every core (pytest-xdist; each worker collects the suite once, a module's tests stay together).
 QUICK_MARKERS := not vllm and not chaos and not slow
-quick: lint proto-check typecheck
+quick: lint proto-check typecheck docs
 	$(BIN)/pytest -q -n auto --dist loadfile -m "$(QUICK_MARKERS)"
 
 # REGISTRY_STORE=memory|redis (default: memory, or $$KVSHUTTLE_DEMO_REGISTRY_STORE): where the registry keeps its state.
