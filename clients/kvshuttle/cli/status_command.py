@@ -134,21 +134,24 @@ class Pool:
     """One agent's answer: its node and pool, or why it gave none."""
 
     agent: str
+    node: str  # the (engine's) node that names this agent, as the registry says
     status: apb.GetStatusResponse | None = None
     error: str = ""
 
 
 async def read_pools(nodes: Iterable[pb.Node], options: Options, call_timeout: float) -> list[Pool]:
-    agents = sorted({n.agent_endpoint for n in nodes if n.agent_endpoint})
+    # An agent with a pool registers two nodes (its engine's and its pool's): name the engine's.
+    named = {n.agent_endpoint: n.name for n in nodes if n.agent_endpoint and n.role == pb.NODE_ROLE_POOL}
+    named |= {n.agent_endpoint: n.name for n in nodes if n.agent_endpoint and n.role != pb.NODE_ROLE_POOL}
 
     async def one(agent: str) -> Pool:
         try:
             async with AgentClient.connect(options(agent)) as client:
-                return Pool(agent, await client.get_status(timeout=call_timeout))
+                return Pool(agent, named[agent], await client.get_status(timeout=call_timeout))
         except KvshuttleRpcError as exc:
-            return Pool(agent, error=exc.code_name if exc.reason is None else str(exc))
+            return Pool(agent, named[agent], error=exc.code_name if exc.reason is None else str(exc))
 
-    return list(await asyncio.gather(*(one(a) for a in agents)))
+    return list(await asyncio.gather(*(one(a) for a in sorted(named))))
 
 
 async def read_last_turns(
@@ -212,11 +215,11 @@ def node_json(node: pb.Node) -> dict[str, Any]:
 
 def pool_json(pool: Pool) -> dict[str, Any]:
     if pool.status is None:
-        return {"agent": pool.agent, "error": pool.error}
+        return {"agent": pool.agent, "node": pool.node, "error": pool.error}
     p = pool.status.pool
     return {
         "agent": pool.agent,
-        "node": pool.status.node,
+        "node": pool.node,
         "capacity_bytes": p.capacity_bytes,
         "used_bytes": p.used_bytes,
         "total_blocks": p.total_blocks,
@@ -228,13 +231,13 @@ def pool_json(pool: Pool) -> dict[str, Any]:
 
 def pool_row(pool: Pool) -> list[str]:
     if pool.status is None:
-        return [pool.agent, "-", f"unreachable ({pool.error})", "", ""]
+        return [pool.agent, pool.node, f"unreachable ({pool.error})", "", ""]
     p = pool.status.pool
     if p.capacity_bytes == 0:
-        return [pool.agent, pool.status.node, "no pool", "", ""]
+        return [pool.agent, pool.node, "no pool", "", ""]
     return [
         pool.agent,
-        pool.status.node,
+        pool.node,
         f"{output.size(p.used_bytes)} of {output.size(p.capacity_bytes)}"
         f" ({p.used_blocks}/{p.total_blocks} blocks)",
         f"{p.parked_retentions} parked, {p.filling_retentions} filling",
