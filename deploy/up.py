@@ -71,7 +71,7 @@ def check_model_dir(path: Path) -> Path:
     if not any(model.glob("*.safetensors")):
         missing.append("weights (*.safetensors)")
     if missing:
-        raise ModelDirError(f"--model {path}: no {', no '.join(missing)} (a Hugging Face model directory)")
+        raise ModelDirError(f"--model {path}: missing {', '.join(missing)} (a Hugging Face model directory)")
     try:
         model_facts(model)
     except (KeyError, ValueError) as exc:
