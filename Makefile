@@ -104,10 +104,11 @@ demo: venv vllm
 	$(BIN)/python -m deploy.demo $(if $(REGISTRY_STORE),--registry-store $(REGISTRY_STORE))
 
 # What the demo starts, kept up for your own client until Ctrl-C (deploy/up.py): MODEL=DIR serves a
-# local Hugging Face model directory, STORE=memory|redis, GATEWAY_PORT (default 8080). The module
-# reads the three from the environment.
+# local Hugging Face model directory (TOOL_CALL_PARSER=hermes etc. for its tool calls),
+# STORE=memory|redis, GATEWAY_PORT (default 8080). The module reads them from the environment.
 up: venv vllm
-	MODEL=$(MODEL) STORE=$(STORE) GATEWAY_PORT=$(GATEWAY_PORT) $(BIN)/python -m deploy.up
+	MODEL=$(MODEL) STORE=$(STORE) GATEWAY_PORT=$(GATEWAY_PORT) TOOL_CALL_PARSER=$(TOOL_CALL_PARSER) \
+	  $(BIN)/python -m deploy.up
 
 # The registry alone, driven by the kvshuttle CLI (no vLLM): leases, claims, fencing, expiry.
 demo-registry: venv

@@ -9,7 +9,9 @@ registry's and the metrics' addresses, a `curl` line, a short OpenAI SDK snippet
 SIGINT or SIGTERM; then it stops everything it started and exits 0. A service or an engine that
 dies stops the rest too (exit 1).
 
-    python -m deploy.up [--model DIR] [--store memory|redis] [--gateway-port 8080]
+    python -m deploy.up [--model DIR] [--store memory|redis] [--gateway-port 8080] [--tool-call-parser P]
+
+`make up` passes MODEL, STORE, GATEWAY_PORT and TOOL_CALL_PARSER on as the defaults of these.
 
 `--model DIR` serves a model you bring: a local directory in Hugging Face layout (config.json,
 tokenizer files, *.safetensors; nothing is downloaded). Without it, the built-in `small` test
@@ -41,6 +43,7 @@ from deploy.local.redis import RedisDied, RedisNotInstalled, redis_server_binary
 from deploy.local.stack import HOST, REGISTRY_STORES, KvshuttleStack
 from deploy.local.vllm_engine import EngineDied
 from deploy.local.vllm_venv import VllmNotInstalled, ensure_model
+from kvshuttle.gateway.parsing import TOOL_PARSERS
 
 RUN_DIR: Final = Path(".run/up")
 DEFAULT_GATEWAY_PORT: Final = 8080
@@ -279,8 +282,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--tool-call-parser",
-        help="the gateway's tool-call parser for --model (e.g. hermes); default: none, only named, "
-        "'required' and 'none' tool choices",
+        default=os.environ.get("TOOL_CALL_PARSER") or None,
+        help="the gateway's tool-call parser for --model (e.g. hermes; default: $TOOL_CALL_PARSER, else "
+        "none: only named, 'required' and 'none' tool choices)",
     )
     ap.add_argument(
         "--store",
@@ -310,6 +314,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.store not in REGISTRY_STORES:  # argparse checks choices on the command line only
         ap.error(f"$STORE={args.store!r}: choose from {', '.join(REGISTRY_STORES)}")
+    if args.tool_call_parser and args.tool_call_parser not in TOOL_PARSERS:
+        ap.error(
+            f"--tool-call-parser {args.tool_call_parser!r}: choose from {', '.join(sorted(TOOL_PARSERS))}"
+        )
     if not 0 < args.gateway_port < 65536:
         ap.error(f"--gateway-port {args.gateway_port}: not a TCP port")
     args.endpoints = args.endpoints or args.run_dir / "endpoints.json"

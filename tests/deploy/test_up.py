@@ -86,6 +86,10 @@ def test_a_bad_model_or_a_taken_port_fails_at_once(
         argv = ["--model", str(hf_dir(tmp_path)), "--gateway-port", str(port), "--run-dir", str(tmp_path)]
         assert main(argv) == 2
     assert f"127.0.0.1:{port} is taken" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:
+        main(["--tool-call-parser", "nonesuch", "--run-dir", str(tmp_path)])
+    assert usage.value.code == 2
+    assert "--tool-call-parser 'nonesuch': choose from" in capsys.readouterr().err
     assert not (tmp_path / "vllm").exists()  # nothing started
 
 
