@@ -7,11 +7,13 @@ BUF := npx --yes @bufbuild/buf
 PROTOS := $(shell find proto -name '*.proto' | sort)
 GEN_OUT := services
 
-.PHONY: help venv vllm demo-registry proto proto-check lint typecheck docs test quick unit deploy-check demo bench load bench-cluster chaos profile clean
+.PHONY: help venv vllm up demo-registry proto proto-check lint typecheck docs test quick unit deploy-check demo bench load bench-cluster chaos profile clean
 
 help:
 	@echo "make demo   - real vLLM prefill/decode + kvshuttle: an agent session, TTFT with and without reuse"
 	@echo "              REGISTRY_STORE=redis: the registry's state in a local Redis (valkey-server from the venv)"
+	@echo "make up     - real vLLM prefill/decode + every kvshuttle service, up until Ctrl-C: an OpenAI endpoint"
+	@echo "              for your own client (MODEL=DIR: a local Hugging Face model; STORE=redis; GATEWAY_PORT=8080)"
 	@echo "make demo-registry - the registry alone, driven by the kvshuttle CLI"
 	@echo "make test   - buf lint/format, generated-code freshness, ruff, import layers, mypy, deploy-check, docs, pytest (real vLLM included)"
 	@echo "make quick  - lint, types, docs and every test that needs no real vLLM and runs no failover scenario (about two minutes here)"
@@ -107,6 +109,13 @@ quick: lint proto-check typecheck docs
 # REGISTRY_STORE=memory|redis (default: memory, or $$KVSHUTTLE_DEMO_REGISTRY_STORE): where the registry keeps its state.
 demo: venv vllm
 	$(BIN)/python -m deploy.demo $(if $(REGISTRY_STORE),--registry-store $(REGISTRY_STORE))
+
+# What the demo starts, kept up for your own client until Ctrl-C (deploy/up.py): MODEL=DIR serves a
+# local Hugging Face model directory (TOOL_CALL_PARSER=hermes etc. for its tool calls),
+# STORE=memory|redis, GATEWAY_PORT (default 8080). The module reads them from the environment.
+up: venv vllm
+	MODEL=$(MODEL) STORE=$(STORE) GATEWAY_PORT=$(GATEWAY_PORT) TOOL_CALL_PARSER=$(TOOL_CALL_PARSER) \
+	  $(BIN)/python -m deploy.up
 
 # The registry alone, driven by the kvshuttle CLI (no vLLM): leases, claims, fencing, expiry.
 demo-registry: venv
