@@ -87,6 +87,7 @@ class KvshuttleStack:
         kv_bytes_per_token: int | None = None,
         pool_regions: int | None = None,
         agent_module: str = "kvshuttle.agent.main",
+        gateway_port: int | None = None,
         otlp_endpoint: str | None = None,
     ) -> None:
         _check_topology(registry_store, registry_replicas, router_replicas)
@@ -124,7 +125,8 @@ class KvshuttleStack:
         self.router_addrs = tuple(f"{HOST}:{port}" for port in router_ports)
         self.registry_addr = self.registry_addrs[0]
         self.router_addr = self.router_addrs[0]
-        self.gateway_url = f"http://{HOST}:{ports[2]}"
+        # A fixed gateway port (make up's GATEWAY_PORT) keeps the URL a user copied valid.
+        self.gateway_url = f"http://{HOST}:{gateway_port or ports[2]}"
         # The gateway's HMAC key of the tenants' vLLM cache salts (tests derive a tenant's salt).
         self.cache_salt_key = os.urandom(24).hex()
         agent_ports = (ports[3], ports[4], *(next(more) for _ in range(engines - 2)))[:engines]
@@ -179,7 +181,8 @@ class KvshuttleStack:
         )  # fmt: skip
         self.router = self.routers[0]
         self.gateway = Service("gateway", "kvshuttle.gateway.main", prefixed("KVSHUTTLE_GATEWAY_", {
-            **log, "LISTEN": f"{HOST}:{ports[2]}", "ROUTER__ADDRESS": ",".join(self.router_addrs),
+            **log, "LISTEN": self.gateway_url.removeprefix("http://"),
+            "ROUTER__ADDRESS": ",".join(self.router_addrs),
             "ROUTER__TOKEN_FILE": str(self._tokens.file("gateway")), "CACHE_SALT_KEY": self.cache_salt_key,
             # The test models' template and added tokens are Hermes-style (deploy/vllm/make_model.py).
             "MODELS": json.dumps(
@@ -263,6 +266,11 @@ class KvshuttleStack:
     def admin_metadata(self) -> tuple[tuple[str, str], ...]:
         """gRPC metadata that authenticates as the stack's admin (every service accepts it)."""
         return (("authorization", f"Bearer {self._tokens.token('admin')}"),)
+
+    @property
+    def admin_token_file(self) -> Path:
+        """The file holding the admin's bearer token (`kvshuttle --token-file`)."""
+        return self._tokens.file("admin").resolve()
 
     def retention_holder(self, conversation: str) -> str:
         """The node holding the conversation's retained KV now (`conversation`: its full name,

@@ -103,7 +103,7 @@ async def test_the_registry_rides_out_a_cluster_failover(tmp_path: Path, full_co
 
         redis_env = {"REDIS__MODE": "cluster", "REDIS__URL": f"redis://127.0.0.1:{seed.port}/0"}
         with registry_process(tmp_path, redis_env) as (service, addr, token):
-            async with client_to(addr, token) as client:
+            async with client_to(addr, token, service.log_path) as client:
                 await client.register()
                 killed, done = asyncio.Event(), asyncio.Event()
                 tasks = [asyncio.create_task(write(client, w, killed, done)) for w in writers]

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+import redis.exceptions
+
 from kvshuttle.registry.store.redis.codec import store_down
 
 
@@ -29,3 +32,35 @@ def test_an_attribute_error_anywhere_else_stays_a_bug() -> None:
     assert store_down(attribute_error_raised_in(ours)) is None
     assert store_down(attribute_error_raised_in("/venv/site-packages/redis/asyncio/cluster.py")) is None
     assert store_down(AttributeError("no traceback")) is None
+
+
+def test_a_refusal_a_cluster_pipeline_rewrote_is_still_the_store_refusing() -> None:
+    """redis-py's ClusterPipeline puts "Command # N (...) of pipeline caused error:" and the
+    original args before the code. (Its standalone pipeline loses the code altogether: redis-py
+    6.4 writes the literal text "{exception.args}".)"""
+    clustered = redis.exceptions.ResponseError(
+        "Command # 2 (EVALSHA abc 1 k) of pipeline caused error: ('MASTERDOWN Link with MASTER is down',)"
+    )
+    assert store_down(clustered) == "MASTERDOWN"
+    assert store_down(redis.exceptions.ResponseError("NOREPLICAS Not enough good replicas")) == "NOREPLICAS"
+    assert store_down(redis.exceptions.ResponseError("WRONGTYPE Operation against a key")) is None
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [
+        # _execute_command after its redirections ran out: MOVED after MOVED during a promotion.
+        redis.exceptions.ClusterError("TTL exhausted."),
+        # initialize(): rebuilding the slot map while the topology changes.
+        redis.exceptions.RedisClusterException("All slots are not covered after query all startup_nodes."),
+        redis.exceptions.RedisClusterException("startup_nodes could not agree on a valid slots cache"),
+        redis.exceptions.RedisClusterException("Redis Cluster cannot be connected."),
+    ],
+)
+def test_a_cluster_client_lost_in_a_failover_is_the_store_down(raised: Exception) -> None:
+    assert store_down(raised) == type(raised).__name__
+
+
+def test_a_cluster_command_built_wrongly_stays_a_bug() -> None:
+    assert store_down(redis.exceptions.CrossSlotTransactionError("keys in different slots")) is None
+    assert store_down(redis.exceptions.InvalidPipelineStack("bad stack")) is None

@@ -36,7 +36,8 @@ CALL_TIMEOUT = 3.0
 class Client:
     """An admin's async stub to the registry process, and every failed call's code and reason."""
 
-    def __init__(self, addr: str, token: str) -> None:
+    def __init__(self, addr: str, token: str, server_log: Path | None = None) -> None:
+        self.server_log = server_log
         self.channel = grpc.aio.insecure_channel(addr)
         self.stub = pb_grpc.RegistryServiceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),)
@@ -69,8 +70,15 @@ class Client:
         """A call that failed during the failover: it must be UNAVAILABLE, with ErrorInfo."""
         info = error_info(err)
         self.errors[f"{err.code().name}/{info.reason}"] += 1
-        assert err.code() == grpc.StatusCode.UNAVAILABLE, (err.code(), err.details())
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, (err.code(), err.details(), self._errors_logged())
         assert (info.reason, info.domain) == ("UNAVAILABLE", ERROR_DOMAIN)
+
+    def _errors_logged(self) -> list[str]:
+        """The registry's error-level log lines (an INTERNAL answer's traceback is in one)."""
+        if self.server_log is None or not self.server_log.exists():
+            return []
+        lines = self.server_log.read_text(errors="replace").splitlines()
+        return [line for line in lines if '"level": "error"' in line][-3:]
 
 
 @contextlib.contextmanager
@@ -98,8 +106,8 @@ def registry_process(tmp: Path, redis_env: Mapping[str, str]) -> Iterator[tuple[
 
 
 @contextlib.asynccontextmanager
-async def client_to(addr: str, token: str) -> AsyncIterator[Client]:
-    client = Client(addr, token)
+async def client_to(addr: str, token: str, server_log: Path | None = None) -> AsyncIterator[Client]:
+    client = Client(addr, token, server_log)
     try:
         yield client
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 from array import array
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -184,8 +185,18 @@ _STORE_DOWN = (
     redis.exceptions.TryAgainError,
     redis.exceptions.SlotNotCoveredError,
 )
-# Refusals redis-py has no class for: a ResponseError whose message starts with the code.
+# A Cluster client that could not find where to send the call while the topology changes: its
+# redirections ran out (ClusterError "TTL exhausted": MOVED after MOVED during a promotion), or
+# rebuilding its slot map failed (RedisClusterException: no startup node answered, the nodes
+# disagree on the slots, or the slots are not all covered yet). Nothing was written. The
+# RedisClusterException subclasses that mean a command this code built wrongly stay bugs.
+_TOPOLOGY_IN_FLUX = (redis.exceptions.ClusterError, redis.exceptions.RedisClusterException)
+_BUILT_WRONG = (redis.exceptions.CrossSlotTransactionError, redis.exceptions.InvalidPipelineStack)
+# Refusals redis-py has no class for: a ResponseError whose message starts with the code (a
+# pipeline rewrites the message: "Command # N (...) of pipeline caused error: CODE ..." from a
+# standalone client, "...: ('CODE ...',)" from a Cluster client).
 _REFUSED_CODES = ("NOREPLICAS", "MASTERDOWN")
+_PIPELINE_REFUSAL = re.compile(r"of pipeline caused error: (?:\(['\"])?(" + "|".join(_REFUSED_CODES) + r")\b")
 
 
 def _closed_under_the_call(exc: Exception) -> bool:
@@ -205,10 +216,15 @@ def store_down(exc: Exception) -> str | None:
     message stay out of it), else None."""
     if isinstance(exc, _STORE_DOWN):
         return type(exc).__name__
+    if isinstance(exc, _TOPOLOGY_IN_FLUX) and not isinstance(exc, _BUILT_WRONG):
+        return type(exc).__name__
     if _closed_under_the_call(exc):
         return "ConnectionClosed"
-    if isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith(_REFUSED_CODES):
-        return str(exc).split(" ", 1)[0]
+    if isinstance(exc, redis.exceptions.ResponseError):
+        if str(exc).startswith(_REFUSED_CODES):
+            return str(exc).split(" ", 1)[0]
+        if refused := _PIPELINE_REFUSAL.search(str(exc)):
+            return refused.group(1)
     return None
 
 
