@@ -12,7 +12,7 @@ GEN_OUT := services
 help:
 	@echo "make demo   - real vLLM prefill/decode + kvshuttle: an agent session, TTFT with and without reuse"
 	@echo "              REGISTRY_STORE=redis: the registry's state in a local Redis (valkey-server from the venv)"
-	@echo "              OTLP_ENDPOINT=http://host:4317: one trace per turn, vLLM's spans included (docs/operations/tracing.md)"
+	@echo "              OTLP_ENDPOINT=http://host:4317 (demo and up): one trace per turn, vLLM's spans included"
 	@echo "make up     - real vLLM prefill/decode + every kvshuttle service, up until Ctrl-C: an OpenAI endpoint"
 	@echo "              for your own client (MODEL=DIR: a local Hugging Face model; STORE=redis; GATEWAY_PORT=8080)"
 	@echo "make demo-registry - the registry alone, driven by the kvshuttle CLI"
@@ -116,9 +116,10 @@ demo: venv vllm
 # What the demo starts, kept up for your own client until Ctrl-C (deploy/up.py): MODEL=DIR serves a
 # local Hugging Face model directory (TOOL_CALL_PARSER=hermes etc. for its tool calls),
 # STORE=memory|redis, GATEWAY_PORT (default 8080). The module reads them from the environment.
+# OTLP_ENDPOINT=http://host:4317 (or $$KVSHUTTLE_OTLP_ENDPOINT): one trace per turn, as for make demo.
 up: venv vllm
 	MODEL=$(MODEL) STORE=$(STORE) GATEWAY_PORT=$(GATEWAY_PORT) TOOL_CALL_PARSER=$(TOOL_CALL_PARSER) \
-	  $(BIN)/python -m deploy.up
+	  $(BIN)/python -m deploy.up $(if $(OTLP_ENDPOINT),--otlp-endpoint $(OTLP_ENDPOINT))
 
 # The registry alone, driven by the kvshuttle CLI (no vLLM): leases, claims, fencing, expiry.
 demo-registry: venv

@@ -10,8 +10,11 @@ SIGINT or SIGTERM; then it stops everything it started and exits 0. A service or
 dies stops the rest too (exit 1).
 
     python -m deploy.up [--model DIR] [--store memory|redis] [--gateway-port 8080] [--tool-call-parser P]
+        [--otlp-endpoint http://HOST:4317]
 
-`make up` passes MODEL, STORE, GATEWAY_PORT and TOOL_CALL_PARSER on as the defaults of these.
+`make up` passes MODEL, STORE, GATEWAY_PORT and TOOL_CALL_PARSER on as the defaults of these, and
+OTLP_ENDPOINT as --otlp-endpoint (default: $KVSHUTTLE_OTLP_ENDPOINT): the services and both
+engines export their spans there, one trace per turn (docs/operations/tracing.md).
 
 `--model DIR` serves a model you bring: a local directory in Hugging Face layout (config.json,
 tokenizer files, *.safetensors; nothing is downloaded). Without it, the built-in `small` test
@@ -38,6 +41,7 @@ from typing import Any, Final
 from deploy.demo import DATA_PLANE, POOL_BYTES, PROFILE
 from deploy.local.launch import VllmPair
 from deploy.local.models import model_facts
+from deploy.local.otlp import OTLP_ENDPOINT_ENV
 from deploy.local.processes import free_ports
 from deploy.local.redis import RedisDied, RedisNotInstalled, redis_server_binary
 from deploy.local.stack import HOST, REGISTRY_STORES, KvshuttleStack
@@ -200,6 +204,7 @@ def serve(args: argparse.Namespace) -> int:
         kv_cache_gib=args.kv_cache_gib,
         max_model_len=max_model_len(model),
         start_timeout=args.start_timeout,
+        otlp_traces_endpoint=args.otlp_endpoint,
         progress=lambda name, elapsed, step: print(f"  [{elapsed:3.0f} s] {name:<7} {step}", flush=True),
     )
     stack: KvshuttleStack | None = None
@@ -225,8 +230,11 @@ def serve(args: argparse.Namespace) -> int:
             pool_bytes=POOL_BYTES,
             registry_store=args.store,
             gateway_port=args.gateway_port,
+            otlp_endpoint=args.otlp_endpoint,
         )
         stack.start()
+        if args.otlp_endpoint:
+            print(f"tracing: every service and both engines export their spans to {args.otlp_endpoint}")
         metrics = {"gateway": gateway_metrics, **{n: f"{HOST}:{p}" for n, p in stack.metrics_ports.items()}}
         metrics |= {
             f"agent-{e.name}": f"{HOST}:{p}"
@@ -297,6 +305,11 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=int(os.environ.get("GATEWAY_PORT") or DEFAULT_GATEWAY_PORT),
         help=f"the gateway's port on {HOST} (default: $GATEWAY_PORT, else {DEFAULT_GATEWAY_PORT})",
+    )
+    ap.add_argument(
+        "--otlp-endpoint",
+        default=os.environ.get(OTLP_ENDPOINT_ENV) or None,
+        help=f"OTLP/gRPC collector for the services' and engines' spans (default: ${OTLP_ENDPOINT_ENV})",
     )
     ap.add_argument("--kv-cache-gib", type=int, default=KV_CACHE_GIB, help="each engine's KV cache")
     ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds vLLM may take to start")
