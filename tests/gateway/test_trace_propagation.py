@@ -56,10 +56,14 @@ async def test_an_unsampled_callers_trace_reaches_the_engines_unsampled(quiet: C
         CHAT,
         chat(first_messages(), conversation_id="conv-u"),
         traceparent=f"00-{trace_id}-b7ad6b7169203331-00",
+        tracestate="vendor=opaque-1",
     )
     assert status == 200
     # An engine that exports records nothing of it: the caller's decision holds end to end.
     assert [(t, f) for _, t, _, f in sent(quiet)] == [(trace_id, "00"), (trace_id, "00")]
+    # The caller's tracestate travels with it.
+    requests = [*quiet.prefill.transcript.requests, *quiet.decode.transcript.requests]
+    assert [r.headers.get("tracestate") for r in requests] == ["vendor=opaque-1"] * 2
 
 
 async def test_the_configured_sampler_decides_the_flag_the_engines_get(
