@@ -43,8 +43,15 @@ vllm:
 # --no-deps (else several GB of torch/CUDA); `nixl` is the meta wheel that provides `nixl._api`.
 NIXL_SPECS := nixl-cu12==1.5.1 nixl==1.5.1
 
+# xds-protos ships an older opentelemetry/proto/common/v1/common_pb2.py over opentelemetry-proto's
+# (no InstrumentationScope): the OTLP exporter, so every service, would fail to import. Put the
+# installed opentelemetry-proto's files back, then check the exporter imports.
+OTEL_PROTO_VERSION = $$($(BIN)/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')
+
 $(BIN)/.installed: $(BIN)/python pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --force-reinstall --no-deps "opentelemetry-proto==$(OTEL_PROTO_VERSION)"
+	$(BIN)/python -c 'from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter'
 	$(BIN)/pip install -q --no-deps $(NIXL_SPECS)
 	$(BIN)/python -c 'import nixl._api'
 	touch $@
