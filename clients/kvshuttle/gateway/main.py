@@ -31,7 +31,7 @@ SERVICE_NAME = "kvshuttle-gateway"
 log = structlog.get_logger("kvshuttle.gateway")
 
 
-def listen_address(listen: str) -> tuple[str, int]:
+def _host_port(listen: str) -> tuple[str, int]:
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"listen must be host:port, got {listen!r}")
@@ -67,7 +67,7 @@ class GatewayServer:
         self.port: int | None = None
 
     async def start(self) -> int:
-        host, port = listen_address(self.settings.listen)
+        host, port = _host_port(self.settings.listen)
         runner = web.AppRunner(
             self.gateway.app(),
             # A client that disconnects cancels its handler at once: its engine requests are

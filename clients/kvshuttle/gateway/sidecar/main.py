@@ -13,7 +13,6 @@ from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
-from kvshuttle.gateway.main import listen_address
 from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.gateway.sidecar.app import Sidecar
@@ -28,6 +27,13 @@ __all__ = ["SidecarServer", "main"]
 SERVICE_NAME = "kvshuttle-sidecar"
 
 log = structlog.get_logger("kvshuttle.sidecar")
+
+
+def _listen_address(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"listen must be host:port, got {listen!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 class SidecarServer:
@@ -57,7 +63,7 @@ class SidecarServer:
         self.port: int | None = None
 
     async def start(self) -> int:
-        host, port = listen_address(self.settings.listen)
+        host, port = _listen_address(self.settings.listen)
         runner = web.AppRunner(
             self.sidecar.app(),
             handler_cancellation=True,  # a client leaving closes the engines' requests
