@@ -91,6 +91,7 @@ __all__ = [
     "DecodeSink",
     "Turn",
     "TurnRunner",
+    "plain_plan",
 ]
 
 log = structlog.get_logger("kvshuttle.gateway")
@@ -249,14 +250,7 @@ class TurnRunner:
             decode=decode.node,
             request_id=turn.request_id,
         )
-        return pb.PlanTurnResponse(
-            prefill=prefill,
-            decode=decode,
-            # As turn 1's: prefill computes and keeps its KV for decode to read.
-            prefill_kv_transfer_params=_FIRST_TURN_PARAMS,
-            decision=pb.DECISION_RECOMPUTE,
-            tokens_to_compute=len(turn.prompt_ids),
-        )
+        return plain_plan(prefill, decode, len(turn.prompt_ids))
 
     @asynccontextmanager
     async def _aborting(self, turn: Turn, plan: pb.PlanTurnResponse) -> AsyncIterator[None]:
@@ -517,6 +511,19 @@ class TurnRunner:
             # FAILED_PRECONDITION: the turn is settled already (committed, aborted or lapsed).
             level = log.debug if err.code == "FAILED_PRECONDITION" else log.warning
             level("turn.abort_failed", code=err.code, reason=err.reason)
+
+
+def plain_plan(prefill: pb.Placement, decode: pb.Placement, prompt_tokens: int) -> pb.PlanTurnResponse:
+    """A turn's plan made without the router: plain P->D on `prefill` and `decode`, with no turn
+    handle (nothing to commit or abort), prefill getting turn 1's params so that it computes the
+    prompt and keeps its KV for decode to read."""
+    return pb.PlanTurnResponse(
+        prefill=prefill,
+        decode=decode,
+        prefill_kv_transfer_params=_FIRST_TURN_PARAMS,
+        decision=pb.DECISION_RECOMPUTE,
+        tokens_to_compute=prompt_tokens,
+    )
 
 
 def _ms(seconds: float) -> float:
