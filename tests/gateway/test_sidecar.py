@@ -437,3 +437,16 @@ async def test_a_prefill_that_refuses_the_request_answers_the_client_with_its_re
 
     assert status == 400 and "error" in json.loads(raw)
     assert c.decode.transcript.requests == []
+
+
+async def test_a_plan_without_a_turn_handle_is_served_plain_p_to_d(c: SidecarCluster) -> None:
+    # The EPP's own degrade path (the router out of reach): a plan with no handle, nothing to commit.
+    plan, body, _ = await planned_completion(c, list(range(100, 400)))
+    plan.turn = ""
+    headers = {k: v for k, v in plan_headers(plan).items() if k != TURN_HEADER}
+
+    status, raw, _ = await c.post(COMPLETIONS, body, headers)
+
+    assert status == 200 and text(raw) == ANSWER
+    assert c.prefill.transcript.requests[-1].body["kv_transfer_params"] == PREFILL_PARAMS
+    assert c.metric("kvshuttle_sidecar_plain_total", why="unplanned") == 1

@@ -92,7 +92,9 @@ def request_headers(
     return message
 
 
-def body_chunks(body: bytes, cuts: Sequence[int] = (), *, end_of_stream: bool = True) -> list[ext.ProcessingRequest]:
+def body_chunks(
+    body: bytes, cuts: Sequence[int] = (), *, end_of_stream: bool = True
+) -> list[ext.ProcessingRequest]:
     """`body` cut at `cuts` (offsets, any order; repeats make empty chunks), the last chunk
     carrying `end_of_stream`."""
     points = [0, *sorted(min(max(c, 0), len(body)) for c in cuts), len(body)]
@@ -176,9 +178,7 @@ class Answers:
     def body(self, phase: str = "request") -> bytes:
         """The body streamed back, checked to be streamed_response chunks of at most 62,000
         bytes with end_of_stream on the last alone."""
-        answers = [
-            getattr(r, f"{phase}_body") for r in getattr(self, phase) if r.HasField(f"{phase}_body")
-        ]
+        answers = [getattr(r, f"{phase}_body") for r in getattr(self, phase) if r.HasField(f"{phase}_body")]
         chunks = [a.response.body_mutation.streamed_response for a in answers]
         assert all(a.response.body_mutation.HasField("streamed_response") for a in answers)
         assert all(len(c.body) <= 62_000 for c in chunks)

@@ -168,7 +168,10 @@ async def test_a_request_body_mode_other_than_full_duplex_is_refused_naming_it(c
     first = request_headers(protocol=processing_mode_pb2.ProcessingMode.BUFFERED)
     answers = await c.envoy.exchange([first, *body_chunks(BODY)])
     assert answers.immediate is not None
-    assert (answers.immediate.status.code, answers.immediate.details) == (500, "kvshuttle_epp_request_body_mode")
+    assert (answers.immediate.status.code, answers.immediate.details) == (
+        500,
+        "kvshuttle_epp_request_body_mode",
+    )
     assert "FULL_DUPLEX_STREAMED" in answers.error()["message"]
 
 
@@ -177,7 +180,9 @@ async def test_the_served_endpoint_is_read_back_from_metadata_or_header(c: EppCl
     await c.envoy.exchange(
         [request_headers(), *body_chunks(BODY)], [response_headers(DECODE[2], as_header=True)]
     )
-    await c.envoy.exchange([request_headers(), *body_chunks(BODY)], [response_headers(None, end_of_stream=True)])
+    await c.envoy.exchange(
+        [request_headers(), *body_chunks(BODY)], [response_headers(None, end_of_stream=True)]
+    )
     assert c.metric("kvshuttle_epp_served_total", match="other") == 1
     assert c.metric("kvshuttle_epp_served_total", match="picked") == 1
     assert c.metric("kvshuttle_epp_served_total", match="unreported") == 1

@@ -97,12 +97,14 @@ class Gateway:
         tokenizers: Mapping[str, ChatTokenizer] | None = None,
         conversation_headers: tuple[str, ...] = (CONVERSATION_HEADER,),
         hold_for_commit: bool = False,
+        tenant: str = DEFAULT_TENANT,
     ) -> None:
-        """`conversation_headers`: where a request's conversation id may come from besides its
+        """`tenant`: every request's without API keys. `conversation_headers`: where a request's conversation id may come from besides its
         body, first present wins. `hold_for_commit`: the answer ends only once its turn's commit
         has landed (bounded by router.timeout), for turns planned elsewhere (the sidecar)."""
         self.settings = settings
         self._conversation_headers = conversation_headers
+        self._default_tenant = tenant
         self._hold_for_commit = hold_for_commit
         self._tracer = tracer_provider.get_tracer("kvshuttle.gateway")
         self._metrics = metrics or GatewayMetrics()
@@ -220,7 +222,7 @@ class Gateway:
 
     def _tenant(self, request: web.Request) -> str:
         if not self._keys:
-            return DEFAULT_TENANT
+            return self._default_tenant
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         tenant = self._keys.get(_key_digest(key.strip())) if scheme.lower() == "bearer" and key else None
         if tenant is None:

@@ -15,7 +15,8 @@ Each request is served one of three ways (`kvshuttle_sidecar_requests_total{mode
 - local: with neither, this pod's decode alone.
 
 A plan is served plain (llm-d's P->D on `x-prefiller-host-port` when allowed, else local; its
-turn aborted) and counted in `kvshuttle_sidecar_plain_total{why}` when: it does not parse
+turn aborted) and counted in `kvshuttle_sidecar_plain_total{why}` when: it has no turn handle
+(`unplanned`: the EPP planned without the router, its own degrade path); it does not parse
 (`bad_plan`); its handle is not the `x-kvshuttle-turn` header's (`turn_mismatch`); it places
 decode on another node than this pod's (`stale_plan`); a non-extend plan's prefill is not the
 `x-prefiller-host-port` header's (`prefiller_mismatch`); the SSRF guard refuses its prefill
@@ -68,6 +69,7 @@ log = structlog.get_logger("kvshuttle.sidecar")
 SESSION_HEADER = "x-session-id"
 
 PlainWhy = Literal[
+    "unplanned",
     "bad_plan",
     "turn_mismatch",
     "stale_plan",
@@ -108,6 +110,7 @@ class Sidecar:
             tokenizers=tokenizers,
             conversation_headers=(CONVERSATION_HEADER, SESSION_HEADER),
             hold_for_commit=True,
+            tenant=settings.tenant,
         )
         self._proxy = PlainProxy(settings.decode_endpoint, settings.engines, metrics)
         self._registry: RegistryClient | None = None
@@ -204,7 +207,7 @@ class Sidecar:
         except _Refused as refused:
             self._metrics.plain.labels(refused.why).inc()
             log.warning("sidecar.plan_refused", why=refused.why, detail=refused.detail, turn=log_name(handle))
-            if refused.why not in ("bad_plan", "turn_mismatch"):  # else which turn is unknown: it lapses
+            if refused.why not in ("unplanned", "bad_plan", "turn_mismatch"):  # else which turn: it lapses
                 self._abort(handle, f"sidecar: {refused.why}")
             return await self._plain(request, await self._body(request))
 
@@ -225,6 +228,9 @@ class Sidecar:
             plan = decode_plan(request.headers.get(PLAN_HEADER, ""))
         except ValueError as exc:
             raise _Refused("bad_plan", str(exc)) from None
+        if not handle and not plan.turn:
+            # The EPP planned without the router (its degrade path): plain P->D, nothing to commit.
+            raise _Refused("unplanned", "the plan has no turn handle")
         if not handle or plan.turn != handle:
             raise _Refused("turn_mismatch", "x-kvshuttle-turn is not the plan's turn")
         if plan.decode.node != self.settings.node:

@@ -24,7 +24,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.limits import MAX_PROMPT_TOKENS
-from kvshuttle.gateway.config import EngineSettings, GatewaySettings, ModelSettings, RouterConnection
+from kvshuttle.core.errors import InvalidArgument
+from kvshuttle.core.names import check_id
+from kvshuttle.gateway.config import (
+    DEFAULT_TENANT,
+    EngineSettings,
+    GatewaySettings,
+    ModelSettings,
+    RouterConnection,
+)
 from kvshuttle.gateway.pd_headers import endpoint_host_port
 from kvshuttle.serving.settings import TelemetrySettings
 
@@ -55,6 +63,8 @@ class SidecarSettings(BaseSettings):
     models: dict[str, ModelSettings] = Field(default_factory=dict)
     # The EPP's HMAC key of the tenants' cache salts (secret, at least 16 bytes).
     cache_salt_key: SecretStr | None = None
+    # The tenant every request belongs to: the EPP's `tenant`.
+    tenant: str = DEFAULT_TENANT
     default_max_tokens: int | None = Field(default=None, ge=1)
     max_request_bytes: int = Field(default=32 * 2**20, ge=1024)
     max_prompt_tokens: int = Field(default=MAX_PROMPT_TOKENS, ge=1)
@@ -78,6 +88,14 @@ class SidecarSettings(BaseSettings):
         if isinstance(value, dict):
             return {k: {"tokenizer": v} if isinstance(v, str) else v for k, v in value.items()}
         return value
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant_id(cls, value: str) -> str:
+        try:
+            return check_id(value, "tenant")
+        except InvalidArgument as exc:
+            raise ValueError(exc.message) from None
 
     @field_validator("node")
     @classmethod

@@ -23,8 +23,8 @@ class SidecarMetrics:
         )
         self.plain = Counter(
             "kvshuttle_sidecar_plain",
-            "Requests with kvshuttle's headers served plain instead, by why (bad_plan, "
-            "turn_mismatch, stale_plan, prefiller_mismatch, prefill_refused, kv_source_refused, "
+            "Requests with kvshuttle's headers served plain instead, by why (unplanned, "
+            "bad_plan, turn_mismatch, stale_plan, prefiller_mismatch, prefill_refused, kv_source_refused, "
             "turn_failed).",
             ["why"],
             registry=registry,
