@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from deploy.standin.engine import StandinEngine
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 from tests.gateway.helpers import register, standin
@@ -17,7 +18,6 @@ from tests.router.helpers import MODEL, RouterEnv, start_router
 from tests.support.planning_epp import PlanningEpp
 from tests.support.registry_env import RegistryEnv, start_registry
 
-from deploy.standin.engine import StandinEngine
 from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.gateway.config import ModelSettings, RouterConnection
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer

@@ -30,7 +30,6 @@ from kvshuttle.gateway.pd_headers import (
     PLAN_HEADER,
     PREFILLER_HOST_PORT_HEADER,
     TURN_HEADER,
-    encode_plan,
     endpoint_host_port,
 )
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer

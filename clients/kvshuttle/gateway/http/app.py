@@ -99,9 +99,10 @@ class Gateway:
         hold_for_commit: bool = False,
         tenant: str = DEFAULT_TENANT,
     ) -> None:
-        """`tenant`: every request's without API keys. `conversation_headers`: where a request's conversation id may come from besides its
-        body, first present wins. `hold_for_commit`: the answer ends only once its turn's commit
-        has landed (bounded by router.timeout), for turns planned elsewhere (the sidecar)."""
+        """`tenant`: every request's without API keys. `conversation_headers`: where a request's
+        conversation id may come from besides its body, first present wins. `hold_for_commit`:
+        the answer ends only once its turn's commit has landed (bounded by router.timeout), for
+        turns planned elsewhere (the sidecar)."""
         self.settings = settings
         self._conversation_headers = conversation_headers
         self._default_tenant = tenant

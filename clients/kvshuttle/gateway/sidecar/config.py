@@ -23,8 +23,8 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvshuttle.client.settings import ServiceConnection
-from kvshuttle.core.limits import MAX_PROMPT_TOKENS
 from kvshuttle.core.errors import InvalidArgument
+from kvshuttle.core.limits import MAX_PROMPT_TOKENS
 from kvshuttle.core.names import check_id
 from kvshuttle.gateway.config import (
     DEFAULT_TENANT,
