@@ -26,6 +26,7 @@ import pytest
 from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
 from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
 from tests.e2e.stacks import running_stack
 from tests.e2e.test_tools import TOOLS, _calls, _no_free_whitespace, _streamed_message
 from tests.gateway.epp.envoy import Envoy, body_chunks, request_headers
@@ -72,7 +73,7 @@ class Front:
                 server=ServerSettings(listen="127.0.0.1:0", grace_seconds=1),
                 router=router,
                 models=model,
-                cache_salt_key=stack.cache_salt_key,
+                cache_salt_key=SecretStr(stack.cache_salt_key),
             ),
         )
         self.sidecar = SidecarServer(
@@ -85,7 +86,7 @@ class Front:
                 # ListNodes needs nodes.read: the stack's admin identity (a viewer in production).
                 registry=ServiceConnection(address=stack.registry_addr, token_file=stack.token_file("admin")),
                 models=model,
-                cache_salt_key=stack.cache_salt_key,
+                cache_salt_key=SecretStr(stack.cache_salt_key),
                 grace_seconds=2,
             ),
         )

@@ -13,6 +13,7 @@ import aiohttp
 from deploy.standin.engine import StandinEngine
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
 from tests.gateway.helpers import register, standin
 from tests.router.helpers import MODEL, RouterEnv, start_router
 from tests.support.planning_epp import PlanningEpp
@@ -86,7 +87,7 @@ async def start_sidecar_cluster(
         router=RouterConnection(address=f"127.0.0.1:{router.server.port}", timeout=2.0),
         registry=ServiceConnection(address=registry.address, timeout=2.0),
         models={MODEL: ModelSettings(tokenizer=model_dir)},
-        cache_salt_key=SALT_KEY.decode(),
+        cache_salt_key=SecretStr(SALT_KEY.decode()),
         grace_seconds=2.0,
         **overrides,
     )

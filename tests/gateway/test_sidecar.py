@@ -449,3 +449,17 @@ async def test_a_plan_without_a_turn_handle_is_served_plain_p_to_d(c: SidecarClu
     assert status == 200 and text(raw) == ANSWER
     assert c.prefill.transcript.requests[-1].body["kv_transfer_params"] == PREFILL_PARAMS
     assert c.metric("kvshuttle_sidecar_plain_total", why="unplanned") == 1
+
+
+async def test_a_plan_made_for_a_longer_prompt_is_never_run_on_this_one(c: SidecarCluster) -> None:
+    # The EPP tokenized differently (another template, another model): its plan is not this prompt's.
+    plan, _, headers = await planned_completion(c, list(range(100, 400)))
+    body = {"model": MODEL, "prompt": list(range(100, 200)), "max_tokens": 64, "conversation_id": "conv-c"}
+
+    status, raw, _ = await c.post(COMPLETIONS, body, headers)
+
+    assert status == 200 and text(raw) == ANSWER
+    assert c.prefill.transcript.requests == []
+    assert c.decode.transcript.requests[-1].body == body
+    assert c.metric("kvshuttle_sidecar_plain_total", why="turn_failed") == 1
+    assert await commit_refused(c, plan.turn) == grpc.StatusCode.FAILED_PRECONDITION

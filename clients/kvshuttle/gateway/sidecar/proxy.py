@@ -161,11 +161,14 @@ class PlainProxy:
                     headers = {"Content-Type": answer.headers.get("Content-Type", "application/json")}
                     return None, web.Response(status=answer.status, body=raw, headers=headers)
                 if answer.status != 200:
-                    return self._prefill_failed(target, f"status {answer.status}"), None
+                    self._prefill_failed(target, f"status {answer.status}")
+                    return None, None
         except TimeoutError:
-            return self._prefill_failed(target, "timeout"), None
+            self._prefill_failed(target, "timeout")
+            return None, None
         except aiohttp.ClientError as exc:
-            return self._prefill_failed(target, type(exc).__name__), None
+            self._prefill_failed(target, type(exc).__name__)
+            return None, None
         parsed = _json_object(raw)
         params = None if parsed is None else parsed.get("kv_transfer_params")
         if not isinstance(params, dict):

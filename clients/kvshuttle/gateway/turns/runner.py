@@ -171,7 +171,7 @@ class TurnRunner:
         """Run `turn` with a non-streaming decode; decode's answer (its output is in
         `turn.output`, its commit on its way). `planned`: the turn's plan, made elsewhere (the
         endpoint picker, for the decode-side sidecar); None: PlanTurn here."""
-        plan = await self._plan(turn) if planned is None else self._adopt(turn, planned)
+        plan = await self._plan(turn) if planned is None else self._adopt(turn, _checked(turn, planned))
         async with self._aborting(turn, plan):
             prompt_json = record.prompt_json(turn.prompt_ids)
             decode_params = await self._prefill(turn, plan, prompt_json)
@@ -184,7 +184,7 @@ class TurnRunner:
     async def stream(self, turn: Turn, sink: DecodeSink, planned: pb.PlanTurnResponse | None = None) -> None:
         """Run `turn` with decode's chunks streamed to `sink` as they come (`planned` as for
         complete)."""
-        plan = await self._plan(turn) if planned is None else self._adopt(turn, planned)
+        plan = await self._plan(turn) if planned is None else self._adopt(turn, _checked(turn, planned))
         async with self._aborting(turn, plan):
             prompt_json = record.prompt_json(turn.prompt_ids)
             decode_params = await self._prefill(turn, plan, prompt_json)
@@ -524,6 +524,21 @@ def plain_plan(prefill: pb.Placement, decode: pb.Placement, prompt_tokens: int) 
         decision=pb.DECISION_RECOMPUTE,
         tokens_to_compute=prompt_tokens,
     )
+
+
+def _checked(turn: Turn, plan: pb.PlanTurnResponse) -> pb.PlanTurnResponse:
+    """A plan made elsewhere, if it can be this prompt's: it computes `tokens_to_compute` of the
+    prompt past at least `reusable_tokens`, so a shorter prompt is another one (the planner
+    tokenized differently: other models or templates), and reading its KV would be wrong."""
+    if len(turn.prompt_ids) < plan.tokens_to_compute + plan.reusable_tokens:
+        raise GatewayError(
+            502,
+            f"the plan is for a prompt of at least {plan.tokens_to_compute + plan.reusable_tokens} "
+            f"tokens; this one has {len(turn.prompt_ids)}",
+            type_="server_error",
+            code="plan_mismatch",
+        )
+    return plan
 
 
 def _ms(seconds: float) -> float:
