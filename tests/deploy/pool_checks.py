@@ -73,7 +73,7 @@ def picker_problems(objects: Objects) -> list[str]:
     if port is None:
         return [f"endpointPickerRef: Service {ref['name']} has no port {ref['port']['number']}"]
     problems = []
-    listen = m.port_of_address(m.env(epp.container("epp"), objects)["KVSHUTTLE_EPP_LISTEN"])
+    listen = m.port_of_address(m.env(epp.container("epp"), objects)["KVSHUTTLE_EPP_SERVER__LISTEN"])
     if _container_port(epp, port.get("targetPort", port["port"])) != listen:
         problems.append(
             f"endpointPickerRef: port {ref['port']['number']} does not reach ext_proc on {listen}"
@@ -131,7 +131,7 @@ def network_problems(objects: Objects) -> list[str]:
     problems = []
     gateways = _gateway_names(objects)
     epp = service_workload(objects, "epp")
-    ext_proc = m.port_of_address(m.env(epp.container("epp"), objects)["KVSHUTTLE_EPP_LISTEN"])
+    ext_proc = m.port_of_address(m.env(epp.container("epp"), objects)["KVSHUTTLE_EPP_SERVER__LISTEN"])
     rules = _ingress(objects, epp.name)
     if not any(_is_envoy(peer, gateways) and lo <= ext_proc <= hi for peer, lo, hi in rules):
         problems.append(f"{epp.name}: no NetworkPolicy lets the Envoy pods of {sorted(gateways)} in")

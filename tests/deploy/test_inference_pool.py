@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -97,6 +98,20 @@ def test_the_router_grants_the_picker_the_gateway_role() -> None:
     assert pool.identity_problems(RENDERED) == []
 
 
+def test_the_picker_settings_load_from_its_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every KVSHUTTLE_EPP_* variable names a field of EppSettings, and they load as rendered."""
+    assert checks.settings_problems(RENDERED, tmp_path, monkeypatch) == []
+    env = m.env(_epp(objects()), RENDERED)
+    assert {k for k in env if k.startswith("KVSHUTTLE_EPP_")} >= {
+        "KVSHUTTLE_EPP_SERVER__LISTEN",
+        "KVSHUTTLE_EPP_MODELS",
+        "KVSHUTTLE_EPP_ROUTER__ADDRESS",
+        "KVSHUTTLE_EPP_CACHE_SALT_KEY",
+    }
+
+
 def test_prometheus_scrapes_the_picker() -> None:
     service = m.one(RENDERED, "Service", "kvshuttle-epp")
     monitors = [
@@ -165,7 +180,7 @@ def _picker_port(o: Objects) -> None:
 
 def _picker_listens_elsewhere(o: Objects) -> None:
     env = _epp(o)["env"]
-    (listen,) = [v for v in env if v["name"] == "KVSHUTTLE_EPP_LISTEN"]
+    (listen,) = [v for v in env if v["name"] == "KVSHUTTLE_EPP_SERVER__LISTEN"]
     listen["value"] = "0.0.0.0:9010"
 
 

@@ -7,6 +7,7 @@ picker has answered the request path, the response headers (the served endpoint 
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from google.protobuf import struct_pb2
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
 from tests.router.helpers import MODEL, RouterEnv, heartbeat, node, seconds, start_router
 from tests.support.registry_env import RegistryEnv, start_registry
 
@@ -98,7 +100,7 @@ def body_chunks(
     """`body` cut at `cuts` (offsets, any order; repeats make empty chunks), the last chunk
     carrying `end_of_stream`."""
     points = [0, *sorted(min(max(c, 0), len(body)) for c in cuts), len(body)]
-    pieces = [body[a:b] for a, b in zip(points, points[1:], strict=False)]
+    pieces = [body[a:b] for a, b in itertools.pairwise(points)]
     return [
         ext.ProcessingRequest(
             request_body=ext.HttpBody(body=piece, end_of_stream=end_of_stream and i == len(pieces) - 1)
@@ -166,7 +168,7 @@ class Answers:
         """The pick, checked to be the same in the header and the dynamic metadata."""
         answer = self.headers_answer
         metadata = answer.dynamic_metadata.fields["envoy.lb"].struct_value.fields
-        picked = metadata["x-gateway-destination-endpoint"].string_value
+        picked: str = metadata["x-gateway-destination-endpoint"].string_value
         assert self.set_headers["x-gateway-destination-endpoint"] == picked
         assert answer.request_headers.response.clear_route_cache
         return picked
@@ -319,7 +321,7 @@ async def start_epp(
             address=router_address or f"127.0.0.1:{router.server.port}", timeout=router_timeout
         ),
         models={MODEL: ModelSettings(tokenizer=model_dir)},
-        cache_salt_key=CACHE_SALT_KEY,
+        cache_salt_key=SecretStr(CACHE_SALT_KEY),
         **overrides,
     )
     metrics = CollectorRegistry()

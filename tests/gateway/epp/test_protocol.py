@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -17,7 +18,6 @@ from grpc_status import rpc_status
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests.gateway.epp.envoy import (
-    CHAT,
     DECODE,
     PREFILL,
     Answers,
@@ -146,7 +146,7 @@ async def test_client_copies_of_the_sidecar_headers_are_overwritten(c: EppCluste
         PLAN_HEADER: "AAAA",
         "x-gateway-destination-endpoint": "10.9.9.9:8000",
     }
-    answers = await pick(c, **forged)
+    answers = await c.envoy.exchange([request_headers(extra=forged), *body_chunks(BODY)])
     headers = answers.set_headers
     assert headers[PREFILLER_HOST_PORT_HEADER] == PREFILL[2]
     assert headers[TURN_HEADER] == answers.plan.turn != "turns/forged"
@@ -216,7 +216,7 @@ async def test_messages_out_of_order_are_invalid_argument_naming_the_field(c: Ep
 async def test_health_services_the_protocol_names_answer_on_both_ports(c: EppCluster) -> None:
     for port in (c.epp.server.port, c.epp.server.health_port):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
+            stub: Any = health_pb2_grpc.HealthStub(channel)  # typed for the sync stub only
             for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
                 got = await stub.Check(health_pb2.HealthCheckRequest(service=service))
                 assert got.status == health_pb2.HealthCheckResponse.SERVING, service
