@@ -463,3 +463,11 @@ async def test_a_plan_made_for_a_longer_prompt_is_never_run_on_this_one(c: Sidec
     assert c.decode.transcript.requests[-1].body == body
     assert c.metric("kvshuttle_sidecar_plain_total", why="turn_failed") == 1
     assert await commit_refused(c, plan.turn) == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_other_paths_pass_through_to_decode(c: SidecarCluster) -> None:
+    async with c.http.get(c.url + "/v1/models?x=1") as response:
+        assert response.status == 200
+        assert [m["id"] for m in (await response.json())["data"]] == [MODEL]
+    async with c.http.get(c.url + "/health") as response:
+        assert (response.status, await response.json()) == (200, {"status": "ok"})

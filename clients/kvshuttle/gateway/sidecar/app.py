@@ -14,6 +14,9 @@ Each request is served one of three ways (`kvshuttle_sidecar_requests_total{mode
   (kvshuttle.gateway.sidecar.proxy).
 - local: with neither, this pod's decode alone.
 
+Any other path (GET /v1/models, /tokenize, vLLM's /metrics) goes to this pod's decode unchanged;
+GET /health is the sidecar's own.
+
 A plan is served plain (llm-d's P->D on `x-prefiller-host-port` when allowed, else local; its
 turn aborted) and counted in `kvshuttle_sidecar_plain_total{why}` when: it has no turn handle
 (`unplanned`: the EPP planned without the router, its own degrade path); it does not parse
@@ -134,6 +137,7 @@ class Sidecar:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/health", self.health)
+        app.router.add_route("*", "/{path:.*}", self.other)
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
         return app
@@ -172,6 +176,9 @@ class Sidecar:
         return web.json_response({"status": "ok"})
 
     # ---- requests --------------------------------------------------------------------------
+
+    async def other(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy.other(request)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "chat")

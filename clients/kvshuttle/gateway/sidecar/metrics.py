@@ -16,8 +16,8 @@ class SidecarMetrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.requests = Counter(
             "kvshuttle_sidecar_requests",
-            "Requests by how they were served: kvshuttle (a planned turn), llmd (plain P->D on "
-            "x-prefiller-host-port) or local (this pod's decode alone).",
+            "Completion requests by the headers they came with: kvshuttle (a planned turn), llmd "
+            "(x-prefiller-host-port alone: plain P->D) or local (neither: this pod's decode alone).",
             ["mode"],
             registry=registry,
         )

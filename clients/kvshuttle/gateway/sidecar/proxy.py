@@ -121,6 +121,11 @@ class PlainProxy:
             raw = _dumps(body)
         return await self._decode_answer(request, raw, uuid.uuid4().hex)
 
+    async def other(self, request: web.Request) -> web.StreamResponse:
+        """Any other request (GET /v1/models, /metrics, /tokenize, ...): to this pod's decode, as
+        llm-d's sidecar passes them."""
+        return await self._decode_answer(request, await request.read(), uuid.uuid4().hex)
+
     async def disaggregated(
         self, request: web.Request, raw: bytes, prefill_host_port: str
     ) -> web.StreamResponse:
@@ -182,15 +187,17 @@ class PlainProxy:
         log.warning("sidecar.prefill_failed", prefill=target, why=why)
 
     async def _decode_answer(self, request: web.Request, body: bytes, request_id: str) -> web.StreamResponse:
-        """POST `body` to the local decode on the request's path; its answer, streamed back."""
+        """`body` to the local decode with the request's method, path and query; its answer,
+        streamed back."""
         timeout = aiohttp.ClientTimeout(
             total=None,
             connect=self._engines.connect_timeout_s,
             sock_read=self._engines.decode_idle_timeout_s,
         )
         try:
-            upstream = await self.session.post(
-                self._decode + request.path,
+            upstream = await self.session.request(
+                request.method,
+                self._decode + request.path_qs,
                 data=body,
                 headers=_forwarded(request.headers, request_id),
                 timeout=timeout,
