@@ -14,8 +14,8 @@ Each request is served one of three ways (`kvshuttle_sidecar_requests_total{mode
   (kvshuttle.gateway.sidecar.proxy).
 - local: with neither, this pod's decode alone.
 
-Any other path (GET /v1/models, /tokenize, vLLM's /metrics) goes to this pod's decode unchanged;
-GET /health is the sidecar's own.
+Any other path (GET /v1/models, /tokenize, vLLM's /metrics, /health) goes to this pod's decode
+unchanged; /health answers 503 while the sidecar drains.
 
 A plan is served plain (llm-d's P->D on `x-prefiller-host-port` when allowed, else local; its
 turn aborted) and counted in `kvshuttle_sidecar_plain_total{why}` when: it has no turn handle
@@ -170,10 +170,12 @@ class Sidecar:
                 break
         return nodes
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        """503 while draining, else decode's own /health: the pod serves only while both do (the
+        agent polls it here when its node's endpoint is the sidecar's)."""
         if self.draining:
             return web.json_response({"status": "draining"}, status=503)
-        return web.json_response({"status": "ok"})
+        return await self._proxy.other(request)
 
     # ---- requests --------------------------------------------------------------------------
 
