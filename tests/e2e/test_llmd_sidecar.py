@@ -27,8 +27,8 @@ from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
+from tests.e2e.agent_loop import TOOLS, calls, no_free_whitespace, streamed_message
 from tests.e2e.stacks import running_stack
-from tests.e2e.test_tools import TOOLS, _calls, _no_free_whitespace, _streamed_message
 from tests.gateway.epp.envoy import Envoy, body_chunks, request_headers
 
 from kvshuttle.client.settings import ServiceConnection
@@ -154,7 +154,7 @@ async def post(
         if line.startswith("data: ") and line != "data: [DONE]"
     ]
     assert raw.decode().rstrip().endswith("data: [DONE]")
-    message, finish = _streamed_message(events)
+    message, finish = streamed_message(events)
     return message, finish, got
 
 
@@ -171,7 +171,7 @@ async def test_an_agent_session_through_epp_and_sidecar_reuses_every_later_turn_
         "required",
         {"type": "function", "function": {"name": "run_tests"}},
     ]
-    no_whitespace = _no_free_whitespace(tokenizer)
+    no_whitespace = no_free_whitespace(tokenizer)
     figures: list[dict[str, Any]] = []
     previous_prompt = 0
     async with aiohttp.ClientSession() as http:
@@ -194,8 +194,8 @@ async def test_an_agent_session_through_epp_and_sidecar_reuses_every_later_turn_
             url, headers, forwarded = await front.route(body, {"x-session-id": session})
             message, finish, got = await post(http, url, forwarded, headers)
 
-            assert _calls(message) == _calls(ref_message), (turn, message, ref_message)
-            assert len(_calls(message)) == 1, (turn, message)
+            assert calls(message) == calls(ref_message), (turn, message, ref_message)
+            assert len(calls(message)) == 1, (turn, message)
             assert (message.get("content") or "") == (ref_message.get("content") or ""), turn
             assert finish == ref_finish, turn
             prompt = int(got["x-kvshuttle-prompt-tokens"])
