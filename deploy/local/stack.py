@@ -262,6 +262,11 @@ class KvshuttleStack:
             "POOL__SERVE_PORT": "0",
         }
 
+    def token_file(self, identity: str) -> Path:
+        """The bearer token file of `identity` ("gateway", "admin"): for the clients a test starts
+        beside the stack (an endpoint picker, a decode-side sidecar)."""
+        return self._tokens.file(identity)
+
     @property
     def admin_metadata(self) -> tuple[tuple[str, str], ...]:
         """gRPC metadata that authenticates as the stack's admin (every service accepts it)."""

@@ -60,7 +60,8 @@ def decode_plan(value: str) -> pb.PlanTurnResponse:
     if "=" in value or not value:
         raise ValueError("the plan header must be unpadded, non-empty base64url")
     try:
-        raw = base64.urlsafe_b64decode(value + "=" * (-len(value) % 4))
+        # validate: the stdlib would otherwise skip characters outside the alphabet.
+        raw = base64.b64decode(value + "=" * (-len(value) % 4), altchars=b"-_", validate=True)
     except (binascii.Error, ValueError):
         raise ValueError("the plan header is not base64url") from None
     plan = pb.PlanTurnResponse()
