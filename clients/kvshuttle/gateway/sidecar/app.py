@@ -115,7 +115,12 @@ class Sidecar:
             hold_for_commit=True,
             tenant=settings.tenant,
         )
-        self._proxy = PlainProxy(settings.decode_endpoint, settings.engines, metrics)
+        self._proxy = PlainProxy(
+            settings.decode_endpoint,
+            settings.engines,
+            metrics,
+            tracer_provider.get_tracer("kvshuttle.sidecar"),
+        )
         self._registry: RegistryClient | None = None
         self.allowlist = RegisteredEndpoints(
             self._read_nodes,

@@ -14,19 +14,29 @@ connector): the client's own OpenAI request, not tokenized here.
 A client's own `kv_transfer_params` never reach an engine: they would point the engine's KV
 reads at any address (the SSRF guard's second half). The sidecar's and kvshuttle's headers are
 not forwarded either.
+
+Traced as the gateway traces a turn: a SERVER span `request` (`kvshuttle.sidecar.mode` llmd or
+local; a child of the caller's `traceparent`) unless a planned turn's span is current (its
+fallback), and a CLIENT span `prefill` / `decode` per engine request, whose context the engine
+gets as `traceparent` / `tracestate` (vLLM's `llm_request` span joins the trace). Other paths
+pass the caller's trace context on as it came.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import aiohttp
 import orjson
 import structlog
 from aiohttp import web
 from multidict import CIMultiDict
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvshuttle.gateway.config import EngineSettings
 from kvshuttle.gateway.errors import GatewayError
@@ -60,6 +70,9 @@ _DROP_REQUEST = frozenset(
         "upgrade",
         "accept-encoding",
         "x-request-id",
+        # Set anew: the engine request's own span (else the caller's, as it came).
+        "traceparent",
+        "tracestate",
         PREFILLER_HOST_PORT_HEADER,
         *KVSHUTTLE_HEADERS,
     }
@@ -69,6 +82,7 @@ _DROP_RESPONSE = frozenset(
     | {"server", "date"}
 )
 _MAX_PREFILL_ANSWER = 64 * 2**20
+_PROPAGATOR = TraceContextTextMapPropagator()
 
 
 def host_url(host_port: str, path: str) -> str:
@@ -80,6 +94,8 @@ def _forwarded(headers: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
     out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _DROP_REQUEST)
     out["X-Request-Id"] = request_id
     out["Content-Type"] = "application/json"
+    current = trace.get_current_span().get_span_context().is_valid
+    _PROPAGATOR.inject(out, context=None if current else _PROPAGATOR.extract(headers))
     return out
 
 
@@ -90,10 +106,13 @@ def _dumps(body: Mapping[str, Any]) -> bytes:
 class PlainProxy:
     """Plain P->D and local serving over one aiohttp session (`start()` / `close()`)."""
 
-    def __init__(self, decode_endpoint: str, engines: EngineSettings, metrics: SidecarMetrics) -> None:
+    def __init__(
+        self, decode_endpoint: str, engines: EngineSettings, metrics: SidecarMetrics, tracer: trace.Tracer
+    ) -> None:
         self._decode = decode_endpoint.rstrip("/")
         self._engines = engines
         self._metrics = metrics
+        self._tracer = tracer
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -113,13 +132,28 @@ class PlainProxy:
             raise RuntimeError("PlainProxy.start() was not called")
         return self._session
 
+    @contextmanager
+    def _served(self, request: web.Request, mode: Literal["llmd", "local"]) -> Iterator[None]:
+        """The request's SERVER span, unless a planned turn's span is current (its fallback)."""
+        if trace.get_current_span().get_span_context().is_valid:
+            yield
+            return
+        with self._tracer.start_as_current_span(
+            "request",
+            context=_PROPAGATOR.extract(request.headers),
+            kind=SpanKind.SERVER,
+            attributes={"kvshuttle.sidecar.mode": mode},
+        ):
+            yield
+
     async def local(self, request: web.Request, raw: bytes) -> web.StreamResponse:
         """The request to this pod's decode, as it came (less any kv_transfer_params)."""
         body = _json_object(raw)
         if body is not None and "kv_transfer_params" in body:
             del body["kv_transfer_params"]
             raw = _dumps(body)
-        return await self._decode_answer(request, raw, uuid.uuid4().hex)
+        with self._served(request, "local"):
+            return await self._decode_answer(request, raw, uuid.uuid4().hex, traced=True)
 
     async def other(self, request: web.Request) -> web.StreamResponse:
         """Any other request (GET /v1/models, /metrics, /tokenize, ...): to this pod's decode, as
@@ -130,9 +164,15 @@ class PlainProxy:
         self, request: web.Request, raw: bytes, prefill_host_port: str
     ) -> web.StreamResponse:
         """llm-d's P->D: prefill on `prefill_host_port` (already allowed), then local decode."""
+        with self._served(request, "llmd"):
+            return await self._disaggregated(request, raw, prefill_host_port)
+
+    async def _disaggregated(
+        self, request: web.Request, raw: bytes, prefill_host_port: str
+    ) -> web.StreamResponse:
         body = _json_object(raw)
         if body is None:  # decode says what is wrong with it
-            return await self._decode_answer(request, raw, uuid.uuid4().hex)
+            return await self._decode_answer(request, raw, uuid.uuid4().hex, traced=True)
         body.pop("kv_transfer_params", None)
         request_id = uuid.uuid4().hex
         prefill_body = {**body, "kv_transfer_params": PREFILL_PARAMS, "stream": False, "max_tokens": 1}
@@ -144,13 +184,21 @@ class PlainProxy:
             return refusal
         if params is not None:
             body["kv_transfer_params"] = params
-        return await self._decode_answer(request, _dumps(body), request_id)
+        return await self._decode_answer(request, _dumps(body), request_id, traced=True)
 
     async def _prefill(
         self, request: web.Request, target: str, body: dict[str, Any], request_id: str
     ) -> tuple[dict[str, Any] | None, web.Response | None]:
         """Prefill's kv_transfer_params for decode (None: decode computes the prompt), or the
         client's answer when prefill refused the request."""
+        with self._tracer.start_as_current_span(
+            "prefill", kind=SpanKind.CLIENT, attributes={"server.address": target}
+        ):
+            return await self._prefill_call(request, target, body, request_id)
+
+    async def _prefill_call(
+        self, request: web.Request, target: str, body: dict[str, Any], request_id: str
+    ) -> tuple[dict[str, Any] | None, web.Response | None]:
         timeout = aiohttp.ClientTimeout(
             total=self._engines.prefill_timeout_s, connect=self._engines.connect_timeout_s
         )
@@ -186,9 +234,19 @@ class PlainProxy:
         self._metrics.prefill_failures.inc()
         log.warning("sidecar.prefill_failed", prefill=target, why=why)
 
-    async def _decode_answer(self, request: web.Request, body: bytes, request_id: str) -> web.StreamResponse:
+    async def _decode_answer(
+        self, request: web.Request, body: bytes, request_id: str, *, traced: bool = False
+    ) -> web.StreamResponse:
         """`body` to the local decode with the request's method, path and query; its answer,
-        streamed back."""
+        streamed back (`traced`: under a CLIENT span `decode`, to the stream's end)."""
+        if not traced:
+            return await self._decode_call(request, body, request_id)
+        with self._tracer.start_as_current_span(
+            "decode", kind=SpanKind.CLIENT, attributes={"server.address": self._decode}
+        ):
+            return await self._decode_call(request, body, request_id)
+
+    async def _decode_call(self, request: web.Request, body: bytes, request_id: str) -> web.StreamResponse:
         timeout = aiohttp.ClientTimeout(
             total=None,
             connect=self._engines.connect_timeout_s,
