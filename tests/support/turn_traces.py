@@ -14,6 +14,9 @@ from kvshuttle.core.digest import log_digest
 from kvshuttle.gateway.config import DEFAULT_TENANT
 
 GATEWAY, ROUTER, REGISTRY = "kvshuttle-gateway", "kvshuttle-router", "kvshuttle-registry"
+EPP, SIDECAR = "kvshuttle-epp", "kvshuttle-sidecar"
+# The endpoint picker's span of one request: Envoy's ext_proc stream.
+EPP_PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 PLAN_TURN = "/kvshuttle.router.v1.RouterService/PlanTurn"
 COMMIT_TURN = "/kvshuttle.router.v1.RouterService/CommitTurn"
 # What the printed trees show of the spans' attributes (where a span has them).
@@ -31,11 +34,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def turn_traces(
-    receiver: OtlpReceiver, conversation: str, turns: int, engines: tuple[str, str], timeout: float = 90.0
+    receiver: OtlpReceiver,
+    conversation: str,
+    turns: int,
+    engines: tuple[str, str],
+    timeout: float = 90.0,
+    runner: str = GATEWAY,
 ) -> list[list[Span]]:
-    """The traces of the conversation's `turns` turns (the gateway's `turn` spans, by the
-    conversation's digest), in order, once each holds its commit and both engines'
-    `llm_request` spans (`engines`: the prefill and decode engines' service names)."""
+    """The traces of the conversation's `turns` turns (the `turn` spans of `runner`, the service
+    that ran them, by the conversation's digest), in order, once each holds its commit and both
+    engines' `llm_request` spans (`engines`: the prefill and decode engines' service names), and
+    every span's parent and every call's server span arrived (each process exports on its own
+    schedule)."""
     digest = log_digest(f"tenants/{DEFAULT_TENANT}/conversations/{conversation}")
 
     def roots(spans: list[Span]) -> list[Span]:
@@ -43,7 +53,7 @@ def turn_traces(
             (
                 s
                 for s in spans
-                if (s.service, s.name) == (GATEWAY, "turn")
+                if (s.service, s.name) == (runner, "turn")
                 and s.attributes.get("kvshuttle.conversation") == digest
             ),
             key=lambda s: s.start_ns,
@@ -57,7 +67,9 @@ def turn_traces(
             trace = [s for s in spans if s.trace_id == root.trace_id]
             have = {(s.service, s.name) for s in trace}
             wanted = {(ROUTER, "commit"), (engines[0], "llm_request"), (engines[1], "llm_request")}
-            if not wanted <= have or unanswered(trace):
+            ids = {s.span_id for s in trace}
+            orphaned = any(s.parent_id and s.parent_id not in ids for s in trace)
+            if not wanted <= have or unanswered(trace) or orphaned:
                 return False
         return True
 
@@ -72,34 +84,43 @@ def unanswered(trace: list[Span]) -> list[Span]:
     return [s for s in trace if s.kind == "CLIENT" and s.span_id not in parents]
 
 
-def check_one_trace_per_turn(trace: list[Span], engines: tuple[str, str]) -> None:
-    """One root (the gateway's turn), every other span's parent in the trace; the gateway, the
-    router, the registry and both engines in it; each engine's `llm_request` a child of the
-    gateway's span of the request that engine served, timed and counted as vLLM does."""
+def check_one_trace_per_turn(
+    trace: list[Span],
+    engines: tuple[str, str],
+    *,
+    runner: str = GATEWAY,
+    planner: str = GATEWAY,
+    root: tuple[str, str] = (GATEWAY, "turn"),
+) -> None:
+    """One root (`root`: the gateway's turn, or the endpoint picker's request), every other
+    span's parent in the trace; `planner` (PlanTurn's caller), `runner` (the turn's: prefill,
+    decode, CommitTurn), the router, the registry and both engines in it; each engine's
+    `llm_request` a child of the runner's span of the request that engine served, timed and
+    counted as vLLM does."""
     ids = {s.span_id: s for s in trace}
     roots = [s for s in trace if not s.parent_id]
-    assert [(r.service, r.name) for r in roots] == [(GATEWAY, "turn")], trace_tree(trace)
+    assert [(r.service, r.name) for r in roots] == [root], trace_tree(trace)
     orphans = [(s.service, s.name) for s in trace if s.parent_id and s.parent_id not in ids]
     assert not orphans, trace_tree(trace)
-    assert {GATEWAY, ROUTER, REGISTRY, *engines} <= {s.service for s in trace}, trace_tree(trace)
+    assert {planner, runner, ROUTER, REGISTRY, *engines} <= {s.service for s in trace}, trace_tree(trace)
     assert not unanswered(trace), trace_tree(trace)  # every call's server joined the trace
-    root = roots[0]
 
     def one(service: str, name: str) -> Span:
         (span,) = [s for s in trace if (s.service, s.name) == (service, name)]
         return span
 
+    turn = one(runner, "turn")
     for role, engine in zip(("prefill", "decode"), engines, strict=True):
-        call = one(GATEWAY, role)
-        assert call.parent_id == root.span_id and call.kind == "CLIENT"
+        call = one(runner, role)
+        assert call.parent_id == turn.span_id and call.kind == "CLIENT"
         served = one(engine, "llm_request")
         assert served.parent_id == call.span_id and served.kind == "SERVER", trace_tree(trace)
         attributes = served.attributes
-        assert attributes["gen_ai.usage.prompt_tokens"] == root.attributes["kvshuttle.prompt_tokens"]
+        assert attributes["gen_ai.usage.prompt_tokens"] == turn.attributes["kvshuttle.prompt_tokens"]
         assert 0 < attributes["gen_ai.latency.time_to_first_token"] <= attributes["gen_ai.latency.e2e"]
-    # The router's server spans are children of the gateway's calls; the registry's of the router's.
-    for method in (PLAN_TURN, COMMIT_TURN):
-        client, server = one(GATEWAY, method), one(ROUTER, method)
+    # The router's server spans are children of the callers'; the registry's of the router's.
+    for method, caller in ((PLAN_TURN, planner), (COMMIT_TURN, runner)):
+        client, server = one(caller, method), one(ROUTER, method)
         assert (client.kind, server.kind, server.parent_id) == ("CLIENT", "SERVER", client.span_id)
     registry = [s for s in trace if s.service == REGISTRY and s.kind == "SERVER"]
     assert registry and all(ids[s.parent_id].service == ROUTER for s in registry), trace_tree(trace)
