@@ -177,15 +177,17 @@ def probe_problems(objects: Objects) -> list[str]:
             role = grpc_role(w, c)
             if role is not None:
                 problems += health_listener_problems(w, c, objects)
-            for kind in ("readinessProbe", "livenessProbe"):
+            loopback = loopback_health(c) if c["name"] == "vllm" else None
+            for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
                 probe = c.get(kind)
                 if probe is None:
-                    problems.append(f"{where}: no {kind}")
+                    if kind != "startupProbe":
+                        problems.append(f"{where}: no {kind}")
                 elif role is not None:
                     problems += grpc_probe_problems(where, kind, probe, role, health_port(w, c, objects))
-                elif c["name"] == "vllm" and loopback_health(c) is not None:
-                    if loopback_health(c) not in " ".join(probe.get("exec", {}).get("command", [])):
-                        problems.append(f"{where}: {kind} does not GET {loopback_health(c)}: {probe}")
+                elif loopback is not None:
+                    if loopback not in " ".join(probe.get("exec", {}).get("command", [])):
+                        problems.append(f"{where}: {kind} does not GET {loopback}: {probe}")
                 elif probe.get("httpGet", {}).get("path") != "/health":
                     problems.append(f"{where}: {kind} is not an HTTP GET of /health: {probe}")
             if c["name"] == "vllm" and "startupProbe" not in c:
