@@ -11,8 +11,12 @@ still hold with the picker and the sidecar in it. Each check also catches a brok
 from __future__ import annotations
 
 import copy
+import http.server
 import json
 import os
+import subprocess
+import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -119,6 +123,41 @@ def test_the_route_sends_to_the_pool() -> None:
 
 def test_only_the_gateway_envoy_reaches_the_picker_which_reaches_the_router() -> None:
     assert pool.network_problems(RENDERED) == []
+
+
+def test_the_vllm_probes_pass_only_while_its_health_answers_200() -> None:
+    """vLLM on loopback is probed by a command in its container: run here as rendered (python3
+    being this interpreter, vLLM a real HTTP server on 127.0.0.1), it exits 0 on a 200 from
+    /health and fails on a 503 and with nothing listening."""
+    vllm = checks.service_workload(RENDERED, "decode").container("vllm")
+    url = checks.loopback_health(vllm)
+    commands = {
+        json.dumps(vllm[k]["exec"]["command"]) for k in ("startupProbe", "readinessProbe", "livenessProbe")
+    }
+    (command,) = [json.loads(c) for c in commands]
+    assert command[0] == "python3" and url == "http://127.0.0.1:8200/health" and url in command[-1]
+    status = {"code": 200}
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status["code"] if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    def probe(port: int) -> int:
+        run = [sys.executable, *command[1:-1], command[-1].replace(":8200/", f":{port}/")]
+        return subprocess.run(run, capture_output=True, check=False).returncode
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        port = server.server_address[1]
+        assert probe(port) == 0
+        status["code"] = 503
+        assert probe(port) != 0
+        server.shutdown()
+    assert probe(port) != 0  # nothing listening
 
 
 def test_the_router_grants_the_picker_and_sidecar_the_gateway_role_the_registry_nodes_read() -> None:
