@@ -15,11 +15,14 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import io
 import json
 import pkgutil
 import re
+import subprocess
+import sys
 import tempfile
 import textwrap
 import tokenize
@@ -57,23 +60,28 @@ def proto_files() -> list[Path]:
 
 def descriptor_set(protos: list[Path] | None = None) -> descriptor_pb2.FileDescriptorSet:
     """protoc's descriptors of kvshuttle's protos with their comments (grpcio-tools' protoc and
-    its bundled well-known types: no network)."""
-    from grpc_tools import protoc  # type: ignore[import-untyped]  # noqa: PLC0415  (dev dependency)
-
+    its bundled well-known types: no network). protoc runs in a child process: its extension
+    module, loaded into a process that already holds grpc and protobuf's upb, can crash it."""
+    spec = importlib.util.find_spec("grpc_tools")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("grpcio-tools is not installed (a dev dependency)")
     protos = proto_files() if protos is None else protos
-    well_known = Path(protoc.__file__).parent / "_proto"
+    well_known = Path(spec.origin).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "descriptors.pb"
         args = [
-            "protoc",
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
             f"-I{PROTO_ROOT}",
             f"-I{well_known}",
             f"--descriptor_set_out={out}",
             "--include_source_info",
             *(str(p.relative_to(PROTO_ROOT)) for p in protos),
         ]
-        if protoc.main(args) != 0:
-            raise RuntimeError(f"protoc failed on {', '.join(map(str, protos))}")
+        done = subprocess.run(args, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"protoc failed on {', '.join(map(str, protos))}: {done.stderr.strip()}")
         return descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
 
 

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -25,6 +26,7 @@ from tests.gateway.sidecar_helpers import (
 from tests.router.helpers import MODEL
 from tests.support.planning_epp import plan_headers
 
+from kvshuttle.agent.engine import EnginePoller
 from kvshuttle.client import KvshuttleRpcError
 from kvshuttle.gateway.pd_headers import (
     PLAN_HEADER,
@@ -474,3 +476,29 @@ async def test_other_paths_pass_through_to_decode(c: SidecarCluster) -> None:
     await c.decode.stop()
     async with c.http.get(c.url + "/health") as response:
         assert response.status == 502  # the pod is not ready without its engine
+
+
+async def test_the_agents_polls_of_the_sidecar_read_decodes_own_health_and_load(c: SidecarCluster) -> None:
+    """With the sidecar in front (deploy/kubernetes/overlays/inference-pool), the decode agent
+    registers the sidecar's address and polls /health and /metrics there: the agent's own
+    poller reads decode's health and load through it exactly as from decode itself, and sees
+    the node unhealthy while the sidecar drains and when decode is gone."""
+    status, raw, _ = await c.post(
+        COMPLETIONS, {"model": MODEL, "prompt": list(range(1, 200)), "max_tokens": 8}
+    )
+    assert status == 200, raw  # decode's prefix cache now holds blocks: a load that is not all zeros
+    through = EnginePoller(c.url, interval=1.0, timeout=5.0)
+    direct = EnginePoller(c.decode.url, interval=1.0, timeout=5.0)
+    async with aiohttp.ClientSession() as session:
+        await through.poll_once(session)
+        await direct.poll_once(session)
+        assert through.state.healthy and through.state.last_error == ""
+        assert through.state.missing_metrics == 0
+        assert through.load() == direct.load() and direct.load().kv_cache_usage > 0
+        c.server.sidecar.draining = True  # as SidecarServer.stop sets it
+        await through.poll_once(session)
+        assert not through.state.healthy and "/health answered 503" in through.state.last_error
+        c.server.sidecar.draining = False
+        await c.decode.stop()
+        await through.poll_once(session)
+        assert not through.state.healthy
