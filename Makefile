@@ -7,14 +7,18 @@ BUF := npx --yes @bufbuild/buf
 PROTOS := $(shell find proto -name '*.proto' | sort)
 GEN_OUT := services
 
-.PHONY: help venv vllm demo-registry proto proto-check lint typecheck test quick unit deploy-check demo bench load bench-cluster chaos profile clean
+.PHONY: help venv vllm up demo-registry proto proto-check lint typecheck docs test quick unit deploy-check demo bench load bench-cluster chaos profile clean
 
 help:
 	@echo "make demo   - real vLLM prefill/decode + kvshuttle: an agent session, TTFT with and without reuse"
 	@echo "              REGISTRY_STORE=redis: the registry's state in a local Redis (valkey-server from the venv)"
+	@echo "              OTLP_ENDPOINT=http://host:4317 (demo and up): one trace per turn, vLLM's spans included"
+	@echo "make up     - real vLLM prefill/decode + every kvshuttle service, up until Ctrl-C: an OpenAI endpoint"
+	@echo "              for your own client (MODEL=DIR: a local Hugging Face model; STORE=redis; GATEWAY_PORT=8080)"
 	@echo "make demo-registry - the registry alone, driven by the kvshuttle CLI"
-	@echo "make test   - buf lint/format, generated-code freshness, ruff, import layers, mypy, deploy-check, pytest (real vLLM included)"
-	@echo "make quick  - lint, types and every test that needs no real vLLM and runs no failover scenario (about two minutes here)"
+	@echo "make test   - buf lint/format, generated-code freshness, ruff, import layers, mypy, deploy-check, docs, pytest (real vLLM included)"
+	@echo "make quick  - lint, types, docs and every test that needs no real vLLM and runs no failover scenario (about two minutes here)"
+	@echo "make docs   - the docs site (mkdocs, Material), built strictly into .run/site: broken links and missing pages fail"
 	@echo "make deploy-check - render the Kubernetes overlays (kubectl kustomize), validate them (Kubernetes 1.32 and the vendored Gateway API CRDs, strict), test them"
 	@echo "make vllm   - install the CPU build of vLLM into .venv-vllm (done by make test and demo)"
 	@echo "make proto  - regenerate Python code from proto/"
@@ -39,8 +43,15 @@ vllm:
 # --no-deps (else several GB of torch/CUDA); `nixl` is the meta wheel that provides `nixl._api`.
 NIXL_SPECS := nixl-cu12==1.5.1 nixl==1.5.1
 
+# xds-protos ships an older opentelemetry/proto/common/v1/common_pb2.py over opentelemetry-proto's
+# (no InstrumentationScope): the OTLP exporter, so every service, would fail to import. Put the
+# installed opentelemetry-proto's files back, then check the exporter imports.
+OTEL_PROTO_VERSION = $$($(BIN)/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')
+
 $(BIN)/.installed: $(BIN)/python pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --force-reinstall --no-deps "opentelemetry-proto==$(OTEL_PROTO_VERSION)"
+	$(BIN)/python -c 'from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter'
 	$(BIN)/pip install -q --no-deps $(NIXL_SPECS)
 	$(BIN)/python -c 'import nixl._api'
 	touch $@
@@ -87,19 +98,35 @@ unit: venv
 deploy-check: venv
 	$(BIN)/python -m deploy.kubernetes.check
 	$(BIN)/pytest -q tests/deploy/test_kubernetes_manifests.py tests/deploy/test_inference_pool.py \
-	  tests/deploy/test_router_certificate.py
+	  tests/deploy/test_router_certificate.py tests/deploy/test_engine_tracing_manifests.py
 
-test: lint proto-check typecheck deploy-check vllm unit
+# The docs site (mkdocs.yml, docs/): built strictly, so a broken link, a bad anchor or a page missing
+# from the tree fails; the API, configuration and error-reason pages are generated from the protos
+# and the settings classes at every build (docs/hooks), offline.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+test: lint proto-check typecheck deploy-check docs vllm unit
 
 # The inner loop: no real vLLM, no chaos, no failover scenario (markers in pyproject.toml), on
 # every core (pytest-xdist; each worker collects the suite once, a module's tests stay together).
 QUICK_MARKERS := not vllm and not chaos and not slow
-quick: lint proto-check typecheck
+quick: lint proto-check typecheck docs
 	$(BIN)/pytest -q -n auto --dist loadfile -m "$(QUICK_MARKERS)"
 
 # REGISTRY_STORE=memory|redis (default: memory, or $$KVSHUTTLE_DEMO_REGISTRY_STORE): where the registry keeps its state.
+# OTLP_ENDPOINT=http://host:4317 (or $$KVSHUTTLE_OTLP_ENDPOINT): services and engines export their spans there.
 demo: venv vllm
-	$(BIN)/python -m deploy.demo $(if $(REGISTRY_STORE),--registry-store $(REGISTRY_STORE))
+	$(BIN)/python -m deploy.demo $(if $(REGISTRY_STORE),--registry-store $(REGISTRY_STORE)) \
+	  $(if $(OTLP_ENDPOINT),--otlp-endpoint $(OTLP_ENDPOINT))
+
+# What the demo starts, kept up for your own client until Ctrl-C (deploy/up.py): MODEL=DIR serves a
+# local Hugging Face model directory (TOOL_CALL_PARSER=hermes etc. for its tool calls),
+# STORE=memory|redis, GATEWAY_PORT (default 8080). The module reads them from the environment.
+# OTLP_ENDPOINT=http://host:4317 (or $$KVSHUTTLE_OTLP_ENDPOINT): one trace per turn, as for make demo.
+up: venv vllm
+	MODEL=$(MODEL) STORE=$(STORE) GATEWAY_PORT=$(GATEWAY_PORT) TOOL_CALL_PARSER=$(TOOL_CALL_PARSER) \
+	  $(BIN)/python -m deploy.up $(if $(OTLP_ENDPOINT),--otlp-endpoint $(OTLP_ENDPOINT))
 
 # The registry alone, driven by the kvshuttle CLI (no vLLM): leases, claims, fencing, expiry.
 demo-registry: venv

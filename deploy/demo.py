@@ -18,6 +18,10 @@ The registry keeps its state in memory, or with `--registry-store redis` (or
 KVSHUTTLE_DEMO_REGISTRY_STORE=redis; `make demo REGISTRY_STORE=redis`) in a redis-server the demo
 starts on loopback beside it (AOF on, data under .run/demo/services/redis; needs the Debian
 package `redis-server`).
+
+With `--otlp-endpoint URL` (or KVSHUTTLE_OTLP_ENDPOINT; `make demo OTLP_ENDPOINT=URL`) the
+services and both vLLM engines export their spans to that OTLP/gRPC collector: each turn one
+trace, the engines' `llm_request` spans included (docs/operations/tracing.md).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import matplotlib.pyplot as plt
 from tokenizers import Tokenizer
 
 from deploy.local.launch import VllmPair
+from deploy.local.otlp import OTLP_ENDPOINT_ENV
 from deploy.local.redis import RedisDied, RedisNotInstalled, redis_server_binary
 from deploy.local.stack import REGISTRY_STORES, KvshuttleStack
 from deploy.local.vllm_engine import EngineDied
@@ -214,11 +219,14 @@ def run(args: argparse.Namespace) -> int:
     say(f"building the {args.size} model (seconds; cached under .run/models)")
     model = ensure_model(args.size)
     say("starting vLLM prefill (core 0) and decode (core 1) with NixlConnector both ways")
+    if args.otlp_endpoint:
+        say(f"tracing: services and engines export their spans to {args.otlp_endpoint}")
     pair = VllmPair(
         model,
         log_dir=RUN_DIR / "vllm",
         block_size=32,
         prefill_prefix_caching=False,
+        otlp_traces_endpoint=args.otlp_endpoint,
         progress=lambda name, elapsed, step: print(f"  [{elapsed:3.0f} s] {name:<7} {step}", flush=True),
     )
     stack: KvshuttleStack | None = None
@@ -234,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
             extra_env=DATA_PLANE,
             pool_bytes=POOL_BYTES,
             registry_store=args.registry_store,
+            otlp_endpoint=args.otlp_endpoint,
         )
         stack.start()
         say(f"registry store: {store_description(stack)}")
@@ -398,6 +407,11 @@ def main() -> None:
         default=os.environ.get(STORE_ENV) or "memory",
         help=f"where the registry keeps its state (default: ${STORE_ENV}, else memory); "
         "redis starts a local redis-server (Debian package redis-server)",
+    )
+    ap.add_argument(
+        "--otlp-endpoint",
+        default=os.environ.get(OTLP_ENDPOINT_ENV) or None,
+        help=f"OTLP/gRPC collector for the services' and engines' spans (default: ${OTLP_ENDPOINT_ENV})",
     )
     args = ap.parse_args()
     if args.registry_store not in REGISTRY_STORES:  # argparse checks choices on the command line only

@@ -8,7 +8,9 @@ Importable from the main venv (it needs neither vLLM nor torch: vLLM runs in its
 
 `pair` starts P (core 0) and D (core 1), prints every endpoint as one JSON object on stdout, waits
 for Ctrl-C/SIGTERM and stops both (their whole process groups). Start-up milestones (weights
-loaded, KV cache sized, NIXL ready, ready; deploy/local/milestones.py) go to stderr.
+loaded, KV cache sized, NIXL ready, ready; deploy/local/milestones.py) go to stderr. With
+`--otlp-traces-endpoint URL` (default: $KVSHUTTLE_OTLP_ENDPOINT) both export their request spans
+to that OTLP/gRPC collector (docs/operations/tracing.md).
 
 From Python::
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -37,6 +40,7 @@ if __package__ in (None, ""):  # run as a script: make `deploy.local` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from deploy.local.models import SIZES, model_facts
+from deploy.local.otlp import OTLP_ENDPOINT_ENV
 from deploy.local.processes import free_ports, log_tail
 from deploy.local.vllm_engine import EngineDied, EngineSpec, Progress, VllmEngine
 from deploy.local.vllm_venv import DEFAULT_MODEL_ROOT, REPO_ROOT, VllmNotInstalled, ensure_model
@@ -66,6 +70,7 @@ class VllmPair:
         decoder_kv_blocks_ttl: int = 480,
         kv_recompute_threshold: int = 64,
         nixl_progress_delay_us: int | None = 1000,
+        otlp_traces_endpoint: str | None = None,
         prefill_core: int | None = 0,
         decode_core: int | None = 1,
         ports: Sequence[int] | None = None,
@@ -88,6 +93,7 @@ class VllmPair:
             "decoder_kv_blocks_ttl": decoder_kv_blocks_ttl,
             "kv_recompute_threshold": kv_recompute_threshold,
             "nixl_progress_delay_us": nixl_progress_delay_us,
+            "otlp_traces_endpoint": otlp_traces_endpoint,
             "extra_args": tuple(extra_args),
         }
         self.prefill, self.decode = self._engines(ports)
@@ -249,6 +255,11 @@ def _parser() -> argparse.ArgumentParser:
     pair.add_argument(
         "--nixl-spin", action="store_true", help="keep NIXL's busy-polling progress thread (vLLM's default)"
     )
+    pair.add_argument(
+        "--otlp-traces-endpoint",
+        default=os.environ.get(OTLP_ENDPOINT_ENV) or None,
+        help=f"OTLP/gRPC collector for vLLM's request spans (default: ${OTLP_ENDPOINT_ENV})",
+    )
     pair.add_argument("--log-dir", type=Path, default=DEFAULT_LOG_DIR)
     pair.add_argument("--json-out", type=Path, help="also write the endpoints JSON here")
     pair.add_argument("--start-timeout", type=float, default=300.0)
@@ -281,6 +292,7 @@ def _run_pair(args: argparse.Namespace, model_dir: Path) -> int:
         decoder_kv_blocks_ttl=args.decoder_kv_blocks_ttl,
         kv_recompute_threshold=args.kv_recompute_threshold,
         nixl_progress_delay_us=None if args.nixl_spin else 1000,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         start_timeout=args.start_timeout,
         progress=_stderr_progress,
     )

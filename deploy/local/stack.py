@@ -27,6 +27,10 @@ block index is fed to every replica from one Redis stream). The routers share
 one turn-signing key, so any replica commits a turn another planned. `stack.registry` /
 `stack.router` and `registry_addr` / `router_addr` are the first replica's.
 
+With `otlp_endpoint` ("http://host:4317") every service exports its spans to that OTLP/gRPC
+collector (TELEMETRY__OTLP_ENDPOINT); start the engines with the same endpoint (`VllmPair`'s
+`otlp_traces_endpoint`) and a turn is one trace, engines included (docs/operations/tracing.md).
+
 Used by `make demo`, the end-to-end tests and bench/e2e_vllm.py.
 """
 
@@ -83,6 +87,8 @@ class KvshuttleStack:
         kv_bytes_per_token: int | None = None,
         pool_regions: int | None = None,
         agent_module: str = "kvshuttle.agent.main",
+        gateway_port: int | None = None,
+        otlp_endpoint: str | None = None,
     ) -> None:
         _check_topology(registry_store, registry_replicas, router_replicas)
         self.pair = pair
@@ -119,7 +125,8 @@ class KvshuttleStack:
         self.router_addrs = tuple(f"{HOST}:{port}" for port in router_ports)
         self.registry_addr = self.registry_addrs[0]
         self.router_addr = self.router_addrs[0]
-        self.gateway_url = f"http://{HOST}:{ports[2]}"
+        # A fixed gateway port (make up's GATEWAY_PORT) keeps the URL a user copied valid.
+        self.gateway_url = f"http://{HOST}:{gateway_port or ports[2]}"
         # The gateway's HMAC key of the tenants' vLLM cache salts (tests derive a tenant's salt).
         self.cache_salt_key = os.urandom(24).hex()
         agent_ports = (ports[3], ports[4], *(next(more) for _ in range(engines - 2)))[:engines]
@@ -131,7 +138,9 @@ class KvshuttleStack:
         )
         self.agent_metrics_ports = (ports[7], ports[8], *(next(more) for _ in range(engines - 2)))[:engines]
         extra = extra_env or {}
-        log = {"TELEMETRY__LOG_FORMAT": "json"}
+        self._telemetry = log = {"TELEMETRY__LOG_FORMAT": "json"} | (
+            {"TELEMETRY__OTLP_ENDPOINT": otlp_endpoint} if otlp_endpoint else {}
+        )
         self._tokens = Tokens(self.work_dir / "tokens")
         agent_ids = {engine.name: f"agent-{engine.name}" for engine in pair.engines}
         registry_auth = self._tokens.auth(
@@ -172,7 +181,8 @@ class KvshuttleStack:
         )  # fmt: skip
         self.router = self.routers[0]
         self.gateway = Service("gateway", "kvshuttle.gateway.main", prefixed("KVSHUTTLE_GATEWAY_", {
-            **log, "LISTEN": f"{HOST}:{ports[2]}", "ROUTER__ADDRESS": ",".join(self.router_addrs),
+            **log, "LISTEN": self.gateway_url.removeprefix("http://"),
+            "ROUTER__ADDRESS": ",".join(self.router_addrs),
             "ROUTER__TOKEN_FILE": str(self._tokens.file("gateway")), "CACHE_SALT_KEY": self.cache_salt_key,
             # The test models' template and added tokens are Hermes-style (deploy/vllm/make_model.py).
             "MODELS": json.dumps(
@@ -220,7 +230,7 @@ class KvshuttleStack:
         def agent(engine: Engine, listen: str, metrics_port: int, registry: str) -> Service:
             host, side_port = engine.side_channel
             return Service(f"agent-{engine.name}", self._agent_module, prefixed("KVSHUTTLE_AGENT_", {
-                "TELEMETRY__LOG_FORMAT": "json", "SERVER__LISTEN": listen,
+                **self._telemetry, "SERVER__LISTEN": listen,
                 "TELEMETRY__METRICS_LISTEN": f"{HOST}:{metrics_port}",
                 "REGISTRY__ADDRESS": registry, "NODE__NAME": f"nodes/{engine.name}",
                 "REGISTRY__TOKEN_FILE": str(self._tokens.file(self._agent_ids[engine.name])),
@@ -252,10 +262,20 @@ class KvshuttleStack:
             "POOL__SERVE_PORT": "0",
         }
 
+    def token_file(self, identity: str) -> Path:
+        """The bearer token file of `identity` ("gateway", "admin"): for the clients a test starts
+        beside the stack (an endpoint picker, a decode-side sidecar)."""
+        return self._tokens.file(identity)
+
     @property
     def admin_metadata(self) -> tuple[tuple[str, str], ...]:
         """gRPC metadata that authenticates as the stack's admin (every service accepts it)."""
         return (("authorization", f"Bearer {self._tokens.token('admin')}"),)
+
+    @property
+    def admin_token_file(self) -> Path:
+        """The file holding the admin's bearer token (`kvshuttle --token-file`)."""
+        return self._tokens.file("admin").resolve()
 
     def retention_holder(self, conversation: str) -> str:
         """The node holding the conversation's retained KV now (`conversation`: its full name,

@@ -81,6 +81,9 @@ class EngineSpec:
     # NIXL's progress thread waits up to this long on UCX events instead of busy-polling a core
     # (kvshuttle plugin, deploy/vllm/README.md); None keeps NIXL's default spin.
     nixl_progress_delay_us: int | None = 1000
+    # OTLP/gRPC collector ("http://host:4317") for vLLM's `llm_request` spans, each a child of
+    # the trace context the request carries (the gateway's prefill or decode span); None: off.
+    otlp_traces_endpoint: str | None = None
     extra_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
@@ -153,6 +156,8 @@ class EngineSpec:
         ]
         if self.prompt_tokens_details:
             args.append("--enable-prompt-tokens-details")
+        if self.otlp_traces_endpoint:
+            args += ["--otlp-traces-endpoint", self.otlp_traces_endpoint]
         return [*args, *self.extra_args]
 
     def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -173,6 +178,9 @@ class EngineSpec:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.nixl_progress_delay_us is not None:
             env["KVSHUTTLE_NIXL_PTHR_DELAY_US"] = str(self.nixl_progress_delay_us)
+        if self.otlp_traces_endpoint:
+            # vLLM names no service (its spans would read "unknown_service"): say which engine.
+            env["OTEL_SERVICE_NAME"] = f"vllm-{self.name}"
         env.pop("VIRTUAL_ENV", None)  # the main venv's, if any: irrelevant to the vLLM python
         env.update(self.extra_env)
         return env

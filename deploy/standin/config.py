@@ -44,6 +44,8 @@ class StandinConfig:
     # Every modelled or configured duration (compute, reads, TTLs) times this: 0.1 runs ten times
     # faster than the profile's hardware.
     time_scale: float = 1.0
+    # OTLP/gRPC collector for vLLM's `llm_request` spans (deploy/standin/tracing.py); None: off.
+    otlp_traces_endpoint: str | None = None
 
 
 def with_profile(config: StandinConfig, profile: EngineProfile) -> StandinConfig:
@@ -90,6 +92,9 @@ def config_from_argv(argv: Sequence[str] | None = None, *, description: str = ""
     ap.add_argument("--profile", type=Path, help="an engine profile (deploy/profiles): profile-timed")
     ap.add_argument("--profile-model", help="which of the file's profiles (default: its only one)")
     ap.add_argument("--time-scale", type=float, default=1.0)
+    ap.add_argument(
+        "--otlp-traces-endpoint", help="export vLLM's llm_request spans to this OTLP/gRPC collector"
+    )
     for name, kind, default in (
         ("block-size", int, 32), ("num-blocks", int, 4096), ("max-model-len", int, 8192),
         ("prefill-us-per-token", float, 20.0), ("decode-ms-per-token", float, 0.5),

@@ -7,7 +7,7 @@ the output (deploy/standin/kv.py), so reuse of the wrong blocks is visible in th
         [--block-size 32] [--num-blocks 4096] [--prefill-us-per-token 20] [--decode-ms-per-token 0.5]
         [--read-us-per-block 50] [--kv-blocks-ttl 480] [--kv-lease-s 30] [--kv-recompute-threshold 64]
         [--kv-load-failure-policy recompute|fail] [--profile deploy/profiles/F.toml [--profile-model M]]
-        [--time-scale 1.0]
+        [--time-scale 1.0] [--otlp-traces-endpoint http://HOST:4317]
 
 With `--profile` it emulates the profile's engine (deploy/standin/timing.py): one forward at a
 time, chunked prefill under the token budget, batched decode, requests queued for blocks of its
@@ -36,6 +36,8 @@ it takes the flat per-token costs, each request on its own.
 * KV events: ZMQ PUB on `--kv-events-port` (`[topic, seq, msgpack [ts, [events], 0]]`, one
   batch per request that changed the cache) and the replay ROUTER on `--kv-replay-port`, in
   vLLM's frame shapes (deploy/standin/events.py; kvshuttle.vllm.kv_events decodes them).
+* `--otlp-traces-endpoint`: each answered request's `llm_request` span, as vLLM exports it
+  (deploy/standin/tracing.py), a child of the request's `traceparent`.
 * `GET /standin/timings?clear=1`: each request's own time in the engine (receipt to last byte),
   by X-Request-Id, bounded; what bench/load.py subtracts to get the control plane's time.
 
@@ -66,6 +68,7 @@ from deploy.standin.link import Link
 from deploy.standin.reads import RemoteReader, side_channel_handshake
 from deploy.standin.script import Script, Transcript, eos_id, scripted_answer
 from deploy.standin.timing import FixedTiming, Run, SteppedTiming, Timing
+from deploy.standin.tracing import RequestSpans
 
 _MAX_TIMINGS: Final = 200_000
 _SHUTDOWN_S: Final = 5.0
@@ -116,6 +119,8 @@ class StandinEngine:
         self.events_endpoint = self.replay_endpoint = ""
         self._runners: list[web.AppRunner] = []
         self._expiry: asyncio.Task[None] | None = None
+        endpoint = config.otlp_traces_endpoint
+        self.spans = RequestSpans(endpoint, f"standin-{config.role}") if endpoint else None
 
     def publish(self) -> None:
         """The cache's events since the last call, as one batch."""
@@ -214,7 +219,7 @@ class StandinEngine:
     # -- HTTP --------------------------------------------------------------------------------
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        started = time.perf_counter()
+        started, arrival_ns = time.perf_counter(), time.time_ns()
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         self.running += 1
         self.counters["requests"] += 1
@@ -241,7 +246,7 @@ class StandinEngine:
             except http.BadRequest as exc:
                 return http.error_response(str(exc), exc.status)
             try:
-                return await self._complete(request, request_id, req)
+                return await self._complete(request, request_id, req, (arrival_ns, started))
             except CacheFull as exc:
                 return http.error_response(str(exc), 400)
             except KvLoadFailed as exc:
@@ -253,7 +258,11 @@ class StandinEngine:
                 self.timings.popitem(last=False)
 
     async def _complete(
-        self, request: web.Request, request_id: str, req: http.CompletionRequest
+        self,
+        request: web.Request,
+        request_id: str,
+        req: http.CompletionRequest,
+        arrival: tuple[int, float],  # wall-clock ns and perf_counter of its receipt
     ) -> web.StreamResponse:
         prompt, salt = req.prompt, req.cache_salt
         got = req.kv_transfer_params if self.script.kv_connector else {}
@@ -262,6 +271,7 @@ class StandinEngine:
         run = self.timing.submit(len(prompt), found, len(answer.ids))
         try:
             await run.prefilled()
+            first_token = time.perf_counter()
             out_params = None
             if not answer.aborted:
                 out_params = self._retain(prompt, content, answer.ids, found, got, salt)
@@ -270,9 +280,23 @@ class StandinEngine:
             used = http.usage(prompt, answer.ids, found)
             top = http.head(request_id, self.config.served_model_name)
             if req.stream:
-                return await self._stream(request, req, top, answer, out_params, used, run)
-            await run.finished()
-            return web.json_response(http.completion_body(req, top, answer, out_params, used))
+                response = await self._stream(request, req, top, answer, out_params, used, run)
+            else:
+                await run.finished()
+                response = web.json_response(http.completion_body(req, top, answer, out_params, used))
+            if self.spans is not None:
+                arrival_ns, received = arrival
+                self.spans.finished(
+                    request.headers,
+                    request_id=request_id,
+                    arrival_ns=arrival_ns,
+                    first_token_s=first_token - received,
+                    e2e_s=time.perf_counter() - received,
+                    prompt_tokens=len(prompt),
+                    completion_tokens=len(answer.ids),
+                    max_tokens=req.max_tokens,
+                )
+            return response
         finally:
             run.close()
 
@@ -420,6 +444,8 @@ class StandinEngine:
             await self._runners.pop().cleanup()
         await self.reader.close()
         await self.events.close()
+        if self.spans is not None:
+            await asyncio.to_thread(self.spans.shutdown)
 
     async def serve(self, stop: asyncio.Event) -> None:
         try:

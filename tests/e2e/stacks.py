@@ -34,11 +34,18 @@ def running_stack(
     extra_env: Mapping[str, Mapping[str, str]] | None = None,
     pool_bytes: int = 0,
     profile: Mapping[str, Any] = PROFILE,
+    otlp_endpoint: str | None = None,
 ) -> Iterator[KvshuttleStack]:
     """A started stack on `pair` with `profile` (agents with DRAM pools of `pool_bytes`, 0:
-    none); stopped at the end, every service exiting 0."""
+    none; every service's spans to `otlp_endpoint`, if given); stopped at the end, every service
+    exiting 0."""
     s = KvshuttleStack(
-        pair, work_dir=work_dir, profile=dict(profile), extra_env=extra_env, pool_bytes=pool_bytes
+        pair,
+        work_dir=work_dir,
+        profile=dict(profile),
+        extra_env=extra_env,
+        pool_bytes=pool_bytes,
+        otlp_endpoint=otlp_endpoint,
     )
     s.start()
     try:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
+from tests.e2e.agent_loop import TOOLS, calls, no_free_whitespace, streamed_message
 from tests.e2e.stacks import running_stack
 
 from kvshuttle.gateway.config import ModelSettings
@@ -26,45 +27,6 @@ from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.gateway.turns.background import BackgroundTasks
 
 pytestmark = pytest.mark.vllm
-# Strict, with small argument spaces (enums, booleans): vLLM then holds the arguments to the
-# schema, and a random-weight model ends its call quickly instead of filling a free string up
-# to max_tokens.
-TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "read_file",
-            "strict": True,
-            "description": "Read one file of the repository — UTF-8, ≤ 1 MiB.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "path": {
-                        "type": "string",
-                        "enum": ["src/cache.py", "src/router.py", "tests/test_cache.py"],
-                    },
-                    "whole": {"type": "boolean"},
-                },
-                "required": ["path", "whole"],
-                "additionalProperties": False,
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "run_tests",
-            "strict": True,
-            "description": "Run the test suite.",
-            "parameters": {
-                "type": "object",
-                "properties": {"suite": {"type": "string", "enum": ["unit", "e2e"]}},
-                "required": ["suite"],
-                "additionalProperties": False,
-            },
-        },
-    },
-]
 CALL = {
     "id": "call-1",
     "type": "function",
@@ -216,48 +178,6 @@ def stack(vllm_pair: VllmPair, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield s
 
 
-def _calls(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    return [
-        (c["function"]["name"], json.loads(c["function"]["arguments"]))
-        for c in message.get("tool_calls") or ()
-    ]
-
-
-def _streamed_message(events: list[dict[str, Any]]) -> tuple[dict[str, Any], str | None]:
-    """The message a client assembles from chat.completion.chunk deltas."""
-    content: list[str] = []
-    calls: dict[int, dict[str, Any]] = {}
-    finish = None
-    for event in events:
-        for choice in event.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                content.append(delta["content"])
-            for tc in delta.get("tool_calls") or ():
-                call = calls.setdefault(tc["index"], {"id": None, "function": {"name": "", "arguments": ""}})
-                call["id"] = tc.get("id") or call["id"]
-                function = tc.get("function") or {}
-                call["function"]["name"] += function.get("name") or ""
-                call["function"]["arguments"] += function.get("arguments") or ""
-            finish = choice.get("finish_reason") or finish
-    message = {
-        "role": "assistant",
-        "content": "".join(content),
-        "tool_calls": [calls[i] for i in sorted(calls)],
-    }
-    return message, finish
-
-
-def _no_free_whitespace(tok: ChatTokenizer) -> dict[str, float]:
-    """logit_bias against the whitespace-only tokens: JSON allows whitespace anywhere, and a
-    random-weight model left free to choose fills its call with it up to max_tokens. Where the
-    call format needs a newline or a space, the constraint still forces it."""
-    vocab = tok.tokenizer.get_vocab_size()
-    blank = [i for i in range(vocab) if (text := tok.tokenizer.decode([i])) and not text.strip()]
-    assert blank, "the tokenizer has no whitespace tokens?"
-    return {str(i): -100.0 for i in blank}
-
-
 def test_an_agent_loop_reuses_decodes_kv_and_answers_as_vllm_does(
     stack: KvshuttleStack, vllm_pair: VllmPair, tokenizer: ChatTokenizer
 ) -> None:
@@ -273,7 +193,7 @@ def test_an_agent_loop_reuses_decodes_kv_and_answers_as_vllm_does(
         "required",
         {"type": "function", "function": {"name": "read_file"}},
     ]
-    no_whitespace = _no_free_whitespace(tokenizer)
+    no_whitespace = no_free_whitespace(tokenizer)
     previous_prompt = 0
     for turn, tool_choice in enumerate(choices, start=1):
         body = {
@@ -293,16 +213,16 @@ def test_an_agent_loop_reuses_decodes_kv_and_answers_as_vllm_does(
         chat = "/v1/chat/completions"
         if turn % 2 == 0:
             ref_events, _ = post_sse(vllm_pair.decode.url + chat, {**ref_body, "stream": True})
-            ref_message, ref_finish = _streamed_message(ref_events)
+            ref_message, ref_finish = streamed_message(ref_events)
             events, headers = post_sse(stack.gateway_url + chat, {**shuttle_body, "stream": True})
-            message, finish = _streamed_message(events)
+            message, finish = streamed_message(events)
         else:
             ref = post(vllm_pair.decode.url + chat, ref_body)[0]["choices"][0]
             ref_message, ref_finish = ref["message"], ref["finish_reason"]
             answer, headers = post(stack.gateway_url + chat, shuttle_body)
             message, finish = answer["choices"][0]["message"], answer["choices"][0]["finish_reason"]
-        assert _calls(message) == _calls(ref_message), (turn, message, ref_message)
-        assert len(_calls(message)) == 1, (turn, message)
+        assert calls(message) == calls(ref_message), (turn, message, ref_message)
+        assert len(calls(message)) == 1, (turn, message)
         assert (message.get("content") or "") == (ref_message.get("content") or ""), turn
         assert finish == ref_finish, turn
         for call in message["tool_calls"]:

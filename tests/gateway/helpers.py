@@ -123,10 +123,15 @@ async def start_cluster(
     grace_seconds: float = 2.0,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    export: bool = True,
     **overrides: Any,
 ) -> Cluster:
+    """`export` False: the services' provider has no exporter (production without an OTLP
+    endpoint), so `exporter` stays empty."""
     exporter = InMemorySpanExporter()
-    provider = configure_tracing(TelemetrySettings(), "kvshuttle-gateway-test", exporter=exporter)
+    provider = configure_tracing(
+        TelemetrySettings(), "kvshuttle-gateway-test", exporter=exporter if export else None
+    )
     registry = await start_registry()
     router = await start_router(registry, tracer_provider=provider)
     prefill, decode = standin("prefill", model_dir), standin("decode", model_dir)

@@ -14,7 +14,7 @@ lost with it. Each writer puts on one conversation until the kill and on another
 the promoted replica kept of the first is what had been replicated: the test counts acknowledged
 puts above the fence it kept, and with the time until writes succeed again and the failed calls
 by code prints them and keeps them (tests/support/failover_registry.py: .run/results, or
-$KVSHUTTLE_RESULTS_DIR). No timed assertion: the figures are for the README. Without a
+$KVSHUTTLE_RESULTS_DIR). No timed assertion: the figures are for the docs. Without a
 `redis-server` these skip, unless KVSHUTTLE_REQUIRE_REDIS is set.
 
 Beside it, what a registry meets around a failover, in process: a replica's READONLY and a

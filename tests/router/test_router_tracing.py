@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import pytest
-from opentelemetry import trace
+from opentelemetry import context, trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from tests.router.helpers import MODEL, RouterEnv, Tokens, add_node, seconds, start_router
@@ -182,3 +182,24 @@ async def test_a_commit_sent_without_trace_context_joins_the_plans_trace(traced:
         "/kvshuttle.router.v1.RouterService/CommitTurn",
     )
     assert server.context.trace_id != trace_id
+
+
+async def test_a_commit_without_trace_context_keeps_an_unsampled_plans_decision(traced: Traced) -> None:
+    # The gateway's turn was not sampled (flags 00): neither the plan nor its commit is recorded,
+    # even when the commit comes without trace context and joins the plan's trace.
+    unsampled = trace.SpanContext(0x5B8AA5A2D2C872E8321CF37308D69DF2, 0x051581BF3CB55C13, is_remote=True)
+    token = context.attach(trace.set_span_in_context(trace.NonRecordingSpan(unsampled)))
+    try:
+        prompt = traced.tokens(300)
+        plan = await traced.router.client.plan_turn(MODEL, prompt, conversation=CONV)
+    finally:
+        context.detach(token)
+    async with RouterClient.connect(traced.router.client.options.target) as plain:
+        sequence = prompt + traced.tokens(20)
+        await plain.commit_turn(
+            plan.turn,
+            token_ids=sequence,
+            decode_kv_transfer_params=traced.tokens.decode_params(plan, len(sequence)),
+        )
+    assert traced.named("/kvshuttle.router.v1.RouterService/CommitTurn")  # the commit was traced...
+    assert traced.spans(unsampled.trace_id) == []  # ...but nothing of the unsampled trace recorded

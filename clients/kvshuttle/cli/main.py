@@ -2,6 +2,7 @@
 
     kvshuttle [--registry ADDR] [--timeout S] [--json] [--tls --ca F --cert F --key F] registry COMMAND ...
     kvshuttle [...] agent status [--agent ADDR]
+    kvshuttle [...] status [--gateway-metrics HOST:PORT] [--tenant T] [--last N]
 
 Global options may also follow the command (`kvshuttle registry nodes --json`). Exit status:
 0 on success, 1 when an RPC fails (one line `error: ...` on stderr, no traceback), 2 for usage
@@ -22,7 +23,7 @@ from typing import Any, NoReturn, TextIO
 
 import grpc
 
-from kvshuttle.cli import agent_commands, registry_commands
+from kvshuttle.cli import agent_commands, registry_commands, status_command
 from kvshuttle.cli.common import Command, UsageError, positive_float
 from kvshuttle.cli.output import Printer
 from kvshuttle.client import AgentClient, ChannelOptions, KvshuttleRpcError, RegistryClient
@@ -142,6 +143,9 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         parents=[leaf_options],
         agent=environ.get(agent_commands.AGENT_ENV) or agent_commands.DEFAULT_AGENT,
     )
+    status_command.add_command(
+        groups, parents=[leaf_options], gateway_metrics=environ.get(status_command.GATEWAY_METRICS_ENV)
+    )
     return parser
 
 
@@ -171,6 +175,10 @@ async def _dispatch(args: argparse.Namespace, printer: Printer) -> int:
         agent_command: agent_commands.AgentCommand = args.agent_command
         async with AgentClient.connect(_channel_options(args, args.agent)) as agent:
             return await agent_command(agent, args, printer)
+    if hasattr(args, "status_command"):
+        status: status_command.StatusCommand = args.status_command
+        async with RegistryClient.connect(_channel_options(args, args.registry)) as client:
+            return await status(client, lambda target: _channel_options(args, target), args, printer)
     command: Command = args.command
     async with RegistryClient.connect(_channel_options(args, args.registry)) as client:
         return await command(client, args, printer)

@@ -67,7 +67,7 @@ class ModelSettings(BaseModel):
     # Template variables every request gets (vLLM's --default-chat-template-kwargs); a
     # request's chat_template_kwargs override them.
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    # How a chat's earlier turns become token ids (gateway README, "History mode"):
+    # How a chat's earlier turns become token ids (docs/architecture/gateway.md, "History mode"):
     # "exact_tokens": an assistant message whose text is exactly the answer decode gave the
     # conversation's last turn carries decode's generated ids (the KV decode retained then
     # verifies whole); "retokenize": the whole chat is tokenized from its text every turn.
@@ -100,6 +100,7 @@ class ModelSettings(BaseModel):
 class EngineSettings(BaseModel):
     """HTTP calls to the vLLM engines the router places a turn on."""
 
+    # Opening a connection to an engine.
     connect_timeout_s: float = Field(default=5.0, gt=0)
     # The whole prefill request (it computes the prompt, or reads it from a retention).
     prefill_timeout_s: float = Field(default=600.0, gt=0)
@@ -128,6 +129,7 @@ class RouterConnection(ServiceConnection):
     "dns:///name:port"), as for any service. Affinity needs the replicas listed: one DNS name
     stands for a set the gateway does not see, so it is refused with "conversation"."""
 
+    # "conversation" or "round_robin"; None: conversation with several addresses, else round robin.
     affinity: Literal["conversation", "round_robin"] | None = None
     # A replica that did not answer is passed over this long, doubled per failure in a row up
     # to failover_max_backoff_s; then the next call tries it again.

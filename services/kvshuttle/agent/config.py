@@ -172,6 +172,7 @@ class EventsSettings(BaseModel):
 class EngineSettings(BaseModel):
     """Polling of the engine's /health and /metrics, and of its id file."""
 
+    # Seconds between polls of the engine's /health and /metrics (its load).
     poll_interval: float = Field(default=1.0, gt=0)
     # Deadline of one HTTP request.
     poll_timeout: float = Field(default=1.0, gt=0)

@@ -60,6 +60,7 @@ class ErrorReason(StrEnum):
     NO_DECODE_NODE = "NO_DECODE_NODE"
     # A call to another kvshuttle service failed.
     REGISTRY_UNAVAILABLE = "REGISTRY_UNAVAILABLE"
+    # The router did not answer the gateway, whose turn ran plain P->D.
     ROUTER_UNAVAILABLE = "ROUTER_UNAVAILABLE"
     # The registry answered a claim with another retention: the plan recomputes (internal).
     REGISTRY_ANSWER_MISMATCH = "REGISTRY_ANSWER_MISMATCH"

@@ -91,6 +91,7 @@ class RegistrySettings(BaseSettings):
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     auth: AuthSettings = Field(default_factory=AuthSettings)
     limits: RegistryLimits = Field(default_factory=RegistryLimits)
+    # Where the state lives: "memory" (one process; a restart loses it) or "redis" (redis.*).
     store: Literal["memory", "redis"] = "memory"
     redis: RedisSettings = Field(default_factory=RedisSettings)
     store_limits: StoreLimits = Field(default_factory=StoreLimits)

@@ -16,6 +16,7 @@ __all__ = ["RegistryLimits", "TtlRange"]
 class TtlRange:
     """The TTLs a request may ask for; an unset (or zero) TTL gets the default."""
 
+    # Seconds: the TTL of a request that asks for none, and the range one may ask for.
     default: float
     minimum: float
     maximum: float
@@ -32,6 +33,8 @@ class TtlRange:
 class RegistryLimits:
     """Bounds on every request."""
 
+    # Request bounds: ids, endpoints, labels, block and hash lists, params bytes, token and KV
+    # counts, page sizes, event batches, lookups and watchers (past one: INVALID_ARGUMENT).
     max_id_length: int = limits.MAX_ID_LENGTH
     max_endpoint_length: int = 256
     max_labels: int = 16

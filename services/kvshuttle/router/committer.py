@@ -405,7 +405,9 @@ def _trace_parent(state: TurnState) -> Any:
             int(state.trace_id, 16),
             int(state.span_id, 16),
             is_remote=True,
-            trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED),
+            trace_flags=trace.TraceFlags(
+                trace.TraceFlags.SAMPLED if state.trace_sampled else trace.TraceFlags.DEFAULT
+            ),
         )
     except ValueError:
         return None

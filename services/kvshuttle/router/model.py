@@ -102,6 +102,7 @@ class ExtendPolicy:
     off them, so an operator opts in. Needs prefix caching on the decode engines (vLLM's
     default); a block the holder evicted is only computed again, never read wrong."""
 
+    # Extend on the holder at all; off by default: it puts prefill work on decode nodes.
     enabled: bool = False
     # While the holder prefills, each of its running decodes waits about as long: that delay
     # counts this much per request against extending (1.0: a running decode's delay weighs as

@@ -144,6 +144,7 @@ class PlanIssuer:
             expire_at=now + self._parts.policy.turn_ttl_s,
             trace_id=format(span_context.trace_id, "032x"),
             span_id=format(span_context.span_id, "016x"),
+            trace_sampled=span_context.trace_flags.sampled,
             chain_root=call.root,
             decode_side_channel_host=decode.side_channel_host,
             decode_side_channel_port=decode.side_channel_port,

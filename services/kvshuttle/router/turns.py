@@ -59,6 +59,9 @@ class TurnState:
     decode_side_channel_port: int = 0
     # The plan's expected_think_time_s hint (None: not sent): the commit's prefetch decision.
     expected_think_time_s: float | None = None
+    # The plan's sampling decision: a commit sent without trace context joins the plan's trace
+    # only as sampled as the plan was. Defaulted (sampled) for handles issued before it existed.
+    trace_sampled: bool = True
 
 
 _FIELDS = tuple(f.name for f in fields(TurnState))

@@ -32,7 +32,9 @@ class GrpcServer:
     `asyncio.run(GrpcServer(...).serve_until_signal())`.
 
     `register` adds the service's servicers; `service_names` (fully qualified, e.g.
-    "kvshuttle.registry.v1.RegistryService") are what health reports on and reflection lists.
+    "kvshuttle.registry.v1.RegistryService") are what health reports on and reflection lists;
+    `health_names` are further names health alone reports on, with the same status (a protocol's
+    own probe names, such as the endpoint picker's "liveness" and "readiness").
     Without `tracer_provider` the server configures tracing from `telemetry` itself and shuts
     that provider down on stop; a provider passed in is only flushed. Without `registry` the
     metrics go to prometheus_client's default registry (so one GrpcServer per process then).
@@ -54,6 +56,7 @@ class GrpcServer:
         domain: str,
         register: Callable[[grpc.aio.Server], None],
         service_names: Sequence[str],
+        health_names: Sequence[str] = (),
         registry: CollectorRegistry | None = None,
         tracer_provider: TracerProvider | None = None,
         on_stopping: Callable[[], None] | None = None,
@@ -74,7 +77,8 @@ class GrpcServer:
         )
         self._metrics = RpcMetrics(self._telemetry.registry)
         self._server: grpc.aio.Server | None = None
-        self._health = ServiceHealth([health.OVERALL_HEALTH, *self._service_names])
+        self._health_names = (health.OVERALL_HEALTH, *self._service_names, *health_names)
+        self._health = ServiceHealth(self._health_names)
         self._port: int | None = None
         self._health_server: grpc.aio.Server | None = None
         self._health_port: int | None = None
@@ -137,7 +141,7 @@ class GrpcServer:
             await health_server.start()
         self._server, self._port = server, port
         self._health_server, self._health_port = health_server, health_port
-        for name in (health.OVERALL_HEALTH, *self._service_names):
+        for name in self._health_names:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         _log.info(
             "server.started",

@@ -22,6 +22,7 @@ LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 class TelemetrySettings(BaseModel):
     """Logs, traces and metrics of one service process."""
 
+    # debug, info, warning, error or critical (either case).
     log_level: LogLevel = "info"
     # auto: a console renderer when stdout is a terminal, JSON lines otherwise.
     log_format: Literal["auto", "json", "console"] = "auto"
@@ -43,9 +44,11 @@ class TelemetrySettings(BaseModel):
 class ServerSettings(BaseModel):
     """Where and how a gRPC server listens."""
 
+    # host:port of the gRPC server ("0.0.0.0:50051" in a pod: beyond loopback, auth is required).
     listen: str = "127.0.0.1:50051"
     # How long in-flight RPCs get to finish on stop before they are cancelled.
     grace_seconds: float = Field(default=5.0, ge=0)
+    # Largest request message; a larger one is RESOURCE_EXHAUSTED (MESSAGE_TOO_LARGE).
     max_receive_message_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     # cert + key: serve TLS. client_ca as well: require and verify client certificates (mTLS).
     tls_cert_file: Path | None = None

@@ -64,8 +64,13 @@ from kvshuttle.gateway.turns.record import Turn
 from kvshuttle.gateway.turns.request_log import RequestLog
 from kvshuttle.gateway.turns.router_port import GrpcRouterPort
 from kvshuttle.gateway.turns.runner import ClientGone, TurnRunner
+from kvshuttle.router.v1 import router_service_pb2 as pb
 
-__all__ = ["Gateway"]
+__all__ = ["Fallback", "Gateway"]
+
+# What answers a turn that failed before its first byte instead of an error (the sidecar's
+# plain serving); given the failure.
+Fallback = Callable[[GatewayError], Awaitable[web.StreamResponse]]
 
 log = structlog.get_logger("kvshuttle.gateway")
 
@@ -90,8 +95,18 @@ class Gateway:
         tracer_provider: TracerProvider,
         metrics: GatewayMetrics | None = None,
         tokenizers: Mapping[str, ChatTokenizer] | None = None,
+        conversation_headers: tuple[str, ...] = (CONVERSATION_HEADER,),
+        hold_for_commit: bool = False,
+        tenant: str = DEFAULT_TENANT,
     ) -> None:
+        """`tenant`: every request's without API keys. `conversation_headers`: where a request's
+        conversation id may come from besides its body, first present wins. `hold_for_commit`:
+        the answer ends only once its turn's commit has landed (bounded by router.timeout), for
+        turns planned elsewhere (the sidecar)."""
         self.settings = settings
+        self._conversation_headers = conversation_headers
+        self._default_tenant = tenant
+        self._hold_for_commit = hold_for_commit
         self._tracer = tracer_provider.get_tracer("kvshuttle.gateway")
         self._metrics = metrics or GatewayMetrics()
         self.tokenizers: dict[str, ChatTokenizer] = (
@@ -145,14 +160,18 @@ class Gateway:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.settings.max_request_bytes, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.settings.max_request_bytes, middlewares=[self.errors])
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        self.attach(app)
+        return app
+
+    def attach(self, app: web.Application) -> None:
+        """Open the router's channels and the engines' pool with `app`, close them after it."""
         app.on_startup.append(self._startup)
         app.on_cleanup.append(self._cleanup)
-        return app
 
     async def _startup(self, app: web.Application) -> None:
         self._router.connect()
@@ -177,7 +196,7 @@ class Gateway:
     # ---- plain endpoints -------------------------------------------------------------------
 
     @web.middleware
-    async def _errors(
+    async def errors(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         try:
@@ -204,7 +223,7 @@ class Gateway:
 
     def _tenant(self, request: web.Request) -> str:
         if not self._keys:
-            return DEFAULT_TENANT
+            return self._default_tenant
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         tenant = self._keys.get(_key_digest(key.strip())) if scheme.lower() == "bearer" and key else None
         if tenant is None:
@@ -225,6 +244,19 @@ class Gateway:
         return await self._handle(request, "completions")
 
     async def _handle(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        return await self.handle(request, kind)
+
+    async def handle(
+        self,
+        request: web.Request,
+        kind: Kind,
+        *,
+        plan: pb.PlanTurnResponse | None = None,
+        fallback: Fallback | None = None,
+    ) -> web.StreamResponse:
+        """One request's turn. `plan`: its plan, made elsewhere (the sidecar: the endpoint
+        picker's); None: PlanTurn here. `fallback`: answers instead of an error response when
+        the turn fails before the client got a byte (the request's body stays readable)."""
         start = time.perf_counter()
         # Always the gateway's own: it is PlanTurn's idempotency key, and a client reusing its
         # X-Request-Id for two requests would otherwise get the first turn's plan back.
@@ -241,11 +273,16 @@ class Gateway:
             self._tracer.start_as_current_span("turn", context=parent, kind=SpanKind.SERVER) as span,
         ):
             try:
-                response = await self._serve(request, kind, rec, start)
+                response = await self._serve(request, kind, rec, start, plan)
                 rec.status = rec.status or response.status
                 return response
             except GatewayError as err:
                 rec.status, rec.error = err.status, err.code or err.type
+                if fallback is not None:
+                    rec.outcome = "fell_back"
+                    response = await fallback(err)
+                    rec.status = response.status
+                    return response
                 if rec.outcome == "ok":
                     rec.outcome = "error"
                 return _error_response(err, request_id)
@@ -261,7 +298,12 @@ class Gateway:
                 rec.finish(start, span, self._metrics)
 
     async def _serve(
-        self, request: web.Request, kind: Kind, rec: RequestLog, start: float
+        self,
+        request: web.Request,
+        kind: Kind,
+        rec: RequestLog,
+        start: float,
+        plan: pb.PlanTurnResponse | None,
     ) -> web.StreamResponse:
         tenant = self._tenant(request)
         rec.tenant = tenant
@@ -286,7 +328,9 @@ class Gateway:
             models=self.settings.models.keys(),
             default_max_tokens=self.settings.default_max_tokens,
             content_format=self._content_format,
-            conversation_header=request.headers.get(CONVERSATION_HEADER),
+            conversation_header=next(
+                (v for h in self._conversation_headers if (v := request.headers.get(h))), None
+            ),
             tool_parsers=self._tool_parsers,
         )
         if treq.kind == "chat":  # e.g. qwen3 reads its markers with special tokens kept
@@ -327,9 +371,9 @@ class Gateway:
         )
         try:
             if treq.stream:
-                response = await self._stream(request, treq, turn, rec)
+                response = await self._stream(request, treq, turn, rec, plan)
             else:
-                response = await self._complete(treq, turn)
+                response = await self._complete(treq, turn, plan)
             if history is not None:
                 remember_turn(history, self.tokenizers[treq.model], conversation, prompt, turn.output)
             return response
@@ -338,8 +382,12 @@ class Gateway:
 
     # ---- the turn's response ---------------------------------------------------------------
 
-    async def _complete(self, treq: TurnRequest, turn: Turn) -> web.Response:
-        answer = await self._turns.complete(turn)
+    async def _complete(
+        self, treq: TurnRequest, turn: Turn, plan: pb.PlanTurnResponse | None
+    ) -> web.Response:
+        answer = await self._turns.complete(turn, plan)
+        if self._hold_for_commit:
+            await self._turns.committed(turn.conversation)
         response_id = _response_id(treq, turn)
         if treq.kind == "chat":
             created = answer.get("created")
@@ -385,7 +433,12 @@ class Gateway:
         )
 
     async def _stream(
-        self, request: web.Request, treq: TurnRequest, turn: Turn, rec: RequestLog
+        self,
+        request: web.Request,
+        treq: TurnRequest,
+        turn: Turn,
+        rec: RequestLog,
+        plan: pb.PlanTurnResponse | None,
     ) -> web.StreamResponse:
         response_id = _response_id(treq, turn)
         translator: ChatStream | CompletionStream = (
@@ -408,7 +461,7 @@ class Gateway:
         )
         events = _EventStream(request, turn, translator)
         try:
-            await self._turns.stream(turn, events)
+            await self._turns.stream(turn, events, plan)
         except ClientGone:
             rec.status, rec.outcome = CLIENT_CLOSED, "client_disconnected"
             return events.response
@@ -421,6 +474,8 @@ class Gateway:
                 await events.write(sse(err.body()) + SSE_DONE)
             return events.response
         try:
+            if self._hold_for_commit:
+                await self._turns.committed(turn.conversation)
             await events.write(SSE_DONE)
             await events.response.write_eof()
         except (ClientGone, ConnectionResetError):

@@ -20,10 +20,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import structlog
 from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import Counter
 
 from kvshuttle.client import KvshuttleRpcError, RouterClient
 from kvshuttle.client._base import new_request_id
@@ -31,11 +32,10 @@ from kvshuttle.core.prototime import to_duration
 from kvshuttle.gateway.affinity import Replicas
 from kvshuttle.gateway.config import RouterConnection
 from kvshuttle.gateway.errors import RouterFailure
-from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
-__all__ = ["GrpcRouterPort"]
+__all__ = ["GrpcRouterPort", "RouterMetrics"]
 
 T = TypeVar("T")
 Call = Callable[[RouterClient, float], Awaitable[T]]
@@ -44,6 +44,17 @@ log = structlog.get_logger("kvshuttle.gateway")
 
 # What a replica that did not answer fails with; the router's own refusals carry a reason.
 _NOT_ANSWERED = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
+
+
+class RouterMetrics(Protocol):
+    """The counters the port keeps per replica (kvshuttle.gateway.metrics.GatewayMetrics has
+    them, and so does the endpoint picker's metrics under its own names)."""
+
+    @property
+    def router_picks(self) -> Counter: ...
+
+    @property
+    def router_failovers(self) -> Counter: ...
 
 
 @asynccontextmanager
@@ -66,7 +77,7 @@ class GrpcRouterPort:
         connection: RouterConnection,
         *,
         tracer_provider: TracerProvider,
-        metrics: GatewayMetrics,
+        metrics: RouterMetrics,
         affinity_key: bytes,
     ) -> None:
         self._connection = connection

@@ -48,6 +48,10 @@ with NO_PREFILL_NODE / NO_DECODE_NODE: an agent's lease lapsed, an engine restar
 same with reason `no_prefill_node` / `no_decode_node`, so the two causes read apart. Only a model
 no plan ever placed gets the router's error (503).
 
+A turn planned elsewhere (the endpoint picker made the PlanTurn and the decode-side sidecar runs
+the turn: kvshuttle.gateway.sidecar) is handed in with its plan: steps 2-4 as above, the same
+aborts, and `committed()` lets the caller hold the answer's end until the commit has landed.
+
 One module: a turn's steps, what each measures and when the turn must be aborted belong
 together (the Turn record, the engines' request bodies and the CommitTurn timings with them).
 """
@@ -87,6 +91,7 @@ __all__ = [
     "DecodeSink",
     "Turn",
     "TurnRunner",
+    "plain_plan",
 ]
 
 log = structlog.get_logger("kvshuttle.gateway")
@@ -162,10 +167,11 @@ class TurnRunner:
         # the router cannot be reached (bounded by the gateway's configured models).
         self._last_placement: dict[str, tuple[pb.Placement, pb.Placement]] = {}
 
-    async def complete(self, turn: Turn) -> dict[str, Any]:
+    async def complete(self, turn: Turn, planned: pb.PlanTurnResponse | None = None) -> dict[str, Any]:
         """Run `turn` with a non-streaming decode; decode's answer (its output is in
-        `turn.output`, its commit on its way)."""
-        plan = await self._plan(turn)
+        `turn.output`, its commit on its way). `planned`: the turn's plan, made elsewhere (the
+        endpoint picker, for the decode-side sidecar); None: PlanTurn here."""
+        plan = await self._plan(turn) if planned is None else self._adopt(turn, _checked(turn, planned))
         async with self._aborting(turn, plan):
             prompt_json = record.prompt_json(turn.prompt_ids)
             decode_params = await self._prefill(turn, plan, prompt_json)
@@ -175,9 +181,10 @@ class TurnRunner:
             self._commit(turn, plan)
         return answer
 
-    async def stream(self, turn: Turn, sink: DecodeSink) -> None:
-        """Run `turn` with decode's chunks streamed to `sink` as they come."""
-        plan = await self._plan(turn)
+    async def stream(self, turn: Turn, sink: DecodeSink, planned: pb.PlanTurnResponse | None = None) -> None:
+        """Run `turn` with decode's chunks streamed to `sink` as they come (`planned` as for
+        complete)."""
+        plan = await self._plan(turn) if planned is None else self._adopt(turn, _checked(turn, planned))
         async with self._aborting(turn, plan):
             prompt_json = record.prompt_json(turn.prompt_ids)
             decode_params = await self._prefill(turn, plan, prompt_json)
@@ -216,6 +223,10 @@ class TurnRunner:
         if plan.prefill.http_endpoint and plan.decode.http_endpoint and plan.decision != pb.DECISION_EXTEND:
             # The P->D pair to fall back on (an extend plan names the decode holder twice).
             self._last_placement[turn.model] = (plan.prefill, plan.decode)
+        return self._adopt(turn, plan)
+
+    def _adopt(self, turn: Turn, plan: pb.PlanTurnResponse) -> pb.PlanTurnResponse:
+        """Record the plan's decision on the turn; from here on an ending turn is aborted."""
         turn.decision = _enum_name(pb.Decision.Name(plan.decision), "DECISION_")
         turn.reason = _enum_name(pb.DecisionReason.Name(plan.reason), "DECISION_REASON_")
         turn.generation, turn.reused_tokens = plan.generation, plan.reusable_tokens
@@ -239,14 +250,7 @@ class TurnRunner:
             decode=decode.node,
             request_id=turn.request_id,
         )
-        return pb.PlanTurnResponse(
-            prefill=prefill,
-            decode=decode,
-            # As turn 1's: prefill computes and keeps its KV for decode to read.
-            prefill_kv_transfer_params=_FIRST_TURN_PARAMS,
-            decision=pb.DECISION_RECOMPUTE,
-            tokens_to_compute=len(turn.prompt_ids),
-        )
+        return plain_plan(prefill, decode, len(turn.prompt_ids))
 
     @asynccontextmanager
     async def _aborting(self, turn: Turn, plan: pb.PlanTurnResponse) -> AsyncIterator[None]:
@@ -423,6 +427,15 @@ class TurnRunner:
 
     # ---- commit and abort ------------------------------------------------------------------
 
+    async def committed(self, conversation: str) -> None:
+        """Wait (at most commit_wait_s) until the conversation's commit in flight, if any, has
+        landed. For a runner whose turns are planned elsewhere (the sidecar behind an endpoint
+        picker): the next turn's plan cannot wait here for this one's retention, so the answer's
+        end does."""
+        task = self._commits.get(conversation) if conversation else None
+        if task is not None:
+            await asyncio.wait({task}, timeout=self._commit_wait_s)
+
     def _commit(self, turn: Turn, plan: pb.PlanTurnResponse) -> None:
         """CommitTurn in the background: the client's answer is complete without it, and a
         client leaving now must not lose the retention decode holds. The conversation's next
@@ -498,6 +511,34 @@ class TurnRunner:
             # FAILED_PRECONDITION: the turn is settled already (committed, aborted or lapsed).
             level = log.debug if err.code == "FAILED_PRECONDITION" else log.warning
             level("turn.abort_failed", code=err.code, reason=err.reason)
+
+
+def plain_plan(prefill: pb.Placement, decode: pb.Placement, prompt_tokens: int) -> pb.PlanTurnResponse:
+    """A turn's plan made without the router: plain P->D on `prefill` and `decode`, with no turn
+    handle (nothing to commit or abort), prefill getting turn 1's params so that it computes the
+    prompt and keeps its KV for decode to read."""
+    return pb.PlanTurnResponse(
+        prefill=prefill,
+        decode=decode,
+        prefill_kv_transfer_params=_FIRST_TURN_PARAMS,
+        decision=pb.DECISION_RECOMPUTE,
+        tokens_to_compute=prompt_tokens,
+    )
+
+
+def _checked(turn: Turn, plan: pb.PlanTurnResponse) -> pb.PlanTurnResponse:
+    """A plan made elsewhere, if it can be this prompt's: it computes `tokens_to_compute` of the
+    prompt past at least `reusable_tokens`, so a shorter prompt is another one (the planner
+    tokenized differently: other models or templates), and reading its KV would be wrong."""
+    if len(turn.prompt_ids) < plan.tokens_to_compute + plan.reusable_tokens:
+        raise GatewayError(
+            502,
+            f"the plan is for a prompt of at least {plan.tokens_to_compute + plan.reusable_tokens} "
+            f"tokens; this one has {len(turn.prompt_ids)}",
+            type_="server_error",
+            code="plan_mismatch",
+        )
+    return plan
 
 
 def _ms(seconds: float) -> float:

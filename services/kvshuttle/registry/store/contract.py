@@ -28,6 +28,7 @@ from kvshuttle.registry.model import (
 
 @dataclass(frozen=True, slots=True)
 class StoreLimits:
+    # Capacity: live nodes, retentions in all and per tenant (past one: CAPACITY_EXCEEDED).
     max_nodes: int = 10_000
     max_retentions: int = 1_000_000
     max_retentions_per_tenant: int = 100_000

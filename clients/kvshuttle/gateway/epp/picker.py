@@ -1,0 +1,371 @@
+"""The pick for one request: the request becomes a PlanTurn, exactly as the gateway would plan
+it, and the plan's decode node is the endpoint Envoy routes to.
+
+The body is parsed by the gateway's own code (kvshuttle.gateway.http.protocol), the prompt
+rendered and tokenized by it (kvshuttle.gateway.http.prompt, without exact-token history: the
+picker never sees an answer's token ids, and the decode-side sidecar tokenizes the same way),
+the turn's cache salt is the tenant's (kvshuttle.gateway.prompts.salts), and PlanTurn goes over the
+gateway's router port (conversation affinity over replicas included). The conversation is the
+body's `conversation_id`, else the `X-Conversation-ID` header, else `x-session-id` (llm-d's
+session affinity).
+
+What the sidecar gets (kvshuttle.gateway.pd_headers): `x-prefiller-host-port` (the plan's
+prefill, absent on an extend plan: the decode node runs the whole turn), `x-kvshuttle-turn`
+(the turn handle; absent on a plan made without the router: nothing to commit) and
+`x-kvshuttle-plan` (the PlanTurnResponse). The picker commits nothing: the sidecar does, once
+decode has answered. A plan the picker does not send on (its decode outside the subset hint, a
+plan too large for a header) is aborted here, which releases what it claimed.
+
+Without a plan (`outcome` on the request's line):
+- `fallback`: the router does not answer (UNAVAILABLE, DEADLINE_EXCEEDED) or has no healthy
+  node of a role: plain P->D on the model's last planned prefill and decode (as the gateway's
+  degrade path), a plan with no turn handle. Never planned: the router's error (503 / 504).
+- the plan's decode is not in the subset hint: plain P->D on the most recently planned decode
+  node that is, with the plan's prefill; none is: 503.
+- `plain`: a request that is no completion (GET /v1/models, a bodyless request, another path)
+  needs no plan: the last planned decode node (in the subset), else a subset member; neither: 503.
+
+Load shedding (429): more than `max_concurrent_picks` requests being planned at once, or the
+router's RESOURCE_EXHAUSTED (its own admission). Other refusals are the gateway's (400 naming the
+field, 404 unknown model, 413 body too large) as OpenAI-style error bodies.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import structlog
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from kvshuttle.core.digest import log_digest
+from kvshuttle.core.hashing import cache_salt_digest
+from kvshuttle.gateway.epp.config import EppSettings
+from kvshuttle.gateway.epp.metrics import EppMetrics
+from kvshuttle.gateway.epp.protocol import Subset
+from kvshuttle.gateway.errors import GatewayError, RouterFailure, router_error
+from kvshuttle.gateway.http.prompt import prompt_ids
+from kvshuttle.gateway.http.protocol import (
+    CONVERSATION_HEADER,
+    THINK_TIME_HEADER,
+    Kind,
+    TurnRequest,
+    expected_think_time,
+    parse_request,
+)
+from kvshuttle.gateway.pd_headers import (
+    MAX_PLAN_HEADER_BYTES,
+    PLAN_HEADER,
+    PREFILLER_HOST_PORT_HEADER,
+    TURN_HEADER,
+    encode_plan,
+    endpoint_host_port,
+)
+from kvshuttle.gateway.prompts.salts import CacheSalts
+from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
+from kvshuttle.gateway.turns.background import BackgroundTasks
+from kvshuttle.gateway.turns.ports import RouterPort
+from kvshuttle.gateway.turns.runner import NO_NODE, ROUTER_UNAVAILABLE, plain_plan
+from kvshuttle.router.v1 import router_service_pb2 as pb
+
+__all__ = ["SESSION_HEADER", "SIDECAR_HEADERS", "Pick", "PickRequest", "Picker"]
+
+log = structlog.get_logger("kvshuttle.epp")
+
+# llm-d's session affinity: the conversation when neither the body nor X-Conversation-ID names one.
+SESSION_HEADER = "x-session-id"
+# What the picker sets for the sidecar; a client's copies are always overwritten or removed.
+SIDECAR_HEADERS = (PREFILLER_HOST_PORT_HEADER, TURN_HEADER, PLAN_HEADER)
+# PlanTurn failures that mean the router could not answer (as the gateway's turn runner).
+_ROUTER_UNREACHABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
+# Decode nodes remembered per model for picks without a plan (least recently planned out).
+_KNOWN_DECODES = 256
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+@dataclass(frozen=True, slots=True)
+class PickRequest:
+    """What the data plane told the picker of one HTTP request."""
+
+    method: str
+    path: str
+    # Lower-cased names, first values.
+    headers: Mapping[str, str]
+    body: bytes | None
+    subset: Subset | None
+
+
+@dataclass(slots=True)
+class Pick:
+    """Where the request goes: `endpoint` (host:port) and the headers to set on it."""
+
+    endpoint: str
+    headers: dict[str, str] = field(default_factory=dict)
+    # planned, fallback or plain.
+    outcome: str = "planned"
+    decision: str = ""
+    reason: str = ""
+
+
+def _kind(method: str, path: str) -> Kind | None:
+    path = path.split("?", 1)[0].rstrip("/")
+    if method.upper() != "POST":
+        return None
+    if path.endswith("/chat/completions"):
+        return "chat"
+    if path.endswith("/completions"):
+        return "completions"
+    return None
+
+
+def _name(value: int, enum: type[pb.Decision] | type[pb.DecisionReason], prefix: str) -> str:
+    return enum.Name(value).removeprefix(prefix).lower()  # type: ignore[arg-type]
+
+
+def _decision(plan: pb.PlanTurnResponse) -> str:
+    return _name(plan.decision, pb.Decision, "DECISION_")
+
+
+class Picker:
+    """Picks for requests; remembers, per model, the placements plans made (for picks without
+    one). `router` must be connected by the caller."""
+
+    def __init__(
+        self,
+        settings: EppSettings,
+        *,
+        tokenizers: Mapping[str, ChatTokenizer],
+        router: RouterPort,
+        metrics: EppMetrics,
+        tracer: trace.Tracer,
+        background: BackgroundTasks,
+        max_plan_header_bytes: int = MAX_PLAN_HEADER_BYTES,
+    ) -> None:
+        self._settings = settings
+        self._tokenizers = dict(tokenizers)
+        self._router = router
+        self._metrics = metrics
+        self._tracer = tracer
+        self._background = background
+        self._max_plan_header_bytes = max_plan_header_bytes
+        key = None if settings.cache_salt_key is None else settings.cache_salt_key.get_secret_value().encode()
+        self._salts = CacheSalts.from_key(key)
+        self._content_format = {name: m.content_format for name, m in settings.models.items()}
+        self._tool_parsers = {name: m.tool_call_parser for name, m in settings.models.items()}
+        self._in_flight = 0
+        # Model -> the last P->D pair a plan placed it on (bounded by the configured models).
+        self._last_pair: dict[str, tuple[pb.Placement, pb.Placement]] = {}
+        # Model -> decode endpoint -> its placement, most recently planned last.
+        self._decodes: dict[str, OrderedDict[str, pb.Placement]] = {m: OrderedDict() for m in settings.models}
+
+    async def pick(self, request: PickRequest) -> Pick:
+        """The pick for `request`; GatewayError is the client's answer instead (an
+        ImmediateResponse)."""
+        kind = _kind(request.method, request.path)
+        if kind is None or request.body is None:
+            return self._plain(request.subset)
+        if self._in_flight >= self._settings.max_concurrent_picks:
+            raise GatewayError(
+                429,
+                f"the endpoint picker is planning {self._in_flight} requests, its limit: try again",
+                type_="rate_limit_error",
+                code="too_many_picks",
+            )
+        self._in_flight += 1
+        self._metrics.in_flight.inc()
+        try:
+            return await self._planned(kind, request)
+        finally:
+            self._in_flight -= 1
+            self._metrics.in_flight.dec()
+
+    # ---- a completion: plan the turn ------------------------------------------------------
+
+    def _parse(self, kind: Kind, request: PickRequest) -> TurnRequest:
+        try:
+            body = json.loads(request.body or b"")
+        except ValueError:
+            raise GatewayError.invalid("the request body is not valid JSON", "body") from None
+        headers = request.headers
+        # The body's conversation_id wins over llm-d's session header (X-Conversation-ID must agree).
+        conversation_header = headers.get(CONVERSATION_HEADER.lower())
+        if conversation_header is None and not (isinstance(body, dict) and "conversation_id" in body):
+            conversation_header = headers.get(SESSION_HEADER)
+        return parse_request(
+            kind,
+            body,
+            models=self._settings.models.keys(),
+            default_max_tokens=None,
+            content_format=self._content_format,
+            conversation_header=conversation_header,
+            tool_parsers=self._tool_parsers,
+        )
+
+    async def _planned(self, kind: Kind, request: PickRequest) -> Pick:
+        treq = self._parse(kind, request)
+        think = expected_think_time(request.headers.get(THINK_TIME_HEADER.lower()))
+        if think is None and treq.tools is not None:
+            think = self._settings.agent_think_time_s
+        tenant = self._settings.tenant
+        conversation = (
+            f"tenants/{tenant}/conversations/{treq.conversation_id}" if treq.conversation_id else ""
+        )
+        structlog.contextvars.bind_contextvars(
+            model=treq.model, conversation=log_digest(conversation) if conversation else ""
+        )
+        prompt = await prompt_ids(
+            self._tokenizers[treq.model],
+            treq,
+            max_tokens=self._settings.max_prompt_tokens,
+            background=self._background,
+        )
+        salt = self._salts.salt(tenant, treq.cache_salt)
+        request_id = uuid.uuid4().hex
+        structlog.contextvars.bind_contextvars(prompt_tokens=len(prompt.ids), request_id=request_id)
+        with self._tracer.start_as_current_span(
+            "pick", attributes={"kvshuttle.model": treq.model, "kvshuttle.prompt_tokens": len(prompt.ids)}
+        ) as span:
+            pick = await self._plan(treq.model, prompt.ids, conversation, request_id, salt, think, request)
+            span.set_attribute("kvshuttle.decision", pick.decision)
+            span.set_attribute("kvshuttle.decision.reason", pick.reason)
+            span.set_attribute("kvshuttle.pick.outcome", pick.outcome)
+            span.set_attribute("server.address", pick.endpoint)
+            carrier: dict[str, str] = {}
+            _PROPAGATOR.inject(carrier)  # the sidecar's spans join this trace
+            pick.headers.update(carrier)
+        return pick
+
+    async def _plan(
+        self,
+        model: str,
+        ids: list[int],
+        conversation: str,
+        request_id: str,
+        salt: str,
+        think: float | None,
+        request: PickRequest,
+    ) -> Pick:
+        started = time.perf_counter()
+        try:
+            plan = await self._router.plan_turn(
+                self._settings.served_name(model),
+                ids,
+                conversation=conversation,
+                request_id=request_id,
+                cache_salt_sha256=cache_salt_digest(salt),
+                expected_think_time_s=think,
+            )
+        except RouterFailure as err:
+            structlog.contextvars.bind_contextvars(plan_ms=_ms(time.perf_counter() - started))
+            pair = self._last_pair.get(model)
+            if err.code not in _ROUTER_UNREACHABLE or pair is None:
+                raise router_error(err) from None
+            reason = NO_NODE.get(err.reason or "", ROUTER_UNAVAILABLE)
+            log.warning("pick.without_router", code=err.code, reason=err.reason, decode=pair[1].node)
+            return self._plain_pd(pair[0], model, len(ids), reason, request.subset)
+        structlog.contextvars.bind_contextvars(
+            plan_ms=_ms(time.perf_counter() - started), generation=plan.generation
+        )
+        self._remember(model, plan)
+        extend = plan.decision == pb.DECISION_EXTEND
+        decode = endpoint_host_port(plan.decode.http_endpoint)
+        prefill = None if extend else endpoint_host_port(plan.prefill.http_endpoint)
+        if decode is None or (prefill is None and not extend):
+            self._abort(plan, conversation, "the plan names a node without a host:port endpoint")
+            raise _unavailable("the planned nodes have no host:port HTTP endpoint", "no_endpoint")
+        if request.subset is not None and not request.subset.allows(decode):
+            self._abort(plan, conversation, "the planned decode node is outside the subset hint")
+            # An extend plan names the decode holder as prefill too: take the last real prefill.
+            pair = self._last_pair.get(model) if extend else (plan.prefill, plan.decode)
+            if pair is None:
+                raise _unavailable("no decode endpoint of the subset is eligible", "no_eligible_endpoint")
+            return self._plain_pd(pair[0], model, len(ids), "outside_subset", request.subset)
+        encoded = encode_plan(plan)
+        if len(encoded) > self._max_plan_header_bytes:
+            self._abort(plan, conversation, "the plan is too large for a header")
+            log.warning("pick.plan_too_large", bytes=len(encoded), limit=self._max_plan_header_bytes)
+            if extend:
+                raise _unavailable("the plan is too large to send", "plan_too_large")
+            return self._pd_pick(
+                plain_plan(plan.prefill, plan.decode, len(ids)), "fallback", "plan_too_large"
+            )
+        pick = Pick(decode, outcome="planned", decision=_decision(plan))
+        pick.reason = _name(plan.reason, pb.DecisionReason, "DECISION_REASON_")
+        if prefill is not None:
+            pick.headers[PREFILLER_HOST_PORT_HEADER] = prefill
+        if plan.turn:
+            pick.headers[TURN_HEADER] = plan.turn
+        pick.headers[PLAN_HEADER] = encoded
+        return pick
+
+    def _plain_pd(
+        self, prefill: pb.Placement, model: str, tokens: int, reason: str, subset: Subset | None
+    ) -> Pick:
+        """Plain P->D on `prefill` and the most recently planned decode node of `model` that the
+        subset allows; 503 when none does."""
+        for endpoint, decode in reversed(self._decodes[model].items()):
+            if subset is None or subset.allows(endpoint):
+                return self._pd_pick(plain_plan(prefill, decode, tokens), "fallback", reason)
+        raise _unavailable("no decode endpoint of the subset is eligible", "no_eligible_endpoint")
+
+    @staticmethod
+    def _pd_pick(plan: pb.PlanTurnResponse, outcome: str, reason: str) -> Pick:
+        decode = endpoint_host_port(plan.decode.http_endpoint)
+        prefill = endpoint_host_port(plan.prefill.http_endpoint)
+        if decode is None or prefill is None:
+            raise _unavailable("the known nodes have no host:port HTTP endpoint", "no_endpoint")
+        headers = {PREFILLER_HOST_PORT_HEADER: prefill, PLAN_HEADER: encode_plan(plan)}
+        return Pick(decode, headers, outcome=outcome, decision=_decision(plan), reason=reason)
+
+    def _remember(self, model: str, plan: pb.PlanTurnResponse) -> None:
+        if plan.prefill.http_endpoint and plan.decode.http_endpoint and plan.decision != pb.DECISION_EXTEND:
+            # The P->D pair to fall back on (an extend plan names the decode holder twice).
+            self._last_pair[model] = (plan.prefill, plan.decode)
+        endpoint = endpoint_host_port(plan.decode.http_endpoint)
+        if endpoint is not None:
+            decodes = self._decodes[model]
+            decodes[endpoint] = plan.decode
+            decodes.move_to_end(endpoint)
+            if len(decodes) > _KNOWN_DECODES:
+                decodes.popitem(last=False)
+
+    def _abort(self, plan: pb.PlanTurnResponse, conversation: str, reason: str) -> None:
+        """AbortTurn of a plan not sent on, in the background (it releases a claimed retention)."""
+        if not plan.turn:
+            return
+
+        async def abort() -> None:
+            try:
+                await self._router.abort_turn(plan.turn, conversation=conversation, reason=reason)
+            except RouterFailure as err:
+                log.warning("pick.abort_failed", code=err.code, reason=err.reason)
+
+        self._background.spawn(abort(), "abort")
+
+    # ---- no completion: any decode node -------------------------------------------------
+
+    def _plain(self, subset: Subset | None) -> Pick:
+        """A decode endpoint for a request that needs no plan: the most recently planned one the
+        subset allows, else the subset's first member."""
+        known = [e for decodes in self._decodes.values() for e in reversed(decodes)]
+        for endpoint in known:
+            if subset is None or subset.allows(endpoint):
+                return Pick(endpoint, outcome="plain")
+        if subset is not None and subset.endpoints:
+            return Pick(min(subset.endpoints), outcome="plain")
+        raise _unavailable(
+            "no decode endpoint is known yet: no turn has been planned", "no_eligible_endpoint"
+        )
+
+
+def _unavailable(message: str, code: str) -> GatewayError:
+    return GatewayError(503, f"service unavailable: {message}", type_="server_error", code=code)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
