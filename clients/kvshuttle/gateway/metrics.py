@@ -13,8 +13,8 @@ class GatewayMetrics:
     """kvshuttle_gateway_requests_total{endpoint,status}, kvshuttle_gateway_added_seconds,
     kvshuttle_gateway_ttft_seconds, kvshuttle_gateway_turns_total{decision,reason},
     kvshuttle_gateway_reused_tokens_total, kvshuttle_gateway_commits_total{outcome},
-    kvshuttle_gateway_reuse_fallbacks_total{why}, and with conversation affinity over router
-    replicas kvshuttle_gateway_router_picks_total{replica} and
+    kvshuttle_gateway_commits_resent_total, kvshuttle_gateway_reuse_fallbacks_total{why},
+    and with conversation affinity over router replicas kvshuttle_gateway_router_picks_total{replica} and
     kvshuttle_gateway_router_failovers_total{replica} (the replicas are the configured
     addresses, so the labels are bounded)."""
 

@@ -12,7 +12,8 @@ class EppMetrics:
     """kvshuttle_epp_requests_total{outcome,status}, kvshuttle_epp_pick_seconds,
     kvshuttle_epp_picks_total{decision,reason}, kvshuttle_epp_served_total{match},
     kvshuttle_epp_picks_in_flight, and over router replicas kvshuttle_epp_router_picks_total{replica}
-    and kvshuttle_epp_router_failovers_total{replica} (the configured addresses: bounded labels)."""
+    and kvshuttle_epp_router_failovers_total{replica} (the configured addresses: bounded labels),
+    and kvshuttle_epp_commits_resent_total."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.requests = Counter(
@@ -51,6 +52,12 @@ class EppMetrics:
             "kvshuttle_epp_router_picks",
             "Router calls by the replica that answered them (conversation affinity).",
             ["replica"],
+            registry=registry,
+        )
+        self.commits_resent = Counter(
+            "kvshuttle_epp_commits_resent",
+            "CommitTurn calls sent again with the whole sequence: the router replica that "
+            "answered did not hold the turn's prompt (PROMPT_NOT_HELD).",
             registry=registry,
         )
         self.router_failovers = Counter(

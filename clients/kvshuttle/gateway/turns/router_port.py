@@ -47,14 +47,18 @@ _NOT_ANSWERED = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
 
 
 class RouterMetrics(Protocol):
-    """The counters the port keeps per replica (kvshuttle.gateway.metrics.GatewayMetrics has
-    them, and so does the endpoint picker's metrics under its own names)."""
+    """The counters the port keeps per replica, and of commits sent again whole
+    (kvshuttle.gateway.metrics.GatewayMetrics has them, and so does the endpoint picker's
+    metrics under its own names)."""
 
     @property
     def router_picks(self) -> Counter: ...
 
     @property
     def router_failovers(self) -> Counter: ...
+
+    @property
+    def commits_resent(self) -> Counter: ...
 
 
 @asynccontextmanager
