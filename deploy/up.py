@@ -179,6 +179,9 @@ def banner(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
@@ -247,7 +250,7 @@ def serve(args: argparse.Namespace) -> int:
         return watch(pair, stack)
     finally:
         # A second Ctrl-C must not cut the stop short and leave engines behind.
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for signum in _STOP_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
         print("stopping everything make up started ...", flush=True)
         if stack is not None:
@@ -334,8 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 < args.gateway_port < 65536:
         ap.error(f"--gateway-port {args.gateway_port}: not a TCP port")
     args.endpoints = args.endpoints or args.run_dir / "endpoints.json"
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _interrupt)
+    # The caller's handlers come back on the way out (main also runs inside a test's process).
+    previous = {signum: signal.signal(signum, _interrupt) for signum in _STOP_SIGNALS}
     try:
         return serve(args)
     except KeyboardInterrupt:
@@ -346,6 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (EngineDied, RedisDied, TimeoutError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
 from pathlib import Path
 
@@ -78,7 +79,10 @@ def test_a_bad_model_or_a_taken_port_fails_at_once(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     port = free_ports(1)[0]
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     assert main(["--model", str(tmp_path), "--gateway-port", str(port), "--run-dir", str(tmp_path)]) == 2
+    # The caller's signal handlers are its own again (here: pytest's process).
+    assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
     assert "missing config.json, a tokenizer" in capsys.readouterr().err
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", port))
