@@ -41,6 +41,9 @@ def token_ids(tokens: TokenIds, field: str, *, max_tokens: int) -> np.ndarray[An
         raise InvalidArgument(field, "required")
     if arr.size > max_tokens:
         raise InvalidArgument(field, f"more than {max_tokens} tokens")
+    if arr is not tokens and arr.base is None:
+        # Built here (not the caller's array): frozen, so the caches may keep it uncopied.
+        arr.flags.writeable = False
     return arr
 
 

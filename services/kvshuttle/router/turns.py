@@ -65,6 +65,8 @@ class TurnState:
 
 
 _FIELDS = tuple(f.name for f in fields(TurnState))
+# Built once: json.dumps with non-default separators builds an encoder per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
 
 
 class TurnCodec:
@@ -77,7 +79,7 @@ class TurnCodec:
         return hmac.new(self._key, payload, hashlib.sha256).digest()[:_SIG_BYTES]
 
     def encode(self, state: TurnState) -> str:
-        payload = json.dumps({f: getattr(state, f) for f in _FIELDS}, separators=(",", ":")).encode()
+        payload = _ENCODER.encode({f: getattr(state, f) for f in _FIELDS}).encode()
         body = base64.urlsafe_b64encode(payload).rstrip(b"=")
         sig = base64.urlsafe_b64encode(self._sign(payload)).rstrip(b"=")
         return f"{PREFIX}{body.decode()}.{sig.decode()}"
