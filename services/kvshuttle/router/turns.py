@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import hmac
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 
@@ -67,6 +67,7 @@ class TurnState:
 
 
 _FIELDS = tuple(f.name for f in fields(TurnState))
+_VALUES = operator.attrgetter(*_FIELDS)
 
 
 class TurnCodec:
@@ -81,12 +82,12 @@ class TurnCodec:
         self._issued: OrderedDict[str, TurnState] = OrderedDict()
 
     def _sign(self, payload: bytes) -> bytes:
-        return hmac.new(self._key, payload, hashlib.sha256).digest()[:_SIG_BYTES]
+        return hmac.digest(self._key, payload, "sha256")[:_SIG_BYTES]  # one-shot: no HMAC object
 
     def encode(self, state: TurnState) -> str:
         # orjson: compact JSON, which any replica's json.loads reads (the signature covers the
         # bytes as written, whatever their formatting); a third of the stdlib encoder's time.
-        payload = orjson.dumps({f: getattr(state, f) for f in _FIELDS})
+        payload = orjson.dumps(dict(zip(_FIELDS, _VALUES(state), strict=True)))
         body = base64.urlsafe_b64encode(payload).rstrip(b"=")
         sig = base64.urlsafe_b64encode(self._sign(payload)).rstrip(b"=")
         handle = f"{PREFIX}{body.decode()}.{sig.decode()}"
