@@ -157,6 +157,30 @@ async def conversation(
         )
 
 
+def own_cpu_by_prompt(log: Path) -> dict[int, dict[str, list[float]]]:
+    """The router's own CPU per RPC by the turn's prompt length: PlanTurn lines carry
+    prompt_tokens, and a CommitTurn line is tied to its plan's by the turn handle's digest."""
+    plans: dict[str, tuple[int, float]] = {}
+    commits: dict[str, float] = {}
+    for line in log.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        event = json.loads(line)
+        if event.get("event") != "rpc.done" or "own_cpu_ms" not in event or "turn" not in event:
+            continue
+        if event.get("method") == "PlanTurn" and "prompt_tokens" in event:
+            plans[event["turn"]] = (int(event["prompt_tokens"]), float(event["own_cpu_ms"]))
+        elif event.get("method") == "CommitTurn":
+            commits[event["turn"]] = float(event["own_cpu_ms"])
+    out: dict[int, dict[str, list[float]]] = {}
+    for turn, (tokens, plan_ms) in plans.items():
+        sizes = out.setdefault(tokens, {"PlanTurn": [], "CommitTurn": []})
+        sizes["PlanTurn"].append(plan_ms)
+        if turn in commits:
+            sizes["CommitTurn"].append(commits[turn])
+    return out
+
+
 def own_times(log: Path, key: str) -> dict[str, list[float]]:
     """The router's own time per RPC (`key`: own_ms wall, own_cpu_ms CPU), from its `rpc.done` lines."""
     times: dict[str, list[float]] = {"PlanTurn": [], "CommitTurn": []}
@@ -219,6 +243,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             await asyncio.wait_for(proc.wait(), 30)
     own = own_times(workdir / "router.log", "own_cpu_ms")
     wall_own = own_times(workdir / "router.log", "own_ms")
+    by_prompt = own_cpu_by_prompt(workdir / "router.log")
     per_turn_own = [p + c for p, c in zip(own["PlanTurn"], own["CommitTurn"], strict=False)]
     per_turn_own_wall = [p + c for p, c in zip(wall_own["PlanTurn"], wall_own["CommitTurn"], strict=False)]
     per_turn_wall = [r["plan_ms"] + r["commit_ms"] for r in rows]
@@ -247,6 +272,14 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "router_ms_commit": {
             "p50": round(pct(own["CommitTurn"], 0.5), 3),
             "p99": round(pct(own["CommitTurn"], 0.99), 3),
+        },
+        # Own CPU p50 by prompt length (every conversation's turn t has the same length).
+        "router_ms_by_prompt_tokens": {
+            str(tokens): {
+                "plan_p50": round(pct(times["PlanTurn"], 0.5), 3),
+                "commit_p50": round(pct(times["CommitTurn"], 0.5), 3) if times["CommitTurn"] else None,
+            }
+            for tokens, times in sorted(by_prompt.items())
         },
         "wall_ms_per_turn": {
             "p50": round(pct(per_turn_wall, 0.5), 2),
@@ -284,6 +317,14 @@ def main() -> None:
     print(
         f"client wall time per turn (router + registry + gRPC, 2 shared cores): "
         f"p50 {r['wall_ms_per_turn']['p50']} ms, p99 {r['wall_ms_per_turn']['p99']} ms"
+    )
+    print("router CPU p50 by prompt tokens (plan / commit, ms):")
+    print(
+        "  "
+        + "  ".join(
+            f"{tokens}: {v['plan_p50']}/{v['commit_p50']}"
+            for tokens, v in r["router_ms_by_prompt_tokens"].items()
+        )
     )
     print(f"decisions: {r['reasons']}")
     figures = {"result": result, "targets": {"router_ms_p50": 0.5, "router_ms_p99": 2.0}}

@@ -77,23 +77,35 @@ def block_hash(parent: int, block_tokens: TokenIds) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def _chain_digests(tokens: TokenIds, block_size: int, parent: int) -> list[bytes]:
+    """Each full block's 8-byte digest (little-endian), chained from `parent`. The parent's
+    digest is carried as bytes and hashed with the block in one call: no int round trip and no
+    hasher object per block (about half the time of hashing a block in two updates)."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    raw = _token_bytes(tokens)
+    step = block_size * 4
+    blake2b = hashlib.blake2b
+    prev = parent.to_bytes(8, "little")
+    out: list[bytes] = []
+    for start in range(0, (len(tokens) // block_size) * step, step):
+        prev = blake2b(prev + raw[start : start + step], digest_size=8).digest()
+        out.append(prev)
+    return out
+
+
 def chain_hashes(tokens: TokenIds, block_size: int, parent: int = ROOT_HASH) -> list[int]:
     """Hashes of every full block of `tokens`, chained from `parent`.
 
     Raises ValueError for a non-positive block size or a token outside uint32.
     """
-    if block_size <= 0:
-        raise ValueError("block_size must be positive")
-    raw = memoryview(_token_bytes(tokens))
-    step = block_size * 4
-    out: list[int] = []
-    prev = parent
-    for start in range(0, (len(tokens) // block_size) * step, step):
-        h = hashlib.blake2b(prev.to_bytes(8, "little"), digest_size=8)
-        h.update(raw[start : start + step])
-        prev = int.from_bytes(h.digest(), "little")
-        out.append(prev)
-    return out
+    return [int.from_bytes(d, "little") for d in _chain_digests(tokens, block_size, parent)]
+
+
+def chain_array(tokens: TokenIds, block_size: int, parent: int = ROOT_HASH) -> npt.NDArray[np.uint64]:
+    """`chain_hashes` as a uint64 array, built from the digests without Python ints."""
+    digests = _chain_digests(tokens, block_size, parent)
+    return np.frombuffer(b"".join(digests), dtype="<u8").astype(np.uint64, copy=False)
 
 
 def common_prefix_blocks(

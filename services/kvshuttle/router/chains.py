@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvshuttle.core.hashing import ROOT_HASH, chain_hashes
+from kvshuttle.core.hashing import ROOT_HASH, chain_array
 
 Tokens = npt.NDArray[np.uint32]
 Chain = npt.NDArray[np.uint64]
@@ -36,6 +36,31 @@ class _Entry:
         return int(self.tokens.nbytes) + int(self.chain.nbytes) + 200
 
 
+def _frozen(tokens: Tokens) -> bool:
+    """Whether nobody can write the array: read-only, and no other array's view."""
+    return not tokens.flags.writeable and bool(tokens.flags.owndata)
+
+
+def _common_prefix(a: Tokens, b: Tokens) -> int:
+    """Leading equal tokens of two arrays. Compared as uint64 pairs first (half the elements;
+    both are contiguous from their start), then the pair where they first differ."""
+    n = min(len(a), len(b))
+    if a.dtype.itemsize != 4 or b.dtype.itemsize != 4:
+        differ = np.flatnonzero(a[:n] != b[:n])
+        return int(differ[0]) if differ.size else n
+    pairs = n // 2
+    if pairs:
+        x = np.ascontiguousarray(a[: 2 * pairs]).view(np.uint64)
+        y = np.ascontiguousarray(b[: 2 * pairs]).view(np.uint64)
+        differ = np.flatnonzero(x != y)
+        if differ.size:
+            i = 2 * int(differ[0])
+            return i if a[i] != b[i] else i + 1
+    if n % 2 and a[n - 1] != b[n - 1]:
+        return n - 1
+    return n
+
+
 class ChainCache:
     def __init__(self, max_bytes: int) -> None:
         self._max_bytes = max_bytes
@@ -46,31 +71,39 @@ class ChainCache:
         self.misses = 0
 
     def chain(
-        self, key: str, tokens: Tokens, block_size: int, *, root: int = ROOT_HASH, remember: bool = True
+        self,
+        key: str,
+        tokens: Tokens,
+        block_size: int,
+        *,
+        root: int = ROOT_HASH,
+        remember: bool = True,
+        starts_with: Tokens | None = None,
     ) -> Chain:
         """The chain of `tokens` (uint32 array) from `root`, as uint64s; remembered under `key`
-        unless key is empty.
+        unless key is empty. `starts_with`: a frozen array `tokens` is known to begin with (a
+        commit's planned prompt): when it is the very array remembered, nothing is compared.
 
         The returned array is shared with the cache: treat it as read-only.
         """
         entry = self._entries.get(key) if key else None
         reused = 0
         if entry is not None and entry.block_size == block_size and entry.root == root:
-            n = min(len(tokens), len(entry.tokens))
-            differ = np.flatnonzero(tokens[:n] != entry.tokens[:n])
-            same = int(differ[0]) if differ.size else n
+            if starts_with is not None and starts_with is entry.tokens and _frozen(starts_with):
+                same = len(starts_with)
+            else:
+                same = _common_prefix(tokens, entry.tokens)
             reused = min(same // block_size, len(entry.chain))
         if entry is not None and reused:
             self.hits += 1
-            tail = chain_hashes(
-                tokens[reused * block_size :], block_size, parent=int(entry.chain[reused - 1])
-            )
-            chain = np.concatenate([entry.chain[:reused], np.array(tail, dtype=np.uint64)])
+            tail = chain_array(tokens[reused * block_size :], block_size, parent=int(entry.chain[reused - 1]))
+            chain = np.concatenate([entry.chain[:reused], tail])
         else:
             self.misses += 1
-            chain = np.array(chain_hashes(tokens, block_size, parent=root), dtype=np.uint64)
+            chain = chain_array(tokens, block_size, parent=root)
         if key and remember:
-            self._put(key, _Entry(tokens.copy(), chain, block_size, root))
+            # An array nobody can write (the router's own, frozen when checked) is kept as it is.
+            self._put(key, _Entry(tokens if _frozen(tokens) else tokens.copy(), chain, block_size, root))
         return chain
 
     def __len__(self) -> int:

@@ -6,6 +6,7 @@ it in the form the domain uses.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -41,17 +42,23 @@ def token_ids(tokens: TokenIds, field: str, *, max_tokens: int) -> np.ndarray[An
         raise InvalidArgument(field, "required")
     if arr.size > max_tokens:
         raise InvalidArgument(field, f"more than {max_tokens} tokens")
+    if arr is not tokens and arr.base is None:
+        # Built here (not the caller's array): frozen, so the caches may keep it uncopied.
+        arr.flags.writeable = False
     return arr
+
+
+@functools.lru_cache(maxsize=4096)
+def _checked_conversation(conversation: str, max_id_length: int) -> str:
+    """A conversation name, checked (remembered: a conversation's every turn names it again;
+    a name that fails is not remembered and fails again)."""
+    return str(parse_conversation(conversation, "conversation", max_length=max_id_length))
 
 
 def conversations(conversation: str, parent: str, *, max_id_length: int) -> tuple[str, str]:
     """The conversation and the parent it forks from, "" where not given. A parent needs a
     conversation in its own tenant."""
-    checked = (
-        str(parse_conversation(conversation, "conversation", max_length=max_id_length))
-        if conversation
-        else ""
-    )
+    checked = _checked_conversation(conversation, max_id_length) if conversation else ""
     if not parent:
         return checked, ""
     parsed = parse_conversation(parent, "hints.parent_conversation", max_length=max_id_length)

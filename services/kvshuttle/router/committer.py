@@ -87,7 +87,7 @@ class Committer:
         if req.request_id:
             check_id(req.request_id, "request_id", max_length=policy.max_id_length)
         state = self._parts.codec.decode(req.turn)
-        tokens = self._sequence(req, state)
+        tokens, planned = self._sequence(req, state)
         checks.timings(req.timings)
         fingerprint = b""
         if req.request_id:
@@ -109,7 +109,7 @@ class Committer:
             chain: Chain = NO_CHAIN
             if state.conversation and state.prompt_full_blocks:
                 chain = self._parts.chains.chain(
-                    state.conversation, tokens, state.block_size, root=state.chain_root
+                    state.conversation, tokens, state.block_size, root=state.chain_root, starts_with=planned
                 )
                 if (
                     len(chain) < state.prompt_full_blocks
@@ -142,37 +142,26 @@ class Committer:
             if req.request_id:
                 self._parts.memory.remember_commit(state.turn_id, req.request_id, fingerprint, result)
             outcome = result.not_stored or ("stored" if result.retention else "nothing_retained")
-            self._parts.metrics.commits.labels(outcome).inc()
-            t = req.timings
-            span.set_attributes(
-                {
-                    "kvshuttle.turn_index": state.generation,
-                    "kvshuttle.decision": state.decision,
-                    "kvshuttle.decision.reason": state.reason,
-                    "kvshuttle.reused_tokens": state.reusable_tokens,
-                    "kvshuttle.recomputed_tokens": state.prompt_tokens
-                    - max(state.reusable_tokens, state.local_hit_tokens),
-                    "kvshuttle.retention": log_name(result.retention),
-                    **({"kvshuttle.ttft.ms": t.ttft_ms} if t.ttft_ms is not None else {}),
-                    **({"kvshuttle.transfer.ms": t.transfer_ms} if t.transfer_ms is not None else {}),
-                    **(
-                        {"kvshuttle.transfer.bytes": t.transfer_bytes} if t.transfer_bytes is not None else {}
-                    ),
-                }
-            )
-        self._parts.metrics.own_seconds.labels("CommitTurn").observe(timer.own_cpu_s())
-        structlog.contextvars.bind_contextvars(retention=log_name(result.retention), **timer.log_fields())
+            self._parts.metrics.committed(outcome)
+            _describe(span, state, result.retention, req.timings)
+        own = timer.log_fields()  # read once: the metric and the log line agree
+        self._parts.metrics.own_commit.observe(own["own_cpu_ms"] / 1e3)
+        structlog.contextvars.bind_contextvars(retention=log_name(result.retention), **own)
         return result
 
-    def _sequence(self, req: CommitRequest, state: TurnState) -> npt.NDArray[np.uint32]:
+    def _sequence(
+        self, req: CommitRequest, state: TurnState
+    ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32] | None]:
         """The turn's whole sequence: as sent, or the prompt held here since the plan plus the
-        output sent alone. The fingerprint of a retry is the same either way."""
+        output sent alone (and then that prompt, which the sequence starts with). The
+        fingerprint of a retry is the same either way."""
         policy = self._parts.policy
         if req.output_token_ids is None:
             # A prompt at PlanTurn's bound plus the answer stays committable.
-            return checks.token_ids(
+            sent = checks.token_ids(
                 req.token_ids, "token_ids", max_tokens=policy.max_prompt_tokens + policy.max_output_tokens
             )
+            return sent, None
         if len(req.token_ids):
             raise InvalidArgument("output_token_ids", "set with token_ids; send one of the two")
         try:
@@ -190,7 +179,11 @@ class Committer:
                 reason=ErrorReason.PROMPT_NOT_HELD,
                 metadata={"field": "output_token_ids"},
             )
-        return np.concatenate([prompt, output]) if output.size else prompt
+        if not output.size:
+            return prompt, prompt
+        sequence = np.concatenate([prompt, output])
+        sequence.flags.writeable = False  # the router's own: the chain cache keeps it uncopied
+        return sequence, prompt
 
     async def _store(
         self,
@@ -316,7 +309,7 @@ class Committer:
             await timer.registry(self._release(state, "abort"))
         self._parts.memory.finish(state.turn_id, "aborted")
         log.info("turn.aborted", reason=reason[:200], claimed=log_name(state.claimed))
-        self._parts.metrics.own_seconds.labels("AbortTurn").observe(timer.own_cpu_s())
+        self._parts.metrics.own_abort.observe(timer.own_cpu_s())
 
     async def _registry(self, call: Awaitable[T], timer: CallTimer) -> T:
         """A registry call of a commit or an abort, waited for at most commit_registry_timeout_s
@@ -393,6 +386,26 @@ def _check_decode_node(params: dict[str, Any], state: TurnState) -> None:
                 reason=ErrorReason.NODE_MISMATCH,
                 metadata={"field": f"decode_kv_transfer_params.{key}", "node": state.decode_node},
             )
+
+
+def _describe(span: trace.Span, state: TurnState, retention: str, t: TurnTimings) -> None:
+    """The commit's attributes on its span (not built for a span nobody records)."""
+    if not span.is_recording():
+        return
+    span.set_attributes(
+        {
+            "kvshuttle.turn_index": state.generation,
+            "kvshuttle.decision": state.decision,
+            "kvshuttle.decision.reason": state.reason,
+            "kvshuttle.reused_tokens": state.reusable_tokens,
+            "kvshuttle.recomputed_tokens": state.prompt_tokens
+            - max(state.reusable_tokens, state.local_hit_tokens),
+            "kvshuttle.retention": log_name(retention),
+            **({"kvshuttle.ttft.ms": t.ttft_ms} if t.ttft_ms is not None else {}),
+            **({"kvshuttle.transfer.ms": t.transfer_ms} if t.transfer_ms is not None else {}),
+            **({"kvshuttle.transfer.bytes": t.transfer_bytes} if t.transfer_bytes is not None else {}),
+        }
+    )
 
 
 def _trace_parent(state: TurnState) -> Any:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -144,10 +144,29 @@ class RouterMetrics:
             "kvshuttle_router_moves_in_flight", "Shuttle moves running now.", registry=registry
         )
 
+        # The children of the per-call series, looked up once (labels() validates and locks).
+        self.own_plan = self.own_seconds.labels("PlanTurn")
+        self.own_commit = self.own_seconds.labels("CommitTurn")
+        self.own_abort = self.own_seconds.labels("AbortTurn")
+        self._reused_tokens = self.tokens.labels("reused")
+        self._recomputed_tokens = self.tokens.labels("recomputed")
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def child(self, metric: Counter, *labels: str) -> Any:
+        """`metric.labels(*labels)`, remembered: label sets here are few (enums, outcomes)."""
+        key = (id(metric), *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def watch_caches(self, chains: ChainCache, hints: RetentionHints, prompts: _Sized | None = None) -> None:
         self._registry.register(CacheCollector(chains, hints, prompts))
 
+    def committed(self, outcome: str) -> None:
+        self.child(self.commits, outcome).inc()
+
     def decided(self, decision: Decision, reason: Reason, reused: int, recomputed: int) -> None:
-        self.decisions.labels(decision.value, reason.value).inc()
-        self.tokens.labels("reused").inc(reused)
-        self.tokens.labels("recomputed").inc(recomputed)
+        self.child(self.decisions, decision.value, reason.value).inc()
+        self._reused_tokens.inc(reused)
+        self._recomputed_tokens.inc(recomputed)

@@ -67,7 +67,7 @@ def choose_prefill(
         ms += weights.load_penalty_ms * (node.running_requests + node.waiting_requests)
         return ms, node.name != prefer, node.name != hint, node.name
 
-    best = min(pool, key=score)
+    best = pool[0] if len(pool) == 1 else min(pool, key=score)  # one candidate: nothing to score
     return best, hits(best)
 
 
@@ -86,7 +86,7 @@ def choose_decode(
         # A kv_both node that already runs this turn's prefill is the last resort for decode.
         return node.name == avoid, load, node.name != hint, node.name
 
-    return min(pool, key=score)
+    return pool[0] if len(pool) == 1 else min(pool, key=score)
 
 
 def pool_owner_of(nodes: Sequence[NodeInfo], holder: str) -> str:

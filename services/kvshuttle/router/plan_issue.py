@@ -5,7 +5,7 @@ the decision down."""
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -123,7 +123,8 @@ class PlanIssuer:
         same_blocks = decode.block_size == ctx.block_size
         now = self._parts.clock.now()
         state = TurnState(
-            turn_id=uuid.uuid4().hex,
+            # 128 random bits as 32 hex digits (as uuid4().hex, without building a UUID).
+            turn_id=os.urandom(16).hex(),
             conversation=conversation,
             generation=ctx.fence + 1,
             model=req.model,
@@ -170,17 +171,37 @@ class PlanIssuer:
             self._parts.memory.placed(conversation, prefill.name, decode.name)
         self._parts.memory.hold_prompt(state.turn_id, call.tokens)
         self._parts.metrics.decided(decision, reason, reusable, n - cached)
+        metrics = self._parts.metrics
+        if claim is not None and verdict.holder is not None:
+            metrics.child(metrics.plan_holders, verdict.holder.role.value).inc()
+        if call.span.is_recording():  # the attributes of a span nobody records are not built
+            self._describe(ctx, state, verdict, claim, prefill, decode, cached)
+        return plan
+
+    def _describe(
+        self,
+        ctx: PlanContext,
+        state: TurnState,
+        verdict: Verdict,
+        claim: ClaimInfo | None,
+        prefill: NodeInfo,
+        decode: NodeInfo,
+        cached: int,
+    ) -> None:
+        """The plan's attributes on its span."""
+        call, conversation, n = ctx.call, ctx.call.conversation, state.prompt_tokens
+        req, reuse_cost = call.req, verdict.reuse_cost
         call.span.set_attributes(
             {
                 "kvshuttle.tenant": conversation.split("/")[1] if conversation else "",
                 "kvshuttle.conversation": log_digest(conversation) if conversation else "",
                 "kvshuttle.turn_index": state.generation,
-                "kvshuttle.decision": decision.value,
-                "kvshuttle.decision.reason": reason.value,
+                "kvshuttle.decision": state.decision,
+                "kvshuttle.decision.reason": state.reason,
                 "kvshuttle.prompt_tokens": n,
-                "kvshuttle.reused_tokens": reusable,
+                "kvshuttle.reused_tokens": state.reusable_tokens,
                 "kvshuttle.recomputed_tokens": n - cached,
-                "kvshuttle.local_hit_tokens": local_hits,
+                "kvshuttle.local_hit_tokens": state.local_hit_tokens,
                 "kvshuttle.cache_salted": bool(req.cache_salt_sha256),
                 "kvshuttle.prefill_node": prefill.name,
                 "kvshuttle.decode_node": decode.name,
@@ -196,5 +217,3 @@ class PlanIssuer:
             call.span.set_attributes(
                 {"kvshuttle.holder": verdict.holder.name, "kvshuttle.holder_role": verdict.holder.role.value}
             )
-            self._parts.metrics.plan_holders.labels(verdict.holder.role.value).inc()
-        return plan

@@ -101,14 +101,15 @@ class Planner:
         if req.request_id:
             self._parts.memory.remember_plan(req.conversation, req.model, req.request_id, fingerprint, plan)
 
+        own = timer.log_fields()  # read once: the metric and the log line agree
         self._parts.metrics.plan_seconds.observe(timer.elapsed_s())
-        self._parts.metrics.own_seconds.labels("PlanTurn").observe(timer.own_cpu_s())
+        self._parts.metrics.own_plan.observe(own["own_cpu_ms"] / 1e3)
         structlog.contextvars.bind_contextvars(
             decision=plan.decision.value,
             reason=plan.reason.value,
             reusable_tokens=plan.reusable_tokens,
             prompt_tokens=int(tokens.size),
-            **timer.log_fields(),
+            **own,
         )
         return plan
 
@@ -151,7 +152,8 @@ class Planner:
 
     def _hint_outcome(self, outcome: str) -> None:
         """Counted, and on the plan's log line (`retention_hint`)."""
-        self._parts.metrics.retention_hints.labels(outcome).inc()
+        metrics = self._parts.metrics
+        metrics.child(metrics.retention_hints, outcome).inc()
         structlog.contextvars.bind_contextvars(retention_hint=outcome)
 
     async def _context(self, call: PlanCall, *, use_hint: bool) -> PlanContext:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import hmac
-import json
+import operator
+from collections import OrderedDict
 from dataclasses import dataclass, fields
+
+import orjson
 
 from kvshuttle.core.errors import InvalidArgument, NotFound
 from kvshuttle.core.reasons import ErrorReason
@@ -65,24 +67,41 @@ class TurnState:
 
 
 _FIELDS = tuple(f.name for f in fields(TurnState))
+_VALUES = operator.attrgetter(*_FIELDS)
 
 
 class TurnCodec:
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, *, remembered: int = 4096) -> None:
+        """`remembered`: handles this codec issued whose state it keeps (the newest), so that a
+        commit or abort of a turn planned here skips the signature check and the JSON (the very
+        string it signed needs neither); any other handle is verified in full."""
         if len(key) < 16:
             raise ValueError("the turn signing key needs at least 16 bytes")
         self._key = key
+        self._remembered = remembered
+        self._issued: OrderedDict[str, TurnState] = OrderedDict()
 
     def _sign(self, payload: bytes) -> bytes:
-        return hmac.new(self._key, payload, hashlib.sha256).digest()[:_SIG_BYTES]
+        return hmac.digest(self._key, payload, "sha256")[:_SIG_BYTES]  # one-shot: no HMAC object
 
     def encode(self, state: TurnState) -> str:
-        payload = json.dumps({f: getattr(state, f) for f in _FIELDS}, separators=(",", ":")).encode()
+        # orjson: compact JSON, which any replica's json.loads reads (the signature covers the
+        # bytes as written, whatever their formatting); about half the stdlib encoder's time.
+        payload = orjson.dumps(dict(zip(_FIELDS, _VALUES(state), strict=True)))
         body = base64.urlsafe_b64encode(payload).rstrip(b"=")
         sig = base64.urlsafe_b64encode(self._sign(payload)).rstrip(b"=")
-        return f"{PREFIX}{body.decode()}.{sig.decode()}"
+        handle = f"{PREFIX}{body.decode()}.{sig.decode()}"
+        # A handle too long for decode() is not remembered: it is refused as before.
+        if self._remembered and len(handle) <= MAX_HANDLE_LENGTH:
+            self._issued[handle] = state
+            if len(self._issued) > self._remembered:
+                self._issued.popitem(last=False)
+        return handle
 
     def decode(self, handle: str, field: str = "turn") -> TurnState:
+        issued = self._issued.get(handle)
+        if issued is not None:
+            return issued
         if not handle:
             raise InvalidArgument(field, "required")
         if len(handle) > MAX_HANDLE_LENGTH or not handle.startswith(PREFIX) or "." not in handle:
@@ -98,6 +117,9 @@ class TurnCodec:
                 "unknown turn (not issued by this router deployment)", reason=ErrorReason.TURN_NOT_FOUND
             )
         try:
-            return TurnState(**json.loads(payload))
-        except (TypeError, ValueError) as exc:  # a signed handle of another router version
+            return TurnState(**orjson.loads(payload))
+        except (
+            TypeError,
+            ValueError,
+        ) as exc:  # orjson.JSONDecodeError is a ValueError  # a signed handle of another router version
             raise NotFound("unknown turn format", reason=ErrorReason.TURN_NOT_FOUND) from exc
