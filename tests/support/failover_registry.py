@@ -77,8 +77,14 @@ class Client:
         """The registry's error-level log lines (an INTERNAL answer's traceback is in one)."""
         if self.server_log is None or not self.server_log.exists():
             return []
-        lines = self.server_log.read_text(errors="replace").splitlines()
-        return [line for line in lines if '"level": "error"' in line][-3:]
+        errors = []
+        for line in self.server_log.read_text(errors="replace").splitlines():
+            try:
+                if json.loads(line).get("level") == "error":
+                    errors.append(line)
+            except (ValueError, AttributeError):  # not a JSON object: a line from outside structlog
+                continue
+        return errors[-3:]
 
 
 @contextlib.contextmanager
