@@ -169,6 +169,9 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         self._max_request_bytes = max_request_bytes
         self._metrics = metrics
         self._logger: FilteringBoundLogger = logger or structlog.get_logger("kvshuttle.rpc")
+        # The logger assembled from structlog's configuration, and that configuration: a lazy
+        # logger assembles itself (a new logger and file writer) at every line otherwise.
+        self._bound: tuple[tuple[Any, ...], FilteringBoundLogger] | None = None
         self._tracer = trace.get_tracer("kvshuttle.rpc", tracer_provider=tracer_provider)
         # Health checks and reflection: logged and counted, never traced, no identity needed.
         self._probes = probes
@@ -343,6 +346,16 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         self._metrics.observe(call.service, call.method, code.name, seconds, str(fields.get("reason") or ""))
         if code in _AUTH_CODES:
             self._metrics.denied(call.service, call.method, str(fields.get("reason") or code.name))
-        log = self._logger.error if code in _SERVER_FAULTS else self._logger.info
+        logger = self._assembled()
+        log = logger.error if code in _SERVER_FAULTS else logger.info
         present = {key: value for key, value in fields.items() if value}
         log("rpc.done", method=call.method, code=code.name, ms=round(seconds * 1000, 2), **present)
+
+    def _assembled(self) -> FilteringBoundLogger:
+        """The logger, assembled again only once structlog is configured anew (configure_logging
+        again, structlog.testing.capture_logs): lines still go where the configuration says."""
+        config = tuple(structlog.get_config().values())
+        bound = self._bound
+        if bound is None or len(bound[0]) != len(config) or any(a is not b for a, b in zip(bound[0], config)):
+            bound = self._bound = (config, self._logger.bind())
+        return bound[1]
