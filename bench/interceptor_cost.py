@@ -2,6 +2,8 @@
 call of a trivial unary RPC on a real grpc.aio server on 127.0.0.1, in three setups:
 
 - bare: grpc.aio with no interceptor (the floor of bench/grpc_floor.py, with a protobuf message);
+- pass-through: an interceptor that only returns the handler (what grpc.aio's interceptor
+  machinery costs by itself);
 - interceptor: GrpcServer as the services configure it (RpcInterceptor with metrics, the
   canonical JSON line at info to /dev/null, spans with ids and no exporter), auth off;
 - interceptor+auth: the same with an identity and its bearer token, every call authenticated
@@ -38,13 +40,23 @@ from prometheus_client import CollectorRegistry
 
 from bench.load import cpu_seconds
 from bench.report import save
+from kvshuttle.core.auth import Permission
+from kvshuttle.serving.auth import Requirement
+from kvshuttle.serving.logging import configure_logging
+from kvshuttle.serving.server import GrpcServer
+from kvshuttle.serving.settings import AuthSettings, Grant, ServerSettings, TelemetrySettings
 
 _SERVICE = "kvshuttle.bench.v1.EchoService"
 _METHOD = f"/{_SERVICE}/Echo"
 # A generated message with a request_id (the interceptor puts it in the line).
 _Request = error_details_pb2.RequestInfo
 _TOKEN = "bench-token-0123456789abcdef"
-SETUPS = ("bare", "interceptor", "interceptor+auth")
+SETUPS = ("bare", "pass-through", "interceptor", "interceptor+auth")
+
+
+class _PassThrough(grpc.aio.ServerInterceptor):
+    async def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
+        return await continuation(handler_call_details)
 
 
 async def _echo(request: Any, _: Any) -> Any:
@@ -56,7 +68,9 @@ def _add_echo(server: grpc.aio.Server) -> None:
         _SERVICE,
         {
             "Echo": grpc.unary_unary_rpc_method_handler(
-                _echo, request_deserializer=_Request.FromString, response_serializer=_Request.SerializeToString
+                _echo,
+                request_deserializer=_Request.FromString,
+                response_serializer=_Request.SerializeToString,
             )
         },
     )
@@ -64,23 +78,15 @@ def _add_echo(server: grpc.aio.Server) -> None:
 
 
 async def serve(setup: str) -> None:
-    if setup == "bare":
-        server = grpc.aio.server()
+    if setup in ("bare", "pass-through"):
+        server = grpc.aio.server(interceptors=[_PassThrough()] if setup == "pass-through" else None)
         _add_echo(server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         print(port, flush=True)  # to the measuring process
         await server.wait_for_termination()
         return
-    from kvshuttle.core.auth import Permission
-    from kvshuttle.serving.auth import Requirement
-    from kvshuttle.serving.logging import configure_logging
-    from kvshuttle.serving.server import GrpcServer
-    from kvshuttle.serving.settings import AuthSettings, Grant, ServerSettings, TelemetrySettings
-
     telemetry = TelemetrySettings(log_level="info", log_format="json")
-    # The canonical lines are rendered and written as in production, to a sink.
-    configure_logging(telemetry, stream=open(os.devnull, "w"))  # noqa: SIM115 - for the process's life
     auth = None
     if setup == "interceptor+auth":
         auth = AuthSettings(
@@ -169,12 +175,14 @@ def main() -> None:
     ap.add_argument("--serve", choices=SETUPS, help=argparse.SUPPRESS)  # a server process
     args = ap.parse_args()
     if args.serve:
+        # The canonical lines are rendered and written as in production, to a sink.
+        configure_logging(TelemetrySettings(log_format="json"), stream=open(os.devnull, "w"))  # noqa: SIM115
         asyncio.run(serve(args.serve))
         return
     started = datetime.now(UTC)
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
-    variants = [*SETUPS, *([f"before:{s}" for s in SETUPS[1:]] if args.before else [])]
+    variants = [*SETUPS, *([f"before:{s}" for s in SETUPS[2:]] if args.before else [])]
     if args.profile is not None:
         for variant in variants:
             _run(variant, args, args.profile)
@@ -192,7 +200,9 @@ def main() -> None:
         "runs": runs,
     }
     for v in variants:
-        extra = f"  +{added[v]:6.1f} us ({added[v] / median[v]:.0%} of the server's CPU)" if v in added else ""
+        extra = (
+            f"  +{added[v]:6.1f} us ({added[v] / median[v]:.0%} of the server's CPU)" if v in added else ""
+        )
         print(f"{v:24s} server CPU {median[v]:6.1f} us/call{extra}  rounds: "
               f"{', '.join(str(x['server_cpu_us_per_call']) for x in runs[v])}")  # fmt: skip
     name = f"interceptor_cost-{args.label}" if args.label else None

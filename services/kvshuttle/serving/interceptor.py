@@ -263,7 +263,11 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         structlog.contextvars.clear_contextvars()
         # Read once: grpc builds a new tuple at every invocation_metadata().
         metadata = tuple(context.invocation_metadata() or ())
-        ids: dict[str, str] = {"rpc_service": method.service, "rpc_method": method.method, "peer": context.peer()}
+        ids: dict[str, str] = {
+            "rpc_service": method.service,
+            "rpc_method": method.method,
+            "peer": context.peer(),
+        }
         span: trace.Span = trace.INVALID_SPAN
         if method.span_attributes is not None:
             carrier = {k: v for k, v in metadata if k in _TRACE_HEADERS}
@@ -356,6 +360,10 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         again, structlog.testing.capture_logs): lines still go where the configuration says."""
         config = tuple(structlog.get_config().values())
         bound = self._bound
-        if bound is None or len(bound[0]) != len(config) or any(a is not b for a, b in zip(bound[0], config)):
+        if (
+            bound is None
+            or len(bound[0]) != len(config)
+            or any(a is not b for a, b in zip(bound[0], config, strict=True))
+        ):
             bound = self._bound = (config, self._logger.bind())
         return bound[1]
