@@ -10,7 +10,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 from tests.agent.helpers import agent_settings
-from tests.auth.helpers import auth_settings, bearer, denial
+from tests.auth.helpers import auth_settings, bearer, denial, token
 from tests.support.identity import registry, registry_settings
 from tests.support.tls import make_certs, needs_openssl
 
@@ -20,10 +20,12 @@ from kvshuttle.agent.main import connect_registry
 from kvshuttle.agent.registry_port import GrpcRegistryPort
 from kvshuttle.agent.v1 import agent_service_pb2 as apb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as apb_grpc
-from kvshuttle.core.auth import Role
+from kvshuttle.core.auth import Permission, Role
+from kvshuttle.core.errors import Unauthenticated
 from kvshuttle.registry.main import build_server
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.registry.v1 import registry_service_pb2_grpc as pb_grpc
+from kvshuttle.serving.auth import Authorizer, Requirement
 from kvshuttle.serving.settings import AuthSettings, Grant
 
 # Client certificates: `router` (URI and DNS SANs), `dns-viewer` (a DNS SAN only), `stranger`
@@ -119,3 +121,16 @@ async def test_the_agent_serves_status_to_its_watchers_only() -> None:
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     finally:
         await server.stop()
+
+
+def test_a_remembered_token_is_still_only_that_token() -> None:
+    # The Authorizer remembers a token once it authenticated; a near miss must still be refused.
+    authorizer = Authorizer(auth_settings(), lambda method, request: Requirement(Permission.NODES_READ))
+    for _ in range(2):
+        caller = authorizer.authenticate(bearer("router"), {})
+        assert (caller.identity, caller.role) == ("router", Role.ROUTER)
+    near = token("router")[:-1] + ("x" if token("router")[-1] != "x" else "y")
+    for presented in (near, token("router") + "x", token("viewer")[:-1]):
+        with pytest.raises(Unauthenticated):
+            authorizer.authenticate((("authorization", f"Bearer {presented}"),), {})
+    assert authorizer.authenticate(bearer("viewer"), {}).identity == "viewer"

@@ -115,6 +115,20 @@ async def test_ok_logs_one_line_with_ids_and_bound_fields(harness: Harness) -> N
     assert harness.count("Echo", "OK") == 1.0
 
 
+async def test_lines_follow_a_new_logging_configuration(harness: Harness) -> None:
+    # The interceptor keeps its assembled logger between calls: it must not keep the old stream.
+    await harness.unary("Echo", Request(request_id="req-1", serving_data="first"))
+    await harness.done_once("Echo")
+    later = JsonLog()
+    try:
+        await harness.unary("Echo", Request(request_id="req-2", serving_data="second"))
+        line = await later.done_once("Echo")
+    finally:
+        later.close()
+    assert line["request_id"] == "req-2"
+    assert len(harness.log.done("Echo")) == 1
+
+
 async def test_trace_ids_in_the_line_are_the_server_span(harness: Harness) -> None:
     # A traced caller, as the client library makes it: its span's context in the metadata.
     with traced_attempt(harness.provider.get_tracer("test"), f"/{SERVICE}/Echo") as (_, metadata):

@@ -97,6 +97,20 @@ def test_json_lines_carry_context_for_structlog_and_stdlib_alike() -> None:
 
 
 @pytest.mark.usefixtures("restore_logging")
+def test_json_lines_are_ascii_whatever_they_carry() -> None:
+    out = io.StringIO()
+    configure_logging(TelemetrySettings(log_format="json"), stream=out)
+    structlog.get_logger().info("plain", n=1)
+    structlog.get_logger().info("accented", tenant="café", big=2**70)
+
+    text = out.getvalue()
+    assert text.isascii()  # a stream of any encoding takes it
+    plain, accented = [json.loads(line) for line in text.splitlines()]
+    assert (plain["event"], plain["n"]) == ("plain", 1)
+    assert (accented["tenant"], accented["big"]) == ("café", 2**70)
+
+
+@pytest.mark.usefixtures("restore_logging")
 def test_auto_is_json_off_a_terminal_and_console_renders_text() -> None:
     auto, console = io.StringIO(), io.StringIO()
 

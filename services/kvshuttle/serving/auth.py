@@ -6,6 +6,10 @@ Identity, in order:
    pattern (kvshuttle.serving.identities); a certificate naming several is refused.
 2. A bearer token in the `authorization` metadata ("Bearer <token>"), compared in constant time
    (HMAC digests, every configured token checked) with the tokens of the configured identities.
+   A token that matched is remembered (its caller, by the token itself): tokens are read once, at
+   start, so the answer cannot change, and only configured tokens are kept, so the memo is as
+   bounded as the tokens file. A lookup's time depends on the token's keyed hash, not on how
+   much of it matches; unknown tokens still take the HMAC path every time.
 
 The identity's grant (role, tenants, node) makes the Caller; the service's policy says which
 permission the RPC needs and which tenant or node it names, and kvshuttle.core.auth.authorize
@@ -78,6 +82,9 @@ class Authorizer:
         unknown = sorted({identity for _, identity in self._tokens} - self._identities.names)
         if unknown:
             raise ValueError(f"tokens for identities with no grant of their own: {', '.join(unknown)}")
+        # Token -> its caller, once authenticated: an HMAC per call cost several µs of CPU
+        # (issue 21, bench/interceptor_cost.py).
+        self._known: dict[str, Caller] = {}
 
     def _digest(self, token: str) -> bytes:
         return hmac.new(self._key, token.encode(), hashlib.sha256).digest()
@@ -94,6 +101,9 @@ class Authorizer:
             return caller
         token = _bearer(metadata)
         if token is not None:
+            known = self._known.get(token)
+            if known is not None:
+                return known
             presented = self._digest(token)
             found: str | None = None
             for digest, identity in self._tokens:  # every one, so the time says nothing
@@ -101,6 +111,7 @@ class Authorizer:
                     found = identity
             named = None if found is None else self._identities.named(found)
             if named is not None:
+                self._known[token] = named
                 return named
             raise Unauthenticated("unknown bearer token", reason=ErrorReason.UNAUTHENTICATED)
         if auth_context.get("transport_security_type") and auth_context.get("x509_subject"):

@@ -130,11 +130,23 @@ def _counting(serializer: Callable[[Any], bytes], sent: Counter) -> Callable[[An
 
 
 @dataclass(frozen=True, slots=True)
+class _Method:
+    """What every call of one method shares, worked out once when it is first called."""
+
+    service: str
+    method: str
+    span_name: str
+    # None for a probe: no span, no identity.
+    span_attributes: dict[str, str] | None
+
+
+@dataclass(frozen=True, slots=True)
 class _Call:
     service: str
     method: str
     started: float
     span: trace.Span
+    metadata: tuple[tuple[str, str | bytes], ...]
 
 
 class RpcInterceptor(grpc.aio.ServerInterceptor):
@@ -157,6 +169,9 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         self._max_request_bytes = max_request_bytes
         self._metrics = metrics
         self._logger: FilteringBoundLogger = logger or structlog.get_logger("kvshuttle.rpc")
+        # The logger assembled from structlog's configuration, and that configuration: a lazy
+        # logger assembles itself (a new logger and file writer) at every line otherwise.
+        self._bound: tuple[tuple[Any, ...], FilteringBoundLogger] | None = None
         self._tracer = trace.get_tracer("kvshuttle.rpc", tracer_provider=tracer_provider)
         # Health checks and reflection: logged and counted, never traced, no identity needed.
         self._probes = probes
@@ -191,18 +206,23 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         if response_serializer is not None:
             response_serializer = _counting(response_serializer, sent)
         wrapped = factory(
-            wrap(behavior, service, method),
+            wrap(behavior, self._method(service, method)),
             request_deserializer=request_deserializer,
             response_serializer=response_serializer,
         )
         self._wrapped[full_method] = (handler, wrapped)
         return wrapped
 
+    def _method(self, service: str, method: str) -> _Method:
+        traced = service not in self._probes
+        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
+        return _Method(service, method, f"/{service}/{method}", attributes if traced else None)
+
     def _wrap_coroutine(
-        self, behavior: Callable[..., Any], service: str, method: str
+        self, behavior: Callable[..., Any], method: _Method
     ) -> Callable[[Any, _Context], Awaitable[Any]]:
         async def handle(request: Any, context: _Context) -> Any:
-            call = self._begin(service, method, request, context)
+            call = self._begin(method, request, context)
             with trace.use_span(
                 call.span, end_on_exit=True, record_exception=False, set_status_on_exception=False
             ):
@@ -218,10 +238,10 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         return handle
 
     def _wrap_generator(
-        self, behavior: Callable[..., AsyncIterator[Any]], service: str, method: str
+        self, behavior: Callable[..., AsyncIterator[Any]], method: _Method
     ) -> Callable[[Any, _Context], AsyncIterator[Any]]:
         async def handle(request: Any, context: _Context) -> AsyncIterator[Any]:
-            call = self._begin(service, method, request, context)
+            call = self._begin(method, request, context)
             with trace.use_span(
                 call.span, end_on_exit=True, record_exception=False, set_status_on_exception=False
             ):
@@ -236,20 +256,26 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
 
         return handle
 
-    def _begin(self, service: str, method: str, request: Any, context: _Context) -> _Call:
+    def _begin(self, method: _Method, request: Any, context: _Context) -> _Call:
         """Start the clock and the span, and give the call's log lines their ids (the task may
         carry stale ones)."""
         started = time.perf_counter()
         structlog.contextvars.clear_contextvars()
-        ids: dict[str, str] = {"rpc_service": service, "rpc_method": method, "peer": context.peer()}
+        # Read once: grpc builds a new tuple at every invocation_metadata().
+        metadata = tuple(context.invocation_metadata() or ())
+        ids: dict[str, str] = {
+            "rpc_service": method.service,
+            "rpc_method": method.method,
+            "peer": context.peer(),
+        }
         span: trace.Span = trace.INVALID_SPAN
-        if service not in self._probes:
-            carrier = {k: v for k, v in context.invocation_metadata() or () if k in _TRACE_HEADERS}
+        if method.span_attributes is not None:
+            carrier = {k: v for k, v in metadata if k in _TRACE_HEADERS}
             span = self._tracer.start_span(
-                f"/{service}/{method}",
+                method.span_name,
                 context=propagate.extract(carrier) if carrier else None,
                 kind=SpanKind.SERVER,
-                attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
+                attributes=method.span_attributes,
             )
             ctx = span.get_span_context()
             ids["trace_id"] = trace.format_trace_id(ctx.trace_id)
@@ -259,7 +285,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         if isinstance(request_id, str) and request_id:
             ids["request_id"] = request_id
         structlog.contextvars.bind_contextvars(**ids)
-        return _Call(service, method, started, span)
+        return _Call(method.service, method.method, started, span, metadata)
 
     def _admit(self, call: _Call, request: Any, context: _Context) -> None:
         """Raise unless the request parsed and its caller may make it."""
@@ -273,7 +299,7 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
             raise InvalidArgument("request", f"{request.size} bytes that are not a {call.method} request")
         if self._authorizer is None or call.service in self._probes:
             return
-        caller = self._authorizer.authenticate(context.invocation_metadata() or (), context.auth_context())
+        caller = self._authorizer.authenticate(call.metadata, context.auth_context())
         structlog.contextvars.bind_contextvars(caller=caller.identity)
         self._authorizer.authorize(caller, call.method, request)
 
@@ -324,6 +350,20 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):
         self._metrics.observe(call.service, call.method, code.name, seconds, str(fields.get("reason") or ""))
         if code in _AUTH_CODES:
             self._metrics.denied(call.service, call.method, str(fields.get("reason") or code.name))
-        log = self._logger.error if code in _SERVER_FAULTS else self._logger.info
+        logger = self._assembled()
+        log = logger.error if code in _SERVER_FAULTS else logger.info
         present = {key: value for key, value in fields.items() if value}
         log("rpc.done", method=call.method, code=code.name, ms=round(seconds * 1000, 2), **present)
+
+    def _assembled(self) -> FilteringBoundLogger:
+        """The logger, assembled again only once structlog is configured anew (configure_logging
+        again, structlog.testing.capture_logs): lines still go where the configuration says."""
+        config = tuple(structlog.get_config().values())
+        bound = self._bound
+        if (
+            bound is None
+            or len(bound[0]) != len(config)
+            or any(a is not b for a, b in zip(bound[0], config, strict=True))
+        ):
+            bound = self._bound = (config, self._logger.bind())
+        return bound[1]

@@ -7,10 +7,13 @@ inside one.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
-from typing import TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
+import orjson
 import structlog
 from structlog.typing import Processor
 
@@ -18,6 +21,17 @@ from kvshuttle.serving.settings import TelemetrySettings
 
 # Names the root handler this module installs, so a second call replaces it instead of adding one.
 _HANDLER_NAME = "kvshuttle"
+
+
+def _dumps(event: Any, default: Callable[[Any], Any] | None = None, **_: Any) -> str:
+    """JSON with orjson: under a tenth of json.dumps' CPU for the line of every RPC (issue 21).
+    A line that is not all ASCII, or that orjson refuses (an int past 64 bits, a key that is no
+    string), goes through json.dumps: its \\u escapes suit a stream of any encoding, as before."""
+    try:
+        text = orjson.dumps(event, default=default).decode()
+    except TypeError:  # orjson.JSONEncodeError
+        return json.dumps(event, default=default)
+    return text if text.isascii() else json.dumps(event, default=default)
 
 
 def configure_logging(settings: TelemetrySettings, *, stream: TextIO | None = None) -> None:
@@ -40,7 +54,7 @@ def configure_logging(settings: TelemetrySettings, *, stream: TextIO | None = No
     renderer: list[Processor] = (
         [structlog.dev.ConsoleRenderer(colors=out.isatty())]
         if console
-        else [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+        else [structlog.processors.format_exc_info, structlog.processors.JSONRenderer(serializer=_dumps)]
     )
 
     structlog.configure(
