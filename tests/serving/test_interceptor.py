@@ -13,7 +13,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode as SpanStatusCode
 from prometheus_client import CollectorRegistry
@@ -51,6 +51,16 @@ class Harness:
 
     def done(self, method: str) -> list[dict[str, Any]]:
         return self.log.done(method)
+
+    async def server_span(self) -> ReadableSpan:
+        """The one finished server span, waiting for it: on an error the client has its status
+        once the server aborts, and the server's span ends only after that, as its task unwinds."""
+        for _ in range(200):
+            if found := [s for s in self.spans.get_finished_spans() if s.kind.name == "SERVER"]:
+                (span,) = found
+                return span
+            await asyncio.sleep(0.01)
+        raise AssertionError("no finished server span")
 
     def count(self, method: str, code: str) -> float | None:
         return self.registry.get_sample_value(
@@ -156,7 +166,7 @@ async def test_not_found_carries_error_info(harness: Harness) -> None:
     assert harness.count("Missing", "NOT_FOUND") == 1.0
     # The span has the code too (its status stays UNSET: by the semantic conventions a
     # NOT_FOUND is no server error).
-    (server_span,) = [s for s in harness.spans.get_finished_spans() if s.kind.name == "SERVER"]
+    server_span = await harness.server_span()
     assert server_span.attributes is not None
     assert server_span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
 
@@ -182,7 +192,7 @@ async def test_unexpected_exception_is_internal_and_leaks_nothing(harness: Harne
     assert (line["code"], line["level"]) == ("INTERNAL", "error")
     assert "RuntimeError: secret" in line["exception"]
     assert "Traceback" in line["exception"]
-    (server_span,) = [s for s in harness.spans.get_finished_spans() if s.kind.name == "SERVER"]
+    server_span = await harness.server_span()
     assert server_span.status.status_code == SpanStatusCode.ERROR
     assert any(
         e.attributes and e.attributes.get("exception.type") == "RuntimeError" for e in server_span.events
