@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import redis.exceptions
 
-from kvshuttle.registry.store.redis.codec import store_down
+from kvshuttle.registry.store.redis.codec import raise_first_error, store_down
 
 
 def attribute_error_raised_in(filename: str) -> AttributeError:
@@ -64,3 +64,25 @@ def test_a_cluster_client_lost_in_a_failover_is_the_store_down(raised: Exception
 def test_a_cluster_command_built_wrongly_stays_a_bug() -> None:
     assert store_down(redis.exceptions.CrossSlotTransactionError("keys in different slots")) is None
     assert store_down(redis.exceptions.InvalidPipelineStack("bad stack")) is None
+
+
+async def test_a_writing_pipeline_keeps_the_refusal_redis_answered(redis_client: Any) -> None:
+    """A master short of in-sync replicas (min-replicas-to-write) refuses a pipeline's write with
+    NOREPLICAS. Raised by redis-py's standalone pipeline its text is lost; read back with
+    raise_on_error=False and raised as answered, it is the store refusing writes."""
+    await redis_client.config_set("min-replicas-to-write", 1)
+    try:
+        pipe = redis_client.pipeline(transaction=False)
+        pipe.execute_command("UNLINK", "k")
+        with pytest.raises(redis.exceptions.ResponseError) as annotated:
+            await pipe.execute()
+        pipe = redis_client.pipeline(transaction=False)
+        pipe.execute_command("UNLINK", "k")
+        replies = await pipe.execute(raise_on_error=False)
+        with pytest.raises(redis.exceptions.ResponseError) as answered:
+            raise_first_error(replies)
+    finally:
+        await redis_client.config_set("min-replicas-to-write", 0)
+    assert store_down(annotated.value) is None  # what the pipeline itself raises: unrecognisable
+    assert store_down(answered.value) == "NOREPLICAS"
+    raise_first_error([1, b"ok", None])  # nothing failed: nothing raised

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvshuttle.registry.store.redis.codec import as_str, time_arg
+from kvshuttle.registry.store.redis.codec import as_str, raise_first_error, time_arg
 from kvshuttle.registry.store.redis.shared import RedisShared
 
 # Bytes one remembered answer costs in Redis beyond its key's characters (counted three times:
@@ -97,4 +97,4 @@ class RedisBounds:
             pipe = self._redis.pipeline(transaction=False)
             for raw in dropped:  # one key a command: a Cluster's keys lie in many slots
                 pipe.execute_command("UNLINK", as_str(raw))
-            await pipe.execute()
+            raise_first_error(await pipe.execute(raise_on_error=False))

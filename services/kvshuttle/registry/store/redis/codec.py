@@ -228,6 +228,16 @@ def store_down(exc: Exception) -> str | None:
     return None
 
 
+def raise_first_error(replies: Sequence[Any]) -> None:
+    """A pipeline's first failed command, raised as Redis answered it. A pipeline that raises
+    itself (redis-py's standalone one, 6.4) replaces the answer's text with a literal
+    "{exception.args}", so a refusal such as NOREPLICAS could no longer be told from a bug:
+    writing pipelines execute with raise_on_error=False and raise through this instead."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+
+
 def reachable(method: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
     """`method`, with Redis not answering or not taking writes raised as Unavailable
     (UNAVAILABLE): the operation's script either ran whole on the server or not at all; a retry
