@@ -171,6 +171,22 @@ class RouterConnection(ServiceConnection):
         return self.model_copy(update={"address": address, "max_attempts": 1}).channel_options()
 
 
+def tokenizer_paths(value: object) -> object:
+    """A `models` setting's short form: {"name": "/path"} is {"name": {"tokenizer": "/path"}}
+    (the gateway's, the endpoint picker's and the sidecar's)."""
+    if isinstance(value, dict):
+        return {k: {"tokenizer": v} if isinstance(v, str | Path) else v for k, v in value.items()}
+    return value
+
+
+def tenant_id(value: str) -> str:
+    """A `tenant` setting checked as the API checks tenant ids (a settings error, not an RPC's)."""
+    try:
+        return check_id(value, "tenant")
+    except InvalidArgument as exc:
+        raise ValueError(exc.message) from None
+
+
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVSHUTTLE_GATEWAY_",
@@ -224,10 +240,7 @@ class GatewaySettings(BaseSettings):
     @field_validator("models", mode="before")
     @classmethod
     def _bare_paths(cls, value: object) -> object:
-        """{"name": "/path"} is {"name": {"tokenizer": "/path"}}."""
-        if isinstance(value, dict):
-            return {k: {"tokenizer": v} if isinstance(v, str | Path) else v for k, v in value.items()}
-        return value
+        return tokenizer_paths(value)
 
     @model_validator(mode="after")
     def _check(self) -> Self:

@@ -24,10 +24,14 @@ from typing import Self
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.limits import MAX_PROMPT_TOKENS
-from kvshuttle.core.names import check_id
-from kvshuttle.gateway.config import DEFAULT_TENANT, ModelSettings, RouterConnection
+from kvshuttle.gateway.config import (
+    DEFAULT_TENANT,
+    ModelSettings,
+    RouterConnection,
+    tenant_id,
+    tokenizer_paths,
+)
 from kvshuttle.serving.settings import AuthSettings, ServerSettings, TelemetrySettings
 
 __all__ = ["EppSettings"]
@@ -75,18 +79,12 @@ class EppSettings(BaseSettings):
     @field_validator("models", mode="before")
     @classmethod
     def _bare_paths(cls, value: object) -> object:
-        """{"name": "/path"} is {"name": {"tokenizer": "/path"}}."""
-        if isinstance(value, dict):
-            return {k: {"tokenizer": v} if isinstance(v, str) else v for k, v in value.items()}
-        return value
+        return tokenizer_paths(value)
 
     @field_validator("tenant")
     @classmethod
     def _tenant_id(cls, value: str) -> str:
-        try:
-            return check_id(value, "tenant")
-        except InvalidArgument as exc:
-            raise ValueError(exc.message) from None
+        return tenant_id(value)
 
     @model_validator(mode="after")
     def _check(self) -> Self:

@@ -23,15 +23,15 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvshuttle.client.settings import ServiceConnection
-from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.limits import MAX_PROMPT_TOKENS
-from kvshuttle.core.names import check_id
 from kvshuttle.gateway.config import (
     DEFAULT_TENANT,
     EngineSettings,
     GatewaySettings,
     ModelSettings,
     RouterConnection,
+    tenant_id,
+    tokenizer_paths,
 )
 from kvshuttle.gateway.pd_headers import endpoint_host_port
 from kvshuttle.serving.settings import TelemetrySettings
@@ -85,17 +85,12 @@ class SidecarSettings(BaseSettings):
     @field_validator("models", mode="before")
     @classmethod
     def _bare_paths(cls, value: object) -> object:
-        if isinstance(value, dict):
-            return {k: {"tokenizer": v} if isinstance(v, str) else v for k, v in value.items()}
-        return value
+        return tokenizer_paths(value)
 
     @field_validator("tenant")
     @classmethod
     def _tenant_id(cls, value: str) -> str:
-        try:
-            return check_id(value, "tenant")
-        except InvalidArgument as exc:
-            raise ValueError(exc.message) from None
+        return tenant_id(value)
 
     @field_validator("node")
     @classmethod
