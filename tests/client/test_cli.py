@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import re
@@ -422,6 +423,40 @@ async def test_console_entry_point_ctrl_c_exits_130_quietly(fake: FakeRegistry) 
     assert process.returncode == 130
     assert stderr.decode() == ""
     assert stdout.decode() == ""
+
+
+async def test_ctrl_c_reaching_another_thread_still_stops_the_watch(fake: FakeRegistry) -> None:
+    """The kernel may hand a process's SIGINT to any of its threads (grpc runs several). A plain
+    Python handler then waits for the main thread to run Python code, and a watch on an idle
+    stream leaves it asleep in epoll: the CLI never stopped. The signal must wake the loop."""
+    fake.hold_watch_open = True
+    env = {**os.environ, "KVSHUTTLE_REGISTRY_ADDR": fake.address}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "kvshuttle.cli.main",
+        "registry",
+        "watch",
+        "--tenant",
+        "acme",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        await asyncio.wait_for(fake.watch_started.wait(), timeout=20)
+        threads = [int(t) for t in os.listdir(f"/proc/{process.pid}/task") if int(t) != process.pid]
+        assert threads, "the CLI runs no thread besides its main one"
+        # tgkill(2): to that thread alone (kill() of a thread id may go to the main thread).
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.tgkill(process.pid, min(threads), signal.SIGINT) == 0, ctypes.get_errno()
+        stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 130
+    assert (stdout.decode(), stderr.decode()) == ("", "")
 
 
 async def test_console_entry_point_exit_status(fake: FakeRegistry) -> None:

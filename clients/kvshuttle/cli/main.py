@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Coroutine, Mapping, Sequence
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
@@ -184,6 +186,42 @@ async def _dispatch(args: argparse.Namespace, printer: Printer) -> int:
         return await command(client, args, printer)
 
 
+async def _interruptible(command: Coroutine[Any, Any, int], handle_sigint: bool) -> int:
+    """Run `command`; the first SIGINT cancels it (KeyboardInterrupt out of the loop), a second
+    one raises KeyboardInterrupt at once, even while the first one's clean-up runs.
+
+    Not asyncio.run's own SIGINT handler: that one is a plain Python handler, which runs only
+    when the main thread next runs Python code. The kernel may deliver a process's SIGINT to
+    any of its threads (grpc's poller, timer and event-engine threads), and a watch waiting on
+    an idle stream leaves the main thread asleep in epoll with nothing to wake it: the signal
+    was noted and never acted on. The loop's own handler also writes to the loop's wakeup fd,
+    from whichever thread the signal reached.
+    """
+    if not handle_sigint:  # not the main thread, or SIGINT ignored (a shell's background job)
+        return await command
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    interrupted = False
+
+    def on_sigint() -> None:
+        nonlocal interrupted
+        if interrupted:
+            raise KeyboardInterrupt
+        interrupted = True
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    try:
+        return await command
+    except asyncio.CancelledError:
+        if interrupted:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)  # back to default_int_handler
+
+
 def _describe_failure(error: KvshuttleRpcError, args: argparse.Namespace) -> str:
     """The line for a failed RPC; transport failures (no ErrorInfo) name the address."""
     service, address = _service(args)
@@ -217,8 +255,12 @@ def run(
             (out if exc.status == 0 else err).write(exc.message)
             return exc.status
         printer = Printer(out=out, err=err, json=args.json)
+        handle_sigint = (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
         try:
-            return asyncio.run(_dispatch(args, printer))
+            return asyncio.run(_interruptible(_dispatch(args, printer), handle_sigint))
         except UsageError as exc:
             sub: argparse.ArgumentParser = args.parser
             err.write(f"{sub.format_usage()}{sub.prog}: error: {exc}\n")
