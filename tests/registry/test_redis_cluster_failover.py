@@ -33,7 +33,20 @@ from tests.support.redis_topology import replicated_cluster
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 WRITERS = 8
-RECOVERY_LIMIT = 30.0  # seconds after the kill within which the failed slots must be written again
+NODE_TIMEOUT_S = 1.0  # the cluster's cluster-node-timeout
+# What the cluster is configured to take, at most, before the failed slots are served again: the
+# dead master is PFAIL after the node timeout and FAIL once a majority agrees (gossip: within
+# another node timeout); its replica (rank 0) asks for votes after 0.5 s + up to 0.5 s; an
+# election not won within the auth timeout (max(2 x node timeout, 2 s)) is tried again after
+# twice that, and one retry is allowed for here.
+AUTH_TIMEOUT_S = max(2 * NODE_TIMEOUT_S, 2.0)
+FAILOVER_BOUND_S = 2 * NODE_TIMEOUT_S + 1.0 + AUTH_TIMEOUT_S + 2 * AUTH_TIMEOUT_S
+# Then the registry: a call in flight on the dead master waits at most its socket timeout
+# (RedisSettings.socket_timeout_s, 5 s), and the next call maps the slots again at once. The
+# promise checked here is that bound; the factor is the margin for a loaded two-core machine
+# (every timer above runs late there), not a measurement: the time recovery takes is a figure
+# this test prints and keeps (about 2-3 s here), never asserted.
+RECOVERY_LIMIT = 4 * (FAILOVER_BOUND_S + 5.0)
 PREFIX = "kvshuttle"
 SHARED_TAGS = (PREFIX, "nodes/d0", "tenants/acme")  # what every put touches besides its conversation
 
@@ -89,7 +102,10 @@ async def write(client: Client, w: Writer, killed: asyncio.Event, done: asyncio.
 @pytest.mark.parametrize("full_coverage", [False, True], ids=["full-coverage-no", "full-coverage-yes"])
 async def test_the_registry_rides_out_a_cluster_failover(tmp_path: Path, full_coverage: bool) -> None:
     started = time.monotonic()
-    with replicated_cluster(tmp_path / "redis", full_coverage=full_coverage) as cluster:
+    node_timeout_ms = int(NODE_TIMEOUT_S * 1000)
+    with replicated_cluster(
+        tmp_path / "redis", full_coverage=full_coverage, node_timeout_ms=node_timeout_ms
+    ) as cluster:
         seed = cluster.nodes[0]
         writers = [Writer(i) for i in range(WRITERS)]
         shared = {cluster.master_of(key_slot(f"{{{tag}}}".encode()), seed) for tag in SHARED_TAGS}
@@ -150,7 +166,8 @@ async def test_the_registry_rides_out_a_cluster_failover(tmp_path: Path, full_co
     lost = sum(sum(g > (w.first_replaced_after_kill or 0) for g in w.acked_before_kill) for w in failed)
     acked = sum(len(w.acked_before_kill) for w in failed)
     figures = {
-        "topology": "3 masters + 3 replicas, AOF everysec, cluster-node-timeout 1000 ms",
+        "topology": f"3 masters + 3 replicas, AOF everysec, cluster-node-timeout {node_timeout_ms} ms",
+        "recovery_limit_s": RECOVERY_LIMIT,
         "cluster_require_full_coverage": "yes" if full_coverage else "no",
         "writers": WRITERS,
         "writers_on_failed_slots": len(failed),

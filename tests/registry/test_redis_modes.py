@@ -35,10 +35,11 @@ from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.config import RedisSettings, RegistrySettings
 from kvshuttle.registry.feeds.redis_change import RedisFeed
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.main import build_registry
+from kvshuttle.registry.main import build_registry, redis_client
 from kvshuttle.registry.model import ChangeKind, Move, PutResult
 from kvshuttle.registry.service.registry import Registry
 from kvshuttle.registry.store.contract import StoreLimits
+from kvshuttle.registry.store.redis.cluster_client import ReseedingRedisCluster
 from kvshuttle.registry.store.redis.store import RedisStore
 
 pytestmark = pytest.mark.redis
@@ -347,3 +348,32 @@ async def test_capacity_and_remembered_answers_are_bounded_on_a_cluster(cluster_
     finally:
         for c in clients:
             await c.aclose()
+
+
+async def test_the_cluster_client_maps_the_cluster_again_after_every_node_was_dropped(
+    cluster_port: int,
+) -> None:
+    """A failover under load left the registry's writes failing for good: redis-py drops each
+    node a call met a connection error or a timeout on from the nodes it maps the cluster from,
+    then closes every connection, failing the calls in flight on the healthy masters too, which
+    drop theirs. Once none is left, no mapping can succeed ("Redis Cluster cannot be connected
+    ... None") and nothing adds one back. The registry's client keeps the seed and every node it
+    has seen to map from."""
+    settings = RedisSettings(mode="cluster", url=f"redis://127.0.0.1:{cluster_port}/0")
+    plain = aioredis.RedisCluster.from_url(settings.url)
+    client = redis_client(settings)
+    assert isinstance(client, ReseedingRedisCluster)
+    try:
+        clients: tuple[aioredis.RedisCluster, ...] = (plain, client)
+        for c in clients:
+            await c.set(b"{t}:k", b"v")
+            # What the cascade leaves: no node to map from, every connection closed.
+            c.nodes_manager.startup_nodes.clear()
+            await c.aclose()
+        with pytest.raises(redis.exceptions.RedisClusterException, match="cannot be connected"):
+            await plain.get(b"{t}:k")  # redis-py's own client never recovers from it
+        assert await client.get(b"{t}:k") == b"v"
+        assert len(client.known_nodes) == 3  # the seed and the two other masters it mapped
+    finally:
+        await plain.aclose()
+        await client.aclose()

@@ -97,6 +97,9 @@ class RedisServer:
                 "--dir",
                 str(self.directory),
                 *self.options,
+                # Kept beside its data: what a failing failover test is read from.
+                "--logfile",
+                "redis.log",
                 "--protected-mode",
                 "yes",
                 "--daemonize",

@@ -26,6 +26,7 @@ from kvshuttle.registry.feeds.redis_index import RedisIndexFeed
 from kvshuttle.registry.service.registry import Registry
 from kvshuttle.registry.store.contract import RegistryStore
 from kvshuttle.registry.store.memory.store import InMemoryStore
+from kvshuttle.registry.store.redis.cluster_client import ReseedingRedisCluster
 from kvshuttle.registry.store.redis.store import RedisClient, RedisStore
 from kvshuttle.registry.v1 import registry_service_pb2, registry_service_pb2_grpc
 from kvshuttle.serving.logging import configure_logging
@@ -44,7 +45,8 @@ def redis_client(settings: RedisSettings) -> RedisClient:
     id, which replays the first answer. Tried again are only refusals that ran nothing: a
     standalone client's READONLY (its address now reaches a replica, after a failover behind a
     DNS name or a virtual IP: on a new connection, the name resolved again), a Cluster's MOVED and
-    ASK. Sentinel connections meeting READONLY drop and ask the Sentinels again on the next call."""
+    ASK. Sentinel connections meeting READONLY drop and ask the Sentinels again on the next call.
+    A Cluster client maps the cluster again from any node it knows (ReseedingRedisCluster)."""
     once = Retry(NoBackoff(), 0)
     timeout, connect_timeout = settings.socket_timeout_s, settings.socket_connect_timeout_s
     if settings.mode == "sentinel":
@@ -63,7 +65,7 @@ def redis_client(settings: RedisSettings) -> RedisClient:
         )
         return master
     if settings.mode == "cluster":
-        cluster: aioredis.RedisCluster = aioredis.RedisCluster.from_url(
+        cluster: aioredis.RedisCluster = ReseedingRedisCluster.from_url(
             settings.url,
             decode_responses=False,
             retry=once,
