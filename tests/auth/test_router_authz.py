@@ -1,6 +1,6 @@
 """RouterService with authentication on, over a registry with authentication on: a gateway plans,
-commits and aborts only for the tenants it is bound to; other roles plan nothing; the router
-reaches the registry with its own token."""
+commits and aborts only for the tenants it is bound to, and lists the ready decode nodes; other
+roles plan nothing; the router reaches the registry with its own token."""
 
 from __future__ import annotations
 
@@ -140,6 +140,26 @@ async def test_a_gateway_cannot_commit_or_abort_another_tenant_s_turn(env: Env) 
     await env.router.AbortTurn(
         pb.AbortTurnRequest(turn=planned.turn, reason="done"), metadata=metadata("gateway-acme")
     )
+
+
+async def test_only_callers_that_plan_turns_list_the_ready_decodes_for_no_tenant_in_particular(
+    env: Env,
+) -> None:
+    request = pb.ListReadyDecodesRequest(model=MODEL)
+    for identity in (*ROLES, "gateway-globex", None):
+        try:
+            got: object = await env.router.ListReadyDecodes(
+                request, metadata=metadata(identity) if identity else ()
+            )
+        except grpc.aio.AioRpcError as err:
+            got = denial(err)
+        if identity in ("gateway-acme", "gateway-globex", "admin"):
+            assert isinstance(got, pb.ListReadyDecodesResponse), (identity, got)
+            assert [d.node for d in got.decodes] == ["nodes/d0"]
+        elif identity is None:
+            assert got == ("UNAUTHENTICATED", "UNAUTHENTICATED")
+        else:
+            assert got == ("PERMISSION_DENIED", "PERMISSION_MISSING"), identity
 
 
 async def test_the_router_reaches_the_registry_only_as_itself(env: Env) -> None:

@@ -207,6 +207,9 @@ class _Router(router_grpc.RouterServiceServicer):
     async def AbortTurn(self, request: router_pb.AbortTurnRequest, context: Context) -> Any:
         return await self.r.answer("AbortTurn", request, context)
 
+    async def ListReadyDecodes(self, request: router_pb.ListReadyDecodesRequest, context: Context) -> Any:
+        return await self.r.answer("ListReadyDecodes", request, context)
+
 
 class _Agent(agent_grpc.AgentServiceServicer):
     def __init__(self, recorder: _Recorder) -> None:

@@ -119,6 +119,15 @@ def checked(served: RouterServed, call: Any) -> grpc.StatusCode:
 
 tokens = st.lists(UINT32, max_size=300)
 durations = st.builds(lambda s, n: build(lambda: Duration(seconds=s, nanos=n)), SECONDS, NANOS)
+# hints.decode_endpoints entries: the decode node's (as host:port, bare host, IPv6 forms), others,
+# malformed ones and text.
+DECODE_ENDPOINT = (
+    st.sampled_from(
+        ["127.0.0.1:8002", "127.0.0.1", "[::1]:8002", "::1", "10.0.0.9:1", "", " ", "http://127.0.0.1:8002"]
+    )
+    | st.sampled_from(["127.0.0.1:0", "127.0.0.1:65536", "[127.0.0.1]:80", "a" * 301])
+    | TEXT
+)
 
 
 @FUZZ
@@ -130,6 +139,7 @@ durations = st.builds(lambda s, n: build(lambda: Duration(seconds=s, nanos=n)), 
     think=durations,
     salt=st.sampled_from([b"", b"\x02" * 32, b"odd"]),
     request_id=st.sampled_from(["", "p1", "p1", "x" * 300]),
+    decode_endpoints=st.lists(DECODE_ENDPOINT, max_size=4),
 )
 def test_plan_turn(
     served: RouterServed,
@@ -140,6 +150,7 @@ def test_plan_turn(
     think: Duration,
     salt: bytes,
     request_id: str,
+    decode_endpoints: list[str],
 ) -> None:
     request = build(
         lambda: pb.PlanTurnRequest(
@@ -148,10 +159,19 @@ def test_plan_turn(
             prompt_token_ids=prompt,
             request_id=request_id,
             cache_salt_sha256=salt,
-            hints=pb.PlanHints(parent_conversation=parent, expected_think_time=think),
+            hints=pb.PlanHints(
+                parent_conversation=parent, expected_think_time=think, decode_endpoints=decode_endpoints
+            ),
         )
     )
     checked(served, lambda: served.stub.PlanTurn(request))
+
+
+@FUZZ
+@given(model=st.sampled_from([MODEL, ""]) | TEXT)
+def test_list_ready_decodes(served: RouterServed, model: str) -> None:
+    code = checked(served, lambda: served.stub.ListReadyDecodes(pb.ListReadyDecodesRequest(model=model)))
+    assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 @st.composite

@@ -165,3 +165,39 @@ async def test_extending_saves_decodes_read_of_the_prompt_from_prefill(
     assert plan.reuse_cost.total_ms == pytest.approx(63.5, abs=0.1)
     if decision is Decision.EXTEND:
         assert plan.decode.name == holder
+
+
+@pytest.mark.parametrize(
+    ("allowed", "decision", "decode"),
+    [
+        (("d1:8000",), Decision.REUSE, "nodes/d1"),
+        (("d0", "d1:8000"), Decision.EXTEND, "nodes/d0"),
+        ((), Decision.EXTEND, "nodes/d0"),
+    ],
+)
+async def test_a_holder_outside_the_allowed_decode_endpoints_is_never_extended_on(
+    cluster: Cluster, allowed: tuple[str, ...], decision: Decision, decode: str
+) -> None:
+    """hints.decode_endpoints (an endpoint picker's subset) without the holder: the turn's decode
+    runs on an allowed node, and prefill still reads the holder's KV (REUSE); with the holder
+    allowed (or no constraint), the same turn extends on it."""
+    await cluster.add_node("nodes/d1", NodeRole.DECODE)
+    router = cluster.router(extend=ON)
+    _, seq = await run_turn(router, cluster, cluster.tokens(1000))
+    assert (await cluster.registry.get_retention(f"{CONV}/retentions/1")).node == "nodes/d0"
+
+    plan = await router.plan_turn(
+        PlanRequest(
+            model=MODEL,
+            prompt_token_ids=seq + cluster.tokens(100),
+            conversation=CONV,
+            decode_endpoints=allowed,
+        )
+    )
+
+    assert (plan.decision, plan.decode.name) == (decision, decode)
+    assert plan.claimed == f"{CONV}/retentions/1"
+    if decision is Decision.REUSE:
+        assert (plan.reason, plan.prefill.name) == (Reason.REUSE_CHEAPER, "nodes/p0")
+        assert plan.extend_cost is None  # the holder could not run this turn
+        assert plan.prefill_kv_transfer_params["remote_engine_id"] == "engine-d0"

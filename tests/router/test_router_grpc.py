@@ -291,6 +291,11 @@ def _negative(seconds_: int) -> Duration:
             {"hints": pb.PlanHints(parent_conversation="tenants/u/conversations/c")},
             "hints.parent_conversation",
         ),
+        ({"hints": pb.PlanHints(decode_endpoints=["http://d0:8000"])}, "hints.decode_endpoints"),
+        ({"hints": pb.PlanHints(decode_endpoints=["d0:8000", ""])}, "hints.decode_endpoints"),
+        ({"hints": pb.PlanHints(decode_endpoints=["d0:99999"])}, "hints.decode_endpoints"),
+        ({"hints": pb.PlanHints(decode_endpoints=["d" * 300 + ":8000"])}, "hints.decode_endpoints"),
+        ({"hints": pb.PlanHints(decode_endpoints=["d0:8000"] * 4097)}, "hints.decode_endpoints"),
     ],
 )
 async def test_bad_plan_input_is_invalid_argument_and_changes_nothing(

@@ -87,6 +87,12 @@ def test_fingerprints_tell_every_field_apart() -> None:
             ),
             tokens,
         ),
+        (
+            PlanRequest(
+                model="m", prompt_token_ids=tokens, conversation=plan.conversation, decode_endpoints=("d0",)
+            ),
+            tokens,
+        ),
     ):
         assert plan_fingerprint(*other) != base
     commit = CommitRequest(turn="turns/x", token_ids=tokens, decode_kv_transfer_params={"remote_port": 1})

@@ -94,6 +94,7 @@ RETRY_POLICY: Mapping[str, Mapping[str, Retry]] = {
         "CommitTurn": Retry.WITH_REQUEST_ID,
         # No request_id; a resend after a lost success answers FAILED_PRECONDITION.
         "AbortTurn": Retry.NEVER,
+        "ListReadyDecodes": Retry.ALWAYS,
     },
     AGENT_SERVICE: {
         "GetStatus": Retry.ALWAYS,

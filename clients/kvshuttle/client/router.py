@@ -82,3 +82,11 @@ class RouterClient(ServiceClient):
         """Release what a planned `turn` holds. Never retried (it carries no request_id)."""
         request = pb.AbortTurnRequest(turn=turn, reason=reason)
         return await self._unary("AbortTurn", request, pb.AbortTurnResponse, timeout)
+
+    async def list_ready_decodes(
+        self, model: str, *, timeout: float | None = None
+    ) -> pb.ListReadyDecodesResponse:
+        """The decode engines a plan of `model` could place decode on now (registered, live,
+        healthy), least loaded first; an empty list when there is none."""
+        request = pb.ListReadyDecodesRequest(model=model)
+        return await self._unary("ListReadyDecodes", request, pb.ListReadyDecodesResponse, timeout)

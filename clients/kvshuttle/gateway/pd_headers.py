@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import ipaddress
-from urllib.parse import urlsplit
 
 from google.protobuf.message import DecodeError
 
+# One canonical host:port form for the picker, the sidecar and the router (kvshuttle.core.endpoints).
+from kvshuttle.core.endpoints import endpoint_host_port, host_port, parse_host_port
 from kvshuttle.router.v1 import router_service_pb2 as pb
 
 __all__ = [
@@ -70,50 +70,3 @@ def decode_plan(value: str) -> pb.PlanTurnResponse:
     except DecodeError:
         raise ValueError("the plan header is not a PlanTurnResponse") from None
     return plan
-
-
-def host_port(host: str, port: int) -> str:
-    """`host:port`, with an IPv6 address in brackets; IP addresses in their canonical form and
-    names lower-cased, so two spellings of one endpoint compare equal."""
-    try:
-        address = ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return f"{host.lower().rstrip('.')}:{port}"
-    return f"[{address.compressed}]:{port}" if address.version == 6 else f"{address.compressed}:{port}"
-
-
-def parse_host_port(value: str) -> str:
-    """The canonical form of a `host:port` header value (see host_port). Raises ValueError for
-    anything else: a scheme, a path, user info, a missing or out-of-range port, an unbracketed
-    IPv6 address."""
-    if not value or len(value) > 300 or any(c in value for c in "/@?# \t\\"):
-        raise ValueError("must be host:port")
-    if value.startswith("["):
-        host, sep, port = value[1:].partition("]:")
-        if not sep:
-            raise ValueError("an IPv6 address must be [addr]:port")
-        try:
-            if ipaddress.ip_address(host).version != 6:
-                raise ValueError("only an IPv6 address goes in brackets")
-        except ValueError:
-            raise ValueError("the bracketed host is not an IPv6 address") from None
-    else:
-        host, sep, port = value.rpartition(":")
-        if not sep or not host or ":" in host:
-            raise ValueError("must be host:port (an IPv6 address as [addr]:port)")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError("the port must be 1..65535")
-    return host_port(host, int(port))
-
-
-def endpoint_host_port(endpoint: str) -> str | None:
-    """The canonical `host:port` of an engine's base URL ("http://10.0.0.5:8000",
-    "http://[fd00::5]:8000/v1"); None when it names no host or port."""
-    try:
-        parts = urlsplit(endpoint)
-        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
-    except ValueError:
-        return None
-    if not parts.hostname or port is None:
-        return None
-    return host_port(parts.hostname, port)

@@ -12,6 +12,7 @@ from typing import Final
 __all__ = [
     "MAX_BLOCK_HASHES",
     "MAX_BLOCK_SIZE",
+    "MAX_DECODE_ENDPOINTS",
     "MAX_EVENTS_PER_BATCH",
     "MAX_EVENT_BATCHES",
     "MAX_EVENT_BLOCKS",
@@ -26,11 +27,17 @@ __all__ = [
     "MAX_NUM_TOKENS",
     "MAX_OUTPUT_TOKENS",
     "MAX_PROMPT_TOKENS",
+    "MAX_READY_DECODES",
     "MAX_SEQUENCE_TOKENS",
 ]
 
 # Characters of one id in a resource name (tenant, conversation, node).
 MAX_ID_LENGTH: Final = 128
+# Entries of PlanHints.decode_endpoints (the endpoint picker's subset hint: a pool is a few
+# hundred pods), each at most kvshuttle.core.endpoints.MAX_ENDPOINT_LENGTH characters.
+MAX_DECODE_ENDPOINTS: Final = 4096
+# Decode engines ListReadyDecodes names, at most.
+MAX_READY_DECODES: Final = 4096
 # Serialized bytes of one retention's kvshuttle.vllm.v1.KvTransferParams (decode's params).
 MAX_KV_TRANSFER_PARAMS_BYTES: Final = 64 * 1024
 # Of those, the fields kvshuttle does not know (KvTransferParams.extra, vLLM's newer keys passed

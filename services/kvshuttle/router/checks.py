@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from kvshuttle.core.endpoints import MAX_ENDPOINT_LENGTH, EndpointSet
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.hashing import TokenIds, salted_root, token_array
+from kvshuttle.core.limits import MAX_DECODE_ENDPOINTS
 from kvshuttle.core.names import parse_conversation
 from kvshuttle.router.cost import CostModel
 from kvshuttle.router.model import TurnTimings
@@ -77,6 +79,25 @@ def chain_root(salt_sha256: bytes) -> int:
         raise InvalidArgument(
             "cache_salt_sha256", "must be 32 bytes (SHA-256 of the cache salt) or empty"
         ) from None
+
+
+def decode_endpoints(entries: Sequence[str]) -> EndpointSet | None:
+    """The decode endpoints a plan may place on (None: any): at most MAX_DECODE_ENDPOINTS
+    entries, each a `host:port` or a bare host (kvshuttle.core.endpoints)."""
+    field = "hints.decode_endpoints"
+    if not entries:
+        return None
+    if len(entries) > MAX_DECODE_ENDPOINTS:
+        raise InvalidArgument(field, f"more than {MAX_DECODE_ENDPOINTS} entries")
+    for i, entry in enumerate(entries):
+        if len(entry) > MAX_ENDPOINT_LENGTH:
+            raise InvalidArgument(field, f"entry {i} is longer than {MAX_ENDPOINT_LENGTH} characters")
+    allowed, bad = EndpointSet.parse(entries)
+    if bad:
+        raise InvalidArgument(
+            field, f"entry {bad[0]} is neither host:port (an IPv6 address as [addr]:port) nor a host"
+        )
+    return allowed
 
 
 def think_time(seconds: float | None) -> None:

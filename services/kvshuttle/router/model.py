@@ -306,6 +306,9 @@ class PlanRequest:
     # Seconds the caller still waited for the plan when its call arrived (its RPC deadline;
     # None: none). A plan that is ready only after that claims nothing (Planner._claim).
     deadline_s: float | None = None
+    # The decode engines the plan may place decode on (hints.decode_endpoints: `host:port`s or
+    # bare hosts, as the caller spelled them; checked by checks.decode_endpoints); empty: any.
+    decode_endpoints: Sequence[str] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,13 +6,15 @@ requests lengthen it. Decode: the least loaded node, counting the KV memory it a
 for other conversations' retentions. A conversation's previous nodes only break ties: a hint,
 never the policy, and ahead of them the prefill node whose agent's pool holds the
 conversation's retention (`prefer`), so that its read stays on the machine. Only healthy nodes
-serving the model are candidates (a pool node never is).
+serving the model are candidates (a pool node never is); for decode, only those whose HTTP
+endpoint the caller allows (`allowed`: PlanHints.decode_endpoints), when it names any.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kvshuttle.core.endpoints import EndpointSet
 from kvshuttle.core.errors import Unavailable
 from kvshuttle.core.nodes import POOL_OF_LABEL, NodeRole
 from kvshuttle.core.reasons import ErrorReason
@@ -26,9 +28,20 @@ def _serving(nodes: Sequence[NodeInfo], role: NodeRole, model: str) -> list[Node
     return [n for n in nodes if n.healthy and n.model == model and n.role.serves(role)]
 
 
-def placeable(nodes: Sequence[NodeInfo], model: str) -> bool:
-    """Whether `nodes` has a healthy prefill and a healthy decode candidate for `model`."""
-    return all(_serving(nodes, role, model) for role in (NodeRole.PREFILL, NodeRole.DECODE))
+def placeable(nodes: Sequence[NodeInfo], model: str, allowed: EndpointSet | None = None) -> bool:
+    """Whether `nodes` has a healthy prefill and a healthy (allowed) decode candidate for `model`."""
+    return bool(_serving(nodes, NodeRole.PREFILL, model)) and bool(
+        _allowed(_serving(nodes, NodeRole.DECODE, model), allowed)
+    )
+
+
+def _allowed(pool: list[NodeInfo], allowed: EndpointSet | None) -> list[NodeInfo]:
+    return pool if allowed is None else [n for n in pool if allowed.allows_url(n.http_endpoint)]
+
+
+def ready_decodes(nodes: Sequence[NodeInfo], model: str, weights: PlacementWeights) -> list[NodeInfo]:
+    """The healthy decode nodes of `model`, in choose_decode's order (least loaded first)."""
+    return sorted(_serving(nodes, NodeRole.DECODE, model), key=lambda n: _decode_score(n, weights))
 
 
 def candidates(nodes: Sequence[NodeInfo], role: NodeRole, model: str) -> list[NodeInfo]:
@@ -71,20 +84,41 @@ def choose_prefill(
     return best, hits(best)
 
 
+def _decode_load(node: NodeInfo, weights: PlacementWeights) -> float:
+    return (
+        node.running_requests
+        + node.waiting_requests
+        + weights.kv_usage_weight * node.kv_cache_usage
+        + weights.retained_gib_weight * node.retained_bytes / 2**30
+    )
+
+
+def _decode_score(node: NodeInfo, weights: PlacementWeights) -> tuple[float, str]:
+    return _decode_load(node, weights), node.name
+
+
 def choose_decode(
-    nodes: Sequence[NodeInfo], *, model: str, weights: PlacementWeights, avoid: str = "", hint: str = ""
+    nodes: Sequence[NodeInfo],
+    *,
+    model: str,
+    weights: PlacementWeights,
+    avoid: str = "",
+    hint: str = "",
+    allowed: EndpointSet | None = None,
 ) -> NodeInfo:
-    pool = candidates(nodes, NodeRole.DECODE, model)
+    """The decode node: the least loaded of the healthy ones `allowed` (None: all) names;
+    Unavailable (NO_DECODE_NODE) when there is none."""
+    pool = _allowed(candidates(nodes, NodeRole.DECODE, model), allowed)
+    if not pool:
+        raise Unavailable(
+            f"no healthy decode node serves model {model!r} on an endpoint hints.decode_endpoints allows",
+            reason=ErrorReason.NO_DECODE_NODE,
+            metadata={"model": model, "decode_endpoints": str(len(allowed or ()))},
+        )
 
     def score(node: NodeInfo) -> tuple[bool, float, bool, str]:
-        load = (
-            node.running_requests
-            + node.waiting_requests
-            + weights.kv_usage_weight * node.kv_cache_usage
-            + weights.retained_gib_weight * node.retained_bytes / 2**30
-        )
         # A kv_both node that already runs this turn's prefill is the last resort for decode.
-        return node.name == avoid, load, node.name != hint, node.name
+        return node.name == avoid, _decode_load(node, weights), node.name != hint, node.name
 
     return pool[0] if len(pool) == 1 else min(pool, key=score)
 

@@ -14,6 +14,7 @@ import numpy as np
 from opentelemetry import trace
 
 from kvshuttle.core.digest import log_digest
+from kvshuttle.core.endpoints import EndpointSet
 from kvshuttle.router.chains import Chain
 from kvshuttle.router.cost import CostModel
 from kvshuttle.router.model import (
@@ -52,6 +53,8 @@ class PlanCall:
     fingerprint: bytes = b""
     # When the caller stops waiting, on the router's clock (None: never).
     give_up_at: float | None = None
+    # The decode endpoints the caller allows (hints.decode_endpoints; None: any).
+    decode_allowed: EndpointSet | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,7 @@ class Planner:
         )
         checks.think_time(req.expected_think_time_s)
         root = checks.chain_root(req.cache_salt_sha256)
+        decode_allowed = checks.decode_endpoints(req.decode_endpoints)
         fingerprint = b""
         if req.request_id:
             # A retry whose answer was lost gets the first plan; another request reusing the id
@@ -96,7 +97,7 @@ class Planner:
         with self._parts.tracer.start_as_current_span("plan") as span:
             plan = await self._plan(
                 PlanCall(req, cost, tokens, conversation, parent, root, timer, span,
-                         fingerprint=fingerprint, give_up_at=give_up_at)
+                         fingerprint=fingerprint, give_up_at=give_up_at, decode_allowed=decode_allowed)
             )  # fmt: skip
         if req.request_id:
             self._parts.memory.remember_plan(req.conversation, req.model, req.request_id, fingerprint, plan)
@@ -171,7 +172,7 @@ class Planner:
             await timer.registry(asyncio.wait({moving}, timeout=self._parts.policy.parking.move_wait_s))
             structlog.contextvars.bind_contextvars(waited_for_move=True)
         nodes = await timer.registry(self._parts.nodes.nodes(req.model))  # cached: usually no round trip
-        if not placeable(nodes, req.model):
+        if not placeable(nodes, req.model, call.decode_allowed):
             # A node that just registered (an agent back) is not in the list in hand yet.
             nodes = await timer.registry(self._parts.nodes.reread(req.model))
         prefill_pool = candidates(nodes, NodeRole.PREFILL, req.model)
@@ -250,7 +251,14 @@ class Planner:
             hint=hint_p,
             prefer=prefer,
         )
-        decode = choose_decode(nodes, model=req.model, weights=weights, avoid=prefill.name, hint=hint_d)
+        decode = choose_decode(
+            nodes,
+            model=req.model,
+            weights=weights,
+            avoid=prefill.name,
+            hint=hint_d,
+            allowed=call.decode_allowed,
+        )
         return prefill, local_hits, decode
 
     def _last_known_context(self, call: PlanCall, error: Unavailable) -> PlanContext:
@@ -366,11 +374,14 @@ class Planner:
         """`verdict` (reuse on prefill, or recompute), or running the turn on `holder` when that
         is a decode node with room whose prefix cache holds the verified prefix's full blocks
         (pinned there under the retention), and it is cheaper still (kvshuttle.router.cost's
-        price_extend)."""
+        price_extend). Never on a holder outside the decode endpoints the caller allows: the
+        turn's decode would run there (reading its KV from there stays allowed)."""
         prefix, other = verdict.prefix, verdict.reuse_cost if verdict.claim else ctx.recompute_cost
         if holder.role is not NodeRole.DECODE or prefix is None or other is None:
             return verdict
         call = ctx.call
+        if call.decode_allowed is not None and not call.decode_allowed.allows_url(holder.http_endpoint):
+            return verdict
         extend, wins = price_extend(
             call.cost,
             self._parts.policy.extend,

@@ -1,4 +1,4 @@
-"""The router's domain service: PlanTurn, CommitTurn, AbortTurn. No grpc here.
+"""The router's domain service: PlanTurn, CommitTurn, AbortTurn, ListReadyDecodes. No grpc here.
 
 `Router` wires the parts one replica shares between its calls and hands each call to its owner:
 
@@ -21,13 +21,18 @@ import structlog
 from opentelemetry import trace
 
 from kvshuttle.core.clock import Clock
+from kvshuttle.core.errors import Unavailable
+from kvshuttle.core.limits import MAX_READY_DECODES
+from kvshuttle.core.reasons import ErrorReason
+from kvshuttle.router import checks
 from kvshuttle.router.chains import ChainCache
 from kvshuttle.router.committer import Committer
 from kvshuttle.router.cost import CostModel
 from kvshuttle.router.metrics import RouterMetrics
-from kvshuttle.router.model import CommitRequest, CommitResult, Plan, PlanRequest, RouterPolicy
+from kvshuttle.router.model import CommitRequest, CommitResult, NodeInfo, Plan, PlanRequest, RouterPolicy
 from kvshuttle.router.node_directory import NodeDirectory
 from kvshuttle.router.parts import RouterParts
+from kvshuttle.router.placement import ready_decodes
 from kvshuttle.router.planner import Planner
 from kvshuttle.router.ports import AgentPort, RegistryPort
 from kvshuttle.router.shuttle import Shuttle
@@ -108,6 +113,7 @@ class Router:
             shuttle=self.shuttle,
             agents=agents,
         )
+        self._parts = parts
         self._planner = Planner(parts)
         self._committer = Committer(parts)
         # Commits and aborts whose callers stopped waiting, held so that they run to their end.
@@ -121,6 +127,27 @@ class Router:
 
     async def abort_turn(self, handle: str, reason: str) -> None:
         await self._to_the_end(self._committer.abort_turn(handle, reason))
+
+    async def ready_decodes(self, model: str) -> list[NodeInfo]:
+        """ListReadyDecodes: the healthy decode nodes of `model` in the node list plans place on,
+        least loaded first, at most MAX_READY_DECODES. None in the list in hand: the registry's
+        list now (a node that just registered). The registry not answering: its last list while
+        young enough (as a degraded plan), else Unavailable (REGISTRY_UNAVAILABLE)."""
+        checks.cost_model(self._parts.costs, model)
+        directory, weights = self._parts.nodes, self._parts.policy.weights
+        try:
+            nodes = await directory.nodes(model)
+            if not ready_decodes(nodes, model, weights):
+                nodes = await directory.reread(model)
+        except Unavailable as err:
+            known = directory.last_known(model) if err.reason == ErrorReason.REGISTRY_UNAVAILABLE else None
+            if known is None:
+                raise
+            nodes = known[0]
+            structlog.contextvars.bind_contextvars(nodes_age_s=round(known[1], 3))
+        ready = ready_decodes(nodes, model, weights)[:MAX_READY_DECODES]
+        structlog.contextvars.bind_contextvars(decodes=len(ready))
+        return ready
 
     async def _to_the_end(self, call: Coroutine[Any, Any, T]) -> T:
         """A commit or an abort runs to its end even when its caller stops waiting (the RPC's

@@ -92,6 +92,7 @@ def plan_fingerprint(req: PlanRequest, tokens: np.ndarray[Any, Any]) -> bytes:
             req.expected_think_time_s,
             req.disable_reuse,
             req.cache_salt_sha256.hex(),
+            list(req.decode_endpoints),
         ]
     ).encode()
     return fingerprint(b"kvs.plan", [header, np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()])

@@ -44,6 +44,13 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 PREFILL = ("nodes/p0", "http://10.0.0.1:8000", "10.0.0.1:8000")
 DECODE = ("nodes/d0", "http://10.0.0.2:8000", "10.0.0.2:8000")
+D1 = ("nodes/d1", "http://10.0.0.3:8000", "10.0.0.3:8000")
+# A prefill node and two decode nodes (`nodes` of start_epp).
+TWO_DECODES = [
+    (PREFILL[0], reg_pb.NODE_ROLE_PREFILL, PREFILL[1]),
+    (DECODE[0], reg_pb.NODE_ROLE_DECODE, DECODE[1]),
+    (D1[0], reg_pb.NODE_ROLE_DECODE, D1[1]),
+]
 CACHE_SALT_KEY = "epp-test-cache-salt-key"
 
 
@@ -296,6 +303,22 @@ async def register(registry: RegistryEnv, name: str, role: reg_pb.NodeRole.Value
     registered = await registry.stub.RegisterNode(reg_pb.RegisterNodeRequest(node=spec, ttl=seconds(300)))
     await heartbeat(registry, name, registered.node.incarnation)
     return registered.node.incarnation
+
+
+async def beat(c: EppCluster, name: str, *, healthy: bool = True) -> None:
+    """A heartbeat of node `name` (its lease renewed for 300 s), its engine `healthy` or not."""
+    incarnation = (await c.registry.stub.GetNode(reg_pb.GetNodeRequest(name=name))).node.incarnation
+    await heartbeat(c.registry, name, incarnation, healthy=healthy)
+
+
+async def lapse(c: EppCluster, *, keep: Sequence[str] = ()) -> None:
+    """Every node but `keep` stops heartbeating (its engine, sidecar and agent stopped): past its
+    300 s lease the registry drops it (its expiry run on the registry's fake clock)."""
+    c.registry.clock.advance(200)
+    for name in keep:
+        await beat(c, name)
+    c.registry.clock.advance(101)
+    await c.registry.registry.expire_due()
 
 
 async def start_epp(

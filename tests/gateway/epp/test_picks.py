@@ -19,19 +19,22 @@ from pydantic import SecretStr
 from structlog.testing import capture_logs
 from tests.gateway.epp.envoy import (
     COMPLETIONS,
+    D1,
     DECODE,
     PREFILL,
     Answers,
     EppCluster,
+    beat,
     body_chunks,
     chat,
     epp_fixture,
+    lapse,
     request_headers,
     response_headers,
     start_epp,
     stop_epp,
 )
-from tests.router.helpers import MODEL, Tokens, heartbeat
+from tests.router.helpers import MODEL, Tokens
 from tests.serving.echo import JsonLog
 
 from kvshuttle.core.auth import Role
@@ -115,7 +118,7 @@ async def test_a_subset_with_the_planned_decode_node_is_honoured_in_both_shapes(
         assert answers.set_headers[TURN_HEADER]
 
 
-async def test_a_subset_without_an_eligible_decode_node_is_503_and_the_plan_is_aborted(c: EppCluster) -> None:
+async def test_a_subset_without_an_eligible_decode_node_is_503_and_claims_nothing(c: EppCluster) -> None:
     first = ids(4000)  # long enough that reading the KV beats recomputing it
     body = {"model": MODEL, "prompt": first, "conversation_id": "conv-s"}
     turn1 = await send(c, body)
@@ -124,54 +127,98 @@ async def test_a_subset_without_an_eligible_decode_node_is_503_and_the_plan_is_a
     turn2 = {**body, "prompt": sequence + ids(20, seed=3)}
 
     listed = reg_pb.ListRetentionsRequest(parent="tenants/default", page_size=10)
-    assert [r.state for r in (await c.registry.stub.ListRetentions(listed)).retentions] == [
-        reg_pb.RETENTION_STATE_ACTIVE
-    ]
-    for subset in (["10.0.0.77:8000"], [], "", ["not an endpoint"]):
+    before = list((await c.registry.stub.ListRetentions(listed)).retentions)
+    assert [r.state for r in before] == [reg_pb.RETENTION_STATE_ACTIVE]
+    for subset in (["10.0.0.77:8000"], [PREFILL[2]], [], "", ["not an endpoint"]):
         refused = await send(c, turn2, subset=subset)
         assert refused.immediate is not None, subset
         assert refused.immediate.status.code == 503
         assert refused.error()["code"] == "no_eligible_endpoint"
     await c.epp.background.settle()
 
-    # The first refused plan claimed the retention; its abort released it at once (as any
-    # aborted turn's: decode's blocks are freed), instead of leaving it claimed until it lapses.
-    assert list((await c.registry.stub.ListRetentions(listed)).retentions) == []
-    assert c.metric("kvshuttle_epp_requests_total", outcome="refused", status="503") == 4
+    # The router planned nothing it could not place (nor did the picker for an empty subset):
+    # the conversation's KV is untouched, and its next turn on an eligible node reuses it.
+    assert list((await c.registry.stub.ListRetentions(listed)).retentions) == before
+    assert c.metric("kvshuttle_epp_requests_total", outcome="refused", status="503") == 5
+    reused = await send(c, turn2, subset=[DECODE[2]])
+    assert reused.plan.decision == pb.DECISION_REUSE and reused.endpoint == DECODE[2]
 
 
-async def test_a_plan_outside_the_subset_runs_plain_on_a_known_decode_node_inside_it(
+async def test_with_the_router_gone_the_fallback_stays_inside_the_subset(two: EppCluster) -> None:
+    c = two
+    body = {"model": MODEL, "prompt": ids(64)}
+    assert (await send(c, body)).endpoint == DECODE[2]
+    assert (await send(c, body, subset=[D1[2]])).endpoint == D1[2]  # d1 is remembered too
+    await c.router.server.stop()
+
+    for subset, endpoint in (([DECODE[2]], DECODE[2]), ([D1[2], "10.0.0.77:8000"], D1[2])):
+        fallback = await send(c, body, subset=subset)
+        assert fallback.endpoint == endpoint, subset
+        assert fallback.set_headers[PREFILLER_HOST_PORT_HEADER] == PREFILL[2]
+        assert not fallback.plan.turn and TURN_HEADER in fallback.removed
+        models = await c.envoy.exchange(
+            [request_headers("/v1/models", method="GET", end_of_stream=True, subset=subset)]
+        )
+        assert models.endpoint == endpoint, subset
+    refused = await send(c, body, subset=["10.0.0.77:8000"])
+    assert refused.immediate is not None and refused.immediate.status.code == 503
+    assert refused.error()["code"] == "no_eligible_endpoint"
+    assert c.metric("kvshuttle_epp_picks_total", decision="recompute", reason="router_unavailable") == 2
+
+
+async def test_a_decode_node_the_router_said_is_gone_is_not_the_fallback_when_the_router_goes(
+    two: EppCluster,
+) -> None:
+    c = two
+    body = {"model": MODEL, "prompt": ids(64)}
+    assert (await send(c, body)).endpoint == DECODE[2]
+    assert (await send(c, body, subset=[D1[2]])).endpoint == D1[2]
+    await beat(c, DECODE[0], healthy=False)
+    refused = await send(c, body, subset=[DECODE[2]])  # NO_DECODE_NODE: d0 is forgotten
+    assert refused.immediate is not None and refused.error()["code"] == "no_eligible_endpoint"
+    await c.router.server.stop()
+
+    for subset in (None, [DECODE[2], D1[2]]):
+        assert (await send(c, body, subset=subset)).endpoint == D1[2], subset
+    gone = await send(c, body, subset=[DECODE[2]])
+    assert gone.immediate is not None and gone.immediate.status.code == 503
+
+
+async def test_with_no_prefill_node_the_decode_pod_runs_the_request_on_a_ready_decode_node(
+    two: EppCluster,
+) -> None:
+    c = two
+    body = {"model": MODEL, "prompt": ids(64), "conversation_id": "conv-p"}
+    assert (await send(c, body)).endpoint == DECODE[2]
+    await lapse(c, keep=(DECODE[0], D1[0]))  # the prefill node's lease lapses
+    await beat(c, D1[0], healthy=False)
+
+    local = await send(c, body, **{TURN_HEADER: "turns/forged"})
+    # No prefill to send the sidecar to: no sidecar headers (a client's copies removed), so the
+    # decode pod serves the request alone; never the dead prefill the last plan named.
+    assert local.endpoint == DECODE[2]
+    assert sorted(local.removed) == sorted([PREFILLER_HOST_PORT_HEADER, TURN_HEADER, PLAN_HEADER])
+    assert c.metric("kvshuttle_epp_picks_total", decision="", reason="no_prefill_node") == 1
+    refused = await send(c, body, subset=[D1[2]])  # registered, its engine unhealthy
+    assert refused.immediate is not None and refused.immediate.status.code == 503
+    assert refused.error()["code"] == "no_eligible_endpoint"
+
+
+async def test_the_ready_list_serves_plain_picks_for_ready_cache_s_and_no_decode_node_ends_it(
     model_dir: Path, chat_tokenizer: ChatTokenizer
 ) -> None:
-    nodes = [
-        (PREFILL[0], reg_pb.NODE_ROLE_PREFILL, PREFILL[1]),
-        (DECODE[0], reg_pb.NODE_ROLE_DECODE, DECODE[1]),
-        ("nodes/d1", reg_pb.NODE_ROLE_DECODE, "http://10.0.0.3:8000"),
-    ]
-    c = await start_epp(model_dir, chat_tokenizer, nodes=nodes)
+    c = await start_epp(model_dir, chat_tokenizer, ready_cache_s=60.0)
     try:
-        incarnations = {
-            n: (await c.registry.stub.GetNode(reg_pb.GetNodeRequest(name=n))).node.incarnation
-            for n in ("nodes/d0", "nodes/d1")
-        }
-
-        async def only(healthy: str) -> None:
-            for name, incarnation in incarnations.items():
-                await heartbeat(c.registry, name, incarnation, healthy=name == healthy)
-
-        body = {"model": MODEL, "prompt": ids(64)}
-        await only("nodes/d1")
-        assert (await send(c, body)).endpoint == "10.0.0.3:8000"
-        await only("nodes/d0")
-        planned = await send(c, body, subset=["10.0.0.3:8000"])
-        assert planned.endpoint == "10.0.0.3:8000"
-        assert TURN_HEADER in planned.removed  # a plain P->D plan: nothing to commit
-        assert planned.plan.decision == pb.DECISION_RECOMPUTE and not planned.plan.turn
-        assert planned.plan.prefill_kv_transfer_params == KvTransferParams(
-            do_remote_decode=True, do_remote_prefill=False
-        )
-        assert planned.set_headers[PREFILLER_HOST_PORT_HEADER] == PREFILL[2]
-        assert c.metric("kvshuttle_epp_picks_total", decision="recompute", reason="outside_subset") == 1
+        models = [request_headers("/v1/models", method="GET", end_of_stream=True)]
+        assert (await c.envoy.exchange(models)).endpoint == DECODE[2]
+        await lapse(c, keep=(PREFILL[0],))
+        # Within ready_cache_s the router is not asked again (the bound the docs state)...
+        assert (await c.envoy.exchange(models)).endpoint == DECODE[2]
+        # ...until a plan hears from it that no decode node is ready: then nothing is picked.
+        refused = await send(c, {"model": MODEL, "prompt": ids(64)})
+        assert refused.immediate is not None and refused.error()["code"] == "no_ready_endpoint"
+        gone = await c.envoy.exchange(models)
+        assert gone.immediate is not None and gone.immediate.status.code == 503
     finally:
         await stop_epp(c)
 
@@ -294,6 +341,11 @@ async def test_with_the_router_gone_and_nothing_planned_yet_it_is_503(c: EppClus
 async def test_more_picks_in_flight_than_allowed_are_shed_with_429(
     model_dir: Path, chat_tokenizer: ChatTokenizer
 ) -> None:
+    """Endpoint picker protocol (Destination Endpoint, constraints): "If the EPP did not
+    communicate the server endpoint via these two methods, it MUST return an error as follows:
+    [...] ImmediateResponse with 429 (Too Many Requests) HTTP status code if the request should
+    be dropped (e.g., a Sheddable request, and the servers under heavy load)."
+    """
     # A "router" that accepts connections and never answers: a pick waits out router.timeout.
     # The picker's channel connects on its first call (channels start idle): a pick is then in
     # flight.

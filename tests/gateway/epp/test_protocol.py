@@ -124,12 +124,8 @@ async def test_trailers_end_a_body_whose_last_chunk_did_not(c: EppCluster) -> No
     assert "content-length" not in answers.set_headers
 
 
-async def test_a_bodyless_request_goes_to_a_planned_decode_node_without_a_plan(c: EppCluster) -> None:
-    refused = await c.envoy.exchange([request_headers("/v1/models", method="GET", end_of_stream=True)])
-    assert refused.immediate is not None and refused.immediate.status.code == 503
-    assert refused.error()["code"] == "no_eligible_endpoint"
-
-    await pick(c)
+async def test_a_bodyless_request_goes_to_a_ready_decode_node_without_a_plan(c: EppCluster) -> None:
+    # Nothing planned yet: the router says which decode nodes are ready.
     answers = await c.envoy.exchange(
         [request_headers("/v1/models", method="GET", end_of_stream=True, extra={TURN_HEADER: "turns/x"})]
     )
@@ -176,6 +172,11 @@ async def test_a_request_body_mode_other_than_full_duplex_is_refused_naming_it(c
 
 
 async def test_the_served_endpoint_is_read_back_from_metadata_or_header(c: EppCluster) -> None:
+    """Endpoint picker protocol (Destination Endpoint Served): "For each HTTP response, the data
+    plane MUST communicate to the EPP the endpoint that served the request as follows: [...]
+    filterMetadata: {"envoy.lb": {"x-gateway-destination-endpoint-served": ip:port}}". The
+    picker reads it there (or from a response header of that name) and compares it with its pick.
+    """
     await c.envoy.exchange([request_headers(), *body_chunks(BODY)], [response_headers("10.0.0.9:8000")])
     await c.envoy.exchange(
         [request_headers(), *body_chunks(BODY)], [response_headers(DECODE[2], as_header=True)]
@@ -214,6 +215,9 @@ async def test_messages_out_of_order_are_invalid_argument_naming_the_field(c: Ep
 
 
 async def test_health_services_the_protocol_names_answer_on_both_ports(c: EppCluster) -> None:
+    """Endpoint picker protocol (Health Checking): "The EPP MUST expose health check endpoints
+    following the gRPC Health Checking Protocol." (`liveness`, `readiness` and
+    `envoy.service.ext_proc.v3.ExternalProcessor`)."""
     for port in (c.epp.server.port, c.epp.server.health_port):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub: Any = health_pb2_grpc.HealthStub(channel)  # typed for the sync stub only

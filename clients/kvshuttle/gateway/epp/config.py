@@ -68,6 +68,9 @@ class EppSettings(BaseSettings):
     max_prompt_tokens: int = Field(default=MAX_PROMPT_TOKENS, ge=1)
     # Requests being planned at once (body received, pick not yet sent); one more is shed (429).
     max_concurrent_picks: int = Field(default=256, ge=1)
+    # How long the router's list of ready decode engines (ListReadyDecodes) serves the picks
+    # that need no plan (GET /v1/models, bodyless requests); 0: each such pick asks the router.
+    ready_cache_s: float = Field(default=1.0, ge=0, le=60)
     # As the gateway's: the chat-template segment cache and its sampled re-check.
     tokenizer_cache_bytes: int = Field(default=64 * 2**20, ge=0)
     tokenizer_verify_fraction: float = Field(default=0.01, ge=0, le=1)

@@ -9,21 +9,36 @@ gateway's router port (conversation affinity over replicas included). The conver
 body's `conversation_id`, else the `X-Conversation-ID` header, else `x-session-id` (llm-d's
 session affinity).
 
+The subset hint (`x-gateway-destination-endpoint-subset`) goes to the router as
+`hints.decode_endpoints`: the router places decode only on a registered, live, healthy decode
+node of the model whose endpoint the subset holds (and extends a conversation only on a holder
+inside it), so any eligible member of the subset can be picked, wherever earlier requests went.
+An empty subset (or one of nothing that parses) is 503 `no_eligible_endpoint` before anything
+is planned.
+
 What the sidecar gets (kvshuttle.gateway.pd_headers): `x-prefiller-host-port` (the plan's
 prefill, absent on an extend plan: the decode node runs the whole turn), `x-kvshuttle-turn`
 (the turn handle; absent on a plan made without the router: nothing to commit) and
 `x-kvshuttle-plan` (the PlanTurnResponse). The picker commits nothing: the sidecar does, once
-decode has answered. A plan the picker does not send on (its decode outside the subset hint, a
-plan too large for a header) is aborted here, which releases what it claimed.
+decode has answered. A plan the picker does not send on (a plan too large for a header, a
+decode outside the subset from a router that ignores hints.decode_endpoints) is aborted here,
+which releases what it claimed.
 
 Without a plan (`outcome` on the request's line):
-- `fallback`: the router does not answer (UNAVAILABLE, DEADLINE_EXCEEDED) or has no healthy
-  node of a role: plain P->D on the model's last planned prefill and decode (as the gateway's
-  degrade path), a plan with no turn handle. Never planned: the router's error (503 / 504).
-- the plan's decode is not in the subset hint: plain P->D on the most recently planned decode
-  node that is, with the plan's prefill; none is: 503.
+- the router answers that no healthy decode node (of the subset) serves the model
+  (NO_DECODE_NODE): 503, `no_eligible_endpoint` with a subset, else `no_ready_endpoint`; never
+  a remembered endpoint, and the decode nodes remembered for the fallback below are forgotten.
+- the router answers that no healthy prefill node serves the model (NO_PREFILL_NODE): `plain`,
+  the least loaded ready decode node of the subset (ListReadyDecodes) with no sidecar headers:
+  the decode pod runs the whole request; none: 503.
+- `fallback`: the router does not answer (UNAVAILABLE, DEADLINE_EXCEEDED, or its registry's
+  REGISTRY_UNAVAILABLE): plain P->D on the model's last planned prefill and the most recently
+  planned decode node the subset allows (as the gateway's degrade path), a plan with no turn
+  handle; none allowed: 503. Never planned: the router's error (503 / 504).
 - `plain`: a request that is no completion (GET /v1/models, a bodyless request, another path)
-  needs no plan: the last planned decode node (in the subset), else a subset member; neither: 503.
+  needs no plan: the least loaded decode node the router says is ready now (ListReadyDecodes,
+  cached for `ready_cache_s`) that the subset allows; none: 503. With the router unreachable,
+  the most recently planned decode node the subset allows; none: 503.
 
 Load shedding (429): more than `max_concurrent_picks` requests being planned at once, or the
 router's RESOURCE_EXHAUSTED (its own admission). Other refusals are the gateway's (400 naming the
@@ -36,8 +51,9 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 from opentelemetry import trace
@@ -48,6 +64,7 @@ from kvshuttle.core.hashing import cache_salt_digest
 from kvshuttle.gateway.epp.config import EppSettings
 from kvshuttle.gateway.epp.metrics import EppMetrics
 from kvshuttle.gateway.epp.protocol import Subset
+from kvshuttle.gateway.epp.ready import ReadyDecodes
 from kvshuttle.gateway.errors import GatewayError, RouterFailure, router_error
 from kvshuttle.gateway.http.prompt import prompt_ids
 from kvshuttle.gateway.http.protocol import (
@@ -73,7 +90,7 @@ from kvshuttle.gateway.turns.ports import RouterPort
 from kvshuttle.gateway.turns.runner import NO_NODE, ROUTER_UNAVAILABLE, plain_plan
 from kvshuttle.router.v1 import router_service_pb2 as pb
 
-__all__ = ["SESSION_HEADER", "SIDECAR_HEADERS", "Pick", "PickRequest", "Picker"]
+__all__ = ["SESSION_HEADER", "SIDECAR_HEADERS", "Pick", "PickRequest", "Picker", "PickerRouter"]
 
 log = structlog.get_logger("kvshuttle.epp")
 
@@ -81,11 +98,31 @@ log = structlog.get_logger("kvshuttle.epp")
 SESSION_HEADER = "x-session-id"
 # What the picker sets for the sidecar; a client's copies are always overwritten or removed.
 SIDECAR_HEADERS = (PREFILLER_HOST_PORT_HEADER, TURN_HEADER, PLAN_HEADER)
-# PlanTurn failures that mean the router could not answer (as the gateway's turn runner).
+# PlanTurn failures that mean the router could not answer (as the gateway's turn runner), unless
+# their reason is the router's answer that no node serves (NO_NODE).
 _ROUTER_UNREACHABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
 # Decode nodes remembered per model for picks without a plan (least recently planned out).
 _KNOWN_DECODES = 256
 _PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class PickerRouter(RouterPort, Protocol):
+    """What the picker asks the router: RouterPort's calls, PlanTurn within the decode endpoints
+    the subset allows, and ListReadyDecodes (kvshuttle.gateway.turns.router_port has them)."""
+
+    async def plan_turn(
+        self,
+        model: str,
+        prompt_token_ids: Iterable[int],
+        *,
+        conversation: str,
+        request_id: str,
+        cache_salt_sha256: bytes,
+        expected_think_time_s: float | None = None,
+        decode_endpoints: Sequence[str] = (),
+    ) -> pb.PlanTurnResponse: ...
+
+    async def list_ready_decodes(self, model: str) -> list[pb.Placement]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +177,7 @@ class Picker:
         settings: EppSettings,
         *,
         tokenizers: Mapping[str, ChatTokenizer],
-        router: RouterPort,
+        router: PickerRouter,
         metrics: EppMetrics,
         tracer: trace.Tracer,
         background: BackgroundTasks,
@@ -160,15 +197,22 @@ class Picker:
         self._in_flight = 0
         # Model -> the last P->D pair a plan placed it on (bounded by the configured models).
         self._last_pair: dict[str, tuple[pb.Placement, pb.Placement]] = {}
-        # Model -> decode endpoint -> its placement, most recently planned last.
+        # Model -> decode endpoint -> its placement, most recently planned last (the fallback
+        # while the router does not answer; what the router says is not ready is dropped).
         self._decodes: dict[str, OrderedDict[str, pb.Placement]] = {m: OrderedDict() for m in settings.models}
+        # The router's word on which decode engines are ready, by served model name.
+        self._ready = ReadyDecodes(router.list_ready_decodes, ttl_s=settings.ready_cache_s)
 
     async def pick(self, request: PickRequest) -> Pick:
         """The pick for `request`; GatewayError is the client's answer instead (an
         ImmediateResponse)."""
+        if request.subset is not None and not len(request.subset):
+            # The protocol: "If none of the endpoints in the list is eligible or the list is
+            # empty, then the EPP MUST return a ImmediateResponse with 503".
+            raise _no_endpoint(request.subset, "the subset hint names no endpoint")
         kind = _kind(request.method, request.path)
         if kind is None or request.body is None:
-            return self._plain(request.subset)
+            return await self._plain(request.subset)
         if self._in_flight >= self._settings.max_concurrent_picks:
             raise GatewayError(
                 429,
@@ -251,6 +295,7 @@ class Picker:
         request: PickRequest,
     ) -> Pick:
         started = time.perf_counter()
+        subset = request.subset
         try:
             plan = await self._router.plan_turn(
                 self._settings.served_name(model),
@@ -259,32 +304,33 @@ class Picker:
                 request_id=request_id,
                 cache_salt_sha256=cache_salt_digest(salt),
                 expected_think_time_s=think,
+                decode_endpoints=() if subset is None else subset.entries(),
             )
         except RouterFailure as err:
             structlog.contextvars.bind_contextvars(plan_ms=_ms(time.perf_counter() - started))
+            if err.reason in NO_NODE:
+                return await self._no_node(model, err, subset)
             pair = self._last_pair.get(model)
             if err.code not in _ROUTER_UNREACHABLE or pair is None:
                 raise router_error(err) from None
-            reason = NO_NODE.get(err.reason or "", ROUTER_UNAVAILABLE)
             log.warning("pick.without_router", code=err.code, reason=err.reason, decode=pair[1].node)
-            return self._plain_pd(pair[0], model, len(ids), reason, request.subset)
+            return self._plain_pd(pair[0], model, len(ids), ROUTER_UNAVAILABLE, subset)
         structlog.contextvars.bind_contextvars(
             plan_ms=_ms(time.perf_counter() - started), generation=plan.generation
         )
-        self._remember(model, plan)
         extend = plan.decision == pb.DECISION_EXTEND
         decode = endpoint_host_port(plan.decode.http_endpoint)
         prefill = None if extend else endpoint_host_port(plan.prefill.http_endpoint)
         if decode is None or (prefill is None and not extend):
             self._abort(plan, conversation, "the plan names a node without a host:port endpoint")
             raise _unavailable("the planned nodes have no host:port HTTP endpoint", "no_endpoint")
-        if request.subset is not None and not request.subset.allows(decode):
+        if subset is not None and not subset.allows(decode):
+            # The router places decode inside hints.decode_endpoints: one that ignored them (an
+            # older release) planned around a node Envoy must not be sent to.
             self._abort(plan, conversation, "the planned decode node is outside the subset hint")
-            # An extend plan names the decode holder as prefill too: take the last real prefill.
-            pair = self._last_pair.get(model) if extend else (plan.prefill, plan.decode)
-            if pair is None:
-                raise _unavailable("no decode endpoint of the subset is eligible", "no_eligible_endpoint")
-            return self._plain_pd(pair[0], model, len(ids), "outside_subset", request.subset)
+            log.error("pick.router_ignored_subset", decode=plan.decode.node, subset=len(subset))
+            raise _no_endpoint(subset, "the router placed decode outside the subset hint")
+        self._remember(model, plan)
         encoded = encode_plan(plan)
         if len(encoded) > self._max_plan_header_bytes:
             self._abort(plan, conversation, "the plan is too large for a header")
@@ -303,6 +349,36 @@ class Picker:
         pick.headers[PLAN_HEADER] = encoded
         return pick
 
+    async def _no_node(self, model: str, err: RouterFailure, subset: Subset | None) -> Pick:
+        """The router answered that no healthy node of a role serves `model` (among the subset,
+        for decode): what it says is dead is forgotten, never picked. No decode node: 503. No
+        prefill node: the decode pod runs the whole request (no sidecar headers), on a ready
+        decode node of the subset; none: 503."""
+        reason = NO_NODE[err.reason or ""]
+        log.warning(
+            "pick.no_node", code=err.code, reason=err.reason, subset=None if subset is None else len(subset)
+        )
+        pair = self._last_pair.get(model)
+        if err.reason == "NO_DECODE_NODE":
+            decodes = self._decodes[model]
+            for endpoint in [e for e in decodes if subset is None or subset.allows(e)]:
+                del decodes[endpoint]
+            decode = None if pair is None else endpoint_host_port(pair[1].http_endpoint)
+            if decode is not None and (subset is None or subset.allows(decode)):
+                del self._last_pair[model]
+            self._ready.forget(self._settings.served_name(model))
+            raise _no_endpoint(subset, "no healthy decode node serves the model")
+        self._last_pair.pop(model, None)  # its prefill is not healthy
+        try:
+            ready = await self._ready.get(self._settings.served_name(model))
+        except RouterFailure as failed:
+            log.warning("pick.ready_unknown", code=failed.code, reason=failed.reason)
+            raise _no_endpoint(subset, "no healthy prefill node, and no decode node known ready") from None
+        for endpoint, _ in ready:
+            if subset is None or subset.allows(endpoint):
+                return Pick(endpoint, outcome="plain", reason=reason)
+        raise _no_endpoint(subset, "no healthy prefill node, and no decode node ready")
+
     def _plain_pd(
         self, prefill: pb.Placement, model: str, tokens: int, reason: str, subset: Subset | None
     ) -> Pick:
@@ -311,7 +387,7 @@ class Picker:
         for endpoint, decode in reversed(self._decodes[model].items()):
             if subset is None or subset.allows(endpoint):
                 return self._pd_pick(plain_plan(prefill, decode, tokens), "fallback", reason)
-        raise _unavailable("no decode endpoint of the subset is eligible", "no_eligible_endpoint")
+        raise _no_endpoint(subset, "the router does not answer and no decode node is known")
 
     @staticmethod
     def _pd_pick(plan: pb.PlanTurnResponse, outcome: str, reason: str) -> Pick:
@@ -347,20 +423,42 @@ class Picker:
 
         self._background.spawn(abort(), "abort")
 
-    # ---- no completion: any decode node -------------------------------------------------
+    # ---- no completion: any ready decode node ------------------------------------------
 
-    def _plain(self, subset: Subset | None) -> Pick:
-        """A decode endpoint for a request that needs no plan: the most recently planned one the
-        subset allows, else the subset's first member."""
+    async def _plain(self, subset: Subset | None) -> Pick:
+        """A decode endpoint for a request that needs no plan: the least loaded one the router
+        says is ready now that the subset allows (the configured models in order); with the
+        router unreachable, the most recently planned one the subset allows; neither: 503."""
+        for model in self._settings.models:
+            try:
+                ready = await self._ready.get(self._settings.served_name(model))
+            except RouterFailure as err:
+                if err.code not in _ROUTER_UNREACHABLE:
+                    log.warning("pick.ready_unknown", code=err.code, reason=err.reason)
+                    raise _unavailable(
+                        f"the router did not say which decode nodes are ready ({err.code})", "router_error"
+                    ) from None
+                return self._remembered(subset, err)
+            for endpoint, _ in ready:
+                if subset is None or subset.allows(endpoint):
+                    return Pick(endpoint, outcome="plain")
+        raise _no_endpoint(subset, "no decode node is ready")
+
+    def _remembered(self, subset: Subset | None, err: RouterFailure) -> Pick:
+        """The router does not answer: the most recently planned decode node the subset allows."""
         known = [e for decodes in self._decodes.values() for e in reversed(decodes)]
         for endpoint in known:
             if subset is None or subset.allows(endpoint):
-                return Pick(endpoint, outcome="plain")
-        if subset is not None and subset.endpoints:
-            return Pick(min(subset.endpoints), outcome="plain")
-        raise _unavailable(
-            "no decode endpoint is known yet: no turn has been planned", "no_eligible_endpoint"
-        )
+                log.warning("pick.without_router", code=err.code, reason=err.reason, decode=endpoint)
+                return Pick(endpoint, outcome="plain", reason=ROUTER_UNAVAILABLE)
+        raise _no_endpoint(subset, "the router does not answer and no decode node is known")
+
+
+def _no_endpoint(subset: Subset | None, message: str) -> GatewayError:
+    """503: no endpoint of the subset is eligible (`no_eligible_endpoint`), or none is ready."""
+    if subset is None:
+        return _unavailable(f"no ready endpoint: {message}", "no_ready_endpoint")
+    return _unavailable(f"no endpoint of the subset hint is eligible: {message}", "no_eligible_endpoint")
 
 
 def _unavailable(message: str, code: str) -> GatewayError:

@@ -23,7 +23,7 @@ chunk; the headers' answer is deferred until the body has ended, since the pick 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -31,7 +31,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from kvshuttle.gateway.pd_headers import parse_host_port
+from kvshuttle.core.endpoints import EndpointSet, parse_host_port
+from kvshuttle.core.limits import MAX_DECODE_ENDPOINTS
 
 __all__ = [
     "BODY_CHUNK_BYTES",
@@ -57,8 +58,9 @@ DESTINATION_ENDPOINT = "x-gateway-destination-endpoint"
 SERVED_ENDPOINT = "x-gateway-destination-endpoint-served"
 # The reference picker's bound per streamed chunk: some data planes take at most 64 KiB.
 BODY_CHUNK_BYTES = 62_000
-# Subset entries read, at most: a pool is a few hundred pods.
-MAX_SUBSET_ENTRIES = 4096
+# Subset entries read, at most (a pool is a few hundred pods): what the router takes in
+# hints.decode_endpoints.
+MAX_SUBSET_ENTRIES = MAX_DECODE_ENDPOINTS
 
 FULL_DUPLEX_STREAMED = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
@@ -83,24 +85,14 @@ def _namespace(message: ext.ProcessingRequest, namespace: str) -> struct_pb2.Str
     return found
 
 
-class Subset:
-    """The endpoints the data plane allows: canonical `host:port`s, and bare addresses (any port)."""
-
-    def __init__(self, endpoints: Iterable[str], hosts: Iterable[str]) -> None:
-        self.endpoints = frozenset(endpoints)
-        self.hosts = frozenset(hosts)
-
-    def __len__(self) -> int:
-        return len(self.endpoints) + len(self.hosts)
-
-    def allows(self, endpoint: str) -> bool:
-        """Whether `endpoint` (canonical host:port) is in the subset."""
-        return endpoint in self.endpoints or endpoint.rpartition(":")[0] in self.hosts
+# The endpoints the data plane allows (the same set the router's hints.decode_endpoints names).
+Subset = EndpointSet
 
 
 def subset_hint(message: ext.ProcessingRequest) -> Subset | None:
     """The subset the message's metadata names; None when it names none (the whole pool). An
-    entry that is no endpoint is left out: a hint of nothing valid allows nothing."""
+    entry that is no endpoint (nor a bare address) is left out: a hint of nothing valid allows
+    nothing."""
     struct = _namespace(message, SUBSET_NAMESPACE)
     if struct is None or SUBSET_KEY not in struct.fields:
         return None
@@ -112,29 +104,8 @@ def subset_hint(message: ext.ProcessingRequest) -> Subset | None:
         for item in value.list_value.values[:MAX_SUBSET_ENTRIES]:
             if item.HasField("string_value"):
                 raw.extend(item.string_value.split(","))
-    endpoints: list[str] = []
-    hosts: list[str] = []
-    for entry in (e.strip() for e in raw[:MAX_SUBSET_ENTRIES]):
-        if not entry:
-            continue
-        try:
-            endpoints.append(parse_host_port(entry))
-        except ValueError:
-            host = _bare_host(entry)
-            if host is not None:
-                hosts.append(host)
-    return Subset(endpoints, hosts)
-
-
-def _bare_host(entry: str) -> str | None:
-    """An address without a port ("10.0.0.5", "fd00::5", "[fd00::5]") in the canonical form
-    host:port has before its last colon; None for anything else."""
-    host = entry.strip("[]")
-    probe = f"[{host}]:1" if ":" in host else f"{host}:1"
-    try:
-        return parse_host_port(probe).removesuffix(":1")
-    except ValueError:
-        return None
+    subset, _ = EndpointSet.parse(e for e in (e.strip() for e in raw[:MAX_SUBSET_ENTRIES]) if e)
+    return subset
 
 
 def served_endpoint(message: ext.ProcessingRequest, headers: Mapping[str, str]) -> str | None:

@@ -165,10 +165,15 @@ class GrpcRouterPort:
         request_id: str,
         cache_salt_sha256: bytes,
         expected_think_time_s: float | None = None,
+        decode_endpoints: Sequence[str] = (),
     ) -> pb.PlanTurnResponse:
+        """PlanTurn; `decode_endpoints` (hints.decode_endpoints): the decode engines the plan may
+        place on, `host:port`s or bare hosts (empty: any)."""
         hints = None
-        if expected_think_time_s is not None:
-            hints = pb.PlanHints(expected_think_time=to_duration(expected_think_time_s))
+        if expected_think_time_s is not None or decode_endpoints:
+            hints = pb.PlanHints(decode_endpoints=decode_endpoints)
+            if expected_think_time_s is not None:
+                hints.expected_think_time.CopyFrom(to_duration(expected_think_time_s))
         ids = list(prompt_token_ids)  # sent again to the next replica
 
         async def plan(client: RouterClient, deadline_s: float) -> pb.PlanTurnResponse:
@@ -228,3 +233,13 @@ class GrpcRouterPort:
             await client.abort_turn(turn, reason=reason, timeout=deadline_s)
 
         await self._call(conversation or turn, abort)
+
+    async def list_ready_decodes(self, model: str) -> list[pb.Placement]:
+        """ListReadyDecodes: the decode engines a plan of `model` could place on now, least
+        loaded first. Every replica reads the same registry: the model's replica by affinity
+        answers, the next one when it does not."""
+
+        async def ready(client: RouterClient, deadline_s: float) -> list[pb.Placement]:
+            return list((await client.list_ready_decodes(model, timeout=deadline_s)).decodes)
+
+        return await self._call(f"ready-decodes/{model}", ready)

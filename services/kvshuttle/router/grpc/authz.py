@@ -1,6 +1,7 @@
 """Which permission each RouterService RPC needs, and the tenant it acts for: PlanTurn's
 conversation names it; CommitTurn and AbortTurn carry a signed turn handle whose conversation
-does (a handle is verified here, so a gateway cannot commit or abort another tenant's turn)."""
+does (a handle is verified here, so a gateway cannot commit or abort another tenant's turn);
+ListReadyDecodes acts for no tenant (the permission to plan turns, for any tenant)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ def turn_policy(codec: TurnCodec) -> MethodPolicy:
             except Exception:
                 return Requirement(Permission.TURNS)
             return Requirement(Permission.TURNS, tenant=tenant_of(conversation))
+        if method == "ListReadyDecodes":
+            # Where a turn could be placed is no tenant's data: any caller that may plan turns
+            # (for some tenant) may ask, as a gateway's plans name the nodes anyway.
+            return Requirement(Permission.TURNS)
         raise unknown_method(method)
 
     return policy

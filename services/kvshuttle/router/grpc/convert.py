@@ -34,6 +34,7 @@ __all__ = [
     "DECISION_TO_PB",
     "REASON_TO_PB",
     "commit_request_from_pb",
+    "placement_to_pb",
     "plan_request_from_pb",
     "plan_to_pb",
 ]
@@ -73,10 +74,11 @@ def plan_request_from_pb(request: pb.PlanTurnRequest, *, deadline_s: float | Non
         disable_reuse=hints.disable_reuse,
         cache_salt_sha256=request.cache_salt_sha256,
         deadline_s=deadline_s,
+        decode_endpoints=tuple(hints.decode_endpoints),
     )
 
 
-def _placement(node: NodeInfo) -> pb.Placement:
+def placement_to_pb(node: NodeInfo) -> pb.Placement:
     return pb.Placement(node=node.name, http_endpoint=node.http_endpoint, engine_id=node.engine_id)
 
 
@@ -101,8 +103,8 @@ def plan_to_pb(plan: Plan) -> pb.PlanTurnResponse:
     response = pb.PlanTurnResponse(
         turn=plan.turn,
         generation=plan.generation,
-        prefill=_placement(plan.prefill),
-        decode=_placement(plan.decode),
+        prefill=placement_to_pb(plan.prefill),
+        decode=placement_to_pb(plan.decode),
         prefill_kv_transfer_params=_params_to_pb(plan.prefill_kv_transfer_params),
         decision=DECISION_TO_PB[plan.decision],
         reason=REASON_TO_PB[plan.reason],

@@ -31,6 +31,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         context: grpc.aio.ServicerContext[pb.PlanTurnRequest, pb.PlanTurnResponse],
     ) -> pb.PlanTurnResponse:
         bind_contextvars(conversation=log_name(request.conversation[:300]), model=request.model[:200])
+        if request.hints.decode_endpoints:
+            bind_contextvars(decode_endpoints=len(request.hints.decode_endpoints))
         plan = await self._router.plan_turn(
             convert.plan_request_from_pb(request, deadline_s=context.time_remaining())
         )
@@ -57,3 +59,12 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         bind_contextvars(turn=log_digest(request.turn))
         await self._router.abort_turn(request.turn, request.reason)
         return pb.AbortTurnResponse()
+
+    async def ListReadyDecodes(
+        self,
+        request: pb.ListReadyDecodesRequest,
+        context: grpc.aio.ServicerContext[pb.ListReadyDecodesRequest, pb.ListReadyDecodesResponse],
+    ) -> pb.ListReadyDecodesResponse:
+        bind_contextvars(model=request.model[:200])
+        decodes = await self._router.ready_decodes(request.model)
+        return pb.ListReadyDecodesResponse(decodes=[convert.placement_to_pb(node) for node in decodes])

@@ -145,6 +145,7 @@ class PlanHints(_message.Message):
     PARENT_CONVERSATION_FIELD_NUMBER: _builtins.int
     EXPECTED_THINK_TIME_FIELD_NUMBER: _builtins.int
     DISABLE_REUSE_FIELD_NUMBER: _builtins.int
+    DECODE_ENDPOINTS_FIELD_NUMBER: _builtins.int
     parent_conversation: _builtins.str
     """`tenants/{tenant}/conversations/{conversation}` this conversation was forked from."""
     disable_reuse: _builtins.bool
@@ -153,16 +154,28 @@ class PlanHints(_message.Message):
     def expected_think_time(self) -> _duration_pb2.Duration:
         """How long the user (or tool) is expected to take before the next turn."""
 
+    @_builtins.property
+    def decode_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The decode engines the plan may place decode on: each the `host:port` of an engine's HTTP
+        endpoint (`[addr]:port` for IPv6; any spelling of an address), or a bare host allowing any
+        of its ports; empty: any. At most 4,096 entries of at most 300 characters (an entry that
+        is neither form, or too many: INVALID_ARGUMENT, field "hints.decode_endpoints"). Turns are
+        planned only among them: decode on an allowed node (none is healthy: UNAVAILABLE,
+        NO_DECODE_NODE), an extend only on an allowed holder; prefill and the node prefill reads
+        retained KV from are not constrained. An endpoint picker sends its data plane's subset here.
+        """
+
     def __init__(
         self,
         *,
         parent_conversation: _builtins.str = ...,
         expected_think_time: _duration_pb2.Duration | None = ...,
         disable_reuse: _builtins.bool = ...,
+        decode_endpoints: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["expected_think_time", b"expected_think_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["disable_reuse", b"disable_reuse", "expected_think_time", b"expected_think_time", "parent_conversation", b"parent_conversation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_endpoints", b"decode_endpoints", "disable_reuse", b"disable_reuse", "expected_think_time", b"expected_think_time", "parent_conversation", b"parent_conversation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -577,3 +590,45 @@ class AbortTurnResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AbortTurnResponse: _TypeAlias = AbortTurnResponse  # noqa: Y015
+
+@_typing.final
+class ListReadyDecodesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Served model name; must match a configured model profile."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListReadyDecodesRequest: _TypeAlias = ListReadyDecodesRequest  # noqa: Y015
+
+@_typing.final
+class ListReadyDecodesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DECODES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def decodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Placement]:
+        """The ready decode engines of the model, least loaded first; at most 4,096."""
+
+    def __init__(
+        self,
+        *,
+        decodes: _abc.Iterable[Global___Placement] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decodes", b"decodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListReadyDecodesResponse: _TypeAlias = ListReadyDecodesResponse  # noqa: Y015

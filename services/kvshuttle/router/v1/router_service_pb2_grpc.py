@@ -45,10 +45,12 @@ class RouterServiceStub:
     PROMPT_NOT_HELD: CommitTurn with output_token_ids only, on a replica that does not hold
     the turn's prompt (another replica planned it, or this one restarted or let it go; metadata
     "field": "output_token_ids"): send the whole sequence in token_ids instead.
-    NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
-    REGISTRY_UNAVAILABLE: PlanTurn only: the registry did not answer in time and the last
-    node list it gave is older than the router's degraded_nodes_max_age_s (younger, the
-    turn is planned plain P->D on it instead); the turn may be retried.
+    NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role (for
+    decode: none whose HTTP endpoint PlanHints.decode_endpoints allows, when set).
+    REGISTRY_UNAVAILABLE: PlanTurn and ListReadyDecodes only: the registry did not answer in
+    time and the last node list it gave is older than the router's degraded_nodes_max_age_s
+    (younger, the turn is planned plain P->D on it instead, and the ready decodes are read
+    from it); the call may be retried.
     CAPACITY_EXCEEDED: the registry's, passed on: the tenant's retention quota is full.
     UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
     bearer token).
@@ -79,6 +81,11 @@ class RouterServiceStub:
                 request_serializer=kvshuttle_dot_router_dot_v1_dot_router__service__pb2.AbortTurnRequest.SerializeToString,
                 response_deserializer=kvshuttle_dot_router_dot_v1_dot_router__service__pb2.AbortTurnResponse.FromString,
                 _registered_method=True)
+        self.ListReadyDecodes = channel.unary_unary(
+                '/kvshuttle.router.v1.RouterService/ListReadyDecodes',
+                request_serializer=kvshuttle_dot_router_dot_v1_dot_router__service__pb2.ListReadyDecodesRequest.SerializeToString,
+                response_deserializer=kvshuttle_dot_router_dot_v1_dot_router__service__pb2.ListReadyDecodesResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServiceServicer:
@@ -101,10 +108,12 @@ class RouterServiceServicer:
     PROMPT_NOT_HELD: CommitTurn with output_token_ids only, on a replica that does not hold
     the turn's prompt (another replica planned it, or this one restarted or let it go; metadata
     "field": "output_token_ids"): send the whole sequence in token_ids instead.
-    NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
-    REGISTRY_UNAVAILABLE: PlanTurn only: the registry did not answer in time and the last
-    node list it gave is older than the router's degraded_nodes_max_age_s (younger, the
-    turn is planned plain P->D on it instead); the turn may be retried.
+    NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role (for
+    decode: none whose HTTP endpoint PlanHints.decode_endpoints allows, when set).
+    REGISTRY_UNAVAILABLE: PlanTurn and ListReadyDecodes only: the registry did not answer in
+    time and the last node list it gave is older than the router's degraded_nodes_max_age_s
+    (younger, the turn is planned plain P->D on it instead, and the ready decodes are read
+    from it); the call may be retried.
     CAPACITY_EXCEEDED: the registry's, passed on: the tenant's retention quota is full.
     UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
     bearer token).
@@ -144,6 +153,20 @@ class RouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListReadyDecodes(self, request, context):
+        """ListReadyDecodes names the decode engines a PlanTurn of the model could place decode on
+        now: registered, live (lease not lapsed) and healthy, as the router's node list has them
+        (the list PlanTurn places on, at most the router's node_max_age_s old), least loaded
+        first. An empty list is an answer, not an error. For a caller that routes a request
+        needing no plan (an endpoint picker's `GET /v1/models`) to a ready engine only. A registry
+        that does not answer is answered from the last list it gave while that is younger than
+        degraded_nodes_max_age_s, else UNAVAILABLE (REGISTRY_UNAVAILABLE). Needs the permission
+        PlanTurn needs, for no particular tenant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +184,11 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.AbortTurn,
                     request_deserializer=kvshuttle_dot_router_dot_v1_dot_router__service__pb2.AbortTurnRequest.FromString,
                     response_serializer=kvshuttle_dot_router_dot_v1_dot_router__service__pb2.AbortTurnResponse.SerializeToString,
+            ),
+            'ListReadyDecodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReadyDecodes,
+                    request_deserializer=kvshuttle_dot_router_dot_v1_dot_router__service__pb2.ListReadyDecodesRequest.FromString,
+                    response_serializer=kvshuttle_dot_router_dot_v1_dot_router__service__pb2.ListReadyDecodesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -190,10 +218,12 @@ class RouterService:
     PROMPT_NOT_HELD: CommitTurn with output_token_ids only, on a replica that does not hold
     the turn's prompt (another replica planned it, or this one restarted or let it go; metadata
     "field": "output_token_ids"): send the whole sequence in token_ids instead.
-    NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
-    REGISTRY_UNAVAILABLE: PlanTurn only: the registry did not answer in time and the last
-    node list it gave is older than the router's degraded_nodes_max_age_s (younger, the
-    turn is planned plain P->D on it instead); the turn may be retried.
+    NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role (for
+    decode: none whose HTTP endpoint PlanHints.decode_endpoints allows, when set).
+    REGISTRY_UNAVAILABLE: PlanTurn and ListReadyDecodes only: the registry did not answer in
+    time and the last node list it gave is older than the router's degraded_nodes_max_age_s
+    (younger, the turn is planned plain P->D on it instead, and the ready decodes are read
+    from it); the call may be retried.
     CAPACITY_EXCEEDED: the registry's, passed on: the tenant's retention quota is full.
     UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
     bearer token).
@@ -274,6 +304,33 @@ class RouterService:
             '/kvshuttle.router.v1.RouterService/AbortTurn',
             kvshuttle_dot_router_dot_v1_dot_router__service__pb2.AbortTurnRequest.SerializeToString,
             kvshuttle_dot_router_dot_v1_dot_router__service__pb2.AbortTurnResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReadyDecodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvshuttle.router.v1.RouterService/ListReadyDecodes',
+            kvshuttle_dot_router_dot_v1_dot_router__service__pb2.ListReadyDecodesRequest.SerializeToString,
+            kvshuttle_dot_router_dot_v1_dot_router__service__pb2.ListReadyDecodesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,10 +46,12 @@ class RouterServiceStub:
       PROMPT_NOT_HELD: CommitTurn with output_token_ids only, on a replica that does not hold
         the turn's prompt (another replica planned it, or this one restarted or let it go; metadata
         "field": "output_token_ids"): send the whole sequence in token_ids instead.
-      NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
-      REGISTRY_UNAVAILABLE: PlanTurn only: the registry did not answer in time and the last
-        node list it gave is older than the router's degraded_nodes_max_age_s (younger, the
-        turn is planned plain P->D on it instead); the turn may be retried.
+      NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role (for
+        decode: none whose HTTP endpoint PlanHints.decode_endpoints allows, when set).
+      REGISTRY_UNAVAILABLE: PlanTurn and ListReadyDecodes only: the registry did not answer in
+        time and the last node list it gave is older than the router's degraded_nodes_max_age_s
+        (younger, the turn is planned plain P->D on it instead, and the ready decodes are read
+        from it); the call may be retried.
       CAPACITY_EXCEEDED: the registry's, passed on: the tenant's retention quota is full.
       UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
         bearer token).
@@ -81,6 +83,16 @@ class RouterServiceStub:
     FAILED_PRECONDITION for a finished one. Best effort towards the registry: a release it
     cannot deliver is logged, and the claim lapses on its own TTL.
     """
+    ListReadyDecodes: _grpc.UnaryUnaryMultiCallable[_router_service_pb2.ListReadyDecodesRequest, _router_service_pb2.ListReadyDecodesResponse]
+    """ListReadyDecodes names the decode engines a PlanTurn of the model could place decode on
+    now: registered, live (lease not lapsed) and healthy, as the router's node list has them
+    (the list PlanTurn places on, at most the router's node_max_age_s old), least loaded
+    first. An empty list is an answer, not an error. For a caller that routes a request
+    needing no plan (an endpoint picker's `GET /v1/models`) to a ready engine only. A registry
+    that does not answer is answered from the last list it gave while that is younger than
+    degraded_nodes_max_age_s, else UNAVAILABLE (REGISTRY_UNAVAILABLE). Needs the permission
+    PlanTurn needs, for no particular tenant.
+    """
 
 @_typing.type_check_only
 class RouterServiceAsyncStub(RouterServiceStub):
@@ -103,10 +115,12 @@ class RouterServiceAsyncStub(RouterServiceStub):
       PROMPT_NOT_HELD: CommitTurn with output_token_ids only, on a replica that does not hold
         the turn's prompt (another replica planned it, or this one restarted or let it go; metadata
         "field": "output_token_ids"): send the whole sequence in token_ids instead.
-      NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
-      REGISTRY_UNAVAILABLE: PlanTurn only: the registry did not answer in time and the last
-        node list it gave is older than the router's degraded_nodes_max_age_s (younger, the
-        turn is planned plain P->D on it instead); the turn may be retried.
+      NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role (for
+        decode: none whose HTTP endpoint PlanHints.decode_endpoints allows, when set).
+      REGISTRY_UNAVAILABLE: PlanTurn and ListReadyDecodes only: the registry did not answer in
+        time and the last node list it gave is older than the router's degraded_nodes_max_age_s
+        (younger, the turn is planned plain P->D on it instead, and the ready decodes are read
+        from it); the call may be retried.
       CAPACITY_EXCEEDED: the registry's, passed on: the tenant's retention quota is full.
       UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
         bearer token).
@@ -135,6 +149,16 @@ class RouterServiceAsyncStub(RouterServiceStub):
     FAILED_PRECONDITION for a finished one. Best effort towards the registry: a release it
     cannot deliver is logged, and the claim lapses on its own TTL.
     """
+    ListReadyDecodes: _aio.UnaryUnaryMultiCallable[_router_service_pb2.ListReadyDecodesRequest, _router_service_pb2.ListReadyDecodesResponse]  # type: ignore[assignment]
+    """ListReadyDecodes names the decode engines a PlanTurn of the model could place decode on
+    now: registered, live (lease not lapsed) and healthy, as the router's node list has them
+    (the list PlanTurn places on, at most the router's node_max_age_s old), least loaded
+    first. An empty list is an answer, not an error. For a caller that routes a request
+    needing no plan (an endpoint picker's `GET /v1/models`) to a ready engine only. A registry
+    that does not answer is answered from the last list it gave while that is younger than
+    degraded_nodes_max_age_s, else UNAVAILABLE (REGISTRY_UNAVAILABLE). Needs the permission
+    PlanTurn needs, for no particular tenant.
+    """
 
 class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
     """RouterService decides, per turn of a conversation, whether the KV a decode node retained
@@ -156,10 +180,12 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
       PROMPT_NOT_HELD: CommitTurn with output_token_ids only, on a replica that does not hold
         the turn's prompt (another replica planned it, or this one restarted or let it go; metadata
         "field": "output_token_ids"): send the whole sequence in token_ids instead.
-      NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role.
-      REGISTRY_UNAVAILABLE: PlanTurn only: the registry did not answer in time and the last
-        node list it gave is older than the router's degraded_nodes_max_age_s (younger, the
-        turn is planned plain P->D on it instead); the turn may be retried.
+      NO_PREFILL_NODE, NO_DECODE_NODE: no healthy node serves the model in that role (for
+        decode: none whose HTTP endpoint PlanHints.decode_endpoints allows, when set).
+      REGISTRY_UNAVAILABLE: PlanTurn and ListReadyDecodes only: the registry did not answer in
+        time and the last node list it gave is older than the router's degraded_nodes_max_age_s
+        (younger, the turn is planned plain P->D on it instead, and the ready decodes are read
+        from it); the call may be retried.
       CAPACITY_EXCEEDED: the registry's, passed on: the tenant's retention quota is full.
       UNAUTHENTICATED: no identity this service accepts (a client certificate's SAN or a
         bearer token).
@@ -203,6 +229,22 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
         """AbortTurn releases what a planned turn holds. NOT_FOUND for an unknown turn,
         FAILED_PRECONDITION for a finished one. Best effort towards the registry: a release it
         cannot deliver is logged, and the claim lapses on its own TTL.
+        """
+
+    @_abc_1.abstractmethod
+    def ListReadyDecodes(
+        self,
+        request: _router_service_pb2.ListReadyDecodesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_service_pb2.ListReadyDecodesResponse, _abc.Awaitable[_router_service_pb2.ListReadyDecodesResponse]]:
+        """ListReadyDecodes names the decode engines a PlanTurn of the model could place decode on
+        now: registered, live (lease not lapsed) and healthy, as the router's node list has them
+        (the list PlanTurn places on, at most the router's node_max_age_s old), least loaded
+        first. An empty list is an answer, not an error. For a caller that routes a request
+        needing no plan (an endpoint picker's `GET /v1/models`) to a ready engine only. A registry
+        that does not answer is answered from the last list it gave while that is younger than
+        degraded_nodes_max_age_s, else UNAVAILABLE (REGISTRY_UNAVAILABLE). Needs the permission
+        PlanTurn needs, for no particular tenant.
         """
 
 def add_RouterServiceServicer_to_server(servicer: RouterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
