@@ -221,20 +221,27 @@ async def test_a_stream_is_paced_per_step_and_a_failed_read_fails_under_policy_f
 
 
 async def test_a_request_waits_for_blocks(model_dir: Path) -> None:
+    # 64 blocks: one 1500-token request at a time. The first one holds its blocks for 200 decode
+    # steps of 12.5 ms (2.5 s here, longer on a loaded machine: its steps are timers in this loop
+    # too), so the second is seen waiting however late this test looks; it used to look once after
+    # a fixed sleep, which a loaded machine overshot (both not yet arrived, or the first done).
     small = dataclasses.replace(
-        PROFILE, engine=dataclasses.replace(PROFILE.engine, kv_capacity_tokens=64 * 32)
-    )  # 64 blocks: one 1500-token request at a time
+        PROFILE,
+        engine=dataclasses.replace(PROFILE.engine, kv_capacity_tokens=64 * 32),
+        decode=dataclasses.replace(PROFILE.decode, fixed_ms=250.0),
+    )
     decode = engine("decode", model_dir, profile=small, prefix_caching=False)
     await decode.start()
     try:
         async with aiohttp.ClientSession() as session:
             prompts = [[(i * k) % 500 + 10 for i in range(1500)] for k in (3, 5)]
             tasks = [
-                asyncio.create_task(post(session, decode.url, {"model": "m", "prompt": p, "max_tokens": 20}))
-                for p in prompts
+                asyncio.create_task(post(session, decode.url, {"model": "m", "prompt": p, "max_tokens": n}))
+                for p, n in zip(prompts, (200, 20), strict=True)
             ]
-            await asyncio.sleep(PROFILE.prefill.ms(1500, 0) / 1e3 * SCALE / 2)
-            assert decode.timing.waiting == 1
+            while decode.timing.waiting != 1:
+                assert not any(t.done() for t in tasks), "a request finished before the other waited"
+                await asyncio.sleep(0.005)
             async with session.get(f"{decode.url}/metrics") as response:
                 assert 'vllm:num_requests_waiting{engine="0",model_name="m"} 1' in await response.text()
             await asyncio.gather(*tasks)
