@@ -107,12 +107,12 @@ def demo_beside(log: Path) -> Iterator[list[int]]:
     finally:
         stop = True
         for proc in procs:
-            if proc.poll() is None:
+            if proc.poll() is None:  # the demo stops its engines on SIGTERM; what is left, KILL
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGINT)
-                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=120)
-                except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
         thread.join(timeout=130)
 
@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / ".run" / "flake-hunt" / time.strftime("%Y%m%dT%H%M%S"))
     ap.add_argument("pytest_args", nargs="*", help="passed to every pytest run (after --)")
     args = ap.parse_args(argv)
+    # Started in the background by a shell, this process ignores SIGINT and its children would
+    # too: the suite's tests that send SIGINT must meet what a terminal gives them.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     args.out.mkdir(parents=True, exist_ok=True)
     modules = args.module or waiting_modules()
