@@ -52,7 +52,19 @@ from kvshuttle.registry.store.redis.store import RedisStore
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 WRITERS = 8
-RECOVERY_LIMIT = 30.0  # seconds after the kill within which every writer must be writing again
+DOWN_AFTER_S = 1.0  # the Sentinels' down-after-milliseconds
+FAILOVER_TIMEOUT_S = 4.0  # their failover-timeout (tests/support/redis_topology.py)
+# What the group is configured to take, at most, before a replica is the master the Sentinels
+# name: the master is subjectively down after down-after, objectively down once the quorum
+# agrees (Sentinels ask each other every second), a leader is elected and promotes a replica
+# (about a second); a failover not done in failover-timeout is tried again by another leader
+# after twice that, and one retry is allowed for here.
+FAILOVER_BOUND_S = DOWN_AFTER_S + 1.0 + 1.0 + 1.0 + 2 * FAILOVER_TIMEOUT_S
+# Then the registry: a call in flight on the dead master waits at most its socket timeout
+# (RedisSettings.socket_timeout_s, 5 s), and the next connection asks the Sentinels again. The
+# factor is the margin for a loaded two-core machine, not a measurement: the time recovery
+# takes is a figure this test prints and keeps, never asserted.
+RECOVERY_LIMIT = 4 * (FAILOVER_BOUND_S + 5.0)
 
 
 async def until_writable(write: Callable[[], Awaitable[object]]) -> None:
@@ -270,7 +282,8 @@ async def run_writers(client: Client, writers: list[Writer], kill: Callable[[], 
         kill_time = time.monotonic()
         killed.set()
         while not all(len(w.after_ok) >= 3 for w in writers):
-            assert time.monotonic() < kill_time + RECOVERY_LIMIT, "writes did not resume within 30 s"
+            late = time.monotonic() - kill_time
+            assert late < RECOVERY_LIMIT, f"writes did not resume within {RECOVERY_LIMIT} s"
             for task in tasks:  # a writer that met a wrong answer fails the test now
                 if task.done():
                     task.result()
@@ -313,7 +326,8 @@ async def test_the_registry_rides_out_a_sentinel_failover(
 ) -> None:
     started = time.monotonic()
     guard = ("--min-replicas-to-write", str(min_replicas), "--min-replicas-max-lag", "10")
-    group_options = {"replicas": replicas, "sentinels": 3, "quorum": 2, "down_after_ms": 1000}
+    down_after_ms = int(DOWN_AFTER_S * 1000)
+    group_options = {"replicas": replicas, "sentinels": 3, "quorum": 2, "down_after_ms": down_after_ms}
     with sentinel_group(tmp_path / "redis", options=(*AOF, *guard), **group_options) as group:
         redis_env = {
             "REDIS__MODE": "sentinel",
