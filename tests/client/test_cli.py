@@ -9,8 +9,10 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Callable
 
 import grpc
+import pytest
 from tests.client.fake_registry import FakeRegistry, closed_port
 from tests.support.cli_runner import CliResult, arun_cli, run_cli
 
@@ -406,7 +408,26 @@ async def test_lookup(fake: FakeRegistry) -> None:
     assert [line.split() for line in lines[2:]] == [["nodes/p0", "3", "48"], ["nodes/p1", "1", "16"]]
 
 
-async def test_console_entry_point_ctrl_c_exits_130_quietly(fake: FakeRegistry) -> None:
+def _to_a_grpc_thread(process: asyncio.subprocess.Process) -> None:
+    """SIGINT to one of the CLI's threads besides its main one, with tgkill(2) (kill() of a
+    thread id may go to the main thread)."""
+    threads = [int(t) for t in os.listdir(f"/proc/{process.pid}/task") if int(t) != process.pid]
+    assert threads, "the CLI runs no thread besides its main one"
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.tgkill(process.pid, min(threads), signal.SIGINT) == 0, ctypes.get_errno()
+
+
+@pytest.mark.parametrize(
+    "interrupt",
+    [lambda process: process.send_signal(signal.SIGINT), _to_a_grpc_thread],
+    ids=["to-the-process", "to-a-grpc-thread"],
+)
+async def test_console_entry_point_ctrl_c_exits_130_quietly(
+    fake: FakeRegistry, interrupt: Callable[[asyncio.subprocess.Process], None]
+) -> None:
+    """Ctrl-C stops a watch on an idle stream. The kernel may hand a process's SIGINT to any of
+    its threads (grpc runs several): a plain Python handler then waits for the main thread to run
+    Python code, asleep in epoll, and the CLI did not stop. The signal must wake the loop."""
     fake.hold_watch_open = True
     env = {**os.environ, "KVSHUTTLE_REGISTRY_ADDR": fake.address}
     process = await asyncio.create_subprocess_exec(
@@ -423,42 +444,7 @@ async def test_console_entry_point_ctrl_c_exits_130_quietly(fake: FakeRegistry) 
     )
     try:
         await asyncio.wait_for(fake.watch_started.wait(), timeout=STARTED_WITHIN_S)
-        process.send_signal(signal.SIGINT)
-        stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=STOPPED_WITHIN_S)
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    assert process.returncode == 130
-    assert stderr.decode() == ""
-    assert stdout.decode() == ""
-
-
-async def test_ctrl_c_reaching_another_thread_still_stops_the_watch(fake: FakeRegistry) -> None:
-    """The kernel may hand a process's SIGINT to any of its threads (grpc runs several). A plain
-    Python handler then waits for the main thread to run Python code, and a watch on an idle
-    stream leaves it asleep in epoll: the CLI never stopped. The signal must wake the loop."""
-    fake.hold_watch_open = True
-    env = {**os.environ, "KVSHUTTLE_REGISTRY_ADDR": fake.address}
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "kvshuttle.cli.main",
-        "registry",
-        "watch",
-        "--tenant",
-        "acme",
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        await asyncio.wait_for(fake.watch_started.wait(), timeout=STARTED_WITHIN_S)
-        threads = [int(t) for t in os.listdir(f"/proc/{process.pid}/task") if int(t) != process.pid]
-        assert threads, "the CLI runs no thread besides its main one"
-        # tgkill(2): to that thread alone (kill() of a thread id may go to the main thread).
-        libc = ctypes.CDLL(None, use_errno=True)
-        assert libc.tgkill(process.pid, min(threads), signal.SIGINT) == 0, ctypes.get_errno()
+        interrupt(process)
         stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=STOPPED_WITHIN_S)
     finally:
         if process.returncode is None:

@@ -32,10 +32,11 @@ from tests.e2e.stacks import running_stack
 from tests.gateway.epp.envoy import Envoy, body_chunks, request_headers
 
 from kvshuttle.client.settings import ServiceConnection
+from kvshuttle.core.endpoints import endpoint_host_port
 from kvshuttle.gateway.config import ModelSettings, RouterConnection
 from kvshuttle.gateway.epp.config import EppSettings
 from kvshuttle.gateway.epp.main import EppServer
-from kvshuttle.gateway.pd_headers import PREFILLER_HOST_PORT_HEADER, endpoint_host_port
+from kvshuttle.gateway.pd_headers import PREFILLER_HOST_PORT_HEADER
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.gateway.sidecar.config import SidecarSettings
 from kvshuttle.gateway.sidecar.main import SidecarServer

@@ -28,12 +28,8 @@ from tests.support.planning_epp import plan_headers
 
 from kvshuttle.agent.engine import EnginePoller
 from kvshuttle.client import KvshuttleRpcError
-from kvshuttle.gateway.pd_headers import (
-    PLAN_HEADER,
-    PREFILLER_HOST_PORT_HEADER,
-    TURN_HEADER,
-    endpoint_host_port,
-)
+from kvshuttle.core.endpoints import endpoint_host_port
+from kvshuttle.gateway.pd_headers import PLAN_HEADER, PREFILLER_HOST_PORT_HEADER, TURN_HEADER
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.gateway.sidecar.proxy import PREFILL_PARAMS
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvshuttle.gateway.pd_headers import decode_plan, encode_plan, endpoint_host_port, parse_host_port
+from kvshuttle.core.endpoints import endpoint_host_port, parse_host_port
+from kvshuttle.gateway.pd_headers import decode_plan, encode_plan
 from kvshuttle.gateway.sidecar.allowlist import RegisteredEndpoints
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 from kvshuttle.router.v1 import router_service_pb2 as pb

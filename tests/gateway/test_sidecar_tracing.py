@@ -18,7 +18,8 @@ from tests.gateway.sidecar_helpers import SidecarCluster, start_sidecar_cluster,
 from tests.router.helpers import MODEL
 from tests.support.planning_epp import plan_headers
 
-from kvshuttle.gateway.pd_headers import PREFILLER_HOST_PORT_HEADER, endpoint_host_port
+from kvshuttle.core.endpoints import endpoint_host_port
+from kvshuttle.gateway.pd_headers import PREFILLER_HOST_PORT_HEADER
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.serving.settings import TelemetrySettings
 from kvshuttle.serving.tracing import configure_tracing, shutdown_tracing

@@ -123,6 +123,7 @@ class FakeRouter:
         request_id: str,
         cache_salt_sha256: bytes,
         expected_think_time_s: float | None = None,
+        decode_endpoints: Sequence[str] = (),
     ) -> pb.PlanTurnResponse:
         self.log.append(f"plan {request_id}")
         self.think_times[request_id] = expected_think_time_s

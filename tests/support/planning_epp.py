@@ -11,17 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvshuttle.client import RouterClient
+from kvshuttle.core.endpoints import endpoint_host_port
 from kvshuttle.core.hashing import cache_salt_digest
 from kvshuttle.gateway.config import DEFAULT_TENANT
 from kvshuttle.gateway.http.prompt import prompt_ids
 from kvshuttle.gateway.http.protocol import Kind, parse_request
-from kvshuttle.gateway.pd_headers import (
-    PLAN_HEADER,
-    PREFILLER_HOST_PORT_HEADER,
-    TURN_HEADER,
-    encode_plan,
-    endpoint_host_port,
-)
+from kvshuttle.gateway.pd_headers import PLAN_HEADER, PREFILLER_HOST_PORT_HEADER, TURN_HEADER, encode_plan
 from kvshuttle.gateway.prompts.salts import CacheSalts
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.gateway.turns.background import BackgroundTasks

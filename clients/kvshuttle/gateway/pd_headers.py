@@ -20,8 +20,6 @@ import binascii
 
 from google.protobuf.message import DecodeError
 
-# One canonical host:port form for the picker, the sidecar and the router (kvshuttle.core.endpoints).
-from kvshuttle.core.endpoints import endpoint_host_port, host_port, parse_host_port
 from kvshuttle.router.v1 import router_service_pb2 as pb
 
 __all__ = [
@@ -32,9 +30,6 @@ __all__ = [
     "TURN_HEADER",
     "decode_plan",
     "encode_plan",
-    "endpoint_host_port",
-    "host_port",
-    "parse_host_port",
 ]
 
 PREFILLER_HOST_PORT_HEADER = "x-prefiller-host-port"

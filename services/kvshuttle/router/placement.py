@@ -41,7 +41,7 @@ def _allowed(pool: list[NodeInfo], allowed: EndpointSet | None) -> list[NodeInfo
 
 def ready_decodes(nodes: Sequence[NodeInfo], model: str, weights: PlacementWeights) -> list[NodeInfo]:
     """The healthy decode nodes of `model`, in choose_decode's order (least loaded first)."""
-    return sorted(_serving(nodes, NodeRole.DECODE, model), key=lambda n: _decode_score(n, weights))
+    return sorted(_serving(nodes, NodeRole.DECODE, model), key=lambda n: (_decode_load(n, weights), n.name))
 
 
 def candidates(nodes: Sequence[NodeInfo], role: NodeRole, model: str) -> list[NodeInfo]:
@@ -91,10 +91,6 @@ def _decode_load(node: NodeInfo, weights: PlacementWeights) -> float:
         + weights.kv_usage_weight * node.kv_cache_usage
         + weights.retained_gib_weight * node.retained_bytes / 2**30
     )
-
-
-def _decode_score(node: NodeInfo, weights: PlacementWeights) -> tuple[float, str]:
-    return _decode_load(node, weights), node.name
 
 
 def choose_decode(

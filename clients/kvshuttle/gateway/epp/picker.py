@@ -51,7 +51,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -60,6 +60,7 @@ from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvshuttle.core.digest import log_digest
+from kvshuttle.core.endpoints import endpoint_host_port
 from kvshuttle.core.hashing import cache_salt_digest
 from kvshuttle.gateway.epp.config import EppSettings
 from kvshuttle.gateway.epp.metrics import EppMetrics
@@ -81,7 +82,6 @@ from kvshuttle.gateway.pd_headers import (
     PREFILLER_HOST_PORT_HEADER,
     TURN_HEADER,
     encode_plan,
-    endpoint_host_port,
 )
 from kvshuttle.gateway.prompts.salts import CacheSalts
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
@@ -107,20 +107,8 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 
 
 class PickerRouter(RouterPort, Protocol):
-    """What the picker asks the router: RouterPort's calls, PlanTurn within the decode endpoints
-    the subset allows, and ListReadyDecodes (kvshuttle.gateway.turns.router_port has them)."""
-
-    async def plan_turn(
-        self,
-        model: str,
-        prompt_token_ids: Iterable[int],
-        *,
-        conversation: str,
-        request_id: str,
-        cache_salt_sha256: bytes,
-        expected_think_time_s: float | None = None,
-        decode_endpoints: Sequence[str] = (),
-    ) -> pb.PlanTurnResponse: ...
+    """What the picker asks the router: RouterPort's calls and ListReadyDecodes
+    (kvshuttle.gateway.turns.router_port has them)."""
 
     async def list_ready_decodes(self, model: str) -> list[pb.Placement]: ...
 

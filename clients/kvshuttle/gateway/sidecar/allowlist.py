@@ -7,7 +7,7 @@ The list is the registry's ListNodes (every role), read at most `ttl_s` ago, wit
 per `miss_refresh_s` when a target is not in it (a node that just registered); refreshes are
 single-flight. When the registry cannot be reached the last list serves until it is
 `max_stale_s` old; then, and before any list was read, nothing is allowed. Endpoints compare in
-canonical `host:port` form (kvshuttle.gateway.pd_headers.host_port), so `[fd00::1]:8000` and
+canonical `host:port` form (kvshuttle.core.endpoints.host_port), so `[fd00::1]:8000` and
 `[fd00:0::1]:8000` are one, and a name is not an address: a node registered by IP is reached by
 that IP only.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from kvshuttle.gateway.pd_headers import endpoint_host_port, host_port
+from kvshuttle.core.endpoints import endpoint_host_port, host_port
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 
 __all__ = ["Endpoints", "RegisteredEndpoints"]

@@ -43,18 +43,12 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from kvshuttle.client import RegistryClient
 from kvshuttle.core.digest import log_name
+from kvshuttle.core.endpoints import endpoint_host_port, parse_host_port
 from kvshuttle.gateway.errors import GatewayError, RouterFailure
 from kvshuttle.gateway.http.app import Gateway
 from kvshuttle.gateway.http.protocol import CONVERSATION_HEADER, Kind
 from kvshuttle.gateway.metrics import GatewayMetrics
-from kvshuttle.gateway.pd_headers import (
-    PLAN_HEADER,
-    PREFILLER_HOST_PORT_HEADER,
-    TURN_HEADER,
-    decode_plan,
-    endpoint_host_port,
-    parse_host_port,
-)
+from kvshuttle.gateway.pd_headers import PLAN_HEADER, PREFILLER_HOST_PORT_HEADER, TURN_HEADER, decode_plan
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.gateway.sidecar.allowlist import RegisteredEndpoints
 from kvshuttle.gateway.sidecar.config import SidecarSettings

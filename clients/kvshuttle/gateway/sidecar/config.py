@@ -23,6 +23,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvshuttle.client.settings import ServiceConnection
+from kvshuttle.core.endpoints import endpoint_host_port
 from kvshuttle.core.limits import MAX_PROMPT_TOKENS
 from kvshuttle.gateway.config import (
     DEFAULT_TENANT,
@@ -33,7 +34,6 @@ from kvshuttle.gateway.config import (
     tenant_id,
     tokenizer_paths,
 )
-from kvshuttle.gateway.pd_headers import endpoint_host_port
 from kvshuttle.serving.settings import TelemetrySettings
 
 __all__ = ["SidecarSettings"]

@@ -28,10 +28,12 @@ class RouterPort(Protocol):
         request_id: str,
         cache_salt_sha256: bytes,
         expected_think_time_s: float | None = None,
+        decode_endpoints: Sequence[str] = (),
     ) -> pb.PlanTurnResponse:
         """PlanTurn; `request_id` is its idempotency key, `cache_salt_sha256` the SHA-256 of the
         cache salt the engines get (b"": none), `expected_think_time_s` the hint of how long
-        until the conversation's next turn (None: none)."""
+        until the conversation's next turn (None: none), `decode_endpoints` the decode engines
+        the plan may place on (hints.decode_endpoints: `host:port`s or bare hosts; empty: any)."""
         ...
 
     async def commit_turn(

@@ -167,8 +167,6 @@ class GrpcRouterPort:
         expected_think_time_s: float | None = None,
         decode_endpoints: Sequence[str] = (),
     ) -> pb.PlanTurnResponse:
-        """PlanTurn; `decode_endpoints` (hints.decode_endpoints): the decode engines the plan may
-        place on, `host:port`s or bare hosts (empty: any)."""
         hints = None
         if expected_think_time_s is not None or decode_endpoints:
             hints = pb.PlanHints(decode_endpoints=decode_endpoints)
