@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from tests.router.inproc import InProcessPort
+from bench.fleet.inproc import InProcessPort
 from tests.support.clock import FakeClock
 
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec

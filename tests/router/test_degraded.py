@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
-from tests.router.inproc import InProcessPort
+from bench.fleet.inproc import InProcessPort
 from tests.support.clock import FakeClock
 
 from kvshuttle.core.errors import FailedPrecondition, Unavailable

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from tests.router.domain_cluster import CONV, MODEL, Cluster, run_turn
-from tests.router.inproc import InProcessPort
+from bench.fleet.inproc import InProcessPort
 
 from kvshuttle.core.errors import Unavailable
 from kvshuttle.core.nodes import NodeLoad, NodeRole

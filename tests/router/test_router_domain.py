@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 from tests.router.domain_cluster import BS, CONV, CPU, MODEL, QWEN, Cluster, run_turn
-from tests.router.inproc import InProcessPort
+from bench.fleet.inproc import InProcessPort
 
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvshuttle.core.hashing import chain_hashes

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Coroutine, Sequence
+import time
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import structlog
@@ -55,10 +56,12 @@ class Router:
         metrics: RouterMetrics | None = None,
         tracer_provider: trace.TracerProvider | None = None,
         agents: AgentPort | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         """`costs`: one cost model per served model; the router calibrates them as turns commit.
         `agents`: where the shuttle sends moves; it runs (`run_shuttle`) only with agents and
-        policy.parking's park or prefetch enabled."""
+        policy.parking's park or prefetch enabled. `monotonic`: the clock the node list ages
+        by (the fleet simulator's virtual one there)."""
         policy = policy or RouterPolicy()
         # Verifies turn handles for the authorization of CommitTurn and AbortTurn too.
         self.codec = codec
@@ -73,6 +76,7 @@ class Router:
             max_age_s=policy.node_max_age_s,
             miss_refresh_s=policy.node_miss_refresh_s,
             degraded_max_age_s=policy.degraded_nodes_max_age_s,
+            monotonic=monotonic,
         )
         memory = TurnMemory(
             remembered_turns=policy.remembered_turns,

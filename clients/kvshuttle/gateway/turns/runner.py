@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager, asynccontextmanager
 from typing import Any, Protocol
 
@@ -149,8 +149,12 @@ class TurnRunner:
         reuse_prefill_timeout_s: float,
         decode_timeout_s: float,
         commit_wait_s: float,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """`clock`: what a turn's times are read from (seconds; the fleet simulator's virtual
+        clock there)."""
         self._router = router
+        self._clock = clock
         self._engines = engines
         self._tracer = tracer
         self._metrics = metrics
@@ -199,10 +203,10 @@ class TurnRunner:
         if previous is not None:
             # The previous turn's retention is what this turn may read: plan once it is stored.
             # (A commit never raises; a client leaving now does not cancel it.)
-            started = time.perf_counter()
+            started = self._clock()
             await asyncio.wait({previous}, timeout=self._commit_wait_s)
-            turn.wait_s = time.perf_counter() - started
-        started = time.perf_counter()
+            turn.wait_s = self._clock() - started
+        started = self._clock()
         try:
             plan = await self._router.plan_turn(
                 turn.model,
@@ -213,13 +217,13 @@ class TurnRunner:
                 expected_think_time_s=turn.expected_think_time_s,
             )
         except RouterFailure as err:
-            turn.plan_s = time.perf_counter() - started
+            turn.plan_s = self._clock() - started
             placed = self._last_placement.get(turn.model)
             if err.code in _ROUTER_UNREACHABLE and placed is not None:
                 return self._plain_pd(turn, err, placed)
             turn.outcome = "router_error"
             raise router_error(err) from None
-        turn.plan_s = time.perf_counter() - started
+        turn.plan_s = self._clock() - started
         if plan.prefill.http_endpoint and plan.decode.http_endpoint and plan.decision != pb.DECISION_EXTEND:
             # The P->D pair to fall back on (an extend plan names the decode holder twice).
             self._last_placement[turn.model] = (plan.prefill, plan.decode)
@@ -307,7 +311,7 @@ class TurnRunner:
             fields["cache_salt"] = turn.cache_salt
         if plan.HasField("prefill_kv_transfer_params"):
             fields["kv_transfer_params"] = to_vllm(plan.prefill_kv_transfer_params)
-        started = time.perf_counter()
+        started = self._clock()
         try:
             if plan.decision != pb.DECISION_REUSE:
                 return await self._prefill_call(turn, plan, prompt_json, fields, "-p")
@@ -324,7 +328,7 @@ class TurnRunner:
                     why = REUSE_PREFILL_FAILED
                 else:  # the request itself (400) or an overloaded engine (429): not retried
                     raise
-            waited_s = time.perf_counter() - started
+            waited_s = self._clock() - started
             turn.fallback, turn.reused_tokens = why, 0
             self._metrics.reuse_fallbacks.labels(why).inc()
             log.warning(
@@ -338,7 +342,7 @@ class TurnRunner:
             # A request id of its own: vLLM may still be aborting the first one.
             return await self._prefill_call(turn, plan, prompt_json, fields, "-pr")
         finally:
-            turn.prefill_s = time.perf_counter() - started
+            turn.prefill_s = self._clock() - started
 
     async def _prefill_call(
         self,
@@ -383,7 +387,7 @@ class TurnRunner:
 
     async def _decode(self, turn: Turn, plan: pb.PlanTurnResponse, body: bytes) -> dict[str, Any]:
         with self._engine_span("decode", plan.decode):
-            started = time.perf_counter()
+            started = self._clock()
             try:
                 answer = await self._engines.complete(
                     "decode",
@@ -393,11 +397,11 @@ class TurnRunner:
                     timeout_s=self._decode_timeout_s,
                 )
             finally:
-                turn.decode_s = turn.decode_ttfb_s = time.perf_counter() - started
+                turn.decode_s = turn.decode_ttfb_s = self._clock() - started
         choices = answer.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             raise engine_error("decode", None, "the answer has no choices")
-        turn.ttft_s = time.perf_counter() - turn.arrived
+        turn.ttft_s = self._clock() - turn.arrived
         turn.output.take_chunk(answer)
         return answer
 
@@ -405,7 +409,7 @@ class TurnRunner:
         self, turn: Turn, plan: pb.PlanTurnResponse, body: bytes, sink: DecodeSink
     ) -> None:
         out = turn.output
-        started = time.perf_counter()
+        started = self._clock()
         try:
             with self._engine_span("decode", plan.decode):
                 headers = self._headers(f"{turn.request_id}-d")
@@ -413,16 +417,16 @@ class TurnRunner:
                     await sink.open()  # decode answered 200: the client gets 200 too
                     async for chunk in chunks:
                         if not out.chunks:
-                            turn.decode_ttfb_s = time.perf_counter() - started
+                            turn.decode_ttfb_s = self._clock() - started
                         out.take_chunk(chunk)  # before the sink drops what the client must not see
                         if await sink.send(chunk) and turn.ttft_s is None:
-                            turn.ttft_s = time.perf_counter() - turn.arrived
-                turn.decode_s = time.perf_counter() - started
+                            turn.ttft_s = self._clock() - turn.arrived
+                turn.decode_s = self._clock() - started
                 if out.finish_reason is None:
                     raise engine_error("decode", None, "the stream ended without a finish_reason")
         except (ClientGone, GatewayError):
             if turn.decode_s is None:
-                turn.decode_s = time.perf_counter() - started
+                turn.decode_s = self._clock() - started
             raise
 
     # ---- commit and abort ------------------------------------------------------------------
@@ -460,7 +464,7 @@ class TurnRunner:
         """The CommitTurn call (decode's params converted here, off the response's path) and its
         log line; a failed commit aborts the turn, which releases a claimed retention the
         commit did not."""
-        started = time.perf_counter()
+        started = self._clock()
         out = turn.output
         params: KvTransferParams | None = None
         if out.kv_transfer_params is not None:
@@ -486,7 +490,7 @@ class TurnRunner:
                 code=err.code,
                 reason=err.reason,
                 message=err.message[:300],
-                commit_ms=_ms(time.perf_counter() - started),
+                commit_ms=_ms(self._clock() - started),
                 request_id=turn.request_id,
             )
             await self._abort_call(handle, turn.conversation, "commit failed")
@@ -495,7 +499,7 @@ class TurnRunner:
         log.info(
             "turn.committed",
             retention=log_name(result.retention),
-            commit_ms=_ms(time.perf_counter() - started),
+            commit_ms=_ms(self._clock() - started),
             request_id=turn.request_id,
         )
 

@@ -1,4 +1,5 @@
-"""RegistryPort over the registry's domain object, in process: router domain tests need no sockets."""
+"""RegistryPort over the registry's domain object, in process: the router domain tests and the fleet
+simulator (bench/fleet) run the real router over the real registry with no sockets."""
 
 from __future__ import annotations
 

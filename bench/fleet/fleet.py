@@ -1,0 +1,212 @@
+"""The simulated fleet: P and D engines (bench/fleet/engine.py) built from one profile, what each
+policy may know of them, and with what delay.
+
+Every policy sees what it would see deployed, with the same delays (`Visibility`):
+
+* **KV events** (`CacheView`): each engine's stored and removed blocks by tier (GPU, CPU), as
+  vLLM publishes them after each step, reaching a subscriber `kv_event_lag_s` later (ZMQ to an
+  indexer: llm-d's kv-cache manager, Dynamo's router, kvshuttle's agent forwarding to the
+  registry).
+* **Load** (`LoadView`): each engine's running and waiting requests and KV usage, as scraped from
+  `/metrics` (vLLM's gauges) every `load_poll_s` (llm-d's and Dynamo's metric refresh; kvshuttle's
+  agent load poll and heartbeat, whose cadence its own model sets).
+* **Its own in-flight requests**, exactly: every router knows what it has sent and not yet seen
+  answered.
+
+Nothing else is shared: no policy reads an engine's internals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from deploy.profiles.schema import EngineProfile
+
+from bench.fleet.engine import EngineConfig, KvSource, SimEngine
+from kvshuttle.router.cost import LinkModel
+
+__all__ = ["CacheView", "Fleet", "FleetConfig", "LoadView", "Visibility"]
+
+GIB: Final = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class Visibility:
+    kv_event_lag_s: float = 0.05
+    load_poll_s: float = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    profile: EngineProfile
+    prefill: int = 8
+    decode: int = 8
+    # Host memory for each engine's OffloadingConnector tier (0: none). A 2 TiB 8-GPU node with
+    # TP2 engines: four engines share it; 256 GiB each leaves room for the OS and the pools.
+    host_gib_per_engine: float = 0.0
+    # The roles whose engines run the OffloadingConnector tier (Dynamo's KVBM: prefill only).
+    host_roles: tuple[str, ...] = ("prefill", "decode")
+    # Host <-> GPU per engine (PCIe 5.0 x16 per GPU, ~50 GB/s usable, times the engine's GPUs).
+    pcie_gb_s_per_gpu: float = 50.0
+    pcie_fixed_ms: float = 0.05
+    retain_decode: bool = False
+    kv_blocks_ttl: float = 480.0
+    visibility: Visibility = field(default_factory=Visibility)
+
+    @property
+    def gpus(self) -> int:
+        return (self.prefill + self.decode) * self.profile.hardware.gpus_per_engine
+
+
+class CacheView:
+    """One subscriber's picture of the engines' cached blocks from their KV events: per engine
+    and tier (`GPU`, `CPU`), the set of keys stored and not removed."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[tuple[str, str], set[int]] = {}
+
+    def apply(self, engine: str, kind: str, keys: Iterable[int], medium: str) -> None:
+        held = self.blocks.setdefault((engine, medium), set())
+        if kind == "stored":
+            held.update(keys)
+        else:
+            held.difference_update(keys)
+
+    def leading(self, engine: str, key_list: Sequence[int], media: tuple[str, ...] = ("GPU",)) -> int:
+        """Leading blocks of `keys` this engine holds in any of `media`. A binary search: exact
+        when what an engine holds is prefix-closed (a block is stored after its parent, and the
+        LRU evicts a sequence's tail before its head, as a chain's blocks are touched in order);
+        a linear walk would cost O(prompt blocks) per engine per request in this process."""
+        sets = [held for m in media if (held := self.blocks.get((engine, m)))]
+        if not sets:
+            return 0
+
+        def has(i: int) -> bool:
+            k = key_list[i]
+            return any(k in held for held in sets)
+
+        lo, hi = 0, len(key_list)  # blocks [0, lo) held; the answer is in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if has(mid - 1):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+class LoadView:
+    """The engines' gauges as last scraped."""
+
+    def __init__(self) -> None:
+        self.loads: dict[str, Load] = {}
+
+    def of(self, engine: str) -> Load:
+        return self.loads.get(engine, Load())
+
+
+class Fleet:
+    def __init__(self, config: FleetConfig) -> None:
+        self.config = config
+        profile = config.profile
+        bs = profile.engine.block_size
+        num_blocks = profile.engine.kv_capacity_tokens // bs
+        block_bytes = bs * profile.kv_bytes_per_token
+        host_blocks = int(config.host_gib_per_engine * GIB // block_bytes)
+        gpus = profile.hardware.gpus_per_engine
+        pcie = LinkModel(bandwidth_gb_s=config.pcie_gb_s_per_gpu * gpus, fixed_ms=config.pcie_fixed_ms)
+        self.sources: dict[str, KvSource] = {}
+        self._subscribers: list[CacheView] = []
+        self._load_views: list[LoadView] = []
+        self.engines: list[SimEngine] = []
+        for role, count in (("prefill", config.prefill), ("decode", config.decode)):
+            for i in range(count):
+                engine = SimEngine(
+                    EngineConfig(
+                        name=f"{role}-{i}",
+                        role=role,
+                        profile=profile,
+                        block_size=bs,
+                        num_blocks=num_blocks,
+                        host_blocks=host_blocks if role in config.host_roles else 0,
+                        pcie=pcie,
+                        retain_decode=config.retain_decode and role == "decode",
+                        kv_blocks_ttl=config.kv_blocks_ttl,
+                        kv_recompute_threshold=profile.min_reuse_tokens,
+                    ),
+                    self.sources.get,
+                    on_event=self._event,
+                )
+                self.engines.append(engine)
+                self.sources[engine.name] = engine
+        self.prefills = [e for e in self.engines if e.config.role == "prefill"]
+        self.decodes = [e for e in self.engines if e.config.role == "decode"]
+        self._poller: asyncio.Task[None] | None = None
+        self.event_hooks: list[Callable[[SimEngine, str, list[int], int, str, Any], None]] = []
+
+    # -- subscriptions -----------------------------------------------------------------------
+
+    def subscribe(self) -> CacheView:
+        """A KV-event subscriber's view (events reach it kv_event_lag_s after they happen)."""
+        view = CacheView()
+        self._subscribers.append(view)
+        return view
+
+    def load_view(self) -> LoadView:
+        view = LoadView()
+        self._load_views.append(view)
+        self._scrape(view)
+        return view
+
+    def _event(
+        self, engine: SimEngine, kind: str, keys: list[int], first: int, medium: str, tokens: Any
+    ) -> None:
+        if not self._subscribers and not self.event_hooks:
+            return
+        lag = self.config.visibility.kv_event_lag_s
+        loop = asyncio.get_running_loop()
+        loop.call_later(lag, self._deliver, engine, kind, list(keys), first, medium, tokens)
+
+    def _deliver(
+        self, engine: SimEngine, kind: str, keys: list[int], first: int, medium: str, tokens: Any
+    ) -> None:
+        for view in self._subscribers:
+            view.apply(engine.name, kind, keys, medium)
+        for hook in self.event_hooks:
+            hook(engine, kind, keys, first, medium, tokens)
+
+    def _scrape(self, view: LoadView) -> None:
+        view.loads = {e.name: Load(e.running - e.waiting, e.waiting, e.kv_usage()) for e in self.engines}
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.visibility.load_poll_s)
+            for view in self._load_views:
+                self._scrape(view)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for engine in self.engines:
+            engine.start()
+        self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        for engine in self.engines:
+            await engine.stop()
+
+    def add_source(self, source: KvSource) -> None:
+        """A pool a READ may name (kvshuttle's agents' host pools)."""
+        self.sources[source.name] = source
