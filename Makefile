@@ -7,7 +7,7 @@ BUF := npx --yes @bufbuild/buf
 PROTOS := $(shell find proto -name '*.proto' | sort)
 GEN_OUT := services
 
-.PHONY: help venv vllm up demo-registry proto proto-check lint typecheck docs test quick unit deploy-check demo bench load bench-cluster chaos flake-hunt profile clean
+.PHONY: help venv vllm up demo-registry proto proto-check lint typecheck docs test quick unit deploy-check demo bench load bench-cluster bench-fleet chaos flake-hunt profile clean
 
 help:
 	@echo "make demo   - real vLLM prefill/decode + kvshuttle: an agent session, TTFT with and without reuse"
@@ -26,6 +26,7 @@ help:
 	@echo "make bench  - run the benchmarks under bench/ (results in bench/results/)"
 	@echo "make load   - the bounded load run over stand-in engines (LOAD_ARGS=--full: 10k turns per configuration)"
 	@echo "make bench-cluster - every routing policy side by side on an emulated 8P+8D cluster, Mooncake and agent traces, <= 20 min (CLUSTER_ARGS=--quick: a small one)"
+	@echo "make bench-fleet   - the fleet simulator: every policy incl. llm-d and Dynamo as they ship, Mooncake, Claude Code and agent traces, 8P+8D, virtual time (FLEET_ARGS=--quick: a small one)"
 	@echo "make flake-hunt - the suite on a loaded machine: 3 runs beside a CPU burner (one with make demo beside it),"
 	@echo "              then the tests that wait on processes, signals, timers or failovers 10 times; a tally"
 	@echo "              in .run/flake-hunt/ (HUNT_ARGS='--suite-runs 1 --repeat 3' etc.; hours with the defaults)"
@@ -151,6 +152,13 @@ load: venv
 # and rates; table and bench/results/cluster-*.json. CLUSTER_ARGS=--quick for the small one.
 bench-cluster: venv
 	$(BIN)/python -m bench.cluster $(CLUSTER_ARGS)
+
+# The fleet simulator (issue 29, bench/fleet): every policy (kvshuttle's real router and registry,
+# llm-d and Dynamo as they ship, the baselines) on Mooncake, Claude Code sessions and the agent loop
+# at 8P+8D, a rate sweep and three seeds, in virtual time; bench/results/fleet-*.json.
+# FLEET_ARGS=--quick for the small one.
+bench-fleet: venv
+	$(BIN)/python -m bench.fleet $(FLEET_ARGS)
 
 # The flake hunt (tests/flake_hunt.py): the suite and the tests that wait on the world, run again
 # and again on a loaded machine; every failure with its log, the tally in .run/flake-hunt/.

@@ -273,16 +273,16 @@ class SimEngine(KvSource):
         threshold = cfg.kv_recompute_threshold if not params.get("do_remote_prefill") else 1
         upto = -(-n // bs)
         worth = n - len(contents) * bs >= threshold
-        got = source.take(str(holding), upto) if source is not None else None
+        taken = source.take(str(holding), upto) if source is not None else None
         if not worth:
             self.counters.reads_declined += 1  # vLLM still notifies the holder: freed there
             return
-        if got is None:
+        if source is None or taken is None:
             self.counters.read_failures += 1
             done.read_failed = True
             return
-        full = min(len(got), n // bs, len(prompt.keys))
-        extra = got[len(contents) : full]
+        full = min(len(taken), n // bs, len(prompt.keys))
+        extra = taken[len(contents) : full]
         contents += extra
         await self._transfer(source, len(extra), done)
 

@@ -44,6 +44,10 @@ class FleetConfig:
     profile: EngineProfile
     prefill: int = 8
     decode: int = 8
+    # The engines' --block-size: 64, as llm-d's P2P guides and Dynamo's toolagent run set it
+    # (vLLM's default on H100/H200 is 16; the KV capacity in tokens is the profile's either way,
+    # and a fourth of the blocks is a fourth of this process's work per request).
+    block_size: int = 64
     # Host memory for each engine's OffloadingConnector tier (0: none). A 2 TiB 8-GPU node with
     # TP2 engines: four engines share it; 256 GiB each leaves room for the OS and the pools.
     host_gib_per_engine: float = 0.0
@@ -119,7 +123,7 @@ class Fleet:
     def __init__(self, config: FleetConfig) -> None:
         self.config = config
         profile = config.profile
-        bs = profile.engine.block_size
+        bs = config.block_size
         num_blocks = profile.engine.kv_capacity_tokens // bs
         block_bytes = bs * profile.kv_bytes_per_token
         host_blocks = int(config.host_gib_per_engine * GIB // block_bytes)

@@ -76,9 +76,10 @@ class BlockPool:
         self._on_removed = on_removed
         self._free = list(range(num_blocks - 1, -1, -1))
         self._blocks: dict[int, _Block] = {}
-        self._cached: OrderedDict[int, int] = OrderedDict()  # key -> block id, LRU first
+        self._cached: dict[int, int] = {}  # key -> block id
+        # Cached blocks nobody references, least recently used first: eviction's candidates.
+        self._idle: OrderedDict[int, None] = OrderedDict()
         self._held: OrderedDict[str, _Held] = OrderedDict()  # oldest first
-        self._idle = 0  # cached blocks nobody references: eviction frees them
         self.reserved = 0
         self.evicted_blocks = 0
         self.dropped_holdings = 0
@@ -90,12 +91,16 @@ class BlockPool:
         """Contents of the leading blocks of `keys` in the prefix cache (touched as used)."""
         found: list[int] = []
         cached, blocks = self._cached, self._blocks
-        for key in keys.tolist():
+        key_list = keys.tolist()
+        for key in key_list:
             block_id = cached.get(key)
             if block_id is None:
                 break
-            cached.move_to_end(key)
             found.append(blocks[block_id].content)
+        idle = self._idle
+        for key in reversed(key_list[: len(found)]):  # the head most recent: the tail goes first
+            if key in idle:
+                idle.move_to_end(key)
         return found
 
     def take(self, holding: str, upto_blocks: int) -> list[int] | None:
@@ -121,13 +126,25 @@ class BlockPool:
 
     def used_blocks(self) -> int:
         """Blocks in use (running requests' and held ones); the prefix cache's idle ones not."""
-        return self.num_blocks - len(self._free) - self._idle
+        return self.num_blocks - len(self._free) - len(self._idle)
 
     def held_blocks(self) -> int:
         return len(set().union(*(h.block_ids for h in self._held.values()))) if self._held else 0
 
+    def audit(self) -> dict[str, int]:
+        """What a quiescent pool (no request running) must show: `lost` blocks neither free nor
+        allocated, `unheld` blocks referenced by no holding, `reserved` blocks still set aside;
+        all 0 when no block leaked."""
+        held = set().union(*(h.block_ids for h in self._held.values())) if self._held else set()
+        referenced = {b for b, block in self._blocks.items() if block.refs > 0}
+        return {
+            "lost": self.num_blocks - len(self._free) - len(self._blocks),
+            "unheld": len(referenced - held),
+            "reserved": self.reserved,
+        }
+
     def available(self) -> int:
-        return len(self._free) + self._idle - self.reserved
+        return len(self._free) + len(self._idle) - self.reserved
 
     # -- admission (the step scheduler's BlockBudget) ----------------------------------------
 
@@ -160,9 +177,9 @@ class BlockPool:
             block_id = cached.get(key)
             if block_id is None:
                 break
-            cached.move_to_end(key)
             block = blocks[block_id]
-            self._idle -= block.refs == 0
+            if block.refs == 0:
+                del self._idle[key]
             block.refs += 1
             ids.append(block_id)
             hits += 1
@@ -204,8 +221,10 @@ class BlockPool:
     # -- internals ---------------------------------------------------------------------------
 
     def _release(self, block_ids: Sequence[int]) -> None:
-        blocks = self._blocks
-        for block_id in block_ids:
+        """vLLM frees a sequence's blocks tail first, so that its head is evicted last: a
+        cached prefix stays whole while it ages."""
+        blocks, idle = self._blocks, self._idle
+        for block_id in reversed(block_ids):
             block = blocks[block_id]
             block.refs -= 1
             if block.refs == 0:
@@ -213,7 +232,7 @@ class BlockPool:
                     del blocks[block_id]
                     self._free.append(block_id)
                 else:
-                    self._idle += 1
+                    idle[block.key] = None
 
     def _allocate(self) -> int:
         while not self._free:
@@ -228,17 +247,13 @@ class BlockPool:
     def _evict_one(self) -> bool:
         if not self._idle:
             return False
-        for key, block_id in self._cached.items():
-            block = self._blocks[block_id]
-            if block.refs == 0:
-                del self._cached[key]
-                del self._blocks[block_id]
-                self._free.append(block_id)
-                self._idle -= 1
-                self.evicted_blocks += 1
-                self._on_removed([key])
-                return True
-        return False
+        key, _ = self._idle.popitem(last=False)
+        block_id = self._cached.pop(key)
+        del self._blocks[block_id]
+        self._free.append(block_id)
+        self.evicted_blocks += 1
+        self._on_removed([key])
+        return True
 
 
 class HostTier:
@@ -258,12 +273,14 @@ class HostTier:
         """Contents of the run of `keys` from `start` found here (touched as used)."""
         found: list[int] = []
         blocks = self._blocks
-        for key in keys[start:].tolist():
+        key_list = keys[start:].tolist()
+        for key in key_list:
             content = blocks.get(key)
             if content is None:
                 break
-            blocks.move_to_end(key)
             found.append(content)
+        for key in reversed(key_list[: len(found)]):
+            blocks.move_to_end(key)
         return found
 
     def leading(self, keys: Keys) -> int:
@@ -280,7 +297,7 @@ class HostTier:
         if self.capacity_blocks <= 0:
             return []
         blocks, new = self._blocks, []
-        for key, content in zip(keys, contents, strict=True):
+        for key, content in zip(reversed(keys), reversed(contents), strict=True):  # head last
             if key in blocks:
                 blocks.move_to_end(key)
                 continue

@@ -36,7 +36,6 @@ from typing import Any, Final
 import orjson
 import structlog
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 
 from bench.fleet.engine import Completion, KvSource, Prompt, SimEngine
@@ -479,7 +478,7 @@ class Kvshuttle:
             ModelProfile(
                 model=MODEL,
                 kv_bytes_per_token=profile.kv_bytes_per_token,
-                prefill=profile.prefill,  # type: ignore[arg-type]
+                prefill=profile.prefill,
                 link=profile.link,
                 min_reuse_tokens=profile.min_reuse_tokens,
             )
@@ -492,11 +491,11 @@ class Kvshuttle:
             TurnCodec(b"fleet-simulator-turn-key"),
             self.policy,
             RouterMetrics(CollectorRegistry()),
-            tracer_provider=TracerProvider(),
+            tracer_provider=trace.NoOpTracerProvider(),
             agents=_AgentPort(by_endpoint, by_node),
             monotonic=_monotonic,
         )
-        tracer = trace.get_tracer("kvshuttle.fleet", tracer_provider=TracerProvider())
+        tracer = trace.get_tracer("kvshuttle.fleet", tracer_provider=trace.NoOpTracerProvider())
         self.runner = TurnRunner(
             _RouterPort(self.router, random.Random(f"cp-{seed}"), control_plane),
             _EnginePort({e.name: e for e in fleet.engines}),
@@ -509,14 +508,15 @@ class Kvshuttle:
             commit_wait_s=2.0,
             clock=_monotonic,
         )
-        by_engine = {a.engine.name: a for a in self.agents}
-        fleet.event_hooks.append(
-            lambda e, kind, keys, first, medium, tokens=None: by_engine[e.name].on_event(
-                e, kind, keys, first, medium, tokens
-            )
-        )
+        self._by_engine = {a.engine.name: a for a in self.agents}
+        fleet.event_hooks.append(self._on_event)
         self._tasks: list[asyncio.Task[None]] = []
         self._n = 0
+
+    def _on_event(
+        self, engine: SimEngine, kind: str, keys: list[int], first: int, medium: str, tokens: Any
+    ) -> None:
+        self._by_engine[engine.name].on_event(engine, kind, keys, first, medium, tokens)
 
     async def start(self) -> None:
         for agent in self.agents:

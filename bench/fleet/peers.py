@@ -106,7 +106,7 @@ class LlmD:
         prefill = fleet.config.profile.prefill
         # peakPrefillThroughput: the guides set the model's measured peak; here the profile's.
         self.peak_tok_s = 1e3 / prefill.per_token_ms
-        self.bs = fleet.config.profile.engine.block_size
+        self.bs = fleet.config.block_size
 
     def _match(self, engine: str, keys: list[int], now: float) -> tuple[float, int, int]:
         """(tier-weighted matched blocks, contiguous blocks in any tier, in CPU only)."""
@@ -234,7 +234,7 @@ class Dynamo:
         self.conditional_disagg = conditional_disagg
         self._prefill_tokens: dict[str, int] = {}
         self._decode_blocks: dict[str, int] = {}
-        self.bs = fleet.config.profile.engine.block_size
+        self.bs = fleet.config.block_size
 
     def _overlap(self, engine: str, keys: list[int], *, host_as_device: bool) -> float:
         device = self.cache.leading(engine, keys, ("GPU",))

@@ -68,22 +68,22 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def run_in_executor(self, executor: Any, func: Any, *args: Any) -> NoReturn:  # type: ignore[override]
         self._refuse("a thread (run_in_executor, to_thread)")
 
-    async def create_connection(self, *args: Any, **kwargs: Any) -> NoReturn:  # type: ignore[override]
+    async def create_connection(self, *args: Any, **kwargs: Any) -> NoReturn:
         self._refuse("a socket (create_connection)")
 
-    async def create_server(self, *args: Any, **kwargs: Any) -> NoReturn:  # type: ignore[override]
+    async def create_server(self, *args: Any, **kwargs: Any) -> NoReturn:
         self._refuse("a socket (create_server)")
 
-    async def create_datagram_endpoint(self, *args: Any, **kwargs: Any) -> NoReturn:  # type: ignore[override]
+    async def create_datagram_endpoint(self, *args: Any, **kwargs: Any) -> NoReturn:
         self._refuse("a socket (create_datagram_endpoint)")
 
-    async def getaddrinfo(self, *args: Any, **kwargs: Any) -> NoReturn:  # type: ignore[override]
+    async def getaddrinfo(self, *args: Any, **kwargs: Any) -> NoReturn:
         self._refuse("name resolution (getaddrinfo)")
 
-    async def subprocess_exec(self, *args: Any, **kwargs: Any) -> NoReturn:  # type: ignore[override]
+    async def subprocess_exec(self, *args: Any, **kwargs: Any) -> NoReturn:
         self._refuse("a subprocess")
 
-    async def subprocess_shell(self, *args: Any, **kwargs: Any) -> NoReturn:  # type: ignore[override]
+    async def subprocess_shell(self, *args: Any, **kwargs: Any) -> NoReturn:
         self._refuse("a subprocess")
 
 

@@ -1,0 +1,187 @@
+"""One simulated run: a policy on a fresh fleet, one workload's sessions at one rate and seed, in
+virtual time; and what the policies are, each on the fleet it ships with.
+
+Every policy runs on the same hardware (the profile's engines, `HOST_GIB_PER_ENGINE` of host
+DRAM beside each); what each puts in that DRAM is what it ships with:
+
+    kvshuttle          as shipped: RouterPolicy() (reuse by cost; extend, parking, prefetch off),
+                       decode retaining for D->P reads (vLLM's bidirectional_kv_xfer)
+    kvshuttle-agents   as recommended for agents: extend on the holder (ExtendPolicy.enabled),
+                       parking (ParkingPolicy.enabled) and prefetch (prefetch_enabled) into the
+                       agents' host pools (the host DRAM), the rest as shipped
+    llm-d              bench/fleet/peers.py, OffloadingConnector CPU tier on every engine
+    dynamo             bench/fleet/peers.py, KVBM host tier on the prefill engines
+    affinity-local, prefix-aware, recompute, proxy    bench/fleet/baselines.py (proxy's decode
+                       retains, as the seed's bidirectional setup; no host tier for these)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+from deploy.profiles.schema import EngineProfile
+
+from bench.cluster.workload.tokens import TokenMap
+from bench.fleet import vtime
+from bench.fleet.baselines import AffinityLocal, PrefixAware, Proxy, Recompute
+from bench.fleet.fleet import Fleet, FleetConfig
+from bench.fleet.kvshuttle_sim import AgentModel, Kvshuttle
+from bench.fleet.peers import Dynamo, LlmD
+from bench.fleet.replay import Arrival, Policy, ReplayResult, replay
+from kvshuttle.router.model import ExtendPolicy, ParkingPolicy, RouterPolicy
+
+__all__ = ["POLICIES", "RunResult", "RunSpec", "run"]
+
+HOST_GIB_PER_ENGINE: Final = 256.0
+SAMPLE_S: Final = 5.0  # occupancy samples
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    name: str
+    build: Callable[[Fleet, int], Policy]
+    retain_decode: bool = False
+    host_roles: tuple[str, ...] = ()
+
+
+AGENTS_POLICY: Final = RouterPolicy(
+    extend=ExtendPolicy(enabled=True),
+    parking=ParkingPolicy(enabled=True, prefetch_enabled=True),
+)
+
+
+def _kvshuttle(fleet: Fleet, seed: int) -> Policy:
+    return Kvshuttle(fleet, seed=seed)
+
+
+def _kvshuttle_agents(fleet: Fleet, seed: int) -> Policy:
+    agent = AgentModel(pool_gib=HOST_GIB_PER_ENGINE)
+    return Kvshuttle(fleet, name="kvshuttle-agents", policy=AGENTS_POLICY, agent=agent, seed=seed)
+
+
+POLICIES: Final = {
+    p.name: p
+    for p in (
+        PolicySpec("kvshuttle", _kvshuttle, retain_decode=True),
+        PolicySpec("kvshuttle-agents", _kvshuttle_agents, retain_decode=True),
+        PolicySpec("llm-d", lambda f, s: LlmD(f, seed=s), host_roles=("prefill", "decode")),
+        PolicySpec("dynamo", lambda f, s: Dynamo(f, seed=s), host_roles=("prefill",)),
+        PolicySpec("affinity-local", lambda f, s: AffinityLocal(f)),
+        PolicySpec("prefix-aware", lambda f, s: PrefixAware(f)),
+        PolicySpec("recompute", lambda f, s: Recompute(f)),
+        PolicySpec("proxy", lambda f, s: Proxy(f), retain_decode=True),
+    )
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    policy: str
+    workload: str
+    rate: float  # sessions per second
+    seed: int
+    profile: EngineProfile
+    prefill: int
+    decode: int
+    arrivals: Sequence[Arrival]
+    max_model_len: int
+    # Turns still running this long after the last session's start are cut (misses).
+    drain_s: float = 1800.0
+    block_size: int = 64
+
+
+@dataclass
+class RunResult:
+    spec: dict[str, Any]
+    result: ReplayResult
+    cpu_s: float
+    virtual_s: float
+    engines: dict[str, dict[str, float]] = field(default_factory=dict)
+    occupancy: list[dict[str, float]] = field(default_factory=list)
+
+
+async def _sample(fleet: Fleet, into: list[dict[str, float]]) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        row: dict[str, float] = {"t": round(loop.time(), 3)}
+        for role, engines in (("prefill", fleet.prefills), ("decode", fleet.decodes)):
+            row[f"{role}_hbm"] = round(float(np.mean([e.kv_usage() for e in engines])), 4)
+            cap = sum(e.host.capacity_blocks for e in engines)
+            row[f"{role}_host"] = round(sum(len(e.host) for e in engines) / cap, 4) if cap else 0.0
+        into.append(row)
+        await asyncio.sleep(SAMPLE_S)
+
+
+async def _run(spec: RunSpec) -> RunResult:
+    policy_spec = POLICIES[spec.policy]
+    fleet = Fleet(
+        FleetConfig(
+            spec.profile,
+            prefill=spec.prefill,
+            decode=spec.decode,
+            block_size=spec.block_size,
+            host_gib_per_engine=HOST_GIB_PER_ENGINE if policy_spec.host_roles else 0.0,
+            host_roles=policy_spec.host_roles,
+            retain_decode=policy_spec.retain_decode,
+        )
+    )
+    fleet.start()
+    policy = policy_spec.build(fleet, spec.seed)
+    starter = getattr(policy, "start", None)
+    if starter is not None:
+        await starter()
+    occupancy: list[dict[str, float]] = []
+    sampler = asyncio.get_running_loop().create_task(_sample(fleet, occupancy))
+    last = max((a.time_s for a in spec.arrivals), default=0.0)
+    token_map = TokenMap(151_000, seed=spec.seed, reserved=1_000)
+    result = await replay(
+        policy,
+        spec.arrivals,
+        token_map,
+        block_size=spec.block_size,
+        max_model_len=spec.max_model_len,
+        end_s=last + spec.drain_s,
+    )
+    sampler.cancel()
+    closer = getattr(policy, "close", None)
+    if closer is not None:
+        await closer()
+    engines = {
+        e.name: {
+            "busy_s": round(e.timing.busy_ms / 1e3, 3),
+            "prefill_s": round(e.timing.prefill_ms / 1e3, 3),
+            **{k: v for k, v in dataclasses.asdict(e.counters).items()},
+            "evicted_blocks": e.pool.evicted_blocks,
+            "dropped_holdings": e.pool.dropped_holdings,
+            "expired_holdings": e.pool.expired_holdings,
+            "host_evicted_blocks": e.host.evicted_blocks,
+            **{f"audit_{k}": v for k, v in e.pool.audit().items()},
+        }
+        for e in fleet.engines
+    }
+    await fleet.stop()
+    virtual = asyncio.get_running_loop().time()
+    return RunResult({}, result, 0.0, virtual, engines, occupancy)
+
+
+def run(spec: RunSpec) -> RunResult:
+    """The run, in virtual time; `cpu_s` what it cost this process."""
+    started = time.process_time()
+    out = vtime.run(_run(spec))
+    out.cpu_s = time.process_time() - started
+    out.spec = {
+        "policy": spec.policy,
+        "workload": spec.workload,
+        "rate": spec.rate,
+        "seed": spec.seed,
+        "prefill": spec.prefill,
+        "decode": spec.decode,
+        "sessions": len(spec.arrivals),
+    }
+    return out

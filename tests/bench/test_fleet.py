@@ -1,0 +1,153 @@
+"""bench/fleet: the fleet simulator. Virtual time (no wall-clock waits, no sockets or threads), the
+engines' KV memory (blocks conserved, a prefix evicted tail first), and short simulated runs of
+every policy: the same seed gives byte-identical per-turn records, no policy but the seed's proxy
+answers wrong, and the proxy does when a history is not the one its KV holds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from bench.cluster.workload.agent import AgentLoop, generate
+from bench.cluster.workload.model import Request, Session, StopReason
+from bench.fleet import vtime
+from bench.fleet.kv import BlockPool, CacheFull
+from bench.fleet.replay import Arrival
+from bench.fleet.run import POLICIES, RunSpec, run
+from deploy.profiles.schema import load_engine_profiles
+
+PROFILE = load_engine_profiles(Path(__file__).parents[2] / "deploy/profiles/qwen3-32b-h200-tp2.toml")[0]
+
+
+# -- virtual time --------------------------------------------------------------------------------
+
+
+def test_virtual_time_jumps_to_the_next_timer_without_waiting() -> None:
+    async def main() -> tuple[float, list[float]]:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(3600)
+
+        async def at(delay: float) -> float:
+            await asyncio.sleep(delay)
+            return loop.time()
+
+        times = await asyncio.gather(at(2.0), at(1.0))
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(30):
+                await asyncio.Event().wait()
+        return loop.time(), list(times)
+
+    began = time.monotonic()
+    end, times = vtime.run(main())
+    assert (end, times) == (3632.0, [3602.0, 3601.0])
+    assert time.monotonic() - began < 5  # an hour and a half-minute of timers, not waited for
+
+
+def test_virtual_time_refuses_threads_and_sockets_and_reports_a_deadlock() -> None:
+    async def thread() -> None:
+        await asyncio.to_thread(print)
+
+    async def connect() -> None:
+        await asyncio.open_connection("127.0.0.1", 1)
+
+    async def stuck() -> None:
+        await asyncio.get_running_loop().create_future()
+
+    for main in (thread, connect):
+        with pytest.raises(vtime.VirtualTimeError):
+            vtime.run(main())
+    with pytest.raises(vtime.VirtualTimeError, match="deadlock"):
+        vtime.run(stuck())
+    # The refusal is the loop's: a real socket still works outside it.
+    socket.socket().close()
+
+
+# -- the engines' KV memory ----------------------------------------------------------------------
+
+
+def _keys(n: int, base: int = 0) -> np.ndarray:
+    return np.arange(base + 1, base + n + 1, dtype=np.uint64)
+
+
+def _conserved(pool: BlockPool) -> None:
+    free, idle, blocks = len(pool._free), len(pool._idle), len(pool._blocks)
+    assert free + blocks == pool.num_blocks
+    assert 0 <= idle <= blocks and set(pool._idle) <= set(pool._cached)
+    assert sum(b.refs == 0 for b in pool._blocks.values()) == idle
+
+
+def test_block_pool_conserves_blocks_and_evicts_a_prefix_tail_first() -> None:
+    removed: list[int] = []
+    pool = BlockPool(10, 4, on_removed=removed.extend)
+    a = pool.place(_keys(6), _keys(6).tolist(), 6, 6)
+    pool.release(a)
+    _conserved(pool)
+    assert pool.hits(_keys(6)) == _keys(6).tolist()
+    held = pool.place(_keys(5, 100), _keys(5, 100).tolist(), 6, 6)  # needs 6: evicts 2 of a's
+    _conserved(pool)
+    assert removed == [6, 5]  # the tail of a's prefix, not its head
+    assert pool.hits(_keys(6)) == _keys(4).tolist()
+    pool.hold("h", held, expires_at=10.0)
+    assert pool.take("h", 5) == _keys(5, 100).tolist()  # read once...
+    assert pool.take("h", 5) is None  # ...and gone
+    _conserved(pool)
+    with pytest.raises(CacheFull):
+        pool.place(_keys(11, 200), _keys(11, 200).tolist(), 11, 11)
+    assert pool.used_blocks() == 0
+
+
+# -- short runs ----------------------------------------------------------------------------------
+
+
+def _spec(policy: str, sessions: list[Session], *, seed: int = 1) -> RunSpec:
+    return RunSpec(
+        policy=policy,
+        workload="agent",
+        rate=1.0,
+        seed=seed,
+        profile=PROFILE,
+        prefill=2,
+        decode=2,
+        arrivals=[Arrival(float(i), s) for i, s in enumerate(sessions)],
+        max_model_len=131_072,
+    )
+
+
+@pytest.fixture(scope="module")
+def agent_sessions() -> list[Session]:
+    """Four agent sessions, at most six turns each (think times and all)."""
+    return [replace(s, requests=s.requests[:6]) for s in generate(AgentLoop(), sessions=4, seed=3)]
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_short_run_is_deterministic_answers_right_and_conserves_blocks(
+    policy: str, agent_sessions: list[Session]
+) -> None:
+    spec = _spec(policy, agent_sessions)
+    first, again = run(spec), run(spec)
+    records = [asdict(r) for r in first.result.records]
+    assert records
+    assert json.dumps(records) == json.dumps([asdict(r) for r in again.result.records])
+    assert first.result.itl_s == again.result.itl_s
+    assert all(r["ttft_s"] is not None and not r["error"] for r in records)
+    assert not any(r["wrong"] for r in records)
+    audits = {e: {k: v for k, v in c.items() if k.startswith("audit_")} for e, c in first.engines.items()}
+    assert all(set(a.values()) == {0} for a in audits.values()), audits  # no block leaked
+
+
+def test_the_proxy_answers_wrong_when_the_history_is_not_the_one_its_kv_holds() -> None:
+    """A second request that does not extend the first (a compacted context): the proxy hands
+    decode's KV of the first to the second's prefill, which reads it unchecked; kvshuttle
+    verifies the prefix and recomputes."""
+    first = Request(4000, 50, tuple(range(1, 64)), stop_reason=StopReason.TOOL_CALLS, think_time_ms=0.0)
+    edited = tuple(range(1, 40)) + tuple(range(1000, 1030))  # the head kept, the rest replaced
+    second = Request(4400, 50, edited, think_time_ms=1000.0)
+    session = Session("s", 64, (first, second))
+    wrong = {p: sum(r.wrong for r in run(_spec(p, [session])).result.records) for p in ("proxy", "kvshuttle")}
+    assert wrong == {"proxy": 1, "kvshuttle": 0}
