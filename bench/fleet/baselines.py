@@ -119,7 +119,7 @@ class PrefixAware:
         self.inflight = InFlight()
 
     async def serve(self, turn: SimTurn) -> Served:
-        keys = turn.prompt.keys.tolist()
+        keys = turn.prompt.key_list
         ps = self.fleet.prefills
         n = max(1, len(keys))
         prefix = [self.cache.leading(p.name, keys) / n for p in ps]

@@ -73,6 +73,7 @@ class Prompt:
     tokens: Tokens
     keys: Keys
     seed: int
+    key_list: list[int]  # `keys` as ints (the pool's dict keys), kept by the caller
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -137,7 +138,7 @@ class KvSource:
     def take(self, holding: str, upto_blocks: int) -> list[int] | None:
         raise NotImplementedError
 
-    def host_hits(self, keys: Keys) -> list[int]:
+    def host_hits(self, keys: list[int]) -> list[int]:
         return []
 
 
@@ -185,7 +186,7 @@ class SimEngine(KvSource):
         self.timing.kick()
         return got
 
-    def host_hits(self, keys: Keys) -> list[int]:
+    def host_hits(self, keys: list[int]) -> list[int]:
         return self.host.hits(keys)
 
     def start(self) -> None:
@@ -212,10 +213,10 @@ class SimEngine(KvSource):
         self, prompt: Prompt, output: int, params: dict[str, Any], arrived: float
     ) -> Completion:
         cfg, bs = self.config, self.config.block_size
-        keys = prompt.keys
-        contents = self.pool.hits(keys)
+        key_list = prompt.key_list
+        contents = self.pool.hits(key_list)
         gpu = len(contents)
-        host = self.host.hits(keys, gpu) if self.config.host_blocks else []
+        host = self.host.hits(key_list, gpu) if self.config.host_blocks else []
         contents += host
         done = Completion(np.zeros(0, np.uint32), [], None, False, gpu * bs, len(host) * bs, 0, 0, arrived)
         if host and self.pcie is not None:
@@ -232,8 +233,8 @@ class SimEngine(KvSource):
             self.counters.computed_tokens += done.computed_tokens
             self.counters.gpu_hit_tokens += done.cached_tokens
             self.counters.host_hit_tokens += done.host_tokens
-            contents += keys[len(contents) :].tolist()  # the rest computed: its own KV
-            wrong = bool(len(contents)) and contents != keys.tolist()
+            contents += key_list[len(contents) :]  # the rest computed: its own KV
+            wrong = contents != key_list
             seed = prompt.seed ^ _WRONG_MASK if wrong else prompt.seed
             answer = answer_tokens(seed, output)
             done.output, done.wrong = answer, wrong
@@ -258,7 +259,7 @@ class SimEngine(KvSource):
             source = self._peers(str(p2p))
             upto = min(int(params.get("p2p_source_tokens") or 0), len(prompt)) // bs
             if source is not None and upto - len(contents) > 0:
-                got = source.host_hits(prompt.keys[:upto])
+                got = source.host_hits(prompt.key_list[:upto])
                 extra = got[len(contents) :]
                 if len(extra) * bs >= cfg.kv_recompute_threshold:
                     contents += extra
@@ -298,25 +299,22 @@ class SimEngine(KvSource):
 
     def _sequence(
         self, prompt: Prompt, contents: list[int], answer: Tokens, wrong: bool
-    ) -> tuple[Keys, list[int]]:
+    ) -> tuple[list[int], list[int]]:
         """The keys and contents of the sequence's full blocks once decoded: the prompt's, then
         those the answer fills (prompt + output - 1 tokens have KV), their KV as right or wrong
         as what it attended to."""
-        bs, keys = self.config.block_size, prompt.keys
+        bs, keys = self.config.block_size, prompt.key_list
         total = len(prompt) + len(answer) - 1
         if total // bs <= len(keys):
             return keys, contents
         tail = np.concatenate([prompt.tokens[len(keys) * bs :], answer[:-1]])
-        more = chain_array(tail, bs, int(keys[-1]) if len(keys) else ROOT_HASH)
-        more_list = more.tolist()
-        return np.concatenate([keys, more]), contents + (
-            [k ^ _WRONG_MASK for k in more_list] if wrong else more_list
-        )
+        more = chain_array(tail, bs, keys[-1] if keys else ROOT_HASH).tolist()
+        return keys + more, contents + ([k ^ _WRONG_MASK for k in more] if wrong else more)
 
     def _place(
         self,
         prompt: Prompt,
-        seq_keys: Keys,
+        seq_keys: list[int],
         seq_contents: list[int],
         answer: Tokens,
         params: dict[str, Any],
@@ -373,8 +371,8 @@ class SimEngine(KvSource):
             self.timing.kick()
         self._arm_expiry()
 
-    def _offload(self, keys: Keys, contents: list[int]) -> None:
+    def _offload(self, keys: list[int], contents: list[int]) -> None:
         """The OffloadingConnector stores the request's full blocks to host memory."""
-        new = self.host.store(keys.tolist(), contents)
+        new = self.host.store(keys, contents)
         if new:
             self._emit(self, "stored", new, -1, "CPU", None)

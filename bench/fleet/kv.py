@@ -87,11 +87,11 @@ class BlockPool:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def hits(self, keys: Keys) -> list[int]:
+    def hits(self, keys: Sequence[int]) -> list[int]:
         """Contents of the leading blocks of `keys` in the prefix cache (touched as used)."""
         found: list[int] = []
         cached, blocks = self._cached, self._blocks
-        key_list = keys.tolist()
+        key_list = keys
         for key in key_list:
             block_id = cached.get(key)
             if block_id is None:
@@ -160,7 +160,12 @@ class BlockPool:
     # -- writing -----------------------------------------------------------------------------
 
     def place(
-        self, keys: Keys, contents: Sequence[int], total_blocks: int, prompt_blocks: int, tokens: Any = None
+        self,
+        keys: Sequence[int],
+        contents: Sequence[int],
+        total_blocks: int,
+        prompt_blocks: int,
+        tokens: Any = None,
     ) -> list[int]:
         """Blocks for a sequence of `total_blocks` (its full ones keyed by `keys`, holding
         `contents`, as long as `keys`; a trailing partial block is not cached): leading blocks
@@ -170,7 +175,7 @@ class BlockPool:
         if total_blocks > self.num_blocks:
             raise CacheFull(f"{total_blocks} blocks needed; the pool has {self.num_blocks}")
         ids: list[int] = []
-        key_list = keys.tolist()
+        key_list = keys
         cached, blocks = self._cached, self._blocks
         hits = 0
         for key in key_list:
@@ -187,19 +192,18 @@ class BlockPool:
         for i in range(hits, total_blocks):
             block_id = self._allocate()
             full = i < len(key_list)
-            content = contents[i] if full else -1
-            key = key_list[i] if full else None
-            if key is not None and key in cached:  # cached meanwhile under this key: not twice
-                key = None
-            blocks[block_id] = _Block(content, key, refs=1)
-            if key is not None:
-                cached[key] = block_id
+            new_key = key_list[i] if full else None
+            if new_key is not None and new_key in cached:  # cached meanwhile under this key: not twice
+                new_key = None
+            blocks[block_id] = _Block(contents[i] if full else -1, new_key, refs=1)
+            if new_key is not None:
+                cached[new_key] = block_id
                 if first_new < 0:
                     first_new = i
             ids.append(block_id)
         if first_new >= 0 and self._on_stored is not None:
             parent = key_list[first_new - 1] if first_new else None
-            self._on_stored(key_list[first_new:], first_new, (tokens, parent))
+            self._on_stored(list(key_list[first_new:]), first_new, (tokens, parent))
         return ids
 
     def hold(self, holding: str, block_ids: list[int], expires_at: float) -> None:
@@ -269,11 +273,11 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def hits(self, keys: Keys, start: int = 0) -> list[int]:
+    def hits(self, keys: Sequence[int], start: int = 0) -> list[int]:
         """Contents of the run of `keys` from `start` found here (touched as used)."""
         found: list[int] = []
         blocks = self._blocks
-        key_list = keys[start:].tolist()
+        key_list = keys[start:]
         for key in key_list:
             content = blocks.get(key)
             if content is None:
@@ -283,10 +287,10 @@ class HostTier:
             blocks.move_to_end(key)
         return found
 
-    def leading(self, keys: Keys) -> int:
+    def leading(self, keys: Sequence[int]) -> int:
         """How many leading blocks of `keys` are here (not touched: a router's look)."""
         n = 0
-        for key in keys.tolist():
+        for key in keys:
             if key not in self._blocks:
                 break
             n += 1

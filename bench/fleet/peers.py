@@ -173,7 +173,7 @@ class LlmD:
 
     async def serve(self, turn: SimTurn) -> Served:
         now = asyncio.get_running_loop().time()
-        keys = turn.prompt.keys.tolist()
+        keys = turn.prompt.key_list
         isl = len(turn.prompt)
         d = self._decode()
         hit = self._approx[d.name].leading(keys) * self.bs
@@ -250,7 +250,7 @@ class Dynamo:
             table[engine.name] -= amount
 
     async def serve(self, turn: SimTurn) -> Served:
-        keys = turn.prompt.keys.tolist()
+        keys = turn.prompt.key_list
         isl, bs = len(turn.prompt), self.bs
         new_blocks = -(-(isl + turn.output) // bs)
         ds = self.fleet.decodes

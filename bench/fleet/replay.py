@@ -106,10 +106,12 @@ class _History:
         self.bs = block_size
         self.tokens = np.zeros(0, np.uint32)
         self.keys = np.zeros(0, np.uint64)
+        self.key_list: list[int] = []
 
     def set(self, tokens: np.ndarray) -> None:
         self.tokens = tokens.astype(np.uint32, copy=False)
         self.keys = chain_array(self.tokens, self.bs)
+        self.key_list = self.keys.tolist()
 
     def extend(self, more: np.ndarray) -> None:
         self.tokens = np.concatenate([self.tokens, more.astype(np.uint32, copy=False)])
@@ -118,10 +120,12 @@ class _History:
         if full > have:
             tail = self.tokens[have * self.bs : full * self.bs]
             parent = int(self.keys[-1]) if have else ROOT_HASH
-            self.keys = np.concatenate([self.keys, chain_array(tail, self.bs, parent)])
+            more = chain_array(tail, self.bs, parent)
+            self.keys = np.concatenate([self.keys, more])
+            self.key_list = self.key_list + more.tolist()
 
     def prompt(self, seed: int) -> Prompt:
-        return Prompt(self.tokens, self.keys, seed)
+        return Prompt(self.tokens, self.keys, seed, self.key_list)
 
 
 def _seed(keys: np.ndarray, tokens: np.ndarray, bs: int) -> int:

@@ -12,7 +12,6 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 from bench.cluster.workload.agent import AgentLoop, generate
 from bench.cluster.workload.model import Request, Session, StopReason
@@ -71,8 +70,8 @@ def test_virtual_time_refuses_threads_and_sockets_and_reports_a_deadlock() -> No
 # -- the engines' KV memory ----------------------------------------------------------------------
 
 
-def _keys(n: int, base: int = 0) -> np.ndarray:
-    return np.arange(base + 1, base + n + 1, dtype=np.uint64)
+def _keys(n: int, base: int = 0) -> list[int]:
+    return list(range(base + 1, base + n + 1))
 
 
 def _conserved(pool: BlockPool) -> None:
@@ -85,20 +84,20 @@ def _conserved(pool: BlockPool) -> None:
 def test_block_pool_conserves_blocks_and_evicts_a_prefix_tail_first() -> None:
     removed: list[int] = []
     pool = BlockPool(10, 4, on_removed=removed.extend)
-    a = pool.place(_keys(6), _keys(6).tolist(), 6, 6)
+    a = pool.place(_keys(6), _keys(6), 6, 6)
     pool.release(a)
     _conserved(pool)
-    assert pool.hits(_keys(6)) == _keys(6).tolist()
-    held = pool.place(_keys(5, 100), _keys(5, 100).tolist(), 6, 6)  # needs 6: evicts 2 of a's
+    assert pool.hits(_keys(6)) == _keys(6)
+    held = pool.place(_keys(5, 100), _keys(5, 100), 6, 6)  # needs 6: evicts 2 of a's
     _conserved(pool)
     assert removed == [6, 5]  # the tail of a's prefix, not its head
-    assert pool.hits(_keys(6)) == _keys(4).tolist()
+    assert pool.hits(_keys(6)) == _keys(4)
     pool.hold("h", held, expires_at=10.0)
-    assert pool.take("h", 5) == _keys(5, 100).tolist()  # read once...
+    assert pool.take("h", 5) == _keys(5, 100)  # read once...
     assert pool.take("h", 5) is None  # ...and gone
     _conserved(pool)
     with pytest.raises(CacheFull):
-        pool.place(_keys(11, 200), _keys(11, 200).tolist(), 11, 11)
+        pool.place(_keys(11, 200), _keys(11, 200), 11, 11)
     assert pool.used_blocks() == 0
 
 
