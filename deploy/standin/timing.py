@@ -124,11 +124,15 @@ class _SteppedRun:
         self._owner = owner
         self.request = request
         self.progress = asyncio.Event()
+        # The token index awaited: the step loop wakes this run only once it is out (a run
+        # awaiting its last token is not woken by each of the steps before it).
+        self.awaiting = 0
 
     async def prefilled(self) -> None:
         await self.token(0)
 
     async def token(self, index: int) -> None:
+        self.awaiting = index
         while len(self.request.token_times) <= index:
             if self._owner.failure is not None:
                 raise EngineDied("the engine's step loop died") from self._owner.failure
@@ -235,5 +239,5 @@ class SteppedTiming:
                 self.prefill_ms += self.scheduler.step_ms(step.chunks, ())
             for request in self.scheduler.finish_step(step, end):
                 run = self._runs.get(request)
-                if run is not None:
+                if run is not None and (len(request.token_times) > run.awaiting or request.finished):
                     run.progress.set()
