@@ -28,6 +28,7 @@ from typing import Any, Final
 from deploy.profiles.schema import load_engine_profiles
 
 from bench.fleet import report
+from bench.fleet.plots import plots
 from bench.fleet.run import POLICIES, RunSpec, run
 from bench.fleet.workloads import WORKLOADS, arrivals
 from bench.report import ROOT, save
@@ -40,6 +41,7 @@ FULL_RATES: Final = {
     "agent": (0.5, 1.0, 2.0, 4.0, 8.0),
 }
 FULL_WINDOW_S: Final = {"mooncake": 120.0, "claude-code": 900.0, "agent": 120.0}
+Job = tuple[argparse.Namespace, str, str, float, int]  # args, workload, policy, rate, seed
 QUICK: Final = {
     "prefill": 2,
     "decode": 2,
@@ -92,7 +94,7 @@ def _spec(args: argparse.Namespace, workload: str, policy: str, rate: float, see
     )
 
 
-def _one(job: tuple[argparse.Namespace, str, str, float, int]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _one(job: Job) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     args, workload, policy, rate, seed = job
     spec = _spec(args, workload, policy, rate, seed)
     result = run(spec)
@@ -105,7 +107,7 @@ def _one(job: tuple[argparse.Namespace, str, str, float, int]) -> tuple[dict[str
     return row, turns
 
 
-def _sweeps(args: argparse.Namespace) -> list[list[tuple[argparse.Namespace, str, str, float, int]]]:
+def _sweeps(args: argparse.Namespace) -> list[list[Job]]:
     """One sweep (rates in order) per workload, policy and seed."""
     out = []
     for workload in args.workloads.split(","):
@@ -116,9 +118,7 @@ def _sweeps(args: argparse.Namespace) -> list[list[tuple[argparse.Namespace, str
     return out
 
 
-def _sweep(
-    jobs: list[tuple[argparse.Namespace, str, str, float, int]],
-) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+def _sweep(jobs: list[Job]) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
     stop_after = jobs[0][0].stop_after
     done, missed = [], 0
     for job in jobs:
@@ -129,6 +129,20 @@ def _sweep(
         if missed >= stop_after:
             break
     return done
+
+
+def _at_best_peer(args: argparse.Namespace, rows: list[dict[str, Any]], gpus: int) -> list[Job]:
+    """The runs the summary's `ttft_p99_later_at_best_peer_capacity_ms` needs and the sweeps
+    did not make: each policy and seed at the rate of the best peer's capacity."""
+    wanted = report.best_peer_rates(rows, gpus)
+    have = {(r["workload"], r["policy"], r["seed"], r["rate"]) for r in rows}
+    jobs = []
+    for workload, rate in wanted.items():
+        for policy in args.policies.split(","):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                if (workload, policy, seed, rate) not in have:
+                    jobs.append((args, workload, policy, rate, seed))
+    return jobs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -147,6 +161,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     turns = [t for sweep in results for _, ts in sweep for t in ts]
     profile = load_engine_profiles(args.profile)[0]
     gpus = (args.prefill + args.decode) * profile.hardware.gpus_per_engine
+    # Every policy at the best peer's capacity, where its sweep stopped short of it.
+    missing = _at_best_peer(args, rows, gpus)
+    if missing:
+        if args.jobs > 1:
+            with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
+                extra = pool.map(_one, missing, chunksize=1)
+        else:
+            extra = [_one(job) for job in missing]
+        for row, ts in extra:
+            print(report.table([row]).splitlines()[1], flush=True)
+            rows.append(row)
+            turns.extend(ts)
     summary = report.summary(rows, gpus)
     utc = datetime.now(UTC)
     wall = round(time.monotonic() - started, 1)
@@ -161,6 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with gzip.open(path.with_name(path.stem + "-turns.jsonl.gz"), "wt") as f:
         for t in turns:
             f.write(json.dumps(t, separators=(",", ":")) + "\n")
+    at = report.best_peer_rates(rows, gpus)
+    for png in plots(rows, turns, at, summary, path.with_suffix("")):
+        print(png)
     print()
     print(report.table(rows))
     print(

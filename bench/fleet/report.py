@@ -20,7 +20,7 @@ import numpy as np
 
 from bench.fleet.run import RunResult
 
-__all__ = ["ITL_P99_SLO_S", "TTFT_P90_SLO_S", "capacity", "figures", "summary", "table"]
+__all__ = ["ITL_P99_SLO_S", "TTFT_P90_SLO_S", "best_peer_rates", "capacity", "figures", "summary", "table"]
 
 TTFT_P90_SLO_S: Final = 2.0
 ITL_P99_SLO_S: Final = 0.100
@@ -85,11 +85,22 @@ def figures(run: RunResult) -> dict[str, Any]:
         },
         "decisions": dict(Counter(f"{r.decision}:{r.reason}" for r in records).most_common()),
         "occupancy": run.occupancy,
-        "engines": run.engines,
+        "engines": _by_role(run.engines),
         "cpu_s": round(run.cpu_s, 2),
         "virtual_s": round(run.virtual_s, 1),
         "turns_per_cpu_s": round(len(records) / max(run.cpu_s, 1e-9), 1),
     }
+
+
+def _by_role(engines: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Engine counters summed per role (prefill-N, decode-N)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, counters in engines.items():
+        into = out.setdefault(name.rsplit("-", 1)[0], {"engines": 0})
+        into["engines"] += 1
+        for key, value in counters.items():
+            into[key] = round(into.get(key, 0) + value, 3)
+    return out
 
 
 def capacity(rows: Sequence[Mapping[str, Any]], gpus: int) -> dict[str, dict[str, dict[str, Any]]]:
@@ -115,20 +126,26 @@ def capacity(rows: Sequence[Mapping[str, Any]], gpus: int) -> dict[str, dict[str
     return out
 
 
-def summary(rows: Sequence[Mapping[str, Any]], gpus: int) -> dict[str, Any]:
-    caps = capacity(rows, gpus)
-    at_best: dict[str, dict[str, float | None]] = {}
-    for workload, policies in caps.items():
+def best_peer_rates(rows: Sequence[Mapping[str, Any]], gpus: int) -> dict[str, float]:
+    """workload -> the sweep's rate at the best peer's median capacity (the sweep's lowest rate
+    when no peer met the SLO at any)."""
+    out: dict[str, float] = {}
+    for workload, policies in capacity(rows, gpus).items():
         peers = {p: c["median"] for p, c in policies.items() if p in PEERS}
         if not peers:
             continue
-        best = max(peers, key=lambda p: peers[p])
-        rate = peers[best] * gpus
+        rate = max(peers.values()) * gpus
         rates = sorted({r["rate"] for r in rows if r["workload"] == workload})
-        # The sweep's rate at the best peer's capacity (its lowest when no rate passed).
-        at = min(rates, key=lambda r: abs(r - rate)) if rate > 0 else rates[0]
+        out[workload] = min(rates, key=lambda r: abs(r - rate)) if rate > 0 else rates[0]
+    return out
+
+
+def summary(rows: Sequence[Mapping[str, Any]], gpus: int) -> dict[str, Any]:
+    caps = capacity(rows, gpus)
+    at_best: dict[str, dict[str, float | None]] = {}
+    for workload, at in best_peer_rates(rows, gpus).items():
         at_best[workload] = {}
-        for policy in policies:
+        for policy in caps[workload]:
             p99s = [
                 r["ttft_later_ms"]["p99"]
                 for r in rows

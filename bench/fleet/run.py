@@ -39,7 +39,7 @@ from kvshuttle.router.model import ExtendPolicy, ParkingPolicy, RouterPolicy
 __all__ = ["POLICIES", "RunResult", "RunSpec", "run"]
 
 HOST_GIB_PER_ENGINE: Final = 256.0
-SAMPLE_S: Final = 5.0  # occupancy samples
+SAMPLE_S: Final = 10.0  # occupancy samples
 
 
 @dataclass(frozen=True, slots=True)

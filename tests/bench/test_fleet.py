@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from bench.cluster.workload.agent import AgentLoop, generate
 from bench.cluster.workload.model import Request, Session, StopReason
-from bench.fleet import vtime
+from bench.fleet import report, vtime
 from bench.fleet.kv import BlockPool, CacheFull
 from bench.fleet.replay import Arrival
 from bench.fleet.run import POLICIES, RunSpec, run
@@ -150,3 +150,42 @@ def test_the_proxy_answers_wrong_when_the_history_is_not_the_one_its_kv_holds() 
     session = Session("s", 64, (first, second))
     wrong = {p: sum(r.wrong for r in run(_spec(p, [session])).result.records) for p in ("proxy", "kvshuttle")}
     assert wrong == {"proxy": 1, "kvshuttle": 0}
+
+
+# -- the summary tools read ----------------------------------------------------------------------
+
+
+def _row(
+    policy: str, rate: float, seed: int, ok: bool, p99: float = 100.0, wrong: int = 0
+) -> dict[str, object]:
+    return {
+        "workload": "agent",
+        "policy": policy,
+        "rate": rate,
+        "seed": seed,
+        "slo_ok": ok,
+        "wrong": wrong,
+        "ttft_later_ms": {"p50": 1.0, "p90": 2.0, "p99": p99},
+    }
+
+
+def test_capacity_is_the_highest_rate_met_with_every_lower_one_and_the_summary_compares_there() -> None:
+    rows = [
+        _row("llm-d", 1.0, 1, True, 300.0),
+        _row("llm-d", 2.0, 1, True, 900.0),
+        _row("llm-d", 4.0, 1, False),
+        _row("llm-d", 1.0, 2, True),
+        _row("llm-d", 2.0, 2, False),
+        _row("llm-d", 4.0, 2, True),  # met again past a miss: not capacity
+        _row("kvshuttle", 1.0, 1, False, wrong=0),
+        _row("kvshuttle", 2.0, 1, False, 5000.0),
+        _row("proxy", 1.0, 1, True, wrong=3),
+    ]
+    summary = report.summary(rows, gpus=4)
+    caps = summary["capacity_per_gpu"]["agent"]
+    assert caps["llm-d"] == {"median": 0.375, "seeds": [0.5, 0.25]}
+    assert caps["kvshuttle"] == {"median": 0.0, "seeds": [0.0]}
+    assert report.best_peer_rates(rows, gpus=4) == {"agent": 1.0}  # llm-d's median 1.5/s: 1 is nearest
+    assert summary["ttft_p99_later_at_best_peer_capacity_ms"]["agent"]["llm-d"] == 200.0  # median of 300, 100
+    assert summary["wrong"]["agent"] == {"llm-d": 0, "kvshuttle": 0, "proxy": 3}
+    assert summary["policies"] == ["kvshuttle", "llm-d", "proxy"] and summary["seeds"] == [1, 2]
