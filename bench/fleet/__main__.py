@@ -36,11 +36,12 @@ from bench.report import ROOT, save
 PROFILE: Final = ROOT / "deploy/profiles/qwen3-32b-h200-tp2.toml"
 MAX_MODEL_LEN: Final = 131_072  # Qwen3-32B with YaRN x4, as Dynamo's and llm-d's agentic runs
 FULL_RATES: Final = {
-    "mooncake": (0.5, 1.0, 2.0, 4.0, 8.0),
-    "claude-code": (0.005, 0.01, 0.02, 0.04, 0.08),
-    "agent": (0.5, 1.0, 2.0, 4.0, 8.0),
+    "mooncake": (1.0, 2.0, 4.0, 8.0),
+    "claude-code": (0.02, 0.04, 0.08, 0.16),
+    "agent": (1.0, 2.0, 4.0, 8.0),
 }
-FULL_WINDOW_S: Final = {"mooncake": 120.0, "claude-code": 900.0, "agent": 120.0}
+# Seconds of arrivals; turns are measured after the first quarter (the fleet filling up).
+FULL_WINDOW_S: Final = {"mooncake": 300.0, "claude-code": 600.0, "agent": 180.0}
 Job = tuple[argparse.Namespace, str, str, float, int]  # args, workload, policy, rate, seed
 QUICK: Final = {
     "prefill": 2,
@@ -49,7 +50,7 @@ QUICK: Final = {
     "policies": "kvshuttle,llm-d,dynamo",
     "rates": "0.25,1.0",
     "seeds": "1",
-    "window": 60.0,
+    "window": 120.0,
 }
 
 
@@ -65,7 +66,7 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--window", type=float, help="seconds of session arrivals (default: FULL_WINDOW_S)")
     ap.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
-    ap.add_argument("--stop-after", type=int, default=2)
+    ap.add_argument("--stop-after", type=int, default=1)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results")
     args = ap.parse_args(argv)
@@ -91,6 +92,8 @@ def _spec(args: argparse.Namespace, workload: str, policy: str, rate: float, see
         decode=args.decode,
         arrivals=arrivals(workload, rate, window, seed, args.max_model_len),
         max_model_len=args.max_model_len,
+        window_s=window,
+        warmup_s=window / 4,
     )
 
 

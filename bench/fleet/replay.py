@@ -150,6 +150,7 @@ async def _session(
     block_size: int,
     max_model_len: int,
     result: ReplayResult,
+    send_until_s: float,
 ) -> None:
     loop = asyncio.get_running_loop()
     session = arrival.session
@@ -176,6 +177,8 @@ async def _session(
                 at = max(arrival.time_s + request.arrival_offset_ms / 1e3, done_at)
             else:
                 at = done_at + (request.think_time_ms or 0.0) / 1e3
+            if at > send_until_s:
+                return  # the measurement is over: no new turns
             if at > loop.time():
                 await asyncio.sleep(at - loop.time())
         nxt = _gap_s(requests, i)
@@ -255,14 +258,23 @@ async def replay(
     *,
     block_size: int,
     max_model_len: int,
+    send_until_s: float = math.inf,
     end_s: float = math.inf,
 ) -> ReplayResult:
-    """Every session from its arrival until it ends, or until `end_s` (virtual seconds): turns
-    in flight then are cut."""
+    """Every session from its arrival until it ends, sending no turn after `send_until_s`, until
+    `end_s` (virtual seconds): turns in flight then are cut."""
     result = ReplayResult()
     tasks = [
         asyncio.create_task(
-            _session(policy, a, token_map, block_size=block_size, max_model_len=max_model_len, result=result)
+            _session(
+                policy,
+                a,
+                token_map,
+                block_size=block_size,
+                max_model_len=max_model_len,
+                result=result,
+                send_until_s=send_until_s,
+            )
         )
         for a in arrivals
     ]

@@ -41,7 +41,9 @@ def _ms(value: float | None) -> float | None:
 
 
 def figures(run: RunResult) -> dict[str, Any]:
-    records = run.result.records
+    """The run's figures over its measured turns (sent in [warmup_s, window_s))."""
+    begin, end = run.spec.get("warmup_s", 0.0), run.spec.get("window_s", math.inf)
+    records = [r for r in run.result.records if begin <= r.sent_s < end]
     first = [r for r in records if r.turn == 0]
     later = [r for r in records if r.turn > 0]
 
@@ -63,6 +65,7 @@ def figures(run: RunResult) -> dict[str, Any]:
     return {
         **run.spec,
         "turns": len(records),
+        "turns_simulated": len(run.result.records),
         "first_turns": len(first),
         "later_turns": len(later),
         "missed": len(records) - len(answered),
@@ -88,7 +91,7 @@ def figures(run: RunResult) -> dict[str, Any]:
         "engines": _by_role(run.engines),
         "cpu_s": round(run.cpu_s, 2),
         "virtual_s": round(run.virtual_s, 1),
-        "turns_per_cpu_s": round(len(records) / max(run.cpu_s, 1e-9), 1),
+        "turns_per_cpu_s": round(len(run.result.records) / max(run.cpu_s, 1e-9), 1),
     }
 
 

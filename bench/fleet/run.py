@@ -91,8 +91,12 @@ class RunSpec:
     decode: int
     arrivals: Sequence[Arrival]
     max_model_len: int
-    # Turns still running this long after the last session's start are cut (misses).
-    drain_s: float = 1800.0
+    # Sessions arrive over [0, window_s); turns sent in [warmup_s, window_s) are measured (the
+    # fleet filled, arrivals still coming); none is sent after window_s, and turns still running
+    # drain_s after it are cut (misses).
+    window_s: float = 60.0
+    warmup_s: float = 0.0
+    drain_s: float = 60.0
     block_size: int = 64
 
 
@@ -138,7 +142,6 @@ async def _run(spec: RunSpec) -> RunResult:
         await starter()
     occupancy: list[dict[str, float]] = []
     sampler = asyncio.get_running_loop().create_task(_sample(fleet, occupancy))
-    last = max((a.time_s for a in spec.arrivals), default=0.0)
     token_map = TokenMap(151_000, seed=spec.seed, reserved=1_000)
     result = await replay(
         policy,
@@ -146,7 +149,8 @@ async def _run(spec: RunSpec) -> RunResult:
         token_map,
         block_size=spec.block_size,
         max_model_len=spec.max_model_len,
-        end_s=last + spec.drain_s,
+        send_until_s=spec.window_s,
+        end_s=spec.window_s + spec.drain_s,
     )
     sampler.cancel()
     closer = getattr(policy, "close", None)
@@ -183,5 +187,7 @@ def run(spec: RunSpec) -> RunResult:
         "prefill": spec.prefill,
         "decode": spec.decode,
         "sessions": len(spec.arrivals),
+        "window_s": spec.window_s,
+        "warmup_s": spec.warmup_s,
     }
     return out

@@ -3,7 +3,9 @@ window), the same for every policy at a given rate and seed:
 
     mooncake     the Mooncake FAST'25 conversation trace (../shared/traces/mooncake), its sessions
                  inferred by shared prefix (bench/cluster/workload/mooncake.py); a session's turns
-                 at their recorded offsets (never before the previous answer)
+                 at their recorded offsets divided by `MOONCAKE_GAP_DIVISOR` (the trace's gaps,
+                 p50 273 s, would put most later turns past any affordable window), never
+                 before the previous answer
     claude-code  the 224 real Claude Code sessions (../shared/traces/claude-code, read in place;
                  bench/cluster/workload/claude_code.py): recorded think times, each capped at
                  `THINK_CAP_S` (the traces hold overnight gaps; no retention outlives one), and
@@ -23,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Final
 
-from bench.cluster.plan import CONVERSATION_TRACE, TRACES
+from bench.cluster.plan import CONVERSATION_TRACE, TRACES, compress_gaps
 from bench.cluster.workload import claude_code, mooncake
 from bench.cluster.workload.agent import AgentLoop, generate
 from bench.cluster.workload.model import Session
@@ -32,6 +34,7 @@ from bench.fleet.replay import Arrival
 __all__ = ["THINK_CAP_S", "WORKLOADS", "arrivals"]
 
 THINK_CAP_S: Final = 600.0
+MOONCAKE_GAP_DIVISOR: Final = 10.0
 WORKLOADS: Final = ("mooncake", "claude-code", "agent")
 _MASK: Final = (1 << 62) - 1
 
@@ -54,7 +57,7 @@ def _rekey(session: Session, copy: int) -> Session:
 @functools.cache
 def _mooncake() -> tuple[tuple[Session, ...], ...]:
     sessions, _ = mooncake.infer_sessions(mooncake.read_records(CONVERSATION_TRACE), name="mc")
-    return tuple((s,) for s in sessions)
+    return tuple((compress_gaps(s, MOONCAKE_GAP_DIVISOR),) for s in sessions)
 
 
 @functools.cache
