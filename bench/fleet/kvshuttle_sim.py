@@ -25,10 +25,12 @@ servicer's own conversions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import math
+import os
 import random
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Final
@@ -94,6 +96,19 @@ class AgentModel:
     linger_s: float = 0.05  # the KV-event forwarder's
     lease_ttl_s: float = 10.0
     pool_gib: float = 0.0  # the agent's host pool (parking, prefetch); 0: none
+
+
+@contextlib.contextmanager
+def quiet_logs() -> Iterator[None]:
+    """kvshuttle's services log one line per RPC; a simulation of thousands of turns keeps only
+    errors (KVSHUTTLE_FLEET_LOG_LEVEL=20 to see them all). The process's config comes back after."""
+    saved = structlog.get_config()
+    level = int(os.environ.get("KVSHUTTLE_FLEET_LOG_LEVEL", "40"))
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
 
 
 class _SimClock:
@@ -562,8 +577,3 @@ class Kvshuttle:
             (pre.cached_tokens + pre.read_tokens + pre.host_tokens) if pre else answer.cached_tokens,
             pre,
         )
-
-
-structlog.configure(
-    wrapper_class=structlog.make_filtering_bound_logger(int(__import__("os").environ.get("SIMLOG", "50")))
-)

@@ -31,7 +31,7 @@ from bench.cluster.workload.tokens import TokenMap
 from bench.fleet import vtime
 from bench.fleet.baselines import AffinityLocal, PrefixAware, Proxy, Recompute
 from bench.fleet.fleet import Fleet, FleetConfig
-from bench.fleet.kvshuttle_sim import AgentModel, Kvshuttle
+from bench.fleet.kvshuttle_sim import AgentModel, Kvshuttle, quiet_logs
 from bench.fleet.peers import Dynamo, LlmD
 from bench.fleet.replay import Arrival, Policy, ReplayResult, replay
 from kvshuttle.router.model import ExtendPolicy, ParkingPolicy, RouterPolicy
@@ -177,7 +177,8 @@ async def _run(spec: RunSpec) -> RunResult:
 def run(spec: RunSpec) -> RunResult:
     """The run, in virtual time; `cpu_s` what it cost this process."""
     started = time.process_time()
-    out = vtime.run(_run(spec))
+    with quiet_logs():
+        out = vtime.run(_run(spec))
     out.cpu_s = time.process_time() - started
     out.spec = {
         "policy": spec.policy,
