@@ -45,6 +45,9 @@ def seconds(s: float) -> Duration:
     return d
 
 
+COMMIT_REGISTRY_TIMEOUT_S = 30.0
+
+
 def settings(registry_address: str, key: str = KEY, **policy: Any) -> RouterSettings:
     return RouterSettings(
         server=ServerSettings(listen="127.0.0.1:0", grace_seconds=1),
@@ -52,8 +55,14 @@ def settings(registry_address: str, key: str = KEY, **policy: Any) -> RouterSett
         profiles_file=PROFILES,
         turn_signing_key=SecretStr(key),
         # The node list is re-read on every plan unless a test says otherwise: a lapsed node
-        # shows at once.
-        policy=RouterPolicy(**{"node_max_age_s": 0.0, **policy}),
+        # shows at once. A commit's registry calls get COMMIT_REGISTRY_TIMEOUT_S, not the
+        # router's 1 s: the flake hunt beside make demo saw a PutRetention take longer, the commit
+        # store nothing (commit.not_stored REGISTRY_UNAVAILABLE, as designed) and the next turn
+        # recompute where the test expected reuse. The 1 s bound itself is test_degraded's and
+        # test_caller_gone's (0.05 s there).
+        policy=RouterPolicy(
+            **{"node_max_age_s": 0.0, "commit_registry_timeout_s": COMMIT_REGISTRY_TIMEOUT_S, **policy}
+        ),
     )
 
 
