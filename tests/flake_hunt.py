@@ -143,6 +143,10 @@ def run_pytest(out: Path, name: str, args: list[str]) -> Run:
     return run
 
 
+def _stopped(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="flake_hunt", description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite-runs", type=int, default=3)
@@ -163,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     # Started in the background by a shell, this process ignores SIGINT and its children would
     # too: the suite's tests that send SIGINT must meet what a terminal gives them.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # A hunt stopped with SIGTERM stops what it started too (make demo's engines and the burner
+    # by their process groups, in the blocks' `finally`), rather than leaving them running.
+    signal.signal(signal.SIGTERM, _stopped)
 
     args.out.mkdir(parents=True, exist_ok=True)
     modules = args.module or waiting_modules()
