@@ -6,8 +6,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry
 from bench.fleet.inproc import InProcessPort
+from prometheus_client import CollectorRegistry
 from tests.support.clock import FakeClock
 
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec

@@ -13,9 +13,9 @@ import time
 from typing import Any
 
 import pytest
+from bench.fleet.inproc import InProcessPort
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
-from bench.fleet.inproc import InProcessPort
 from tests.support.clock import FakeClock
 
 from kvshuttle.core.errors import FailedPrecondition, Unavailable

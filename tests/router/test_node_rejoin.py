@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from tests.router.domain_cluster import CONV, MODEL, Cluster, run_turn
 from bench.fleet.inproc import InProcessPort
+from tests.router.domain_cluster import CONV, MODEL, Cluster, run_turn
 
 from kvshuttle.core.errors import Unavailable
 from kvshuttle.core.nodes import NodeLoad, NodeRole

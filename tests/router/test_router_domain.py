@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tests.router.domain_cluster import BS, CONV, CPU, MODEL, QWEN, Cluster, run_turn
 from bench.fleet.inproc import InProcessPort
+from tests.router.domain_cluster import BS, CONV, CPU, MODEL, QWEN, Cluster, run_turn
 
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvshuttle.core.hashing import chain_hashes

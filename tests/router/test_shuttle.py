@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
 from bench.fleet.inproc import InProcessPort
+from prometheus_client import CollectorRegistry
 from tests.support.clock import FakeClock
 
 from kvshuttle.core.errors import FailedPrecondition, ResourceExhausted, Unavailable
