@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import multiprocessing
 import sys
 import time
@@ -134,6 +135,17 @@ def _sweep(jobs: list[Job]) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]
     return done
 
 
+def finite(value: Any) -> Any:
+    """The figures as strict JSON: an infinite percentile (misses beyond it) becomes null."""
+    if isinstance(value, float) and math.isinf(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return value
+
+
 def _at_best_peer(args: argparse.Namespace, rows: list[dict[str, Any]], gpus: int) -> list[Job]:
     """The runs the summary's `ttft_p99_later_at_best_peer_capacity_ms` needs and the sweeps
     did not make: each policy and seed at the rate of the best peer's capacity."""
@@ -182,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_out = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     path = save(
         "fleet",
-        {"wall_s": wall, "summary": summary, "runs": rows},
+        finite({"wall_s": wall, "summary": summary, "runs": rows}),
         args=args_out,
         directory=args.out,
         utc=utc,
