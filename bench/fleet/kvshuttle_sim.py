@@ -129,7 +129,6 @@ class _Pool(KvSource):
         self.engine = engine
         self.capacity_blocks = capacity_blocks
         self._held: dict[str, tuple[list[int], float]] = {}
-        self.parked_bytes = 0
 
     def used_blocks(self) -> int:
         now = asyncio.get_running_loop().time()
@@ -141,7 +140,6 @@ class _Pool(KvSource):
         if self.used_blocks() + len(contents) > self.capacity_blocks:
             return False
         self._held[name] = (contents, asyncio.get_running_loop().time() + ttl)
-        self.parked_bytes += len(contents) * self.engine.block_bytes
         return True
 
     def take(self, holding: str, upto_blocks: int) -> list[int] | None:

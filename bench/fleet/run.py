@@ -165,6 +165,9 @@ async def _run(spec: RunSpec) -> RunResult:
             "dropped_holdings": e.pool.dropped_holdings,
             "expired_holdings": e.pool.expired_holdings,
             "host_evicted_blocks": e.host.evicted_blocks,
+            # Every byte over the engine's links: reads, P2P pulls, kvshuttle's parks and prefetches.
+            "nic_bytes": e.nic.bytes_moved,
+            "pcie_bytes": e.pcie.bytes_moved if e.pcie is not None else 0,
             **{f"audit_{k}": v for k, v in e.pool.audit().items()},
         }
         for e in fleet.engines
