@@ -9,7 +9,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -417,11 +417,28 @@ def _to_a_grpc_thread(process: asyncio.subprocess.Process) -> None:
     assert libc.tgkill(process.pid, min(threads), signal.SIGINT) == 0, ctypes.get_errno()
 
 
+@pytest.fixture
+def sigint_as_a_terminal_gives_it() -> Iterator[None]:
+    """The CLI starts with SIGINT's default, as from a terminal, however this suite was started:
+    a shell's background job (`make test &`, a runner without job control) ignores SIGINT, its
+    children inherit that, and a CLI started ignoring SIGINT rightly keeps ignoring it. A Python
+    handler here is not inherited across exec: the child gets the default."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.mark.parametrize(
     "interrupt",
     [lambda process: process.send_signal(signal.SIGINT), _to_a_grpc_thread],
     ids=["to-the-process", "to-a-grpc-thread"],
 )
+@pytest.mark.usefixtures("sigint_as_a_terminal_gives_it")
 async def test_console_entry_point_ctrl_c_exits_130_quietly(
     fake: FakeRegistry, interrupt: Callable[[asyncio.subprocess.Process], None]
 ) -> None:
