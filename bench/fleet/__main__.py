@@ -14,6 +14,7 @@ deterministic, whichever process runs it.
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import math
@@ -26,7 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
-from deploy.profiles.schema import load_engine_profiles
+from deploy.profiles.schema import EngineProfile, load_engine_profiles
 
 from bench.fleet import report
 from bench.fleet.plots import plots
@@ -80,8 +81,14 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+@functools.cache
+def _profile(path: Path) -> EngineProfile:
+    """The profile, read once per process (every run of the sweep uses it)."""
+    return load_engine_profiles(path)[0]
+
+
 def _spec(args: argparse.Namespace, workload: str, policy: str, rate: float, seed: int) -> RunSpec:
-    profile = load_engine_profiles(args.profile)[0]
+    profile = _profile(args.profile)
     window = args.window or FULL_WINDOW_S[workload]
     return RunSpec(
         policy=policy,
@@ -174,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = [_sweep(s) for s in sweeps]
     rows = [row for sweep in results for row, _ in sweep]
     turns = [t for sweep in results for _, ts in sweep for t in ts]
-    profile = load_engine_profiles(args.profile)[0]
+    profile = _profile(args.profile)
     gpus = (args.prefill + args.decode) * profile.hardware.gpus_per_engine
     # Every policy at the best peer's capacity, where its sweep stopped short of it.
     missing = _at_best_peer(args, rows, gpus)

@@ -119,7 +119,6 @@ class EngineCounters:
     read_failures: int = 0
     reads_declined: int = 0
     read_bytes: int = 0
-    host_load_bytes: int = 0
     host_hit_tokens: int = 0
     gpu_hit_tokens: int = 0
     computed_tokens: int = 0

@@ -118,18 +118,9 @@ class BlockPool:
         self._release(held.block_ids)
         return contents
 
-    def holds(self, holding: str) -> bool:
-        return holding in self._held
-
-    def holdings(self) -> int:
-        return len(self._held)
-
     def used_blocks(self) -> int:
         """Blocks in use (running requests' and held ones); the prefix cache's idle ones not."""
         return self.num_blocks - len(self._free) - len(self._idle)
-
-    def held_blocks(self) -> int:
-        return len(set().union(*(h.block_ids for h in self._held.values()))) if self._held else 0
 
     def audit(self) -> dict[str, int]:
         """What a quiescent pool (no request running) must show: `lost` blocks neither free nor

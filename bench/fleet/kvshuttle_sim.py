@@ -199,11 +199,11 @@ class SimAgent:
                 ),
                 self.model.lease_ttl_s,
             )
-        self._poll_load()
+        await self._poll_load()
         await self._heartbeat()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._every(self.model.heartbeat_s, self._heartbeat))]
-        self._tasks.append(loop.create_task(self._every(self.model.load_poll_s, self._poll_async)))
+        self._tasks.append(loop.create_task(self._every(self.model.load_poll_s, self._poll_load)))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -216,12 +216,9 @@ class SimAgent:
             await asyncio.sleep(period)
             await call()
 
-    def _poll_load(self) -> None:
+    async def _poll_load(self) -> None:
         e = self.engine
         self._load = NodeLoad(e.running - e.waiting, e.waiting, e.kv_usage(), True)
-
-    async def _poll_async(self) -> None:
-        self._poll_load()
 
     async def _heartbeat(self) -> None:
         await self.registry.heartbeat_node(self.node, self.incarnation, self.model.lease_ttl_s, self._load)
@@ -272,19 +269,14 @@ class SimAgent:
     # -- the pool ----------------------------------------------------------------------------
 
     async def move(self, retention: str, source: dict[str, Any], ttl: float, *, park: bool) -> Pooled:
+        """Read `source`'s blocks (its own engine's when parking, a peer's or a pool's when
+        prefetching) into this agent's pool; the params that read them there."""
         if self.pool is None:
-            raise RouterFailure("FAILED_PRECONDITION", "no pool")
+            raise FailedPrecondition("this agent serves no pool")
         bs = self.engine.config.block_size
-        upto = -(-int(source.get("remote_num_tokens") or 0) // bs)
-        holder = self.engine if park else None
-        src = holder if holder is not None and source.get("remote_engine_id") == self.engine.name else None
-        got = None
-        if src is None:
-            from_id = str(source.get("remote_engine_id"))
-            peer = self._fleet.sources.get(from_id)
-            got = peer.take(str(source.get("remote_request_id")), upto) if peer is not None else None
-        else:
-            got = src.take(str(source.get("remote_request_id")), upto)
+        n = int(source.get("remote_num_tokens") or 0)
+        holder = self._fleet.sources.get(str(source.get("remote_engine_id")))
+        got = holder.take(str(source.get("remote_request_id")), -(-n // bs)) if holder is not None else None
         if got is None:
             raise FailedPrecondition("the holder no longer has the blocks")
         link = self.engine.pcie if park and self.engine.pcie is not None else self.engine.nic
@@ -292,7 +284,6 @@ class SimAgent:
         name = f"{self.pool.name}/{retention}"
         if not self.pool.put(got, ttl, name):
             raise ResourceExhausted("the pool is full")
-        n = int(source.get("remote_num_tokens") or 0)
         params = {
             "do_remote_decode": True,
             "do_remote_prefill": False,
@@ -413,7 +404,7 @@ class _RouterPort:
         try:
             yield
         except KvshuttleError as err:
-            raise RouterFailure(err.code.name, str(err), reason=getattr(err, "reason", None)) from err
+            raise RouterFailure(err.code.name, err.message, reason=err.reason) from err
 
     async def plan_turn(
         self,

@@ -92,10 +92,7 @@ class LlmD:
     def __init__(self, fleet: Fleet, *, seed: int = 0, p2p: bool = True) -> None:
         self.fleet = fleet
         self.p2p = p2p
-        if p2p:
-            self.name = "llm-d"
-        else:
-            self.name = "llm-d-no-p2p"
+        self.name = "llm-d" if p2p else "llm-d-no-p2p"
         self.rng = random.Random(f"llm-d-{seed}")
         self.cache = fleet.subscribe()
         self.load = fleet.load_view()
