@@ -148,7 +148,7 @@ bench: venv
 load: venv
 	$(BIN)/python -m bench.load $(LOAD_ARGS)
 
-# The routing policies side by side (issue 20) on emulated engines (deploy/standin), same trace
+# The routing policies side by side (issue 20) on emulated engines (bench/emulator), same trace
 # and rates; table and bench/results/cluster-*.json. CLUSTER_ARGS=--quick for the small one.
 bench-cluster: venv
 	$(BIN)/python -m bench.cluster $(CLUSTER_ARGS)

@@ -1,4 +1,4 @@
-"""Conformance of the emulator (deploy/standin, profile-timed by deploy/profiles/cpu-small.toml) to
+"""Conformance of the emulator (bench/emulator, profile-timed by deploy/profiles/cpu-small.toml) to
 real vLLM (CPU build): the same scripted conversations through kvshuttle's stack on each pair.
 
     python -m bench.conformance [--size small] [--scale 4] [--no-save]
@@ -37,8 +37,8 @@ from deploy.local.engine_pair import Engine, EnginePair
 from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
 from deploy.local.vllm_venv import ensure_model
-from deploy.standin.launcher import StandinPair
 
+from bench.emulator.http.launcher import StandinPair
 from bench.report import ROOT, save
 from kvshuttle.core.kv_events import AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 from kvshuttle.vllm.kv_events import KvEventDecoder

@@ -3,7 +3,7 @@ multi-turn chats, every piece in its own process as deployed.
 
     python -m bench.gateway_added_latency [--conversations 20] [--turns 8] [--stream]
 
-A registry and a router (the console scripts), two stand-in engines (deploy/standin: vLLM's
+A registry and a router (the console scripts), two stand-in engines (bench/emulator: vLLM's
 HTTP surface and KV transfer without a model, no simulated compute: they answer at once), and
 `kvshuttle-gateway` (JSON logs, tracing on without an exporter, the tokenizer-verification
 sampling at its default). The client sends one
@@ -40,9 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # The stand-in engine and its tokenizer live in the repo (deploy/), not the venv.
 sys.path.insert(0, str(ROOT))
 
-from deploy.standin.launcher import StandinEngineProcess, StandinPair  # noqa: E402
-from deploy.standin.tokenizer import WORDS, make_tokenizer  # noqa: E402
-
+from bench.emulator.http.launcher import StandinEngineProcess, StandinPair  # noqa: E402
+from bench.emulator.http.tokenizer import WORDS, make_tokenizer  # noqa: E402
 from bench.report import save  # noqa: E402
 from kvshuttle.gateway.config import ModelSettings  # noqa: E402
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer  # noqa: E402

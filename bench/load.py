@@ -1,5 +1,5 @@
 """The bounded load run (issue 12 §4): conversations through gateway -> router -> registry, every
-kvshuttle service its own process, over stand-in engines (deploy/standin/launcher.py: vLLM's HTTP
+kvshuttle service its own process, over stand-in engines (bench/emulator/http/launcher.py: vLLM's HTTP
 and KV-event surface, small fixed latencies, no model), at increasing offered rates, for three
 registry configurations in one run:
 
@@ -75,8 +75,8 @@ from deploy.local.processes import free_ports
 from deploy.local.services import Service, grpc_ready, registry_service
 from deploy.local.stack import HOST, KvshuttleStack, RegistryStore
 from deploy.local.vllm_venv import ensure_model
-from deploy.standin.launcher import StandinPair
 
+from bench.emulator.http.launcher import StandinPair
 from bench.load_account import LogAccount, Profiles, WireAccount
 from bench.report import save
 

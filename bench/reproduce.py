@@ -13,9 +13,9 @@ included: the published fit (deploy/profiles/qwen3-32b-h200.toml) is a whole TTF
 carrying the P -> D transfer and D's first step, so D's time is not added again.
 
 Two ways, per profile:
-* `simulate`: deploy/standin/scheduler.py's `simulate` (P's step scheduler under a fake clock)
+* `simulate`: bench/emulator/core/scheduler.py's `simulate` (P's step scheduler under a fake clock)
   plus the link's time for the blocks a read moves; exact, no sockets.
-* `socket`: a prefill and a decode stand-in engine (deploy/standin/engine.py, profile-timed)
+* `socket`: a prefill and a decode stand-in engine (bench/emulator/http/engine.py, profile-timed)
   driven over HTTP as vLLM's toy proxy does: P with `do_remote_decode` (reuse: D's params from
   the turn before), then D with P's params (D reads P's blocks and holds prompt + output - 1).
   Each session fills to context - 256 - output + 1 (D then holds context - 256), then measures
@@ -48,12 +48,12 @@ from typing import Any, Final, Literal
 
 import aiohttp
 from deploy.profiles.schema import EngineProfile, load_engine_profiles
-from deploy.standin.config import in_process_config, with_profile
-from deploy.standin.engine import StandinEngine
-from deploy.standin.link import Link
-from deploy.standin.scheduler import simulate
-from deploy.standin.tokenizer import make_tokenizer
 
+from bench.emulator.core.link import Link
+from bench.emulator.core.scheduler import simulate
+from bench.emulator.http.config import in_process_config, with_profile
+from bench.emulator.http.engine import StandinEngine
+from bench.emulator.http.tokenizer import make_tokenizer
 from bench.report import ROOT, save
 
 __all__ = ["PUBLISHED", "Row", "main", "measured", "simulated", "table"]

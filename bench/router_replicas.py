@@ -7,7 +7,7 @@ Every piece is its own process as deployed (deploy.local.control_plane): one reg
 memory), three routers sharing a turn-signing key, and two `kvshuttle-gateway` processes over
 the same three router addresses, one with ROUTER__AFFINITY=round_robin (one channel balancing
 every call) and one with ROUTER__AFFINITY=conversation (kvshuttle.gateway.affinity). The
-engines are stand-ins in this process (deploy/standin/engine.py: vLLM's HTTP surface and
+engines are stand-ins in this process (bench/emulator/http/engine.py: vLLM's HTTP surface and
 kv_transfer_params, no model, answers at once). The same chats run through both gateways at
 once (so both see the same machine), on conversations of their own: `--conversations` chats of
 `--turns` turns per gateway, up to `--concurrency` chats at a time each, each chat's turns one
@@ -45,10 +45,10 @@ sys.path.insert(0, str(ROOT))  # deploy/ (the control plane, the stand-in engine
 
 from deploy.local.control_plane import ControlPlane  # noqa: E402
 from deploy.local.processes import free_ports  # noqa: E402
-from deploy.standin.config import in_process_config  # noqa: E402
-from deploy.standin.engine import StandinEngine  # noqa: E402
-from deploy.standin.tokenizer import WORDS, make_tokenizer  # noqa: E402
 
+from bench.emulator.http.config import in_process_config  # noqa: E402
+from bench.emulator.http.engine import StandinEngine  # noqa: E402
+from bench.emulator.http.tokenizer import WORDS, make_tokenizer  # noqa: E402
 from bench.report import save  # noqa: E402
 from kvshuttle.core.digest import log_name  # noqa: E402
 

@@ -1,7 +1,7 @@
 """A test module never imports another test module (or a conftest): shared code lives in
 tests/support/ or a directory's non-test helper modules, so each test module stands alone. And
 nothing outside tests/ (bench/, deploy/) imports from tests/: what a benchmark shares with the
-tests lives beside the code it exercises (deploy/standin/, for instance)."""
+tests lives beside the code it exercises (bench/emulator/http/, for instance)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The cluster-scale comparison (issue 20): every policy on the same emulated engines
-(deploy/standin: profile-timed vLLM + NixlConnector stand-ins in this process), the same traces
+(bench/emulator: profile-timed vLLM + NixlConnector stand-ins in this process), the same traces
 and the same session rates, one run; a table per workload, policy and rate, the JSON and PNGs.
 
     python -m bench.cluster --quick            # 2P+2D, 20 agent sessions, one rate: a few minutes
@@ -25,13 +25,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from deploy.standin.config import engine_profile
-from deploy.standin.tokenizer import make_tokenizer
-
 from bench.cluster import plots
 from bench.cluster.plan import Workload, sessions_per_rate
 from bench.cluster.report import table
 from bench.cluster.run import POLICIES, ClusterRun, run_policy
+from bench.emulator.http.config import engine_profile
+from bench.emulator.http.tokenizer import make_tokenizer
 from bench.report import ROOT, save
 
 PROFILES = ROOT / "deploy" / "profiles"

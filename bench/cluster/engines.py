@@ -1,4 +1,4 @@
-"""The emulated cluster one policy runs on (deploy/standin/cluster.py: profile-timed engines in
+"""The emulated cluster one policy runs on (bench/emulator/http/cluster.py: profile-timed engines in
 this process's event loop), seen as what the policies and the kvshuttle stack need: each engine's
 endpoints (deploy/local/engine_pair.py's `Engine`), its in-flight count, and the cluster's
 counters (modelled GPU time, KV bytes moved).
@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from deploy.profiles.schema import EngineProfile
-from deploy.standin.cluster import StandinCluster
-from deploy.standin.engine import StandinEngine
-from deploy.standin.timing import SteppedTiming
+
+from bench.emulator.core.timing import SteppedTiming
+from bench.emulator.http.cluster import StandinCluster
+from bench.emulator.http.engine import StandinEngine
 
 Role = Literal["prefill", "decode"]
 
@@ -113,8 +114,8 @@ class EmulatedCluster:
                 prefill += engine.timing.prefill_ms / 1e3 * gpus
                 if engine.config.role == "prefill":
                     prefill_nodes_busy += engine.timing.busy_ms / 1e3 * gpus
-            if engine.reader.link is not None:
-                moved += engine.reader.link.bytes_moved
+            if engine.core.link is not None:
+                moved += engine.core.link.bytes_moved
         return {"gpu_busy_s": busy, "prefill_gpu_s": prefill, "prefill_nodes_busy_gpu_s": prefill_nodes_busy,
                 "bytes_moved": moved}  # fmt: skip
 
@@ -123,7 +124,7 @@ class EmulatedCluster:
         retained for a next turn's reader) and of them the retained ones."""
         pools = [node.engine.cache for node in self.of_role("decode")]
         return {
-            "in_use": sum(p.referenced_blocks() for p in pools),
+            "in_use": sum(p.used_blocks() for p in pools),
             "held": sum(p.held_blocks() for p in pools),
         }
 

@@ -6,8 +6,8 @@ The router gets the engines' profile on the emulated clock (EmulatedCluster.rout
 decode's KV TTL scaled as the engines' is, its other times at their defaults scaled alike.
 Parking, prefetch and extend on the holder are on (`kvshuttle`), or one of them off
 (`kvshuttle-no-park`, `kvshuttle-no-prefetch`, `kvshuttle-no-extend`): each agent
-(deploy.standin.agent) has a host pool of POOL_BYTES whose KV moves over the stand-ins' side
-channel, timed by the engine's link (deploy/standin/pool_plane.py). A turn whose trace gives the
+(bench.emulator.http.agent) has a host pool of POOL_BYTES whose KV moves over the stand-ins' side
+channel, timed by the engine's link (bench/emulator/http/pool_plane.py). A turn whose trace gives the
 next turn's think time sends it as the prefetch hint (X-Kvshuttle-Expected-Think-Time, on the
 emulated clock): a perfect hint.
 
@@ -86,7 +86,7 @@ class Kvshuttle:
             },
             pool_bytes=POOL_BYTES,
             pool_regions=1,
-            agent_module="deploy.standin.agent",
+            agent_module="bench.emulator.http.agent",
         )
         self._cpu0: dict[int, float] = {}
 

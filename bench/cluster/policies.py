@@ -32,10 +32,10 @@ from typing import Any, Protocol
 import aiohttp
 import zmq
 import zmq.asyncio
-from deploy.standin.kv import int64_of, vllm_block_hashes
 
 from bench.cluster.client import Streamed, decode, prefill
 from bench.cluster.engines import EmulatedCluster, Node, RoundRobin, least_loaded
+from bench.emulator.http.kv import int64_of, vllm_block_hashes
 from kvshuttle.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvshuttle.vllm.kv_events import KvEventDecoder
 

@@ -12,7 +12,7 @@ Times: the engines run `time_scale` times faster than the profile's hardware, an
 scales the trace's times (arrivals, think times) the same way; records are in the profile's
 time (real seconds / time_scale). With `horizon_s` no turn is sent after it, and the turns still
 in flight `drain_s` after it are cut. A turn is `wrong` when its answer differs from a clean
-recompute of its prompt (deploy/standin/kv.py's `output_tokens`).
+recompute of its prompt (bench/emulator/http/kv.py's `output_tokens`).
 """
 
 from __future__ import annotations

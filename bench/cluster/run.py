@@ -17,8 +17,6 @@ from typing import Any
 
 import aiohttp
 from deploy.profiles.schema import EngineProfile
-from deploy.standin.kv import output_tokens
-from deploy.standin.tokenizer import SPECIAL
 
 from bench.cluster.engines import EmulatedCluster
 from bench.cluster.kvshuttle_policy import VARIANTS, Kvshuttle
@@ -28,6 +26,8 @@ from bench.cluster.report import summarize
 from bench.cluster.workload.arrivals import Arrival, poisson_times
 from bench.cluster.workload.model import Session
 from bench.cluster.workload.tokens import TokenMap
+from bench.emulator.http.kv import output_tokens
+from bench.emulator.http.tokenizer import SPECIAL
 
 POLICIES = ("recompute", "proxy", "prefix-aware", "affinity-local", *VARIANTS)
 

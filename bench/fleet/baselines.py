@@ -1,4 +1,4 @@
-"""The plain policies, on the simulated fleet (bench/fleet/fleet.py): what bench/cluster/policies.py
+"""The plain policies, on the simulated fleet (bench/emulator/fleet/fleet.py): what bench/cluster/policies.py
 compares, without a transport.
 
     recompute       plain P->D: P and D round robin; every prompt computed on P (its own prefix
@@ -21,8 +21,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any, Final
 
-from bench.fleet.engine import Completion, SimEngine
-from bench.fleet.fleet import Fleet
+from bench.emulator.fleet.engine import Completion, SimEngine
+from bench.emulator.fleet.fleet import Fleet
 from bench.fleet.replay import Served, SimTurn
 
 __all__ = ["START", "AffinityLocal", "InFlight", "PrefixAware", "Proxy", "Recompute", "p_to_d"]

@@ -40,8 +40,8 @@ import structlog
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
-from bench.fleet.engine import Completion, KvSource, Prompt, SimEngine
-from bench.fleet.fleet import Fleet
+from bench.emulator.fleet.engine import Completion, KvSource, Prompt, SimEngine
+from bench.emulator.fleet.fleet import Fleet
 from bench.fleet.inproc import InProcessPort
 from bench.fleet.replay import Served, SimTurn
 from kvshuttle.core.errors import FailedPrecondition, KvshuttleError, ResourceExhausted
@@ -245,7 +245,7 @@ class SimAgent:
                 self._events.append(
                     BlockStored(
                         block_hashes=tuple(part),
-                        parent_block_hash=None if at == 0 else tokens[1],
+                        parent_block_hash=tokens[1] if start == 0 else keys[start - 1],
                         token_ids=tokens[0][at * bs : (at + len(part)) * bs],
                         block_size=bs,
                         lora_id=None,

@@ -13,9 +13,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Final
 
+from bench.emulator.fleet.engine import Completion, SimEngine
+from bench.emulator.fleet.fleet import Fleet
 from bench.fleet.baselines import START, InFlight, reused
-from bench.fleet.engine import Completion, SimEngine
-from bench.fleet.fleet import Fleet
 from bench.fleet.replay import Served, SimTurn
 
 __all__ = ["Dynamo", "LlmD"]

@@ -1,4 +1,4 @@
-"""Sessions replayed against one policy on a simulated fleet, in virtual time (bench/fleet/vtime.py).
+"""Sessions replayed against one policy on a simulated fleet, in virtual time (bench/emulator/fleet/vtime.py).
 
 Open loop: each session starts at its arrival, so every policy gets the same sessions at the
 same times; within a session a turn is sent its think time after the previous answer ended, as
@@ -26,7 +26,7 @@ import numpy as np
 
 from bench.cluster.workload.model import Request, Session, StopReason
 from bench.cluster.workload.tokens import TokenMap
-from bench.fleet.engine import Completion, Prompt
+from bench.emulator.fleet.engine import Completion, Prompt
 from kvshuttle.core.hashing import ROOT_HASH, chain_array
 
 __all__ = ["Arrival", "Policy", "Served", "SimTurn", "TurnRecord", "replay"]

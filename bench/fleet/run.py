@@ -28,9 +28,9 @@ import numpy as np
 from deploy.profiles.schema import EngineProfile
 
 from bench.cluster.workload.tokens import TokenMap
-from bench.fleet import vtime
+from bench.emulator.fleet import vtime
+from bench.emulator.fleet.fleet import Fleet, FleetConfig
 from bench.fleet.baselines import AffinityLocal, PrefixAware, Proxy, Recompute
-from bench.fleet.fleet import Fleet, FleetConfig
 from bench.fleet.kvshuttle_sim import AgentModel, Kvshuttle, quiet_logs
 from bench.fleet.peers import Dynamo, LlmD
 from bench.fleet.replay import Arrival, Policy, ReplayResult, replay

@@ -1,5 +1,5 @@
 """What `KvshuttleStack` (deploy/local/stack.py) reads of the prefill/decode pair it runs beside:
-`VllmPair` (deploy/local/launch.py, real vLLM) and `StandinPair` (deploy/standin/launcher.py, stand-in
+`VllmPair` (deploy/local/launch.py, real vLLM) and `StandinPair` (bench/emulator/http/launcher.py, stand-in
 engines) both have this shape.
 """
 

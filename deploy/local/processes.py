@@ -6,7 +6,7 @@ service, `redis-server`) is ended with `stop_process` (SIGTERM) or `kill_process
 crash). `die_with_parent` makes a child die with the thread that started it, so a crashed caller
 leaves none running.
 
-Used by deploy/local/vllm_engine.py, redis.py, stack.py, control_plane.py and deploy/standin/launcher.py.
+Used by deploy/local/vllm_engine.py, redis.py, stack.py, control_plane.py and bench/emulator/http/launcher.py.
 """
 
 from __future__ import annotations

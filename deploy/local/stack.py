@@ -10,8 +10,8 @@ tools that call the services directly.
         stack.gateway_url  # OpenAI-compatible, conversation-aware
 
 The pair is anything shaped like `VllmPair` (`EnginePair`, deploy/local/engine_pair.py): real
-vLLM, or the stand-in engines of deploy/standin/launcher.py (no model); with stand-ins and pools,
-run `agent_module="deploy.standin.agent"` with `pool_regions=1`.
+vLLM, or the stand-in engines of bench/emulator/http/launcher.py (no model); with stand-ins and pools,
+run `agent_module="bench.emulator.http.agent"` with `pool_regions=1`.
 
 The registry keeps its state in memory (the default) or, with `registry_store="redis"`, in a
 `redis-server` the stack starts first on loopback (deploy/local/redis.py: its own port and
@@ -105,7 +105,7 @@ class KvshuttleStack:
         # Each agent's DRAM pool for parked and prefetched KV (0: none), in the engine's layout:
         # one NIXL region per attention layer (or `pool_regions`: stand-ins have one).
         # What runs beside each engine: kvshuttle's agent, or with stand-in engines and pools
-        # deploy.standin.agent (its pool's KV moved over the stand-ins' side channel, not NIXL).
+        # bench.emulator.http.agent (its pool's KV moved over the stand-ins' side channel, not NIXL).
         self.pool_bytes, self._agent_module = pool_bytes, agent_module
         self._pool_regions = (
             (pool_regions or model_facts(pair.model_dir, dtype="float32").layers) if pool_bytes else 0

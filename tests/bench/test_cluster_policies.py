@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from bench.cluster.run import ClusterRun, run_policy
 from bench.cluster.workload.agent import AgentLoop, generate
+from bench.emulator.http.config import engine_profile
+from bench.emulator.http.tokenizer import make_tokenizer
 from bench.report import ROOT
-from deploy.standin.config import engine_profile
-from deploy.standin.tokenizer import make_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from bench.cluster.workload.agent import AgentLoop, generate
 from bench.cluster.workload.model import Request, Session, StopReason
-from bench.fleet import report, vtime
-from bench.fleet.kv import BlockPool, CacheFull
+from bench.emulator.core.pool import BlockPool, CacheFull
+from bench.emulator.fleet import vtime
+from bench.fleet import report
 from bench.fleet.replay import Arrival
 from bench.fleet.run import POLICIES, RunSpec, run
 from deploy.profiles.schema import load_engine_profiles
@@ -74,7 +75,7 @@ def _keys(n: int, base: int = 0) -> list[int]:
     return list(range(base + 1, base + n + 1))
 
 
-def _conserved(pool: BlockPool) -> None:
+def _conserved(pool: BlockPool[int, int]) -> None:
     free, idle, blocks = len(pool._free), len(pool._idle), len(pool._blocks)
     assert free + blocks == pool.num_blocks
     assert 0 <= idle <= blocks and set(pool._idle) <= set(pool._cached)
@@ -83,21 +84,21 @@ def _conserved(pool: BlockPool) -> None:
 
 def test_block_pool_conserves_blocks_and_evicts_a_prefix_tail_first() -> None:
     removed: list[int] = []
-    pool = BlockPool(10, 4, on_removed=removed.extend)
-    a = pool.place(_keys(6), _keys(6), 6, 6)
+    pool: BlockPool[int, int] = BlockPool(10, 4, on_removed=removed.extend)
+    a = pool.place(_keys(6), _keys(6))
     pool.release(a)
     _conserved(pool)
     assert pool.hits(_keys(6)) == _keys(6)
-    held = pool.place(_keys(5, 100), _keys(5, 100), 6, 6)  # needs 6: evicts 2 of a's
+    held = pool.place(_keys(5, 100), [*_keys(5, 100), -1])  # 5 full blocks and a partial: evicts 2 of a's
     _conserved(pool)
     assert removed == [6, 5]  # the tail of a's prefix, not its head
     assert pool.hits(_keys(6)) == _keys(4)
     pool.hold("h", held, expires_at=10.0)
-    assert pool.take("h", 5) == _keys(5, 100)  # read once...
-    assert pool.take("h", 5) is None  # ...and gone
+    assert pool.take_leading("h", 5) == _keys(5, 100)  # read once...
+    assert pool.take_leading("h", 5) is None  # ...and gone
     _conserved(pool)
     with pytest.raises(CacheFull):
-        pool.place(_keys(11, 200), _keys(11, 200), 11, 11)
+        pool.place(_keys(11, 200), _keys(11, 200))
     assert pool.used_blocks() == 0
 
 

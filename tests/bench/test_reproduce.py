@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from bench.emulator.http.tokenizer import make_tokenizer
 from bench.reproduce import (
     PUBLISHED,
     PUBLISHED_PROFILE,
@@ -18,7 +19,6 @@ from bench.reproduce import (
     verdict,
 )
 from deploy.profiles.schema import load_engine_profiles
-from deploy.standin.tokenizer import make_tokenizer
 
 (PROFILE,) = load_engine_profiles(PUBLISHED_PROFILE)
 

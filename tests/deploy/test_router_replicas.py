@@ -23,10 +23,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from bench.emulator.http.tokenizer import make_tokenizer
 from deploy.local.control_plane import ControlPlane
 from deploy.local.redis import redis_available
 from deploy.local.stack import RegistryStore
-from deploy.standin.tokenizer import make_tokenizer
 from prometheus_client import CollectorRegistry
 from tests.gateway.helpers import conversation_text, standin
 from tests.router.helpers import MODEL, Tokens

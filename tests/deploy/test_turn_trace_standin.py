@@ -1,5 +1,5 @@
 """One trace per turn over stand-in engines (no vLLM): kvshuttle's real services and the
-stand-ins (which send vLLM's `llm_request` span, deploy/standin/tracing.py) all export to an
+stand-ins (which send vLLM's `llm_request` span, bench/emulator/http/tracing.py) all export to an
 in-process OTLP receiver; each turn, a recompute and a reuse, is one trace whose engine spans
 are children of the gateway's prefill and decode calls, so the `traceparent` reached the
 engines. The real-vLLM counterpart is tests/e2e/test_turn_trace.py."""
@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from bench.emulator.http.launcher import StandinPair
+from bench.emulator.http.tokenizer import make_tokenizer
 from deploy.local.otlp import OtlpReceiver, receiver_in_thread
 from deploy.local.stack import KvshuttleStack
-from deploy.standin.launcher import StandinPair
-from deploy.standin.tokenizer import make_tokenizer
 from tests.e2e.stacks import PROFILE
 from tests.support.turn_traces import check_one_trace_per_turn, keep_trees, turn_traces
 from tests.support.turns import turn

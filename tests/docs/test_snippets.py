@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bench.emulator.http.tokenizer import make_tokenizer
 from deploy.kubernetes.check import kubectl
-from deploy.standin.tokenizer import make_tokenizer
 from tests.docs.snippets import KINDS, ROOT, Snippet, snippets
 from tests.gateway.helpers import Cluster, start_cluster, stop_cluster
 from tests.router.helpers import MODEL

@@ -1,4 +1,4 @@
-"""The emulator (deploy/standin, profile-timed by cpu-small) against real vLLM: the same scripted
+"""The emulator (bench/emulator, profile-timed by cpu-small) against real vLLM: the same scripted
 conversations (bench/conformance.py's) through kvshuttle on the session's real pair and on a
 stand-in pair configured like it (its model's tokenizer, block size 32, prefix caching off on P).
 Equal: the `kv_transfer_params` shapes, the KV events each engine publishes (as kvshuttle's
@@ -24,9 +24,9 @@ from bench.conformance import (
     run_script,
     shape,
 )
+from bench.emulator.http.launcher import StandinPair
 from deploy.local.engine_pair import EnginePair
 from deploy.local.launch import VllmPair
-from deploy.standin.launcher import StandinPair
 from tests.e2e.stacks import running_stack
 from tests.support.turns import reference
 

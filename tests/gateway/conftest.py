@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from deploy.standin.tokenizer import make_tokenizer
+from bench.emulator.http.tokenizer import make_tokenizer
 from tests.gateway.helpers import Cluster, cluster_fixture
 from tests.router.helpers import MODEL
 

@@ -1,5 +1,5 @@
 """What the gateway tests share: a cluster of a real registry and router (in process, over
-gRPC) with two stand-in engines (deploy/standin, in process, scripted and recorded) and the
+gRPC) with two stand-in engines (bench/emulator, in process, scripted and recorded) and the
 gateway in front."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any, Literal
 import aiohttp
 import jinja2
 import jinja2.ext
-from deploy.standin.config import in_process_config
-from deploy.standin.engine import StandinEngine
-from deploy.standin.script import Script
-from deploy.standin.tokenizer import CHAT_TEMPLATE, WORDS
+from bench.emulator.http.config import in_process_config
+from bench.emulator.http.engine import StandinEngine
+from bench.emulator.http.script import Script
+from bench.emulator.http.tokenizer import CHAT_TEMPLATE, WORDS
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from deploy.standin.engine import StandinEngine
+from bench.emulator.http.engine import StandinEngine
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr

@@ -12,7 +12,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import pytest
-from deploy.standin.tokenizer import SPECIAL, WORDS, make_tokenizer
+from bench.emulator.http.tokenizer import SPECIAL, WORDS, make_tokenizer
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deploy.standin.tokenizer import make_tokenizer
+from bench.emulator.http.tokenizer import make_tokenizer
 from tests.gateway.helpers import Cluster, cluster_fixture
 from tests.router.helpers import MODEL
 

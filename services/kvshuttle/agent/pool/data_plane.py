@@ -8,7 +8,7 @@
 
 `DataPlane` opens both for one start of the pool. NIXL is the one that ships
 (kvshuttle.agent.pool.nixl_plane: UCX READs into registered host memory, vLLM's side channel);
-an emulated cluster brings its own (deploy/standin/pool_plane.py). No NIXL here: a plane's own
+an emulated cluster brings its own (bench/emulator/http/pool_plane.py). No NIXL here: a plane's own
 module imports what it moves bytes with.
 
 What every plane shares: the retention's params read as `RetainedBlocks`, and the checks a read

@@ -1,7 +1,7 @@
 """What a pool's read server keeps, whatever side channel readers reach it on: the sealed
 allocations published under fresh read ids, the readers' heartbeats that hold them, and the
 read-done notifications that release them (kvshuttle.agent.pool.serve, NIXL's; an emulated
-cluster's own, deploy/standin/pool_plane.py).
+cluster's own, bench/emulator/http/pool_plane.py).
 
 `publish()` registers a sealed allocation under a fresh read id and returns kv_transfer_params
 that name the server; the router keeps them in the registry (the retention moved to the agent's

@@ -1,4 +1,4 @@
-"""The stand-in engine's HTTP shapes (deploy/standin/engine.py): a `/v1/completions` body
+"""The stand-in engine's HTTP shapes (bench/emulator/http/engine.py): a `/v1/completions` body
 read as vLLM 0.32 reads it (and refused with vLLM's error bodies), and the answers written as
 vLLM writes them: the completion, its SSE chunks (the finish chunk carries the
 `kv_transfer_params`), usage, `/v1/models` and the Prometheus text of `/metrics`; and the

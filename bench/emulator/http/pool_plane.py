@@ -1,6 +1,6 @@
 """kvshuttle's agent pool on stand-in engines: a data plane (kvshuttle.agent.pool.data_plane) that
-moves the stand-ins' KV (deploy/standin/kv.py: which tokens each block holds, no bytes) over
-their side channel (HTTP standing in for NIXL, deploy/standin/engine.py) instead of NIXL.
+moves the stand-ins' KV (bench/emulator/http/kv.py: which tokens each block holds, no bytes) over
+their side channel (HTTP standing in for NIXL, bench/emulator/http/engine.py) instead of NIXL.
 
 * handshakes: `GET /kv/handshake` on a side channel (a stand-in engine's, or another agent's
   pool served here) read as NIXL's: the engine id, block size and blocks, the clock, and in
@@ -9,13 +9,13 @@ their side channel (HTTP standing in for NIXL, deploy/standin/engine.py) instead
   `block_size * kv_bytes_per_token`, as the agent's settings size it.
 * reads (`StandinSlotReader`): `POST /kv/read` of the holder's blocks (their contents, and with
   `notify` the holder frees them), into the pool's slots; timed by a link of the agent's own,
-  the model of its engine's (deploy/standin/link.py: the fixed cost, then the bytes at the
+  the model of its engine's (bench/emulator/core/link.py: the fixed cost, then the bytes at the
   bandwidth the agent's overlapping reads share).
 * serving (`StandinReadServer`): the same two routes on a side channel of its own, so a
   stand-in prefill reads a pool node's params as it reads decode's (the read is the read-done
   notification: the slots are released), and another agent prefetches from it.
 
-`python -m deploy.standin.agent` runs kvshuttle's agent with this plane.
+`python -m bench.emulator.http.agent` runs kvshuttle's agent with this plane.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import structlog
 import zmq.asyncio
 from aiohttp import web
 
-from deploy.standin.link import Link
+from bench.emulator.core.link import Link
 from kvshuttle.agent.config import PoolSettings
 from kvshuttle.agent.pool.blocks import BlockPool, PoolLayout
 from kvshuttle.agent.pool.data_plane import OpenedPool, Parked, PreparedRead, RetainedBlocks, check_readable

@@ -1,4 +1,4 @@
-"""The profile-timed scheduler (deploy/standin/scheduler.py) under a fake clock: its times are the
+"""The profile-timed scheduler (bench/emulator/core/scheduler.py) under a fake clock: its times are the
 profile's formulas, exactly."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import asyncio
 import dataclasses
 
 import pytest
+from bench.emulator.core.pool import BlockPool
+from bench.emulator.core.scheduler import EngineRequest, Scheduler, simulate
+from bench.emulator.core.timing import EngineDied, SteppedTiming
 from deploy.profiles.schema import DecodeModel, EngineLimits, EngineProfile, Hardware
-from deploy.standin.kvpool import KvBlockPool
-from deploy.standin.scheduler import EngineRequest, Scheduler, simulate
-from deploy.standin.timing import EngineDied, SteppedTiming
 
 from kvshuttle.router.cost import LinkModel, PrefillModel
 
@@ -86,7 +86,7 @@ def test_chunked_prefill_interleaves_with_decode() -> None:
 
 
 def test_admission_waits_for_blocks() -> None:
-    pool = KvBlockPool(num_blocks=100, block_size=16)
+    pool = BlockPool[int, int](num_blocks=100, block_size=16)
     first, second = simulate(PROFILE, [(0.0, 1000, 0, 10), (0.0, 1000, 0, 10)], budget=pool)
     assert second.token_times[0] > first.token_times[-1]  # 63 blocks each: one at a time
     assert pool.reserved == 0
@@ -102,7 +102,7 @@ def test_admission_stops_at_max_batch() -> None:
 
 
 async def test_requests_fail_rather_than_hang_when_the_step_loop_dies() -> None:
-    timing = SteppedTiming(PROFILE, KvBlockPool(num_blocks=1024, block_size=16), time_scale=0.001)
+    timing = SteppedTiming(PROFILE, BlockPool[int, int](num_blocks=1024, block_size=16), time_scale=0.001)
     timing.start()
     waiting = timing.submit(100, 0, 4)
 

@@ -1,5 +1,5 @@
-"""Parking and prefetch over stand-in engines (deploy/standin/pool_plane.py): kvshuttle's real
-services, each agent `deploy.standin.agent` (kvshuttle's agent, its pool's KV moved over the
+"""Parking and prefetch over stand-in engines (bench/emulator/http/pool_plane.py): kvshuttle's real
+services, each agent `bench.emulator.http.agent` (kvshuttle's agent, its pool's KV moved over the
 stand-ins' side channel instead of NIXL). The router parks an idle conversation's retention from
 decode into decode's agent, the next turn's prefill reads it from that pool node as it reads
 decode's; a think-time hint prefetches into prefill's agent, and the turn after reads from
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from bench.emulator.http.launcher import StandinPair
+from bench.emulator.http.tokenizer import make_tokenizer
 from deploy.local.stack import KvshuttleStack
-from deploy.standin.launcher import StandinPair
-from deploy.standin.tokenizer import make_tokenizer
 from tests.e2e.stacks import PROFILE
 from tests.support.turns import turn
 
@@ -58,7 +58,7 @@ def stack(tmp_path: Path) -> Iterator[tuple[StandinPair, KvshuttleStack]]:
             extra_env={"router": ROUTER},
             pool_bytes=64 * 2**20,
             pool_regions=1,
-            agent_module="deploy.standin.agent",
+            agent_module="bench.emulator.http.agent",
         )
         stack.start()
         try:

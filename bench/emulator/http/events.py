@@ -1,4 +1,4 @@
-"""The stand-in engine's KV events (deploy/standin/engine.py), in vLLM's frame shapes
+"""The stand-in engine's KV events (bench/emulator/http/engine.py), in vLLM's frame shapes
 (kvshuttle.vllm.kv_events decodes them): a ZMQ PUB of `[topic, seq, msgpack [ts, [events], 0]]`,
 one batch per request that changed the cache, and the replay ROUTER that answers a
 `[identity, b"", seq]` request with every buffered batch from `seq` on, then an end frame."""

@@ -1,7 +1,7 @@
-"""Many stand-in engines (deploy/standin/engine.py) in one process and one event loop: the
+"""Many stand-in engines (bench/emulator/http/engine.py) in one process and one event loop: the
 emulated vLLM cluster a cluster-scale benchmark runs against.
 
-    python -m deploy.standin.cluster --profile deploy/profiles/qwen3-32b-h200-tp2.toml \
+    python -m bench.emulator.http.cluster --profile deploy/profiles/qwen3-32b-h200-tp2.toml \
         --prefill 8 --decode 8 --time-scale 0.1 [--model-dir DIR] [--out endpoints.json]
 
 Once every engine listens it prints its endpoints as one JSON line (and writes them to `--out`),
@@ -29,9 +29,10 @@ from typing import Any, Literal, Self
 
 from deploy.local.vllm_engine import new_engine_id
 from deploy.profiles.schema import EngineProfile
-from deploy.standin.config import StandinConfig, engine_profile, in_process_config, with_profile
-from deploy.standin.engine import StandinEngine
-from deploy.standin.tokenizer import make_tokenizer
+
+from bench.emulator.http.config import StandinConfig, engine_profile, in_process_config, with_profile
+from bench.emulator.http.engine import StandinEngine
+from bench.emulator.http.tokenizer import make_tokenizer
 
 __all__ = ["StandinCluster", "main"]
 
@@ -115,14 +116,14 @@ class StandinCluster:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m deploy.standin.cluster", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m bench.emulator.http.cluster", description=__doc__)
     ap.add_argument("--profile", type=Path, help="an engine profile (deploy/profiles); none: flat costs")
     ap.add_argument("--profile-model", help="which of the file's profiles (default: its only one)")
     ap.add_argument("--prefill", type=int, default=1)
     ap.add_argument("--decode", type=int, default=1)
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--model-dir", type=Path, default=Path(".run/models/standin"),
-                    help="its tokenizer.json (made if missing: deploy/standin/tokenizer.py)")  # fmt: skip
+                    help="its tokenizer.json (made if missing: bench.emulator.http.tokenizer)")  # fmt: skip
     ap.add_argument("--served-model-name", help="default: the profile's model")
     ap.add_argument("--kv-blocks-ttl", type=float, default=480.0)
     ap.add_argument("--out", type=Path, help="also write the endpoints JSON here")

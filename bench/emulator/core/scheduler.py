@@ -1,5 +1,5 @@
 """A vLLM engine's step scheduler, timed by an engine profile (deploy/profiles): pure logic, no
-clock and no sleeps. deploy/standin/timing.py drives it in an event loop; `simulate` drives it
+clock and no sleeps. bench/emulator/core/timing.py drives it in an event loop; `simulate` drives it
 with a fake clock.
 
 vLLM V1's loop, reduced to what decides time: one forward (step) at a time. Each step gives every
@@ -32,7 +32,7 @@ __all__ = ["BlockBudget", "Chunk", "EngineRequest", "Scheduler", "Step", "simula
 
 
 class BlockBudget(Protocol):
-    """Where admitted requests get their KV blocks (deploy/standin/kvpool.py's KvBlockPool)."""
+    """Where admitted requests get their KV blocks (bench/emulator/core/pool.py's BlockPool)."""
 
     def try_reserve(self, blocks: int) -> bool: ...
 

@@ -1,4 +1,4 @@
-"""The stand-in engines (deploy/standin/engine.py) speak what kvshuttle consumes of vLLM, and
+"""The stand-in engines (bench/emulator/http/engine.py) speak what kvshuttle consumes of vLLM, and
 the whole control plane runs over them: real processes on loopback, nothing left running.
 
 * Their block hashes are vLLM's (checked against a real vLLM 0.32 capture), their KV events
@@ -26,9 +26,9 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from bench.emulator.http.kv import int64_of, vllm_block_hashes
+from bench.emulator.http.launcher import StandinPair
 from deploy.local.stack import KvshuttleStack
-from deploy.standin.kv import int64_of, vllm_block_hashes
-from deploy.standin.launcher import StandinPair
 from tests.e2e.stacks import DEAR_LINK, EXTEND_ENV, PROFILE
 
 from kvshuttle.agent.events import ZmqReplayer

@@ -1,4 +1,4 @@
-"""What a test scripts on a stand-in engine it runs in its own process (deploy/standin/engine.py),
+"""What a test scripts on a stand-in engine it runs in its own process (bench/emulator/http/engine.py),
 and what the engine records for it to read back. A stand-in run as a process (bench, the local
 stack) has the default script, which changes nothing, and records nothing.
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from deploy.standin.http import Answer, apply_stops
+from bench.emulator.http.completions import Answer, apply_stops
 
 
 @dataclass

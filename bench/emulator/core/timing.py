@@ -1,10 +1,10 @@
-"""How long a stand-in engine (deploy/standin/engine.py) takes: a request's `Run` paces its
+"""How long a stand-in engine (bench/emulator/http/engine.py) takes: a request's `Run` paces its
 answer (prefill done, each output token, the end).
 
 * `FixedTiming`: the stand-in's own flat costs (`--prefill-us-per-token`,
   `--decode-ms-per-token`), each request on its own, as without a profile.
 * `SteppedTiming`: an engine profile (deploy/profiles) driving the step scheduler
-  (deploy/standin/scheduler.py): one forward at a time, slept for its modelled time times
+  (bench/emulator/core/scheduler.py): one forward at a time, slept for its modelled time times
   `time_scale`; requests wait for blocks of the engine's pool and for each other.
 """
 
@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from deploy.profiles.schema import EngineProfile
-from deploy.standin.kvpool import CacheFull, KvBlockPool
-from deploy.standin.scheduler import EngineRequest, Scheduler
+
+from bench.emulator.core.pool import BlockPool, CacheFull
+from bench.emulator.core.scheduler import EngineRequest, Scheduler
 
 __all__ = ["EngineDied", "FixedTiming", "Run", "SteppedTiming", "Timing"]
 
@@ -155,7 +156,7 @@ class SteppedTiming:
     `time_scale`; requests reserve blocks of `pool` for prompt + output - 1 tokens (what a
     decode engine retains; a prefill engine answers one token)."""
 
-    def __init__(self, profile: EngineProfile, pool: KvBlockPool, *, time_scale: float = 1.0) -> None:
+    def __init__(self, profile: EngineProfile, pool: BlockPool[Any, Any], *, time_scale: float = 1.0) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be positive")
         self.profile = profile

@@ -1,6 +1,6 @@
-"""The stand-in engine's configuration (deploy/standin/engine.py): from its command line, or for
+"""The stand-in engine's configuration (bench/emulator/http/engine.py): from its command line, or for
 an engine in a test's own event loop. With an engine profile (deploy/profiles) the engine is
-profile-timed (deploy/standin/timing.py) and the profile sets its block size, pool size and
+profile-timed (bench/emulator/core/timing.py) and the profile sets its block size, pool size and
 recompute threshold; without one it takes the flat per-token costs below."""
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from deploy.profiles.schema import EngineProfile, ProfileError, load_engine_profiles
+
+from bench.emulator.core.engine import CoreConfig
+from kvshuttle.router.cost import LinkModel
 
 HOST: Final = "127.0.0.1"
 
@@ -44,8 +47,35 @@ class StandinConfig:
     # Every modelled or configured duration (compute, reads, TTLs) times this: 0.1 runs ten times
     # faster than the profile's hardware.
     time_scale: float = 1.0
-    # OTLP/gRPC collector for vLLM's `llm_request` spans (deploy/standin/tracing.py); None: off.
+    # OTLP/gRPC collector for vLLM's `llm_request` spans (bench/emulator/http/tracing.py); None: off.
     otlp_traces_endpoint: str | None = None
+    # vLLM's OffloadingConnector: a CPU tier of this many blocks (0: none), loaded back over PCIe.
+    host_blocks: int = 0
+    pcie_gb_s: float = 50.0
+
+    def core(self, side_channel_port: int) -> CoreConfig:
+        """The engine core's configuration (bench/emulator/core/engine.py), its side channel on
+        `side_channel_port` (picked at start for port 0)."""
+        return CoreConfig(
+            engine_id=self.engine_id,
+            role=self.role,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            profile=self.profile,
+            prefix_caching=self.prefix_caching,
+            host_blocks=self.host_blocks,
+            pcie=LinkModel(bandwidth_gb_s=self.pcie_gb_s, fixed_ms=0.0) if self.host_blocks else None,
+            kv_blocks_ttl=self.kv_blocks_ttl,
+            kv_lease_s=self.kv_lease_s,
+            kv_recompute_threshold=self.kv_recompute_threshold,
+            kv_load_failure_policy=self.kv_load_failure_policy,
+            host=self.host,
+            side_channel_port=side_channel_port,
+            prefill_us_per_token=self.prefill_us_per_token,
+            decode_ms_per_token=self.decode_ms_per_token,
+            read_us_per_block=self.read_us_per_block,
+            time_scale=self.time_scale,
+        )
 
 
 def with_profile(config: StandinConfig, profile: EngineProfile) -> StandinConfig:
@@ -78,8 +108,8 @@ def in_process_config(
 
 
 def config_from_argv(argv: Sequence[str] | None = None, *, description: str = "") -> StandinConfig:
-    """The configuration `python -m deploy.standin.engine` is given (see its usage there)."""
-    ap = argparse.ArgumentParser(prog="python -m deploy.standin.engine", description=description)
+    """The configuration `python -m bench.emulator.http.engine` is given (see its usage there)."""
+    ap = argparse.ArgumentParser(prog="python -m bench.emulator.http.engine", description=description)
     ap.add_argument("--role", choices=("prefill", "decode"), required=True)
     for name in ("port", "side-channel-port", "kv-events-port", "kv-replay-port"):
         ap.add_argument(f"--{name}", type=int, required=True)
@@ -99,7 +129,7 @@ def config_from_argv(argv: Sequence[str] | None = None, *, description: str = ""
         ("block-size", int, 32), ("num-blocks", int, 4096), ("max-model-len", int, 8192),
         ("prefill-us-per-token", float, 20.0), ("decode-ms-per-token", float, 0.5),
         ("read-us-per-block", float, 50.0), ("kv-blocks-ttl", float, 480.0), ("kv-lease-s", float, 30.0),
-        ("kv-recompute-threshold", int, 64),
+        ("kv-recompute-threshold", int, 64), ("host-blocks", int, 0), ("pcie-gb-s", float, 50.0),
     ):  # fmt: skip
         ap.add_argument(f"--{name}", type=kind, default=default)
     args = vars(ap.parse_args(argv))

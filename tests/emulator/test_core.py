@@ -12,15 +12,15 @@ from typing import Any
 
 import aiohttp
 import pytest
+from bench.emulator.core.link import Link, ProcessorSharing
+from bench.emulator.core.pool import BlockPool
+from bench.emulator.core.timing import SteppedTiming
+from bench.emulator.http.cluster import StandinCluster
+from bench.emulator.http.config import in_process_config, with_profile
+from bench.emulator.http.engine import StandinEngine
+from bench.emulator.http.kv import int64_of, output_tokens, removed_event, stored_events, vllm_block_hashes
+from bench.emulator.http.tokenizer import make_tokenizer
 from deploy.profiles.schema import DecodeModel, EngineLimits, EngineProfile, Hardware
-from deploy.standin.cluster import StandinCluster
-from deploy.standin.config import in_process_config, with_profile
-from deploy.standin.engine import StandinEngine
-from deploy.standin.kv import int64_of, output_tokens, vllm_block_hashes
-from deploy.standin.kvpool import KvBlockPool
-from deploy.standin.link import Link, ProcessorSharing
-from deploy.standin.timing import SteppedTiming
-from deploy.standin.tokenizer import make_tokenizer
 
 from kvshuttle.router.cost import LinkModel, PrefillModel
 
@@ -47,50 +47,76 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # -- the block pool ------------------------------------------------------------------------------
 
 
-def place(pool: KvBlockPool, tokens: list[int]) -> list[int]:
-    return pool.place(tokens, tokens, vllm_block_hashes(tokens, pool.block_size))
+Pool = BlockPool[bytes, tuple[int, ...]]
+
+
+def pool_with_events(num_blocks: int, block_size: int, **kw: Any) -> tuple[Pool, list[dict[str, Any]]]:
+    """A pool wired to vLLM-shaped KV events as the HTTP stand-in wires it."""
+    events: list[dict[str, Any]] = []
+
+    def stored(indices: list[int], sequence: tuple[list[int], list[bytes], int]) -> None:
+        tokens, hashes, prompt = sequence
+        events.extend(
+            stored_events(tokens, hashes, indices, block_size, None, first_generated=prompt // block_size)
+        )
+
+    pool: Pool = BlockPool(
+        num_blocks,
+        block_size,
+        on_stored=stored,
+        on_removed=lambda keys: events.append(removed_event(keys, "GPU")),
+        **kw,
+    )
+    return pool, events
+
+
+def place(pool: Pool, tokens: list[int], prompt: int | None = None) -> list[int]:
+    bs, hashes = pool.block_size, vllm_block_hashes(tokens, pool.block_size)
+    blocks = [tuple(tokens[i : i + bs]) for i in range(0, len(tokens), bs)]
+    return pool.place(hashes, blocks, (tokens, hashes, len(tokens) if prompt is None else prompt))
 
 
 def test_lru_evicts_the_least_recently_used_unreferenced_block() -> None:
-    pool = KvBlockPool(num_blocks=4, block_size=2)
+    pool, events = pool_with_events(4, 2)
     a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
     pool.release(place(pool, a))
     pool.release(place(pool, b))
-    assert len(pool.local_hit(vllm_block_hashes(a, 2))) == 2  # a is used again: b is the LRU
-    pool.events.clear()
+    assert len(pool.hits(vllm_block_hashes(a, 2))) == 2  # a is used again: b is the LRU
+    events.clear()
     pool.release(place(pool, c))
-    removed = [h for e in pool.events if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
-    assert removed == [int64_of(h) for h in vllm_block_hashes(b, 2)]
-    assert len(pool.local_hit(vllm_block_hashes(a, 2))) == 2
-    assert pool.local_hit(vllm_block_hashes(b, 2)) == []
+    removed = [h for e in events if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
+    # vLLM frees a sequence tail first: its head is evicted last.
+    assert removed == [int64_of(h) for h in reversed(vllm_block_hashes(b, 2))]
+    assert len(pool.hits(vllm_block_hashes(a, 2))) == 2
+    assert pool.hits(vllm_block_hashes(b, 2)) == []
 
 
 def test_blocks_filled_by_generated_tokens_are_stored_one_event_each_as_vllms_decode_steps() -> None:
     # Real vLLM (tests/e2e/test_conformance.py): a prompt's new full blocks in one BlockStored,
     # then one per block a decode step fills, each linked to the block before.
-    pool = KvBlockPool(num_blocks=16, block_size=2)
+    pool, events = pool_with_events(16, 2)
     tokens = list(range(1, 10))  # a 5-token prompt (2 full blocks) + 4 generated: blocks 2 and 3
     hashes = [int64_of(h) for h in vllm_block_hashes(tokens, 2)]
-    pool.place(tokens, tokens, vllm_block_hashes(tokens, 2), prompt_tokens=5)
-    stored = [(e["block_hashes"], e["parent_block_hash"]) for e in pool.events]
+    place(pool, tokens, prompt=5)
+    stored = [(e["block_hashes"], e["parent_block_hash"]) for e in events]
     assert stored == [(hashes[:2], None), (hashes[2:3], hashes[1]), (hashes[3:4], hashes[2])]
 
 
 def test_referenced_blocks_are_not_evicted_and_reservations_count_evictable_ones() -> None:
-    pool = KvBlockPool(num_blocks=4, block_size=2)
+    pool, _ = pool_with_events(4, 2)
     pinned = place(pool, [1, 2, 3, 4])
     pool.release(place(pool, [5, 6, 7, 8]))
     assert pool.available() == 2  # the two cached, unreferenced blocks
     assert pool.try_reserve(2) and not pool.try_reserve(1)
     pool.unreserve(2)
     pool.release(place(pool, [9, 10, 11, 12]))
-    assert len(pool.local_hit(vllm_block_hashes([1, 2, 3, 4], 2))) == 2
+    assert len(pool.hits(vllm_block_hashes([1, 2, 3, 4], 2))) == 2
     pool.release(pinned)
     assert pool.available() == 4
 
 
 def test_retained_blocks_expire_after_the_ttl_and_free_on_the_readers_notification() -> None:
-    pool = KvBlockPool(num_blocks=8, block_size=2, prefix_caching=False)
+    pool, _ = pool_with_events(8, 2, prefix_caching=False)
     pool.hold("retained", place(pool, [1, 2, 3, 4]), expires_at=100.0)
     pool.hold("read-once", place(pool, [5, 6, 7, 8]), expires_at=100.0)
     assert pool.available() == 4
@@ -187,7 +213,7 @@ async def test_a_profile_timed_prefill_takes_the_profiles_time_and_decode_answer
             second = await post(session, decode.url, body)
             took = time.perf_counter() - began
         assert second["choices"][0]["token_ids"] == output_tokens(prompt, 10, decode.vocabulary)
-        link = decode.reader.link
+        link = decode.core.link
         assert decode.stats()["kv_reads_total"] == 1 and link is not None
         assert link.bytes_moved == 32 * 32 * PROFILE.kv_bytes_per_token  # 1000 tokens: 32 blocks
         read = PROFILE.link.ms(link.bytes_moved)
@@ -208,7 +234,8 @@ async def test_a_stream_is_paced_per_step_and_a_failed_read_fails_under_policy_f
             async with session.post(f"{decode.url}/v1/completions", json=body) as response:
                 events = [line async for line in response.content if line.startswith(b"data: {")]
             assert len(events) == 6
-            gone = {"remote_block_ids": [[0, 1, 2]], "remote_request_id": "gone", "remote_num_tokens": 100,
+            gone = {"do_remote_prefill": True, "remote_block_ids": [[0, 1, 2]], "remote_request_id": "gone",
+                    "remote_num_tokens": 100,
                     "remote_host": "127.0.0.1", "remote_port": decode.side_channel_port}  # fmt: skip
             body = {"model": "m", "prompt": list(range(10, 110)), "kv_transfer_params": gone}
             async with session.post(f"{decode.url}/v1/completions", json=body) as response:

@@ -1,6 +1,7 @@
-"""The stand-in engine's KV content (deploy/standin/engine.py): no tensors, only which tokens'
+"""The stand-in engine's KV content (bench/emulator/http/engine.py): no tensors, only which tokens'
 KV each block holds, so that reading the wrong blocks changes the output; and vLLM's block hashes.
-The blocks themselves, the prefix cache and the holdings are deploy/standin/kvpool.py's.
+The blocks themselves, the prefix cache and the holdings are bench/emulator/core/pool.py's; what
+their KV events look like on vLLM's wire is `stored_events` / `removed_event`.
 
 A block holds `content`: the tokens whose KV it stands for. A request's KV is computed from its
 prompt (content = the prompt's tokens), found in the local prefix cache (content = what the cached
@@ -26,6 +27,8 @@ __all__ = [
     "content_digest",
     "int64_of",
     "output_tokens",
+    "removed_event",
+    "stored_events",
     "vllm_block_hashes",
 ]
 
@@ -70,3 +73,51 @@ def output_tokens(content: Sequence[int], count: int, vocabulary: Sequence[int])
         h = hashlib.blake2b(digest + i.to_bytes(4, "little"), digest_size=8).digest()
         out.append(vocabulary[int.from_bytes(h, "little") % len(vocabulary)])
     return out
+
+
+def stored_events(
+    tokens: Sequence[int],
+    hashes: Sequence[bytes],
+    stored: Sequence[int],
+    block_size: int,
+    cache_salt: str | None,
+    *,
+    first_generated: int,
+    medium: str = "GPU",
+) -> list[dict[str, Any]]:
+    """vLLM 0.32's BlockStored events for blocks `stored` (ascending) of the sequence `tokens`:
+    one per run of consecutive prompt blocks, and one per block from `first_generated` on (decode
+    steps fill those one at a time)."""
+    runs: list[list[int]] = []
+    for i in stored:
+        if runs and runs[-1][-1] == i - 1 and i < first_generated:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    events = []
+    for run in runs:
+        first = run[0]
+        # vLLM 0.32 reports the salt (its first block's extra key) untagged.
+        extra: list[list[str] | None] = [None] * len(run)
+        if first == 0 and cache_salt:
+            extra[0] = [cache_salt]
+        events.append(
+            {
+                "type": "BlockStored",
+                "block_hashes": [int64_of(hashes[i]) for i in run],
+                "parent_block_hash": None if first == 0 else int64_of(hashes[first - 1]),
+                "token_ids": list(tokens[first * block_size : (run[-1] + 1) * block_size]),
+                "block_size": block_size,
+                "lora_id": None,
+                "medium": medium,
+                "lora_name": None,
+                "extra_keys": extra,
+                "group_idx": 0,
+                "kv_cache_spec_kind": "full_attention",
+            }
+        )
+    return events
+
+
+def removed_event(hashes: Sequence[bytes], medium: str) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": [int64_of(h) for h in hashes], "medium": medium}

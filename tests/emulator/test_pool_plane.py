@@ -1,4 +1,4 @@
-"""The agent pool's data plane on stand-ins (deploy/standin/pool_plane.py), in one event loop
+"""The agent pool's data plane on stand-ins (bench/emulator/http/pool_plane.py), in one event loop
 with in-process stand-in engines: the engine's handshake checked, a park reads decode's held
 blocks (and frees them), the pool serves them to a prefill as decode would (released once
 read), and a READ of blocks the holder no longer has fails leaving the pool empty."""
@@ -14,11 +14,11 @@ from typing import Any
 import aiohttp
 import pytest
 import zmq.asyncio
-from deploy.standin.config import in_process_config
-from deploy.standin.engine import StandinEngine
-from deploy.standin.kv import output_tokens
-from deploy.standin.pool_plane import StandinDataPlane, StandinReadServer
-from deploy.standin.tokenizer import make_tokenizer
+from bench.emulator.http.config import in_process_config
+from bench.emulator.http.engine import StandinEngine
+from bench.emulator.http.kv import output_tokens
+from bench.emulator.http.pool_plane import StandinDataPlane, StandinReadServer
+from bench.emulator.http.tokenizer import make_tokenizer
 
 from kvshuttle.agent.config import PoolSettings
 from kvshuttle.agent.pool.blocks import BlockPool, PoolLayout

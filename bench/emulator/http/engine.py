@@ -1,18 +1,18 @@
 """A stand-in for one vLLM 0.32 engine with the NixlConnector (`kv_both`, bidirectional): no model,
 the HTTP and KV-event surface kvshuttle uses, configurable latency, and KV whose content decides
-the output (deploy/standin/kv.py), so reuse of the wrong blocks is visible in the answer.
+the output (bench/emulator/http/kv.py), so reuse of the wrong blocks is visible in the answer.
 
-    python -m deploy.standin.engine --role prefill|decode --port P --side-channel-port S \
+    python -m bench.emulator.http.engine --role prefill|decode --port P --side-channel-port S \
         --kv-events-port E --kv-replay-port R --engine-id ID --model-dir .run/models/tiny \
         [--block-size 32] [--num-blocks 4096] [--prefill-us-per-token 20] [--decode-ms-per-token 0.5]
         [--read-us-per-block 50] [--kv-blocks-ttl 480] [--kv-lease-s 30] [--kv-recompute-threshold 64]
         [--kv-load-failure-policy recompute|fail] [--profile deploy/profiles/F.toml [--profile-model M]]
         [--time-scale 1.0] [--otlp-traces-endpoint http://HOST:4317]
 
-With `--profile` it emulates the profile's engine (deploy/standin/timing.py): one forward at a
+With `--profile` it emulates the profile's engine (bench/emulator/core/timing.py): one forward at a
 time, chunked prefill under the token budget, batched decode, requests queued for blocks of its
-pool (the profile's size; deploy/standin/kvpool.py), and reads over a shared link
-(deploy/standin/link.py); `--time-scale` runs it faster than the profile's hardware. Without one
+pool (the profile's size; bench/emulator/core/pool.py), and reads over a shared link
+(bench/emulator/core/link.py); `--time-scale` runs it faster than the profile's hardware. Without one
 it takes the flat per-token costs, each request on its own.
 
 * `POST /v1/completions`: token-id prompts, `kv_transfer_params` in and out as vLLM's (turn 1's
@@ -32,24 +32,23 @@ it takes the flat per-token costs, each request on its own.
   (vLLM's `kv_load_failure_policy`), counted in `standin_kv_load_failures_total`. `"notify":
   false` reads without freeing. `GET /kv/handshake`: what NIXL's handshake tells a reader
   (engine id, block size, blocks, the side channel's URL, the engine's clock and its link), for
-  kvshuttle's agent beside it (deploy/standin/pool_plane.py).
+  kvshuttle's agent beside it (bench/emulator/http/pool_plane.py).
 * KV events: ZMQ PUB on `--kv-events-port` (`[topic, seq, msgpack [ts, [events], 0]]`, one
   batch per request that changed the cache) and the replay ROUTER on `--kv-replay-port`, in
-  vLLM's frame shapes (deploy/standin/events.py; kvshuttle.vllm.kv_events decodes them).
+  vLLM's frame shapes (bench/emulator/http/events.py; kvshuttle.vllm.kv_events decodes them).
 * `--otlp-traces-endpoint`: each answered request's `llm_request` span, as vLLM exports it
-  (deploy/standin/tracing.py), a child of the request's `traceparent`.
+  (bench/emulator/http/tracing.py), a child of the request's `traceparent`.
 * `GET /standin/timings?clear=1`: each request's own time in the engine (receipt to last byte),
   by X-Request-Id, bounded; what bench/load.py subtracts to get the control plane's time.
 
 In a test's own process (`config.in_process_config`: ports picked at start, no simulated time),
 `await engine.start()` / `await engine.stop()`, with a `Script` of answers and faults and a
-`Transcript` of what was asked (deploy/standin/script.py).
+`Transcript` of what was asked (bench/emulator/http/script.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import time
 import uuid
@@ -59,23 +58,23 @@ from typing import Any, Final
 from aiohttp import web
 from tokenizers import Tokenizer
 
-from deploy.standin import http
-from deploy.standin.config import StandinConfig, config_from_argv
-from deploy.standin.events import EventPublisher
-from deploy.standin.kv import output_tokens, vllm_block_hashes
-from deploy.standin.kvpool import CacheFull, KvBlockPool
-from deploy.standin.link import Link
-from deploy.standin.reads import RemoteReader, side_channel_handshake
-from deploy.standin.script import Script, Transcript, eos_id, scripted_answer
-from deploy.standin.timing import FixedTiming, Run, SteppedTiming, Timing
-from deploy.standin.tracing import RequestSpans
+from bench.emulator.core.engine import CacheFull, EngineCore, KvLoadFailed
+from bench.emulator.core.link import Link
+from bench.emulator.core.timing import Run
+from bench.emulator.http import completions as http
+from bench.emulator.http.config import StandinConfig, config_from_argv
+from bench.emulator.http.events import EventPublisher
+from bench.emulator.http.kv import output_tokens, removed_event, stored_events, vllm_block_hashes
+from bench.emulator.http.reads import Block, RemoteReader, side_channel_handshake
+from bench.emulator.http.script import Script, Transcript, eos_id, scripted_answer
+from bench.emulator.http.tracing import RequestSpans
 
 _MAX_TIMINGS: Final = 200_000
 _SHUTDOWN_S: Final = 5.0
 
-
-class KvLoadFailed(Exception):
-    """A READ failed under `kv_load_failure_policy: fail`."""
+# What `keep` hands to the KV-event publisher: the sequence's tokens, their block hashes, the
+# cache salt and how many of the tokens are the prompt.
+_Sequence = tuple[list[int], list[bytes], "str | None", int]
 
 
 class StandinEngine:
@@ -98,19 +97,21 @@ class StandinEngine:
         self.eos_id = eos_id(config.model_dir, self.tokenizer)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.vocabulary, self.texts = http.plain_vocabulary(self.tokenizer)
-        self.cache = KvBlockPool(config.num_blocks, config.block_size, prefix_caching=config.prefix_caching)
-        scale, profile = config.time_scale, config.profile
-        self.timing: Timing
-        if profile is None:
-            decode_ms = config.decode_ms_per_token if config.role == "decode" else 0.0
-            self.timing = FixedTiming(config.prefill_us_per_token, decode_ms, scale)
-        else:
-            self.timing = SteppedTiming(profile, self.cache, time_scale=scale)
-            link = link or Link(profile.link, time_scale=scale)
-        self.counters = {"requests": 0, "kv_reads": 0, "kv_blocks_read": 0, "kv_load_failures": 0,
-                         "kv_reads_declined": 0, "holdings_expired": 0}  # fmt: skip
-        self.reader = RemoteReader(config, link if profile else None, self.counters)
+        self.reader = RemoteReader()
+        self._pending: list[dict[str, Any]] = []  # KV events since the last publish
+        self.core: EngineCore[bytes, Block] = EngineCore(
+            config.core(config.side_channel_port),
+            self.reader,
+            on_stored=self._stored,
+            on_removed=lambda keys, medium: self._pending.append(removed_event(keys, medium)),
+            on_cleared=lambda: self._pending.append({"type": "AllBlocksCleared"}),
+            link=link,
+            params_clock=time.perf_counter,
+        )
+        self.cache = self.core.pool
+        self.timing = self.core.timing
         self.running = 0
+        self.requests = 0  # HTTP requests, well-formed or not
         self.timings: OrderedDict[str, float] = OrderedDict()
         self.events = EventPublisher()
         # Where it listens, once started (the configured ports, or the ones picked for port 0).
@@ -118,14 +119,18 @@ class StandinEngine:
         self.side_channel_port = config.side_channel_port
         self.events_endpoint = self.replay_endpoint = ""
         self._runners: list[web.AppRunner] = []
-        self._expiry: asyncio.Task[None] | None = None
         endpoint = config.otlp_traces_endpoint
         self.spans = RequestSpans(endpoint, f"standin-{config.role}") if endpoint else None
 
     def publish(self) -> None:
         """The cache's events since the last call, as one batch."""
-        events, self.cache.events = self.cache.events, []
+        events, self._pending = self._pending, []
         self.events.publish(events)
+
+    def _stored(self, indices: list[int], sequence: _Sequence) -> None:
+        tokens, hashes, salt, prompt = sequence
+        bs = self.config.block_size
+        self._pending += stored_events(tokens, hashes, indices, bs, salt, first_generated=prompt // bs)
 
     # -- the side channel (NIXL READ + notification) -----------------------------------------
 
@@ -133,88 +138,61 @@ class StandinEngine:
         body = await request.json()
         wanted = [int(b) for b in body.get("block_ids", [])]
         notify = body.get("notify", True) is not False
-        contents = self.cache.take(str(body.get("holding")), wanted, notify=notify)
-        self.timing.kick()
+        contents = self.core.take(str(body.get("holding")), wanted, notify=notify)
         if contents is None:
             return web.json_response({"error": "no such holding"}, status=404)
         return web.json_response({"blocks": [list(c) for c in contents]})
 
+    async def _kv_host(self, request: web.Request) -> web.Response:
+        """A peer's read of this engine's host tier (llm-d's P2P KV sharing): the leading run of
+        the keys found there, not freed."""
+        body = await request.json()
+        keys = [bytes.fromhex(str(k)) for k in body.get("keys", [])]
+        return web.json_response({"blocks": [list(c) for c in self.core.host.hits(keys)]})
+
     async def _kv_handshake(self, _: web.Request) -> web.Response:
-        """What a NIXL handshake tells a reader, for an agent's pool (deploy/standin/pool_plane.py)."""
-        answer = side_channel_handshake(self.config, self.side_channel_port, self.reader.link)
+        """What a NIXL handshake tells a reader, for an agent's pool (bench/emulator/http/pool_plane.py)."""
+        answer = side_channel_handshake(self.config, self.side_channel_port, self.core.link)
         return web.json_response(answer)
 
     # -- a request's KV ----------------------------------------------------------------------
 
     async def _prompt_kv(
-        self, prompt: list[int], params: dict[str, Any], salt: str | None
+        self, prompt: list[int], hashes: list[bytes], params: dict[str, Any]
     ) -> tuple[list[int], int]:
-        """The KV content of the prompt (local prefix hits, remote blocks, the rest computed)
-        and the tokens found or read (prefill's `remote_prefill_cached_tokens`)."""
-        bs = self.config.block_size
-        hashes = vllm_block_hashes(prompt, bs, salt)
-        content: list[int] = [t for block in self.cache.local_hit(hashes) for t in block]
-        remote = bool((params.get("remote_block_ids") or [[]])[0]) and bool(params.get("remote_request_id"))
-        n = min(int(params.get("remote_num_tokens") or 0), len(prompt)) if remote else 0
-        if remote:
-            worth = n - len(content) >= (
-                self.config.kv_recompute_threshold if self.config.role == "prefill" else 1
-            )
-            if not worth:
-                self.counters["kv_reads_declined"] += 1
-                await self.reader.notify(params)
-            else:
-                read = await self.reader.read(params, len(content) // bs, n)
-                if read is None:
-                    self.counters["kv_load_failures"] += 1
-                    if self.config.kv_load_failure_policy == "fail":
-                        raise KvLoadFailed("KV load failed")
-                else:
-                    content = content[: len(content) // bs * bs] + read
-        found = len(content)
-        return content + prompt[found:], found
-
-    def _place(self, tokens: list[int], content: list[int], salt: str | None, prompt: int) -> list[int]:
-        """Blocks for `tokens` (KV `content`), the first `prompt` of them the request's prompt;
-        their events published."""
-        hashes = vllm_block_hashes(tokens, self.config.block_size, salt)
-        ids = self.cache.place(tokens, content, hashes, salt, prompt_tokens=prompt)
-        self.publish()
-        return ids
+        """The KV content of the prompt, token by token (local prefix hits, host-tier loads,
+        remote blocks, the rest computed), and the tokens found or read (prefill's
+        `remote_prefill_cached_tokens`)."""
+        found = await self.core.find(hashes, len(prompt), params)
+        content = [t for block in found.contents for t in block][: found.tokens]
+        return content + prompt[len(content) :], len(content)
 
     def _keep(
-        self, tokens: list[int], content: list[int], salt: str | None, ttl: float, prompt: int
-    ) -> tuple[str, list[int]]:
-        """Blocks for `tokens` (KV `content`; `prompt` of them the prompt) held for one remote
-        reader for `ttl` s."""
-        ids = self._place(tokens, content, salt, prompt)
-        holding = f"cmpl-{uuid.uuid4().hex}-0-{uuid.uuid4().hex[:8]}"
-        self.cache.hold(holding, ids, time.monotonic() + ttl * self.config.time_scale)
-        return holding, ids
-
-    def _cache_only(self, tokens: list[int], content: list[int], salt: str | None, prompt: int) -> None:
-        self.cache.release(self._place(tokens, content, salt, prompt))
-
-    def _params(self, holding: str, ids: list[int], tokens: int, **extra: Any) -> dict[str, Any]:
-        prefill = self.config.role == "prefill"
-        return {
-            "do_remote_prefill": prefill,
-            "do_remote_decode": not prefill,
-            "remote_block_ids": [ids],
-            "remote_engine_id": self.config.engine_id,
-            "remote_request_id": holding,
-            "remote_host": self.config.host,
-            "remote_port": self.side_channel_port,
-            "tp_size": 1,
-            "dcp_size": 1,
-            "pp_size": 1,
-            "remote_num_tokens": tokens,
-            "remote_blocks_expiry_time": None
-            if prefill
-            else time.perf_counter() + self.config.kv_blocks_ttl * self.config.time_scale,
-            "transfer_mode": "pull",
-            **extra,
-        }
+        self,
+        tokens: list[int],
+        content: list[int],
+        prompt: int,
+        params: dict[str, Any],
+        salt: str | None,
+        **extra: Any,
+    ) -> dict[str, Any] | None:
+        """Cache the sequence `tokens` (KV `content`; `prompt` of them the prompt) and hold it
+        where vLLM would (see EngineCore.keep); offload it to the host tier; its events published."""
+        bs = self.config.block_size
+        hashes = vllm_block_hashes(tokens, bs, salt)
+        blocks = [tuple(content[i : i + bs]) for i in range(0, len(content), bs)]
+        out = self.core.keep(
+            hashes, blocks, prompt, len(tokens), params, (tokens, hashes, salt, prompt), **extra
+        )
+        stored = self.core.offload(hashes, blocks)
+        if stored:
+            index = {h: i for i, h in enumerate(hashes)}
+            at = sorted(index[h] for h in stored)
+            self._pending += stored_events(
+                tokens, hashes, at, bs, salt, first_generated=prompt // bs, medium="CPU"
+            )
+        self.publish()
+        return out
 
     # -- HTTP --------------------------------------------------------------------------------
 
@@ -222,7 +200,7 @@ class StandinEngine:
         started, arrival_ns = time.perf_counter(), time.time_ns()
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         self.running += 1
-        self.counters["requests"] += 1
+        self.requests += 1
         cfg, script = self.config, self.script
         try:
             try:
@@ -266,9 +244,11 @@ class StandinEngine:
     ) -> web.StreamResponse:
         prompt, salt = req.prompt, req.cache_salt
         got = req.kv_transfer_params if self.script.kv_connector else {}
-        content, found = await self._prompt_kv(prompt, got, salt)
+        content, found = await self._prompt_kv(
+            prompt, vllm_block_hashes(prompt, self.config.block_size, salt), got
+        )
         answer = self._answer(content, req)
-        run = self.timing.submit(len(prompt), found, len(answer.ids))
+        run = self.core.submit(len(prompt), found, len(answer.ids))
         try:
             await run.prefilled()
             first_token = time.perf_counter()
@@ -354,20 +334,13 @@ class StandinEngine:
         params: dict[str, Any],
         salt: str | None,
     ) -> dict[str, Any] | None:
-        """Cache the request's blocks; with params, hold them for the remote reader and answer
-        the params that name them (None: nothing held)."""
-        cfg = self.config
-        if params and cfg.role == "prefill":
-            holding, blocks = self._keep(prompt, content, salt, cfg.kv_lease_s, len(prompt))
-            return self._params(holding, blocks, len(prompt), remote_prefill_cached_tokens=found)
-        if params:  # decode: prompt + output - 1 tokens (the last sampled token has no KV)
-            holding, blocks = self._keep(
-                prompt + ids[:-1], content + ids[:-1], salt, cfg.kv_blocks_ttl, len(prompt)
-            )
-            return self._params(holding, blocks, len(prompt) + len(ids) - 1)
-        # vLLM caches the answer's full blocks too: the next turn's prompt finds them.
-        self._cache_only(prompt + ids[:-1], content + ids[:-1], salt, len(prompt))
-        return None
+        """Cache the request's blocks (prompt + output - 1 tokens: the last sampled token has no
+        KV; vLLM caches the answer's full blocks too, so the next turn's prompt finds them); with
+        params, hold them for the remote reader and answer the params that name them (None:
+        nothing held)."""
+        extra = {"remote_prefill_cached_tokens": found} if self.config.role == "prefill" else {}
+        tail = ids[:-1]
+        return self._keep(prompt + tail, content + tail, len(prompt), params, salt, **extra)
 
     async def _health(self, _: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -378,9 +351,18 @@ class StandinEngine:
         return web.Response(text=text, content_type="text/plain")
 
     def stats(self) -> dict[str, int]:
-        return {**{f"{k}_total": v for k, v in self.counters.items()},
-                "holdings": self.cache.holdings(), "evicted_blocks_total": self.cache.evicted_blocks,
-                "dropped_holdings_total": self.cache.dropped_holdings}  # fmt: skip
+        c, cache = self.core.counters, self.cache
+        return {
+            "requests_total": self.requests,
+            "kv_reads_total": c.reads,
+            "kv_blocks_read_total": c.read_blocks,
+            "kv_load_failures_total": c.read_failures,
+            "kv_reads_declined_total": c.reads_declined,
+            "holdings_expired_total": c.holdings_expired,
+            "holdings": cache.holdings(),
+            "evicted_blocks_total": cache.evicted_blocks,
+            "dropped_holdings_total": cache.dropped_holdings,
+        }
 
     async def _models(self, _: web.Request) -> web.Response:
         cfg = self.config
@@ -391,14 +373,6 @@ class StandinEngine:
         if request.query.get("clear"):
             self.timings.clear()
         return web.json_response({"timings": got, "stats": self.stats()})
-
-    async def _expire(self) -> None:
-        while True:
-            await asyncio.sleep(min(1.0, self.config.time_scale))
-            expired = self.cache.expire(time.monotonic())
-            if expired:
-                self.counters["holdings_expired"] += expired
-                self.timing.kick()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -411,6 +385,7 @@ class StandinEngine:
         self.reader.open()
         side = web.Application()
         side.router.add_post("/kv/read", self._kv_read)
+        side.router.add_post("/kv/host", self._kv_host)
         side.router.add_get("/kv/handshake", self._kv_handshake)
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/v1/completions", self._completions)
@@ -418,8 +393,7 @@ class StandinEngine:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/standin/timings", self._timings)
-        self._expiry = asyncio.create_task(self._expire())
-        self.timing.start()
+        self.core.start()
         ports = []
         for application, port in ((side, cfg.side_channel_port), (app, cfg.port)):
             # A stop waits this long for requests in flight, not aiohttp's 60 s: a benchmark
@@ -430,16 +404,12 @@ class StandinEngine:
             await web.TCPSite(runner, cfg.host, port).start()
             ports.append(runner.addresses[0][1])
         self.side_channel_port = ports[0]
+        self.core.config = cfg.core(self.side_channel_port)  # what its params name
         self.url = f"http://{cfg.host}:{ports[1]}"
 
     async def stop(self) -> None:
         """Stop listening (a test may stop an engine before its cluster stops it again)."""
-        if self._expiry is not None:
-            self._expiry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expiry
-            self._expiry = None
-        await self.timing.stop()
+        await self.core.stop()
         while self._runners:
             await self._runners.pop().cleanup()
         await self.reader.close()

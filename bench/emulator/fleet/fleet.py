@@ -1,4 +1,4 @@
-"""The simulated fleet: P and D engines (bench/fleet/engine.py) built from one profile, what each
+"""The simulated fleet: P and D engines (bench/emulator/fleet/engine.py) built from one profile, what each
 policy may know of them, and with what delay.
 
 Every policy sees what it would see deployed, with the same delays (`Visibility`):
@@ -25,7 +25,7 @@ from typing import Any, Final
 
 from deploy.profiles.schema import EngineProfile
 
-from bench.fleet.engine import EngineConfig, KvSource, SimEngine
+from bench.emulator.fleet.engine import EngineConfig, KvSource, SimEngine
 from kvshuttle.router.cost import LinkModel
 
 __all__ = ["CacheView", "Fleet", "FleetConfig", "LoadView", "Visibility"]

@@ -1,4 +1,4 @@
-"""A prefill/decode pair of stand-in engines (deploy/standin/engine.py), each its own process,
+"""A prefill/decode pair of stand-in engines (bench/emulator/http/engine.py), each its own process,
 shaped like `VllmPair` for what `KvshuttleStack` reads of it (`model_dir`, `prefill`, `decode`,
 `engines`; each engine's `name`, `engine_id`, `url`, `side_channel`, `events_endpoint`,
 `replay_endpoint`, `spec.role`), so the whole control plane runs as real processes over engines
@@ -26,14 +26,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
 
-from tokenizers import Tokenizer
-
 from deploy.local.engine_pair import EngineEndpoints
 from deploy.local.processes import free_ports, kill_process, stop_process
 from deploy.local.vllm_engine import new_engine_id
-from deploy.standin.config import HOST
-from deploy.standin.http import plain_vocabulary
-from deploy.standin.kv import output_tokens
+from tokenizers import Tokenizer
+
+from bench.emulator.http.completions import plain_vocabulary
+from bench.emulator.http.config import HOST
+from bench.emulator.http.kv import output_tokens
 from kvshuttle.agent.engine import parse_vllm_metrics
 
 
@@ -59,7 +59,7 @@ class StandinSpec:
     read_us_per_block: float = 50.0
     kv_blocks_ttl: float = 480.0
     host: str = HOST
-    # An engine profile file: profile-timed (deploy/standin/timing.py), `time_scale` x its times.
+    # An engine profile file: profile-timed (bench/emulator/core/timing.py), `time_scale` x its times.
     profile: Path | None = None
     time_scale: float = 1.0
     otlp_traces_endpoint: str | None = None
@@ -69,7 +69,7 @@ class StandinSpec:
             object.__setattr__(self, "engine_id", new_engine_id(self.name))
 
     def argv(self) -> list[str]:
-        args = [sys.executable, "-m", "deploy.standin.engine", "--role", self.role,
+        args = [sys.executable, "-m", "bench.emulator.http.engine", "--role", self.role,
                 "--port", str(self.http_port), "--side-channel-port", str(self.side_channel_port),
                 "--kv-events-port", str(self.kv_events_port), "--kv-replay-port", str(self.kv_replay_port),
                 "--engine-id", self.engine_id, "--model-dir", str(self.model_dir),

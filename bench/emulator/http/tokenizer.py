@@ -1,4 +1,4 @@
-"""A tiny model directory made on the spot, for a stand-in engine (deploy/standin/engine.py) and a
+"""A tiny model directory made on the spot, for a stand-in engine (bench/emulator/http/engine.py) and a
 gateway in front of it without a download: a byte-level BPE trained on a small corpus of `WORDS`,
 with the ChatML chat template. The gateway tests and the gateway benchmarks share it."""
 
