@@ -310,3 +310,33 @@ async def test_a_local_answer_is_cached_and_prefill_time_is_counted(model_dir: P
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 128  # 139 tokens: 4 blocks
     finally:
         await decode.stop()
+
+
+async def test_a_host_tier_offloads_answers_its_blocks_back_and_serves_a_peers_p2p_read(
+    model_dir: Path,
+) -> None:
+    # vLLM's OffloadingConnector (offload_prompt_only: false) and llm-d's P2P read of a peer's
+    # CPU tier: the source answers a plain request, its GPU cache is reset, and both a later
+    # request on it and a peer's request find the prompt's blocks in its host tier.
+    source, peer = engine("decode", model_dir, host_blocks=256), engine("prefill", model_dir)
+    prompt = [(i * 11) % 500 + 10 for i in range(320)]  # 10 blocks of 32
+    await source.start()
+    await peer.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            await post(session, source.url, {"model": "m", "prompt": prompt, "max_tokens": 4})
+            assert len(source.core.host) == 10  # prompt + 3 answer tokens: 10 full blocks
+            source.cache.clear()
+            again = await post(session, source.url, {"model": "m", "prompt": prompt, "max_tokens": 1})
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 320  # from host memory
+            p2p = {"p2p_source_engine": source.config.engine_id, "p2p_source_tokens": 320,
+                   "p2p_source_url": f"http://127.0.0.1:{source.side_channel_port}"}  # fmt: skip
+            body = {"model": "m", "prompt": prompt, "max_tokens": 1, "return_token_ids": True,
+                    "kv_transfer_params": p2p}  # fmt: skip
+            read = await post(session, peer.url, body)
+        assert read["usage"]["prompt_tokens_details"]["cached_tokens"] == 320
+        assert read["choices"][0]["token_ids"] == output_tokens(prompt, 1, peer.vocabulary)
+        assert peer.core.counters.read_blocks == 10 and len(source.core.host) == 10  # not freed there
+    finally:
+        await peer.stop()
+        await source.stop()
