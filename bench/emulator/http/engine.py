@@ -90,7 +90,7 @@ class StandinEngine:
         record: bool = False,
         link: Link | None = None,
     ) -> None:
-        self.config = config
+        self._config = config
         self.script = script or Script()
         self.transcript = Transcript(recording=record)
         self.tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
@@ -121,6 +121,16 @@ class StandinEngine:
         self._runners: list[web.AppRunner] = []
         endpoint = config.otlp_traces_endpoint
         self.spans = RequestSpans(endpoint, f"standin-{config.role}") if endpoint else None
+
+    @property
+    def config(self) -> StandinConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: StandinConfig) -> None:
+        """A test may reconfigure a running engine (its engine id, say): its core follows."""
+        self._config = config
+        self.core.config = config.core(self.side_channel_port)
 
     def publish(self) -> None:
         """The cache's events since the last call, as one batch."""
