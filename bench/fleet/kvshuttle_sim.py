@@ -46,7 +46,7 @@ from bench.fleet.inproc import InProcessPort
 from bench.fleet.replay import Served, SimTurn
 from kvshuttle.core.errors import FailedPrecondition, KvshuttleError, ResourceExhausted
 from kvshuttle.core.kv_events import BlockRemoved, BlockStored, EventBatch
-from kvshuttle.core.limits import MAX_EVENT_BLOCKS
+from kvshuttle.core.limits import MAX_EVENT_BLOCKS, MAX_EVENTS_PER_BATCH
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec, pool_node_name
 from kvshuttle.core.prototime import to_duration
 from kvshuttle.gateway.errors import RouterFailure
@@ -94,6 +94,7 @@ class AgentModel:
     heartbeat_s: float = 2.0
     load_poll_s: float = 1.0
     linger_s: float = 0.05  # the KV-event forwarder's
+    max_batches_per_report: int = 64  # ... and its report's
     lease_ttl_s: float = 10.0
     pool_gib: float = 0.0  # the agent's host pool (parking, prefetch); 0: none
 
@@ -167,6 +168,7 @@ class SimAgent:
         self._seq = 0
         self._flush: asyncio.TimerHandle | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._reports: set[asyncio.Task[None]] = set()  # KV-event reports in flight
 
     def spec(self) -> NodeSpec:
         e = self.engine
@@ -258,13 +260,29 @@ class SimAgent:
             self._flush = asyncio.get_running_loop().call_later(self.model.linger_s, self._report)
 
     def _report(self) -> None:
+        """What the linger gathered, as the agent's forwarder sends it: batches of at most the
+        registry's events per batch, reports of at most `max_batches_per_report` batches."""
         self._flush = None
         events, self._events = self._events, []
-        batch = EventBatch(self._seq, EPOCH + asyncio.get_running_loop().time(), tuple(events))
-        self._seq += 1
-        asyncio.get_running_loop().create_task(
-            self.registry.report_block_events(self.node, self.incarnation, [batch])
-        )
+        loop = asyncio.get_running_loop()
+        batches = []
+        for start in range(0, len(events), MAX_EVENTS_PER_BATCH):
+            batches.append(
+                EventBatch(
+                    self._seq, EPOCH + loop.time(), tuple(events[start : start + MAX_EVENTS_PER_BATCH])
+                )
+            )
+            self._seq += 1
+        task = loop.create_task(self._send(batches))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _send(self, batches: list[EventBatch]) -> None:
+        per_report = self.model.max_batches_per_report
+        for start in range(0, len(batches), per_report):
+            await self.registry.report_block_events(
+                self.node, self.incarnation, batches[start : start + per_report]
+            )
 
     # -- the pool ----------------------------------------------------------------------------
 
