@@ -193,6 +193,11 @@ def query_aiconfigurator(model: str, gpu: str, tp: int) -> Measurements:
     # Here, not at the top: only .venv-profile has aiconfigurator.
     from aiconfigurator.cli.api import cli_estimate  # noqa: PLC0415
     from aiconfigurator_core.sdk.backends.vllm_backend import VLLMBackend  # noqa: PLC0415
+    from aiconfigurator_core.sdk.models.helpers import check_is_moe  # noqa: PLC0415
+
+    # A MoE model's experts as vLLM lays them out without --enable-expert-parallel: each expert's
+    # weights split over the TP group (aiconfigurator wants the layout named for MoE models).
+    moe = {"moe_tp_size": tp, "moe_ep_size": 1} if check_is_moe(model) else {}
 
     def estimate(mode: str, isl: int, osl: int, batch: int, prefix: int = 0) -> Any:
         return cli_estimate(
@@ -206,6 +211,7 @@ def query_aiconfigurator(model: str, gpu: str, tp: int) -> Measurements:
             batch_size=batch,
             prefix=prefix,
             tp_size=tp,
+            **moe,
         )
 
     facts = model_facts(model)

@@ -42,6 +42,7 @@ EXPECTED = {
     "llama-3.1-70b-h200-tp4",
     "llama-3.1-70b-h100-tp4",
     "llama-3.1-8b-h100-tp1",
+    "qwen3-30b-a3b-h200-tp1",
 }
 
 
