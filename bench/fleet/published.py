@@ -75,8 +75,8 @@ from deploy.profiles.schema import EngineProfile, load_engine_profiles
 from bench.cluster.workload.blocks import BlockIds
 from bench.cluster.workload.model import InputKind, Request, Session, StopReason
 from bench.cluster.workload.tokens import TokenMap
-from bench.fleet import vtime
-from bench.fleet.fleet import Fleet, FleetConfig
+from bench.emulator.fleet import vtime
+from bench.emulator.fleet.fleet import Fleet, FleetConfig
 from bench.fleet.kvshuttle_sim import quiet_logs
 from bench.fleet.peers import LlmD
 from bench.fleet.replay import Policy, ReplayResult, SimTurn, TurnRecord, _extends, _fill, _History, _seed
