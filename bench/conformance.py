@@ -1,12 +1,15 @@
-"""Conformance of the emulator (bench/emulator, profile-timed by deploy/profiles/cpu-small.toml) to
+"""Conformance of the emulator (bench/emulator/http, profile-timed by deploy/profiles/cpu-small.toml) to
 real vLLM (CPU build): the same scripted conversations through kvshuttle's stack on each pair.
 
     python -m bench.conformance [--size small] [--scale 4] [--no-save]
 
 Per turn it prints TTFT through the gateway (first streamed token) on real vLLM and on the
 emulator, their ratio, and kvshuttle's decision on each; saves
-bench/results/conformance-<utc>.json (bench/report.py's header). The target is a ratio within
-25 %. cpu-small is fitted to the `small` model, so the real pair runs it here.
+bench/results/conformance-<utc>.json (bench/report.py's header), with the gateway's own timings
+of each turn (its `request.done` line: PlanTurn, prefill, decode's first byte). The target is a
+ratio within 25 %. cpu-small is fitted to the `small` model, so the real pair runs it here. Each
+pair first serves one plain request of unrelated tokens (`warm_up`, not counted): a vLLM
+engine's first request is slower than any after it, and cpu-small's fit saw none.
 
 What the two must agree on exactly (not timed) is tests/e2e/test_conformance.py's, on the test
 session's tiny-model pair, with the same script (`CONVERSATIONS`) and the helpers below: the
@@ -60,6 +63,9 @@ __all__ = [
 CPU_SMALL: Final = ROOT / "deploy" / "profiles" / "cpu-small.toml"
 MAX_TOKENS: Final = 24
 TARGET: Final = 0.25  # |emulated / real - 1| per turn
+WARMUP_TOKENS: Final = 512
+# The gateway's request.done fields kept per turn (ms).
+GATEWAY_TIMINGS: Final = ("wait_ms", "plan_ms", "prefill_ms", "decode_ttfb_ms", "ttft_ms", "ttft_added_ms")
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,8 @@ class Turn:
     prefill_cached_tokens: int
     # Filled in after the run: the answer equals a clean recompute of the prompt on the same engines.
     answer_ok: bool | None = field(default=None)
+    # Filled in after the run: the gateway's timings of the turn (GATEWAY_TIMINGS), in ms.
+    gateway: dict[str, float] | None = field(default=None)
 
     def decisions(self) -> tuple[str, str, int, int]:
         return self.decision, self.reason, self.reused_tokens, self.prefill_cached_tokens
@@ -274,18 +282,48 @@ def shape(value: Any) -> Any:
 # -- the TTFT comparison ---------------------------------------------------------------------
 
 
+def warm_up(stack: KvshuttleStack) -> float:
+    """One plain P->D request (no conversation: nothing retained) of tokens the script never
+    sends, through the gateway: both engines, the NIXL read between them and the services
+    serve their first request here. Its TTFT in ms."""
+    ttft, _, _ = _stream(
+        f"{stack.gateway_url}/v1/completions",
+        {"model": stack.model, "prompt": _tokens(WARMUP_TOKENS, 0), "max_tokens": MAX_TOKENS,
+         "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    return round(ttft * 1e3, 1)
+
+
+def gateway_timings(log: Path, turns: Sequence[Turn]) -> None:
+    """Each turn's `gateway` from the gateway's request.done lines: those of a conversation (the
+    warm-up has none), in the script's order; the line logs the conversation's digest, so each
+    is checked on its prompt's length and decision instead."""
+    done = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    script = [d for d in done if d.get("event") == "request.done" and d.get("conversation")]
+    if len(script) != len(turns):
+        raise RuntimeError(f"{log}: {len(script)} request.done lines of conversations for {len(turns)} turns")
+    for t, d in zip(turns, script, strict=True):
+        logged = d.get("prompt_tokens"), d.get("decision"), d.get("reason")
+        if logged != (len(t.prompt), t.decision, t.reason):
+            raise RuntimeError(f"{log}: {d} is not the line of {t.conversation}/{t.index}")
+        t.gateway = {key: d[key] for key in GATEWAY_TIMINGS if d.get(key) is not None}
+
+
 def _run_on(
     pair: EnginePair,
     work: Path,
     profile: Mapping[str, Any],
     scale: int,
     reference: Callable[[list[int]], list[int]],
-) -> list[Turn]:
+) -> tuple[float, list[Turn]]:
+    """The warm-up's TTFT (ms) and the script's turns."""
     with KvshuttleStack(pair, work_dir=work, profile=profile) as stack:
+        warm_ms = warm_up(stack)
         turns = run_script(stack, scale=scale)
+    gateway_timings(work / "gateway.log", turns)  # the stack stopped: every line is written
     for t in turns:
         t.answer_ok = t.answer == reference(t.prompt)
-    return turns
+    return warm_ms, turns
 
 
 def _reference(pair: VllmPair) -> Callable[[list[int]], list[int]]:
@@ -328,25 +366,34 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args(argv)
     model = ensure_model(args.size)
+    load_before = os.getloadavg()
     profile = tomllib.loads(CPU_SMALL.read_text())["profile"][0]
     with tempfile.TemporaryDirectory(prefix="conformance-") as tmp:
         work = Path(tmp)
         # As the fit's runs: prefix caching off on P (vLLM's published benchmark), 1 GiB of KV.
         with VllmPair(model, log_dir=work / "vllm", prefill_prefix_caching=False) as real_pair:
-            real = _run_on(real_pair, work / "real", profile, args.scale, _reference(real_pair))
+            real_warm, real = _run_on(real_pair, work / "real", profile, args.scale, _reference(real_pair))
         with StandinPair(model, log_dir=work / "standin", profile=CPU_SMALL,
                          prefill_prefix_caching=False) as emulated_pair:  # fmt: skip
-            emulated = _run_on(emulated_pair, work / "emulated", profile, args.scale,
-                               lambda prompt: emulated_pair.expected(prompt, MAX_TOKENS))  # fmt: skip
+            emulated_warm, emulated = _run_on(
+                emulated_pair, work / "emulated", profile, args.scale,
+                lambda prompt: emulated_pair.expected(prompt, MAX_TOKENS))  # fmt: skip
     text, rows = table(real, emulated)
     print(text)
     within = sum(row["within_target"] for row in rows)
     wrong = sum(not t.answer_ok for t in (*real, *emulated))
     print(f"TTFT within {TARGET:.0%}: {within}/{len(rows)} turns; wrong answers: {wrong}")
+    print(
+        f"warm-up request ({WARMUP_TOKENS} tokens, not counted): real {real_warm:.0f} ms, "
+        f"emulated {emulated_warm:.0f} ms"
+    )
     if not args.no_save:
         # Real vLLM's TTFTs stretch with whatever else runs on its cores; the emulator's hardly.
         figures = {"profile": str(CPU_SMALL.relative_to(ROOT)), "target": TARGET,
-                   "load_average_after": os.getloadavg(), "turns": rows}  # fmt: skip
+                   "load_average_before": load_before, "load_average_after": os.getloadavg(),
+                   "warmup": {"prompt_tokens": WARMUP_TOKENS, "real_ttft_ms": real_warm,
+                              "emulated_ttft_ms": emulated_warm},
+                   "turns": rows}  # fmt: skip
         print(f"saved {save('conformance', figures, args=args)}")
 
 

@@ -70,6 +70,7 @@ class EngineConfig:
     block_size: int
     num_blocks: int
     host_blocks: int = 0  # the OffloadingConnector's CPU tier (0: none)
+    prefix_caching: bool = True
     pcie: LinkModel | None = None  # host <-> GPU, for host-tier loads
     retain_decode: bool = False  # vLLM's bidirectional_kv_xfer on decode
     kv_blocks_ttl: float = 480.0  # decoder_kv_blocks_ttl
@@ -148,6 +149,7 @@ class SimEngine(KvSource):
                 num_blocks=config.num_blocks,
                 profile=config.profile,
                 host_blocks=config.host_blocks,
+                prefix_caching=config.prefix_caching,
                 pcie=config.pcie,
                 retain_decode=config.retain_decode,
                 kv_blocks_ttl=config.kv_blocks_ttl,

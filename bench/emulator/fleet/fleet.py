@@ -58,6 +58,8 @@ class FleetConfig:
     pcie_fixed_ms: float = 0.05
     retain_decode: bool = False
     kv_blocks_ttl: float = 480.0
+    # The roles whose engines run vLLM's prefix cache (the conformance pair turns it off on P).
+    prefix_caching_roles: tuple[str, ...] = ("prefill", "decode")
     visibility: Visibility = field(default_factory=Visibility)
 
     @property
@@ -143,6 +145,7 @@ class Fleet:
                         block_size=bs,
                         num_blocks=num_blocks,
                         host_blocks=host_blocks if role in config.host_roles else 0,
+                        prefix_caching=role in config.prefix_caching_roles,
                         pcie=pcie,
                         retain_decode=config.retain_decode and role == "decode",
                         kv_blocks_ttl=config.kv_blocks_ttl,
