@@ -141,7 +141,8 @@ class EngineCore(Generic[K, C]):
     one of its own, the profile's); `params_clock`: the clock its params' expiry times are on
     (vLLM's perf_counter over HTTP; default the event loop's); `holding_prefix`: what its holdings'
     names (vLLM's request ids) start with (default: random, so that a restarted engine never
-    answers a reader's stale name with other blocks)."""
+    answers a reader's stale name with other blocks); `stepped`: how a profile-timed engine paces
+    its steps (the fleet's plans a decode stretch at once)."""
 
     def __init__(
         self,
@@ -154,6 +155,7 @@ class EngineCore(Generic[K, C]):
         link: Link | None = None,
         params_clock: Callable[[], float] | None = None,
         holding_prefix: str | None = None,
+        stepped: type[SteppedTiming] = SteppedTiming,
     ) -> None:
         self.config = config
         self._reader = reader
@@ -174,7 +176,7 @@ class EngineCore(Generic[K, C]):
             decode_ms = config.decode_ms_per_token if config.role == "decode" else 0.0
             self.timing = FixedTiming(config.prefill_us_per_token, decode_ms, scale)
         else:
-            self.timing = SteppedTiming(profile, self.pool, time_scale=scale)
+            self.timing = stepped(profile, self.pool, time_scale=scale)
             self.link = link or Link(profile.link, time_scale=scale)
         self.pcie = Link(config.pcie, time_scale=scale) if config.pcie is not None else None
         self.block_bytes = config.block_size * (profile.kv_bytes_per_token if profile else 0)
