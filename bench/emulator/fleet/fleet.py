@@ -21,11 +21,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from deploy.profiles.schema import EngineProfile
 
 from bench.emulator.fleet.engine import EngineConfig, KvSource, SimEngine
+from bench.emulator.fleet.vtime import VirtualTimeLoop
 from kvshuttle.router.cost import LinkModel
 
 __all__ = ["CacheView", "Fleet", "FleetConfig", "LoadView", "Visibility"]
@@ -159,6 +160,13 @@ class Fleet:
         self.prefills = [e for e in self.engines if e.config.role == "prefill"]
         self.decodes = [e for e in self.engines if e.config.role == "decode"]
         self._poller: asyncio.Task[None] | None = None
+        self._started = False
+        # KV events due at one instant, delivered by one timer (`_due_timer`) in the order they
+        # happened, while no other timer was set in between (so nothing runs in another order):
+        # an eviction is one event per block, and a timer each cost the loop more than the
+        # request that evicted them.
+        self._due: list[tuple[SimEngine, str, list[int], int, str, Any]] = []
+        self._due_timer: asyncio.TimerHandle | None = None
         self.event_hooks: list[Callable[[SimEngine, str, list[int], int, str, Any], None]] = []
 
     # -- subscriptions -----------------------------------------------------------------------
@@ -173,6 +181,8 @@ class Fleet:
         view = LoadView()
         self._load_views.append(view)
         self._scrape(view)
+        if self._started and self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
         return view
 
     def _event(
@@ -180,17 +190,20 @@ class Fleet:
     ) -> None:
         if not self._subscribers and not self.event_hooks:
             return
-        lag = self.config.visibility.kv_event_lag_s
-        loop = asyncio.get_running_loop()
-        loop.call_later(lag, self._deliver, engine, kind, list(keys), first, medium, tokens)
+        loop = cast(VirtualTimeLoop, asyncio.get_running_loop())
+        at = loop.time() + self.config.visibility.kv_event_lag_s
+        timer = self._due_timer
+        if timer is None or timer.when() != at or not loop.is_last_timer(timer):
+            self._due = []
+            self._due_timer = loop.call_at(at, self._deliver, self._due)
+        self._due.append((engine, kind, list(keys), first, medium, tokens))
 
-    def _deliver(
-        self, engine: SimEngine, kind: str, keys: list[int], first: int, medium: str, tokens: Any
-    ) -> None:
-        for view in self._subscribers:
-            view.apply(engine.name, kind, keys, medium)
-        for hook in self.event_hooks:
-            hook(engine, kind, keys, first, medium, tokens)
+    def _deliver(self, due: list[tuple[SimEngine, str, list[int], int, str, Any]]) -> None:
+        for engine, kind, keys, first, medium, tokens in due:
+            for view in self._subscribers:
+                view.apply(engine.name, kind, keys, medium)
+            for hook in self.event_hooks:
+                hook(engine, kind, keys, first, medium, tokens)
 
     def _scrape(self, view: LoadView) -> None:
         view.loads = {e.name: Load(e.running - e.waiting, e.waiting, e.kv_usage()) for e in self.engines}
@@ -206,7 +219,9 @@ class Fleet:
     def start(self) -> None:
         for engine in self.engines:
             engine.start()
-        self._poller = asyncio.get_running_loop().create_task(self._poll())
+        self._started = True
+        if self._load_views:  # the scrapes run only for a policy that reads them
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
 
     async def stop(self) -> None:
         if self._poller is not None:
