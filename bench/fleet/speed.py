@@ -29,6 +29,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Final
 
+from bench.cluster.plan import TRACES
 from bench.fleet.__main__ import _args, _spec
 from bench.fleet.run import run
 from bench.report import ROOT, save
@@ -73,7 +74,7 @@ def one(case: str) -> dict[str, Any]:
 def _in(tree: Path, case: str) -> dict[str, Any]:
     """`one(case)` in a fresh process whose `bench` and `kvshuttle` are `tree`'s."""
     path = os.pathsep.join(str(tree / p) for p in ("", "services", "clients"))
-    env = dict(os.environ, PYTHONPATH=path)
+    env = dict(os.environ, PYTHONPATH=path, KVSHUTTLE_TRACES=str(TRACES))  # an archived tree has none
     done = subprocess.run(
         [sys.executable, __file__, "--one", case],
         cwd=tree,
