@@ -437,17 +437,19 @@ class _RouterPort:
     ) -> pb.PlanTurnResponse:
         if self._delay is not None:
             await asyncio.sleep(self._delay.draw(self._rng))
+        # The prompt is the turn's own (prompt_token_ids, as a list): the router gets its array,
+        # as it would the request's repeated field, without a copy into a message and out again.
         request = pb.PlanTurnRequest(
             model=model,
-            prompt_token_ids=prompt_token_ids,
             conversation=conversation,
             request_id=request_id,
             cache_salt_sha256=cache_salt_sha256,
         )
         if expected_think_time_s is not None:
             request.hints.expected_think_time.CopyFrom(to_duration(expected_think_time_s))
+        plan = replace(convert.plan_request_from_pb(request), prompt_token_ids=_PROMPT.get().tokens)
         async with self._failures():
-            return convert.plan_to_pb(await self._router.plan_turn(convert.plan_request_from_pb(request)))
+            return convert.plan_to_pb(await self._router.plan_turn(plan))
 
     async def commit_turn(
         self,
@@ -459,13 +461,23 @@ class _RouterPort:
         decode_kv_transfer_params: KvTransferParams | None,
         timings: pb.TurnTimings,
     ) -> pb.CommitTurnResponse:
+        """As the gateway commits (kvshuttle.gateway.turns.router_port): the output alone, the
+        router holding the prompt since the plan; the whole sequence when it does not."""
         request = pb.CommitTurnRequest(turn=turn, timings=timings, request_id=f"c-{turn[-24:]}")
-        request.token_ids.extend(prompt_token_ids)
-        request.token_ids.extend(output_token_ids)
         if decode_kv_transfer_params is not None:
             request.decode_kv_transfer_params.CopyFrom(decode_kv_transfer_params)
-        async with self._failures():
-            result = await self._router.commit_turn(convert.commit_request_from_pb(request))
+        request.output_token_ids.token_ids.extend(output_token_ids)
+        try:
+            async with self._failures():
+                result = await self._router.commit_turn(convert.commit_request_from_pb(request))
+        except RouterFailure as err:
+            if err.reason != "PROMPT_NOT_HELD":
+                raise
+            request.ClearField("output_token_ids")
+            request.token_ids.extend(prompt_token_ids)
+            request.token_ids.extend(output_token_ids)
+            async with self._failures():
+                result = await self._router.commit_turn(convert.commit_request_from_pb(request))
         return pb.CommitTurnResponse(retention=result.retention)
 
     async def abort_turn(self, turn: str, *, conversation: str, reason: str) -> None:
@@ -566,7 +578,7 @@ class Kvshuttle:
             request_id=f"t{self._n}",
             model=MODEL,
             conversation=f"tenants/sim/conversations/{turn.conversation}",
-            prompt_ids=turn.prompt.tokens.tolist(),
+            prompt_ids=turn.prompt_ids(),
             prefill_params={},
             decode_params={"max_tokens": turn.output},
             arrived=loop.time(),

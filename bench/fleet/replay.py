@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -48,6 +48,9 @@ class SimTurn:
     # answer ended: a tool call (the agent comes back soon) or the end of the agent's turn.
     next_think_s: float | None
     stop: StopReason
+    # The prompt's tokens as a Python list (what a gateway's Turn holds), made on the first call
+    # while the turn is served, from the list of the turn before: O(new tokens), not a tolist.
+    prompt_ids: Callable[[], list[int]]
 
 
 @dataclass(slots=True)
@@ -104,17 +107,19 @@ class _History:
 
     def __init__(self, block_size: int) -> None:
         self.bs = block_size
-        self.tokens = np.zeros(0, np.uint32)
+        self.tokens = _frozen(np.zeros(0, np.uint32))
         self.keys = np.zeros(0, np.uint64)
         self.key_list: list[int] = []
+        self._ids: list[int] = []  # a prefix of `tokens`, as a list
 
     def set(self, tokens: np.ndarray) -> None:
-        self.tokens = tokens.astype(np.uint32, copy=False)
+        self.tokens = _frozen(tokens.astype(np.uint32))
         self.keys = chain_array(self.tokens, self.bs)
         self.key_list = self.keys.tolist()
+        self._ids = []
 
     def extend(self, more: np.ndarray) -> None:
-        self.tokens = np.concatenate([self.tokens, more.astype(np.uint32, copy=False)])
+        self.tokens = _frozen(np.concatenate([self.tokens, more.astype(np.uint32, copy=False)]))
         full = len(self.tokens) // self.bs
         have = len(self.keys)
         if full > have:
@@ -124,8 +129,30 @@ class _History:
             self.keys = np.concatenate([self.keys, more])
             self.key_list = self.key_list + more.tolist()
 
+    def ids(self) -> list[int]:
+        """The tokens as a list: the last one made, plus the tokens added since (a new list:
+        one handed out before stays as it was)."""
+        if len(self._ids) < len(self.tokens):
+            self._ids = self._ids + self.tokens[len(self._ids) :].tolist()
+        return self._ids
+
     def prompt(self, seed: int) -> Prompt:
         return Prompt(self.tokens, self.keys, seed, self.key_list)
+
+
+def _frozen(tokens: np.ndarray) -> np.ndarray:
+    """The history's own array, read-only: kvshuttle's router keeps a frozen prompt uncopied."""
+    tokens.flags.writeable = False
+    return tokens
+
+
+def _trace_tail(token_map: TokenMap, request: Request, start: int, block_size: int) -> np.ndarray:
+    """The trace prompt's tokens from `start` on: only the blocks they lie in are made."""
+    first = start // block_size
+    ids = request.hash_ids[first:]
+    return token_map.prompt(ids, request.input_tokens - first * block_size, block_size)[
+        start - first * block_size :
+    ]
 
 
 def _seed(keys: np.ndarray, tokens: np.ndarray, bs: int) -> int:
@@ -161,15 +188,14 @@ async def _session(
     requests = session.requests
     done_at: float | None = None
     for i, request in enumerate(requests):
-        trace = token_map.prompt(request.hash_ids, request.input_tokens, session.block_size)
         if i and _extends(
             requests[i - 1].hash_ids, request.hash_ids, requests[i - 1].input_tokens, session.block_size
         ):
             previous = requests[i - 1]
-            start = min(previous.input_tokens + previous.output_tokens, len(trace) - 1)
-            history.extend(trace[start:])
+            start = min(previous.input_tokens + previous.output_tokens, request.input_tokens - 1)
+            history.extend(_trace_tail(token_map, request, start, session.block_size))
         else:
-            history.set(trace)
+            history.set(token_map.prompt(request.hash_ids, request.input_tokens, session.block_size))
         if len(history.tokens) + request.output_tokens > max_model_len:
             return
         if done_at is not None:
@@ -189,6 +215,7 @@ async def _session(
             output=max(1, request.output_tokens),
             next_think_s=nxt,
             stop=request.stop_reason,
+            prompt_ids=history.ids,
         )
         sent = loop.time()
         record = TurnRecord(session.session_id, i, sent, len(history.tokens), turn.output)
