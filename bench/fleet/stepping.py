@@ -151,9 +151,18 @@ class JumpingTiming(SteppedTiming):
             timer.cancel()
             self._cut = None
             self._stretch = []
-        for ms, end, _ in steps[: done + 1]:
-            self._finish(Step((), decodes, ms), end)
-        return steps[done][1]
+        # The steps before the last: a token each for every sequence, nothing finished or
+        # awaited (that is where the stretch ends), as SteppedTiming's step ends would leave them.
+        ends = [end for _, end, _ in steps[:done]]
+        for request in decodes:
+            request.token_times.extend(ends)
+        busy = self._busy_ms
+        for ms, _, _ in steps[:done]:
+            busy += ms
+        self._busy_ms, self._steps = busy, self._steps + done
+        ms, end, _ = steps[done]
+        self._finish(Step((), decodes, ms), end)
+        return end
 
     def _finish(self, step: Step, end: float) -> None:
         """SteppedTiming's end of a step: counted, its tokens out, the requests waiting on them

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, cast
+from typing import Any, Final, NamedTuple, cast
 
 from deploy.profiles.schema import EngineProfile
 
@@ -106,8 +106,7 @@ class CacheView:
         return lo
 
 
-@dataclass(frozen=True, slots=True)
-class Load:
+class Load(NamedTuple):  # a tuple: 16 of them every 50 ms of a run
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
@@ -209,7 +208,7 @@ class Fleet:
                 hook(engine, kind, keys, first, medium, tokens)
 
     def _scrape(self, view: LoadView) -> None:
-        view.loads = {e.name: Load(e.running - e.waiting, e.waiting, e.kv_usage()) for e in self.engines}
+        view.loads = {e.name: Load(e.running - (w := e.waiting), w, e.kv_usage()) for e in self.engines}
 
     async def _poll(self) -> None:
         while True:
