@@ -3,7 +3,7 @@ workload, one rate and seed, 8P+8D as `python -m bench.fleet` runs them), and a 
 run's per-turn records and token gaps, so that a change meant only to be faster can be shown to
 simulate exactly the same.
 
-    python -m bench.fleet.speed                                  # the slow cases, this tree
+    python -m bench.fleet.speed                                  # every policy and workload
     python -m bench.fleet.speed --before 8c6bd9e --repeat 3      # and that commit's, side by side
     python -m bench.fleet.speed --cases kvshuttle:agent:2.0:1,llm-d:claude-code:0.04:3
 
@@ -31,21 +31,15 @@ from typing import Any, Final
 
 from bench.cluster.plan import TRACES
 from bench.fleet.__main__ import _args, _spec
-from bench.fleet.run import run
+from bench.fleet.run import POLICIES, run
 from bench.report import ROOT, save
 
-# The slow cases of the last full run (bench/results/fleet-20261206T063928Z.json): the kvshuttle
-# policies, the long Claude Code histories, the peers with the most work per turn.
-SLOW: Final = (
-    "kvshuttle:agent:2.0:1",
-    "kvshuttle-agents:agent:2.0:1",
-    "kvshuttle:claude-code:0.02:2",
-    "kvshuttle-agents:claude-code:0.02:2",
-    "kvshuttle:mooncake:1.0:1",
-    "llm-d:claude-code:0.04:3",
-    "dynamo:claude-code:0.04:2",
-    "llm-d:agent:2.0:1",
-    "dynamo:agent:2.0:1",
+# Every policy on every workload, at a rate each sweep of the last full run reached
+# (bench/results/fleet-20261206T063928Z.json); Claude Code's seed 2 has the most sessions there.
+CASES: Final = tuple(
+    f"{policy}:{workload}"
+    for workload in ("agent:2.0:1", "mooncake:2.0:1", "claude-code:0.04:2")
+    for policy in POLICIES
 )
 
 
@@ -110,7 +104,7 @@ def _rate(row: dict[str, Any]) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     doc = (__doc__ or "").split("\n")[0]
     ap = argparse.ArgumentParser(prog="python -m bench.fleet.speed", description=doc)
-    ap.add_argument("--cases", default=",".join(SLOW), help="policy:workload:rate:seed, comma separated")
+    ap.add_argument("--cases", default=",".join(CASES), help="policy:workload:rate:seed, comma separated")
     ap.add_argument("--before", help="a git revision to run each case with too")
     ap.add_argument("--repeat", type=int, default=1, help="runs per case and tree (the least CPU counts)")
     ap.add_argument("--one", help=argparse.SUPPRESS)

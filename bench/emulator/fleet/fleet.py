@@ -91,15 +91,12 @@ class CacheView:
         sets = [held for m in media if (held := self.blocks.get((engine, m)))]
         if not sets:
             return 0
-
-        def has(i: int) -> bool:
-            k = key_list[i]
-            return any(k in held for held in sets)
-
+        held = sets[0] if len(sets) == 1 else None  # one medium: a set lookup per probe
         lo, hi = 0, len(key_list)  # blocks [0, lo) held; the answer is in [lo, hi]
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if has(mid - 1):
+            k = key_list[mid - 1]
+            if k in held if held is not None else any(k in s for s in sets):
                 lo = mid
             else:
                 hi = mid - 1
@@ -163,11 +160,12 @@ class Fleet:
         self.decodes = [e for e in self.engines if e.config.role == "decode"]
         self._poller: asyncio.Task[None] | None = None
         self._started = False
-        # KV events due at one instant, delivered by one timer (`_due_timer`) in the order they
-        # happened, while no other timer was set in between (so nothing runs in another order):
-        # an eviction is one event per block, and a timer each cost the loop more than the
-        # request that evicted them.
+        # KV events due at one instant (`_due_at`), delivered by one timer (`_due_timer`) in the
+        # order they happened, while no other timer was set in between (so nothing runs in
+        # another order); an engine's removals one after another are one event. An eviction is
+        # an event per block: a timer and a delivery each cost more than the request evicting.
         self._due: list[tuple[SimEngine, str, list[int], int, str, Any]] = []
+        self._due_at = -1.0
         self._due_timer: asyncio.TimerHandle | None = None
         self.event_hooks: list[Callable[[SimEngine, str, list[int], int, str, Any], None]] = []
 
@@ -194,11 +192,14 @@ class Fleet:
             return
         loop = cast(VirtualTimeLoop, asyncio.get_running_loop())
         at = loop.time() + self.config.visibility.kv_event_lag_s
-        timer = self._due_timer
-        if timer is None or timer.when() != at or not loop.is_last_timer(timer):
-            self._due = []
-            self._due_timer = loop.call_at(at, self._deliver, self._due)
-        self._due.append((engine, kind, list(keys), first, medium, tokens))
+        due = self._due
+        if at != self._due_at or self._due_timer is None or not loop.is_last_timer(self._due_timer):
+            due = self._due = []
+            self._due_at, self._due_timer = at, loop.call_at(at, self._deliver, due)
+        elif kind == "removed" and (last := due[-1])[0] is engine and last[1] == kind and last[4] == medium:
+            last[2].extend(keys)  # removing a, then b, is removing [a, b]: for a view and the index
+            return
+        due.append((engine, kind, list(keys), first, medium, tokens))
 
     def _deliver(self, due: list[tuple[SimEngine, str, list[int], int, str, Any]]) -> None:
         for engine, kind, keys, first, medium, tokens in due:
