@@ -578,7 +578,7 @@ class Kvshuttle:
             request_id=f"t{self._n}",
             model=MODEL,
             conversation=f"tenants/sim/conversations/{turn.conversation}",
-            prompt_ids=turn.prompt_ids(),
+            prompt_ids=turn.ids(),
             prefill_params={},
             decode_params={"max_tokens": turn.output},
             arrived=loop.time(),

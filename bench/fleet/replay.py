@@ -50,7 +50,11 @@ class SimTurn:
     stop: StopReason
     # The prompt's tokens as a Python list (what a gateway's Turn holds), made on the first call
     # while the turn is served, from the list of the turn before: O(new tokens), not a tolist.
-    prompt_ids: Callable[[], list[int]]
+    # None: made from `prompt` (a one-off turn, not a replayed conversation's).
+    prompt_ids: Callable[[], list[int]] | None = None
+
+    def ids(self) -> list[int]:
+        return self.prompt_ids() if self.prompt_ids is not None else self.prompt.tokens.tolist()
 
 
 @dataclass(slots=True)

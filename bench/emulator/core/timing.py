@@ -18,7 +18,7 @@ from typing import Any, Final, Protocol
 from deploy.profiles.schema import EngineProfile
 
 from bench.emulator.core.pool import BlockPool, CacheFull
-from bench.emulator.core.scheduler import EngineRequest, Scheduler
+from bench.emulator.core.scheduler import EngineRequest, Scheduler, Step
 
 __all__ = ["EngineDied", "FixedTiming", "Run", "SteppedTiming", "Timing"]
 
@@ -234,11 +234,15 @@ class SteppedTiming:
             # slow the engine down.
             end = max(end, loop.time() - _MAX_LAG_S) + step.ms / 1e3 * self.time_scale
             await asyncio.sleep(end - loop.time())
-            self.steps += 1
-            self.busy_ms += step.ms
-            if step.chunks:
-                self.prefill_ms += self.scheduler.step_ms(step.chunks, ())
-            for request in self.scheduler.finish_step(step, end):
-                run = self._runs.get(request)
-                if run is not None and (len(request.token_times) > run.awaiting or request.finished):
-                    run.progress.set()
+            self._finish(step, end)
+
+    def _finish(self, step: Step, end: float) -> None:
+        """A step's end: counted, its tokens out, the requests waiting on them woken."""
+        self.steps += 1
+        self.busy_ms += step.ms
+        if step.chunks:
+            self.prefill_ms += self.scheduler.step_ms(step.chunks, ())
+        for request in self.scheduler.finish_step(step, end):
+            run = self._runs.get(request)
+            if run is not None and (len(request.token_times) > run.awaiting or request.finished):
+                run.progress.set()

@@ -29,6 +29,7 @@ from deploy.profiles.schema import EngineProfile
 from bench.emulator.core.engine import CoreConfig, CoreCounters, EngineCore
 from bench.emulator.core.link import Link
 from bench.emulator.core.timing import SteppedTiming
+from bench.emulator.fleet.stepping import JumpingTiming
 from kvshuttle.core.hashing import ROOT_HASH, chain_array
 from kvshuttle.router.cost import LinkModel
 
@@ -164,6 +165,8 @@ class SimEngine(KvSource):
             on_removed=lambda keys, medium: emit(self, "removed", keys, 0, medium, None),
             link=self.nic,
             holding_prefix=config.name,
+            # One wakeup per decode stretch, not per step.
+            stepped=JumpingTiming,
         )
         self.pool = self.core.pool
         self.host = self.core.host

@@ -27,7 +27,6 @@ from deploy.profiles.schema import EngineProfile
 
 from bench.emulator.fleet.engine import EngineConfig, KvSource, SimEngine
 from bench.emulator.fleet.vtime import VirtualTimeLoop
-from bench.emulator.fleet.stepping import JumpingTiming
 from kvshuttle.router.cost import LinkModel
 
 __all__ = ["CacheView", "Fleet", "FleetConfig", "LoadView", "Visibility"]
@@ -152,8 +151,6 @@ class Fleet:
                     self.sources.get,
                     on_event=self._event,
                 )
-                # One wakeup per decode stretch, not per step (bench/fleet/stepping.py).
-                engine.timing = JumpingTiming(profile, engine.pool)  # type: ignore[arg-type]
                 self.engines.append(engine)
                 self.sources[engine.name] = engine
         self.prefills = [e for e in self.engines if e.config.role == "prefill"]

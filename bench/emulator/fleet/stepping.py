@@ -1,4 +1,4 @@
-"""The stand-in's step timing (deploy/standin/timing.py's `SteppedTiming`) for the fleet simulator,
+"""The emulator's step timing (bench/emulator/core/timing.py's `SteppedTiming`) for the fleet simulator,
 where a decode-only stretch costs one wakeup instead of one per step.
 
 Decoding, an engine runs a step per output token, and a step is a sleep, a timer and a trip
@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Final
+from typing import Any, Final
 
 from deploy.profiles.schema import EngineProfile
-from deploy.standin.kvpool import KvBlockPool
-from deploy.standin.scheduler import EngineRequest, Step
-from deploy.standin.timing import _MAX_LAG_S, _RECHECK_S, SteppedTiming
+
+from bench.emulator.core.pool import BlockPool
+from bench.emulator.core.scheduler import EngineRequest, Step
+from bench.emulator.core.timing import _MAX_LAG_S, _RECHECK_S, SteppedTiming
 
 __all__ = ["MAX_STRETCH_STEPS", "JumpingTiming"]
 
@@ -39,7 +40,7 @@ def _resolve(waiter: asyncio.Future[None]) -> None:
 
 
 class JumpingTiming(SteppedTiming):
-    def __init__(self, profile: EngineProfile, pool: KvBlockPool, *, time_scale: float = 1.0) -> None:
+    def __init__(self, profile: EngineProfile, pool: BlockPool[Any, Any], *, time_scale: float = 1.0) -> None:
         super().__init__(profile, pool, time_scale=time_scale)
         # The stretch being slept through: per step (ms, end, when its wakeup would have been),
         # and what a kick resolves to cut it.
@@ -163,15 +164,3 @@ class JumpingTiming(SteppedTiming):
         ms, end, _ = steps[done]
         self._finish(Step((), decodes, ms), end)
         return end
-
-    def _finish(self, step: Step, end: float) -> None:
-        """SteppedTiming's end of a step: counted, its tokens out, the requests waiting on them
-        woken."""
-        self.steps += 1
-        self.busy_ms += step.ms
-        if step.chunks:
-            self.prefill_ms += self.scheduler.step_ms(step.chunks, ())
-        for request in self.scheduler.finish_step(step, end):
-            run = self._runs.get(request)
-            if run is not None and (len(request.token_times) > run.awaiting or request.finished):
-                run.progress.set()
