@@ -30,6 +30,7 @@ import contextvars
 import math
 import os
 import random
+import zlib
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, replace
@@ -204,8 +205,12 @@ class SimAgent:
         await self._poll_load()
         await self._heartbeat()
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._every(self.model.heartbeat_s, self._heartbeat))]
-        self._tasks.append(loop.create_task(self._every(self.model.load_poll_s, self._poll_load)))
+        # Real agents start when their engines come up, not at one instant: each agent's ticks
+        # fall at its own phase (fixed by its name), so that the fleet's loads do not all change
+        # at the same even seconds and the router does not see every engine refresh at once.
+        phase = zlib.crc32(self.node.encode()) / 2**32
+        self._tasks = [loop.create_task(self._every(self.model.heartbeat_s, phase, self._heartbeat))]
+        self._tasks.append(loop.create_task(self._every(self.model.load_poll_s, phase, self._poll_load)))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -213,10 +218,12 @@ class SimAgent:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     @staticmethod
-    async def _every(period: float, call: Any) -> None:
+    async def _every(period: float, phase: float, call: Any) -> None:
+        """`call` every `period` from `phase` (a fraction of it) into the first."""
+        await asyncio.sleep(period * phase)
         while True:
-            await asyncio.sleep(period)
             await call()
+            await asyncio.sleep(period)
 
     async def _poll_load(self) -> None:
         e = self.engine
