@@ -201,16 +201,23 @@ class BlockPool(Generic[K, C]):
             ids.append(block_id)
             hits += 1
         stored: list[int] = []
-        for i in range(hits, total):
-            block_id = self._allocate()
-            key: K | None = keys[i] if caching and i < len(keys) else None
-            if key is not None and key in cached:  # cached meanwhile under this key: not twice
-                key = None
-            blocks[block_id] = _Block(contents[i], key, refs=1)
-            if key is not None:
-                cached[key] = block_id
-                stored.append(i)
-            ids.append(block_id)
+        # Blocks evicted to make room, reported as one removal (vLLM's events of one step).
+        removed: list[K] = []
+        free, keyed = self._free, len(keys) if caching else 0
+        try:
+            for i in range(hits, total):
+                block_id = free.pop() if free else self._allocate(removed)
+                key: K | None = keys[i] if i < keyed else None
+                if key is not None and key in cached:  # cached meanwhile under this key: not twice
+                    key = None
+                blocks[block_id] = _Block(contents[i], key, refs=1)
+                if key is not None:
+                    cached[key] = block_id
+                    stored.append(i)
+                ids.append(block_id)
+        finally:
+            if removed:
+                self._on_removed(removed)
         if stored:
             self._on_stored(stored, sequence)
         return ids
@@ -262,9 +269,9 @@ class BlockPool(Generic[K, C]):
                 else:
                     idle[block.key] = None
 
-    def _allocate(self) -> int:
+    def _allocate(self, removed: list[K]) -> int:
         while not self._free:
-            if not self._evict_one():
+            if not self._evict_one(removed):
                 if not self._held:
                     raise CacheFull("every block is in use by running requests")
                 _, held = self._held.popitem(last=False)  # the oldest holding makes room
@@ -272,7 +279,7 @@ class BlockPool(Generic[K, C]):
                 self._release(held.block_ids)
         return self._free.pop()
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self, removed: list[K]) -> bool:
         if not self._idle:
             return False
         key, _ = self._idle.popitem(last=False)
@@ -280,7 +287,7 @@ class BlockPool(Generic[K, C]):
         del self._blocks[block_id]
         self._free.append(block_id)
         self.evicted_blocks += 1
-        self._on_removed([key])
+        removed.append(key)
         return True
 
 
