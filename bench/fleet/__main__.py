@@ -123,11 +123,15 @@ def _one(job: Job) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return row, turns
 
 
+def _rates(args: argparse.Namespace, workload: str) -> list[float]:
+    return [float(r) for r in args.rates.split(",")] if args.rates else list(FULL_RATES[workload])
+
+
 def _sweeps(args: argparse.Namespace) -> list[list[Job]]:
     """One sweep (rates in order) per workload, policy and seed."""
     out = []
     for workload in args.workloads.split(","):
-        rates = [float(r) for r in args.rates.split(",")] if args.rates else list(FULL_RATES[workload])
+        rates = _rates(args, workload)
         for policy in args.policies.split(","):
             for seed in (int(s) for s in args.seeds.split(",")):
                 out.append([(args, workload, policy, rate, seed) for rate in rates])
@@ -175,12 +179,23 @@ def _at_best_peer(args: argparse.Namespace, rows: list[dict[str, Any]], gpus: in
     did not make: each policy and seed at the rate of the best peer's capacity."""
     wanted = report.best_peer_rates(rows, gpus)
     have = {(r["workload"], r["policy"], r["seed"], r["rate"]) for r in rows}
+    # A sweep whose later turns' p99 was already a miss (more than 1 % of them cut or failed) at a
+    # lower rate: more load does not serve more of them, and its p99 there is a miss unrun.
+    missed = {
+        (r["workload"], r["policy"], r["seed"], r["rate"])
+        for r in rows
+        if r["collapsed_at_s"] is not None or math.isinf(r["ttft_later_ms"]["p99"] or 0.0)
+    }
     jobs = []
     for workload, rate in wanted.items():
         for policy in args.policies.split(","):
             for seed in (int(s) for s in args.seeds.split(",")):
-                if (workload, policy, seed, rate) not in have:
-                    jobs.append((args, workload, policy, rate, seed))
+                if (workload, policy, seed, rate) in have:
+                    continue
+                lower = (r for r in _rates(args, workload) if r < rate)
+                if any((workload, policy, seed, r) in missed for r in lower):
+                    continue
+                jobs.append((args, workload, policy, rate, seed))
     return jobs
 
 

@@ -104,6 +104,12 @@ class TurnRecord:
 class ReplayResult:
     records: list[TurnRecord] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)  # every token gap of every answered turn
+    in_flight: int = 0  # turns sent and not yet answered
+    # When the turns in flight passed the replay's bound (the fleet collapsed): the replay
+    # stopped there, its turns in flight cut, no turn sent after.
+    collapsed_at_s: float | None = None
+    _collapsed: asyncio.Event = field(default_factory=asyncio.Event)
+    _collapse_in_flight: float = math.inf
 
 
 class _History:
@@ -224,11 +230,17 @@ async def _session(
         sent = loop.time()
         record = TurnRecord(session.session_id, i, sent, len(history.tokens), turn.output)
         result.records.append(record)
+        result.in_flight += 1
+        if result.in_flight > result._collapse_in_flight and result.collapsed_at_s is None:
+            result.collapsed_at_s = sent
+            result._collapsed.set()
         try:
             served = await policy.serve(turn)
         except asyncio.CancelledError:
             record.error = "cut"
             raise
+        finally:
+            result.in_flight -= 1
         answer = served.answer
         done_at = loop.time()
         _fill(record, served, sent, done_at, result)
@@ -291,10 +303,12 @@ async def replay(
     max_model_len: int,
     send_until_s: float = math.inf,
     end_s: float = math.inf,
+    collapse_in_flight: float = math.inf,
 ) -> ReplayResult:
     """Every session from its arrival until it ends, sending no turn after `send_until_s`, until
-    `end_s` (virtual seconds): turns in flight then are cut."""
-    result = ReplayResult()
+    `end_s` (virtual seconds): turns in flight then are cut. More than `collapse_in_flight` turns
+    in flight at once ends the replay there (`collapsed_at_s`), its turns in flight cut."""
+    result = ReplayResult(_collapse_in_flight=collapse_in_flight)
     tasks = [
         asyncio.create_task(
             _session(
@@ -310,10 +324,16 @@ async def replay(
         for a in arrivals
     ]
     timeout = None if math.isinf(end_s) else max(0.0, end_s - asyncio.get_running_loop().time())
-    done, pending = await asyncio.wait(tasks, timeout=timeout)
+    sessions = asyncio.ensure_future(asyncio.wait(tasks))
+    collapsed = asyncio.ensure_future(result._collapsed.wait())
+    await asyncio.wait((sessions, collapsed), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    sessions.cancel()
+    collapsed.cancel()
+    pending = [task for task in tasks if not task.done()]
     for task in pending:
         task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
-    for task in done:
-        task.result()
+    await asyncio.gather(*pending, sessions, collapsed, return_exceptions=True)
+    for task in tasks:
+        if not task.cancelled():
+            task.result()
     return result

@@ -61,7 +61,13 @@ def figures(run: RunResult) -> dict[str, Any]:
     turns = max(1, len(records))
     later_p90 = _pct(ttfts(later), 90)
     itl_p99 = _pct(itl, 99)
-    ok = later_p90 is not None and later_p90 <= TTFT_P90_SLO_S and (itl_p99 or 0.0) <= ITL_P99_SLO_S
+    collapsed = run.result.collapsed_at_s
+    ok = (
+        collapsed is None
+        and later_p90 is not None
+        and later_p90 <= TTFT_P90_SLO_S
+        and (itl_p99 or 0.0) <= ITL_P99_SLO_S
+    )
     return {
         **run.spec,
         "turns": len(records),
@@ -71,6 +77,7 @@ def figures(run: RunResult) -> dict[str, Any]:
         "missed": len(records) - len(answered),
         "wrong": sum(r.wrong for r in records),
         "slo_ok": bool(ok) and bool(later),
+        "collapsed_at_s": None if collapsed is None else round(collapsed, 1),
         "ttft_first_ms": quantiles(first),
         "ttft_later_ms": quantiles(later),
         "itl_ms": {"p50": _ms(_pct(itl, 50)), "p99": _ms(itl_p99)},

@@ -153,6 +153,26 @@ def test_the_proxy_answers_wrong_when_the_history_is_not_the_one_its_kv_holds() 
     assert wrong == {"proxy": 1, "kvshuttle": 0}
 
 
+def test_a_fleet_with_more_turns_in_flight_than_its_bound_collapses_there_and_misses(
+    agent_sessions: list[Session],
+) -> None:
+    """Past `collapse_in_flight_per_engine` turns in flight the run stops: the turns in flight are
+    cut (misses), no turn is sent after, and the run is not in the SLO however fast the rest was."""
+    sessions = [replace(s, session_id=f"{s.session_id}-{k}") for k in range(3) for s in agent_sessions]
+    spec = replace(_spec("recompute", sessions), arrivals=[Arrival(0.0, s) for s in sessions])
+    whole = run(spec)
+    assert whole.result.collapsed_at_s is None
+    collapsed = run(replace(spec, collapse_in_flight_per_engine=2))  # 8 turns in flight at 2P+2D
+    at = collapsed.result.collapsed_at_s
+    assert at is not None
+    cut = [r for r in collapsed.result.records if r.error == "cut"]
+    assert len(cut) >= 9 and all(r.sent_s <= at for r in collapsed.result.records)
+    assert len(collapsed.result.records) < len(whole.result.records)
+    row = report.figures(collapsed)
+    assert row["collapsed_at_s"] == round(at, 1) and not row["slo_ok"]
+    assert row["missed"] >= 9
+
+
 # -- the summary tools read ----------------------------------------------------------------------
 
 
