@@ -98,11 +98,13 @@ class RunSpec:
     warmup_s: float = 0.0
     drain_s: float = 60.0
     block_size: int = 64
-    # A fleet with more turns in flight than this per engine has collapsed: the run stops there
-    # and its turns in flight are cut (misses). A fleet near the SLO at the sweeps' top rates has
-    # a few hundred in flight at 8P+8D; simulating a collapse to its end decides nothing and cost
-    # up to ten CPU-minutes a run.
+    # A fleet with more turns in flight than this per engine, or an engine with more requests
+    # queued for admission than `collapse_waiting`, has collapsed: the run stops there and its
+    # turns in flight are cut (misses). A fleet near the SLO at the sweeps' top rates has a few
+    # hundred turns in flight at 8P+8D and tens queued on its busiest engine; simulating a
+    # collapse to its end decides nothing and cost up to ten CPU-minutes a run.
     collapse_in_flight_per_engine: int = 128
+    collapse_waiting: int = 256
 
 
 @dataclass
@@ -157,6 +159,7 @@ async def _run(spec: RunSpec) -> RunResult:
         send_until_s=spec.window_s,
         end_s=spec.window_s + spec.drain_s,
         collapse_in_flight=spec.collapse_in_flight_per_engine * (spec.prefill + spec.decode),
+        collapse_if=lambda: any(e.waiting > spec.collapse_waiting for e in fleet.engines),
     )
     sampler.cancel()
     closer = getattr(policy, "close", None)

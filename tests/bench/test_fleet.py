@@ -171,6 +171,10 @@ def test_a_fleet_with_more_turns_in_flight_than_its_bound_collapses_there_and_mi
     row = report.figures(collapsed)
     assert row["collapsed_at_s"] == round(at, 1) and not row["slo_ok"]
     assert row["missed"] >= 9
+    # An engine with more requests queued than `collapse_waiting` is a collapse too.
+    queued = run(replace(spec, collapse_waiting=1))
+    assert queued.result.collapsed_at_s is not None
+    assert any(r.error == "cut" for r in queued.result.records)
 
 
 # -- the summary tools read ----------------------------------------------------------------------
