@@ -324,13 +324,38 @@ class EngineCore(Generic[K, C]):
         `do_remote_prefill` params; with other params and `retain_decode`, for `kv_blocks_ttl`,
         answering `do_remote_decode` params; else freed (cached). None: nothing held. `extra`
         goes into the params."""
+        ids = self.place(keys, contents, prompt_tokens, total_tokens, sequence)
+        return self.finish(ids, total_tokens, params, **extra)
+
+    def place(
+        self,
+        keys: Sequence[K],
+        contents: Sequence[C],
+        prompt_tokens: int,
+        total_tokens: int,
+        sequence: Any = None,
+    ) -> list[int]:
+        """`keep`'s first half, once the prompt is computed: the sequence's blocks placed and
+        pinned while the request decodes into them (vLLM's running request holds its blocks; a
+        prefix-cache eviction cannot take them). `finish` them when it ends, or `unpin` them."""
         bs = self.config.block_size
-        ids = self.pool.place(keys, contents[: -(-max(total_tokens, prompt_tokens) // bs)], sequence)
+        return self.pool.place(keys, contents[: -(-max(total_tokens, prompt_tokens) // bs)], sequence)
+
+    def unpin(self, ids: list[int]) -> None:
+        """A placed request that ended without finishing (aborted): its blocks freed (cached)."""
+        self.pool.release(ids)
+        self.timing.kick()
+
+    def finish(
+        self, ids: list[int], total_tokens: int, params: Mapping[str, Any], **extra: Any
+    ) -> dict[str, Any] | None:
+        """`keep`'s second half, when the request ends (vLLM's request_finished)."""
         if params and params.get("do_remote_decode"):
             return self._hold(ids, total_tokens, self.config.kv_lease_s, prefill=True, **extra)
         if params and self.config.retain_decode:
             return self._hold(ids, total_tokens, self.config.kv_blocks_ttl, prefill=False, **extra)
         self.pool.release(ids)
+        self.timing.kick()  # freed blocks may admit a waiting request
         return None
 
     def offload(self, keys: Sequence[K], contents: Sequence[C]) -> list[K]:

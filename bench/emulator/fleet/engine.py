@@ -197,7 +197,10 @@ class SimEngine(KvSource):
         return self.core.waiting
 
     def kv_usage(self) -> float:
-        return self.pool.used_blocks() / self.pool.num_blocks
+        """vLLM's kv_cache_usage_perc: blocks referenced (running requests' and held ones), the
+        prefix cache's idle ones not. A running request's blocks are its admission reservation
+        until it ends (the core places them then)."""
+        return (self.pool.used_blocks() + self.pool.reserved) / self.pool.num_blocks
 
     def take(self, holding: str, upto_blocks: int) -> list[int] | None:
         return self.core.take_leading(holding, upto_blocks)
@@ -244,6 +247,7 @@ class SimEngine(KvSource):
         )
         run = core.submit(len(prompt), found.tokens, output)
         done.admitted_after_s = asyncio.get_running_loop().time() - arrived
+        placed: list[int] | None = None
         try:
             await run.prefilled()
             done.computed_tokens = len(prompt) - min(found.tokens, len(prompt) - 1)
@@ -254,13 +258,18 @@ class SimEngine(KvSource):
             seq_keys, seq_contents, tokens = self._sequence(prompt, contents, answer, wrong)
             total = len(prompt) + output - 1
             partial = -(-max(total, len(prompt)) // bs) - len(seq_keys)
-            done.params = core.keep(
-                seq_keys, seq_contents + [-1] * partial, len(prompt), total, params, (seq_keys, tokens)
+            # The blocks stay pinned while the answer decodes into them, and are held or freed
+            # when it ends: a running request's KV is memory a decode engine cannot give away.
+            placed = core.place(
+                seq_keys, seq_contents + [-1] * partial, len(prompt), total, (seq_keys, tokens)
             )
             run.placed()
             await run.finished()
+            done.params, placed = core.finish(placed, total, params), None
             done.token_times = list(run.request.token_times)  # type: ignore[attr-defined]
         finally:
+            if placed is not None:
+                core.unpin(placed)
             run.close()
         new = core.offload(seq_keys, seq_contents)
         if new:
