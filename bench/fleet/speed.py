@@ -35,7 +35,7 @@ from bench.fleet.run import POLICIES, run
 from bench.report import ROOT, save
 
 # Every policy on every workload, at a rate each sweep of the last full run reached
-# (bench/results/fleet-20261206T063928Z.json); Claude Code's seed 2 has the most sessions there.
+# (bench/results/fleet-20261206T224550Z.json); Claude Code's seed 2 has the most sessions there.
 CASES: Final = tuple(
     f"{policy}:{workload}"
     for workload in ("agent:2.0:1", "mooncake:2.0:1", "claude-code:0.04:2")
