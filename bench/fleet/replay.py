@@ -109,8 +109,7 @@ class ReplayResult:
     # stopped there, its turns in flight cut, no turn sent after.
     collapsed_at_s: float | None = None
     _collapsed: asyncio.Event = field(default_factory=asyncio.Event)
-    _collapse_in_flight: float = math.inf
-    _collapse_if: Callable[[], bool] | None = None
+    _collapse_if: Callable[[ReplayResult], bool] | None = None
 
 
 class _History:
@@ -232,9 +231,7 @@ async def _session(
         record = TurnRecord(session.session_id, i, sent, len(history.tokens), turn.output)
         result.records.append(record)
         result.in_flight += 1
-        if result.collapsed_at_s is None and (
-            result.in_flight > result._collapse_in_flight or (result._collapse_if and result._collapse_if())
-        ):
+        if result.collapsed_at_s is None and result._collapse_if is not None and result._collapse_if(result):
             result.collapsed_at_s = sent
             result._collapsed.set()
         try:
@@ -306,14 +303,12 @@ async def replay(
     max_model_len: int,
     send_until_s: float = math.inf,
     end_s: float = math.inf,
-    collapse_in_flight: float = math.inf,
-    collapse_if: Callable[[], bool] | None = None,
+    collapse_if: Callable[[ReplayResult], bool] | None = None,
 ) -> ReplayResult:
     """Every session from its arrival until it ends, sending no turn after `send_until_s`, until
-    `end_s` (virtual seconds): turns in flight then are cut. More than `collapse_in_flight` turns
-    in flight at once, or `collapse_if()` true when a turn is sent, ends the replay there
-    (`collapsed_at_s`), its turns in flight cut."""
-    result = ReplayResult(_collapse_in_flight=collapse_in_flight, _collapse_if=collapse_if)
+    `end_s` (virtual seconds): turns in flight then are cut. `collapse_if(result)` true when a
+    turn is sent ends the replay there (`collapsed_at_s`), its turns in flight cut."""
+    result = ReplayResult(_collapse_if=collapse_if)
     tasks = [
         asyncio.create_task(
             _session(

@@ -158,8 +158,10 @@ async def _run(spec: RunSpec) -> RunResult:
         max_model_len=spec.max_model_len,
         send_until_s=spec.window_s,
         end_s=spec.window_s + spec.drain_s,
-        collapse_in_flight=spec.collapse_in_flight_per_engine * (spec.prefill + spec.decode),
-        collapse_if=lambda: any(e.waiting > spec.collapse_waiting for e in fleet.engines),
+        collapse_if=lambda r: (
+            r.in_flight > spec.collapse_in_flight_per_engine * (spec.prefill + spec.decode)
+            or any(e.waiting > spec.collapse_waiting for e in fleet.engines)
+        ),
     )
     sampler.cancel()
     closer = getattr(policy, "close", None)

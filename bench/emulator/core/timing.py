@@ -232,9 +232,14 @@ class SteppedTiming:
                 continue
             # Steps are laid end to end on the schedule, so sleeping late now and then does not
             # slow the engine down.
-            end = max(end, loop.time() - _MAX_LAG_S) + step.ms / 1e3 * self.time_scale
-            await asyncio.sleep(end - loop.time())
-            self._finish(step, end)
+            end = await self._run(step, max(end, loop.time() - _MAX_LAG_S) + step.ms / 1e3 * self.time_scale)
+
+    async def _run(self, step: Step, end: float) -> float:
+        """Run `step`, due to end at `end`: sleep to it, then finish it. When the last step run
+        ended (a subclass may run more than one)."""
+        await asyncio.sleep(end - asyncio.get_running_loop().time())
+        self._finish(step, end)
+        return end
 
     def _finish(self, step: Step, end: float) -> None:
         """A step's end: counted, its tokens out, the requests waiting on them woken."""

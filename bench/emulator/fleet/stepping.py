@@ -18,14 +18,13 @@ records are identical.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any, Final
 
 from deploy.profiles.schema import EngineProfile
 
 from bench.emulator.core.pool import BlockPool
 from bench.emulator.core.scheduler import EngineRequest, Step
-from bench.emulator.core.timing import _MAX_LAG_S, _RECHECK_S, SteppedTiming
+from bench.emulator.core.timing import _MAX_LAG_S, SteppedTiming
 
 __all__ = ["MAX_STRETCH_STEPS", "JumpingTiming"]
 
@@ -78,25 +77,11 @@ class JumpingTiming(SteppedTiming):
         if self._cut is not None:
             _resolve(self._cut)
 
-    async def _drive(self) -> None:
-        loop = asyncio.get_running_loop()
-        end = loop.time()  # when the last step ended, on schedule
-        while True:
-            step = self.scheduler.next_step()
-            if step is None:
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(_RECHECK_S if self.scheduler.waiting else None):
-                        await self._wake.wait()
-                end = loop.time()
-                continue
-            end = max(end, loop.time() - _MAX_LAG_S) + step.ms / 1e3 * self.time_scale
-            steps = self._plan(step, end, loop.time())
-            if len(steps) == 1:
-                await asyncio.sleep(end - loop.time())
-                self._finish(step, end)
-                continue
-            end = await self._sleep_through(step.decodes, steps)
+    async def _run(self, step: Step, end: float) -> float:
+        steps = self._plan(step, end, asyncio.get_running_loop().time())
+        if len(steps) == 1:
+            return await super()._run(step, end)
+        return await self._sleep_through(step.decodes, steps)
 
     def _plan(self, first: Step, end: float, now: float) -> list[tuple[float, float, float]]:
         """The steps from `first` (ending at `end`) that run unchanged unless kicked: (ms, end,
