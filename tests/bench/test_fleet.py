@@ -49,6 +49,26 @@ def test_virtual_time_jumps_to_the_next_timer_without_waiting() -> None:
     assert time.monotonic() - began < 5  # an hour and a half-minute of timers, not waited for
 
 
+def test_virtual_time_runs_same_instant_timers_in_the_order_set_and_lands_on_their_time() -> None:
+    """Ties in the order set (asyncio's heap orders them by position, so a run's records depended
+    on how many other timers were pending), the clock exactly on a timer's time."""
+
+    async def main() -> tuple[list[int], float, float]:
+        loop = asyncio.get_running_loop()
+        order: list[int] = []
+        for i in (3, 1, 4, 0, 2, 5):
+            loop.call_at(5.0, order.append, i)
+        loop.call_at(4.0, lambda: loop.call_at(5.0, order.append, 9))
+        await asyncio.sleep(0.1)
+        at = loop.time()
+        await asyncio.sleep(6.0)
+        return order, at, loop.time()
+
+    order, at, end = vtime.run(main())
+    assert order == [3, 1, 4, 0, 2, 5, 9]
+    assert (at, end) == (0.1, 6.1)
+
+
 def test_virtual_time_refuses_threads_and_sockets_and_reports_a_deadlock() -> None:
     async def thread() -> None:
         await asyncio.to_thread(print)
