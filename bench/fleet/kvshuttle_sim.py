@@ -535,6 +535,7 @@ class Kvshuttle:
             tracer_provider=trace.NoOpTracerProvider(),
             agents=_AgentPort(by_endpoint, by_node),
             monotonic=_monotonic,
+            rng=random.Random(f"router-{seed}"),
         )
         tracer = trace.get_tracer("kvshuttle.fleet", tracer_provider=trace.NoOpTracerProvider())
         self.runner = TurnRunner(

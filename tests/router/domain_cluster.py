@@ -8,6 +8,7 @@ from typing import Any
 
 from bench.fleet.inproc import InProcessPort
 from prometheus_client import CollectorRegistry
+from tests.router.helpers import TIES_BY_NAME
 from tests.support.clock import FakeClock
 
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
@@ -86,7 +87,7 @@ class Cluster:
             self.clock,
             costs or [CostModel(p) for p in profiles or [CPU, QWEN]],
             TurnCodec(KEY),
-            RouterPolicy(**policy),
+            RouterPolicy(**{"weights": TIES_BY_NAME, **policy}),
             RouterMetrics(CollectorRegistry()),
         )
         self._ports[router] = port

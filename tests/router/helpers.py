@@ -24,7 +24,7 @@ from kvshuttle.router.config import RouterSettings
 from kvshuttle.router.cost import load_profiles
 from kvshuttle.router.grpc.registry_port import GrpcRegistryPort
 from kvshuttle.router.main import build_router, build_server, connect_registry
-from kvshuttle.router.model import RouterPolicy
+from kvshuttle.router.model import PlacementWeights, RouterPolicy
 from kvshuttle.router.router import Router
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.serving.server import GrpcServer
@@ -48,6 +48,11 @@ def seconds(s: float) -> Duration:
 COMMIT_REGISTRY_TIMEOUT_S = 30.0
 
 
+# These tests name the node a turn lands on: exact ties go to the first name, no draws (placement's
+# own draws among near-ties are tests/router/test_placement.py's).
+TIES_BY_NAME = PlacementWeights(near_tie_ms=0.0, near_tie_fraction=0.0, near_tie_requests=0.0)
+
+
 def settings(registry_address: str, key: str = KEY, **policy: Any) -> RouterSettings:
     return RouterSettings(
         server=ServerSettings(listen="127.0.0.1:0", grace_seconds=1),
@@ -61,7 +66,12 @@ def settings(registry_address: str, key: str = KEY, **policy: Any) -> RouterSett
         # recompute where the test expected reuse. The 1 s bound itself is test_degraded's and
         # test_caller_gone's (0.05 s there).
         policy=RouterPolicy(
-            **{"node_max_age_s": 0.0, "commit_registry_timeout_s": COMMIT_REGISTRY_TIMEOUT_S, **policy}
+            **{
+                "node_max_age_s": 0.0,
+                "commit_registry_timeout_s": COMMIT_REGISTRY_TIMEOUT_S,
+                "weights": TIES_BY_NAME,
+                **policy,
+            }
         ),
     )
 

@@ -82,11 +82,10 @@ async def test_the_same_tokens_under_another_salt_never_reuse(
         Reason.PREFIX_MISMATCH,
         0,
     )
-    assert plan.claimed == "" and plan.prefill_kv_transfer_params == {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-    }
-    assert (await cluster.registry.get_retention(f"{CONV}/retentions/1")).claim is None
+    # Superseded, the retention is released: prefill is told to read none of it (and so frees
+    # its blocks on the holder); no token of it is reused.
+    assert plan.claimed == f"{CONV}/retentions/1"
+    assert plan.prefill_kv_transfer_params["remote_num_tokens"] == 0
     # The commit of that turn chains from the turn's own salt, whatever replica commits it.
     sequence = prompt + cluster.tokens(10)
     await a.commit_turn(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.core.nodes import NodeRole
 from kvshuttle.router.chains import ChainCache
 from kvshuttle.router.cost import CostModel, LinkModel, ModelProfile, PrefillModel
+from kvshuttle.router.ledger import PlacementLedger
 from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import (
     ClaimInfo,
@@ -129,6 +131,8 @@ def planner(port: ScriptedPort, clock: FakeClock, memory: TurnMemory) -> Planner
             nodes=NodeDirectory(port, refresh_s=60, max_age_s=60),
             memory=memory,
             chains=ChainCache(1 << 20),
+            ledger=PlacementLedger(),
+            rng=random.Random(0),
         )
     )
 

@@ -670,12 +670,12 @@ def test_settings_need_a_profile_and_a_long_enough_key(monkeypatch: pytest.Monke
     monkeypatch.setenv("KVSHUTTLE_ROUTER_TURN_SIGNING_KEY", "k" * 16)
     monkeypatch.setenv("KVSHUTTLE_ROUTER_SERVER__GRACE_SECONDS", "1")
     monkeypatch.setenv("KVSHUTTLE_ROUTER_POLICY__CLAIM_TTL_S", "12")
-    monkeypatch.setenv("KVSHUTTLE_ROUTER_POLICY__WEIGHTS__LOAD_PENALTY_MS", "7")
+    monkeypatch.setenv("KVSHUTTLE_ROUTER_POLICY__WEIGHTS__NEAR_TIE_MS", "7")
     monkeypatch.setenv("KVSHUTTLE_ROUTER_REGISTRY__ADDRESS", "registry:50051")
     s = RouterSettings()
     # A partial override keeps the router's own listen address.
     assert (s.server.listen, s.server.grace_seconds) == ("127.0.0.1:50061", 1.0)
-    assert (s.policy.claim_ttl_s, s.policy.weights.load_penalty_ms, s.policy.turn_ttl_s) == (12.0, 7.0, 600.0)
+    assert (s.policy.claim_ttl_s, s.policy.weights.near_tie_ms, s.policy.turn_ttl_s) == (12.0, 7.0, 600.0)
     assert s.registry.channel_options().target == "registry:50051"
     assert s.model_dump(mode="json")["turn_signing_key"] == "**********"
     with pytest.raises(ValidationError):

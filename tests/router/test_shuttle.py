@@ -21,6 +21,7 @@ from kvshuttle.registry.service.registry import Registry
 from kvshuttle.registry.store.memory.store import InMemoryStore
 from kvshuttle.router.config import RouterSettings
 from kvshuttle.router.cost import CostModel, LinkModel, ModelProfile, PrefillModel
+from kvshuttle.router.ledger import PlacementLedger
 from kvshuttle.router.main import build_router, supervise_shuttle
 from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import (
@@ -571,9 +572,10 @@ def test_placement_prefers_the_prefill_node_whose_pool_holds_the_retention() -> 
 
     nodes = [prefill("nodes/a"), prefill("nodes/b")]
     kw: dict[str, Any] = {"model": MODEL, "prompt_tokens": 100, "local_hit_blocks": {}}
-    cost, weights = CostModel(CPU), RouterPolicy().weights
-    assert choose_prefill(nodes, cost=cost, weights=weights, **kw)[0].name == "nodes/a"
-    chosen = choose_prefill(nodes, cost=cost, weights=weights, hint="nodes/a", prefer="nodes/b", **kw)
+    kw |= {"cost": CostModel(CPU), "weights": RouterPolicy().weights, "ledger": PlacementLedger()}
+    kw["rng"] = random.Random(0)
+    assert choose_prefill(nodes, hint="nodes/a", **kw)[0].name == "nodes/a"
+    chosen = choose_prefill(nodes, hint="nodes/a", prefer="nodes/b", **kw)
     assert chosen[0].name == "nodes/b"
 
 

@@ -74,6 +74,11 @@ class Committer:
         self._check_unfinished(state)
         return state
 
+    def _finish(self, state: TurnState, outcome: str) -> None:
+        """Remembered as finished here; its decode no longer counts as in flight on its node."""
+        self._parts.memory.finish(state.turn_id, outcome)
+        self._parts.ledger.finished(state.turn_id)
+
     def _check_unfinished(self, state: TurnState) -> None:
         finished = self._parts.memory.finished(state.turn_id)
         if finished is not None:
@@ -138,7 +143,7 @@ class Committer:
             if not result.retention and state.conversation and self._parts.shuttle is not None:
                 self._parts.shuttle.forget(state.conversation)  # what it had scheduled was consumed
             self._observe(state, req.timings)
-            self._parts.memory.finish(state.turn_id, "committed")
+            self._finish(state, "committed")
             if req.request_id:
                 self._parts.memory.remember_commit(state.turn_id, req.request_id, fingerprint, result)
             outcome = result.not_stored or ("stored" if result.retention else "nothing_retained")
@@ -284,7 +289,10 @@ class Committer:
         read = max(reused - state.local_hit_tokens, 0)
         transfer = t.transfer_ms if t.transfer_ms is not None else (cost.transfer_ms(read) if read else 0.0)
         cost.observe_prefill(
-            computed=state.prompt_tokens - cached, cached=cached, measured_ms=t.prefill_ms - transfer
+            computed=state.prompt_tokens - cached,
+            cached=cached,
+            measured_ms=t.prefill_ms - transfer,
+            node=state.prefill_node,
         )
 
     # ---- AbortTurn -------------------------------------------------------------------------
@@ -307,7 +315,7 @@ class Committer:
                     raise FailedPrecondition("turn already committed", reason=ErrorReason.TURN_FINISHED)
         if state.claimed:
             await timer.registry(self._release(state, "abort"))
-        self._parts.memory.finish(state.turn_id, "aborted")
+        self._finish(state, "aborted")
         log.info("turn.aborted", reason=reason[:200], claimed=log_name(state.claimed))
         self._parts.metrics.own_abort.observe(timer.own_cpu_s())
 

@@ -14,15 +14,21 @@ remotely clear the floor (vLLM's `kv_recompute_threshold`: below it vLLM recompu
 Extending on the holder (the decode node whose prefix cache holds the history computes the
 new tokens itself) costs its prefill plus its running decodes' delay meanwhile, weighted.
 
-Measured turns (CommitTurn timings) scale the prefill estimate and replace the link bandwidth
-with the median of recent observations, each clipped, so one outlier moves nothing.
+Measured turns (CommitTurn timings) scale the prefill estimate, per prefill node and across
+them, and replace the link bandwidth with the median of recent observations, each clipped, so
+one outlier moves nothing. A measured prefill is the gateway's wall time of the call, the time
+the request queued on a busy engine included; the prefill scale is therefore the low quantile
+(`PREFILL_QUANTILE`) of recent measured/predicted ratios, not their median: queueing only ever
+adds, and the turns that found the engine free measure its compute. Queueing is a load signal,
+which placement counts apart (kvshuttle.router.ledger); learnt into the cost, it would inflate
+every estimate under load and shift reuse against recompute for the wrong reason.
 """
 
 from __future__ import annotations
 
 import statistics
 import tomllib
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +38,10 @@ from kvshuttle.router.model import Estimate, ExtendPolicy
 _WINDOW = 64
 _MIN_SAMPLES = 4
 _MAX_SCALE = 8.0
+# The quantile of measured/predicted prefill ratios taken as the engine's speed (see above).
+PREFILL_QUANTILE = 0.2
+# Prefill nodes with a scale of their own, per model; the least recently measured go first.
+_MAX_NODES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,66 +130,101 @@ def load_profiles(path: Path) -> list[ModelProfile]:
     return [profile_from_dict(p) for p in data.get("profile", [])]
 
 
-class _Median:
-    """Median of the last observations, each clipped to [low, high]."""
+class _Window:
+    """A quantile (the median by default) of the last observations, each clipped to
+    [low, high]."""
 
-    def __init__(self, low: float, high: float) -> None:
+    def __init__(self, low: float, high: float, quantile: float = 0.5) -> None:
         self._low, self._high = low, high
+        self._quantile = quantile
         self._values: deque[float] = deque(maxlen=_WINDOW)
 
     def add(self, value: float) -> None:
         self._values.append(min(max(value, self._low), self._high))
 
     def value(self) -> float | None:
-        return statistics.median(self._values) if len(self._values) >= _MIN_SAMPLES else None
+        if len(self._values) < _MIN_SAMPLES:
+            return None
+        if self._quantile == 0.5:
+            return statistics.median(self._values)
+        ordered = sorted(self._values)
+        return ordered[min(int(self._quantile * len(ordered)), len(ordered) - 1)]
 
 
 class CostModel:
     def __init__(self, profile: ModelProfile) -> None:
         self.profile = profile
-        self._prefill_scale = _Median(1 / _MAX_SCALE, _MAX_SCALE)
+        self._prefill_scale = self._scale_window()
+        self._node_scales: OrderedDict[str, _Window] = OrderedDict()
         bw = profile.link.bandwidth_gb_s
-        self._bandwidth = _Median(bw / _MAX_SCALE**2, bw * _MAX_SCALE**2)
+        self._bandwidth = _Window(bw / _MAX_SCALE**2, bw * _MAX_SCALE**2)
+
+    @staticmethod
+    def _scale_window() -> _Window:
+        return _Window(1 / _MAX_SCALE, _MAX_SCALE, PREFILL_QUANTILE)
 
     @property
     def prefill_scale(self) -> float:
+        """Measured over predicted prefill time across nodes (1.0 until measured)."""
         return self._prefill_scale.value() or 1.0
+
+    def node_prefill_scale(self, node: str) -> float:
+        """`node`'s own, once measured enough; the scale across nodes until then."""
+        window = self._node_scales.get(node) if node else None
+        value = window.value() if window is not None else None
+        return value if value is not None else self.prefill_scale
 
     @property
     def bandwidth_gb_s(self) -> float:
         return self._bandwidth.value() or self.profile.link.bandwidth_gb_s
 
-    def prefill_ms(self, computed: int, cached: int) -> float:
-        return self.profile.prefill.ms(computed, cached) * self.prefill_scale
+    def prefill_ms(self, computed: int, cached: int, node: str = "") -> float:
+        return self.profile.prefill.ms(computed, cached) * self.node_prefill_scale(node)
 
     def transfer_ms(self, tokens: int) -> float:
         return self.profile.link.ms(tokens * self.profile.kv_bytes_per_token, self.bandwidth_gb_s)
 
-    def recompute(self, prompt_tokens: int, local_hits: int) -> Estimate:
+    def recompute(self, prompt_tokens: int, local_hits: int, node: str = "") -> Estimate:
+        """Compute what prefill node `node` ("": any) does not hit in its prefix cache."""
         cached = min(local_hits, prompt_tokens)
-        return Estimate(0.0, self.prefill_ms(prompt_tokens - cached, cached))
+        return Estimate(0.0, self.prefill_ms(prompt_tokens - cached, cached, node))
 
-    def reuse(self, prompt_tokens: int, reusable: int, local_hits: int) -> Estimate:
+    def reuse(self, prompt_tokens: int, reusable: int, local_hits: int, node: str = "") -> Estimate:
         """Read what the prefill node lacks of the reusable prefix, compute the rest."""
         cached = min(max(reusable, local_hits), prompt_tokens)
         read = max(reusable - local_hits, 0)
-        return Estimate(self.transfer_ms(read), self.prefill_ms(prompt_tokens - cached, cached))
+        return Estimate(self.transfer_ms(read), self.prefill_ms(prompt_tokens - cached, cached, node))
 
     def extend(
-        self, prompt_tokens: int, held_tokens: int, *, running: int, interference_weight: float
+        self,
+        prompt_tokens: int,
+        held_tokens: int,
+        *,
+        running: int,
+        interference_weight: float,
+        node: str = "",
     ) -> Estimate:
         """Run the turn on the decode node holding `held_tokens` of the prompt in its prefix
         cache: it computes the rest (at least the last token, as vLLM does) while each of its
         `running` decodes waits about as long, weighted by `interference_weight`."""
         cached = min(held_tokens, prompt_tokens - 1)
-        prefill = self.prefill_ms(prompt_tokens - cached, cached)
+        prefill = self.prefill_ms(prompt_tokens - cached, cached, node)
         return Estimate(0.0, prefill, prefill * running * interference_weight)
 
-    def observe_prefill(self, *, computed: int, cached: int, measured_ms: float) -> None:
-        """A measured prefill (without its KV read) of `computed` tokens on top of `cached` ones."""
+    def observe_prefill(self, *, computed: int, cached: int, measured_ms: float, node: str = "") -> None:
+        """A measured prefill (without its KV read) of `computed` tokens on top of `cached` ones,
+        on prefill node `node` ("": not known)."""
         predicted = self.profile.prefill.ms(computed, cached)
-        if predicted > 0 and measured_ms > 0:
-            self._prefill_scale.add(measured_ms / predicted)
+        if predicted <= 0 or measured_ms <= 0:
+            return
+        ratio = measured_ms / predicted
+        self._prefill_scale.add(ratio)
+        if node:
+            window = self._node_scales.pop(node, None) or self._scale_window()
+            self._node_scales[node] = window  # most recently measured last
+            window.add(ratio)
+            if len(self._node_scales) > _MAX_NODES:
+                self._node_scales.popitem(last=False)
 
     def observe_transfer(self, *, nbytes: int, measured_ms: float) -> None:
         wire_ms = measured_ms - self.profile.link.fixed_ms
@@ -191,6 +236,7 @@ def price_extend(
     cost: CostModel,
     policy: ExtendPolicy,
     *,
+    holder: str,
     prompt_tokens: int,
     held_tokens: int,
     running: int,
@@ -206,7 +252,11 @@ def price_extend(
     if not policy.enabled or held_tokens <= 0 or running + waiting >= policy.max_batch:
         return None, False
     extend = cost.extend(
-        prompt_tokens, held_tokens, running=running, interference_weight=policy.interference_weight
+        prompt_tokens,
+        held_tokens,
+        running=running,
+        interference_weight=policy.interference_weight,
+        node=holder,
     )
     handoff_ms = cost.transfer_ms(prompt_tokens - (held_tokens if decode_is_holder else 0))
     wins = extend.prefill_ms <= policy.max_prefill_ms and extend.total_ms < other.total_ms + handoff_ms

@@ -106,6 +106,12 @@ class RouterMetrics:
             ["role"],
             registry=registry,
         )
+        self.released = Counter(
+            "kvshuttle_router_retentions_released",
+            "Retentions a recomputing plan superseded and had prefill release unread (its "
+            "holder notified, its blocks freed at once rather than at the engine's TTL).",
+            registry=registry,
+        )
         self.holders_not_serving = Counter(
             "kvshuttle_router_pool_holders_not_serving",
             "Plans that would have read from an agent's pool whose agent did not answer "

@@ -46,8 +46,13 @@ class Reason(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class PlacementWeights:
-    # Expected wait per request already running or queued on a node.
-    load_penalty_ms: float = 50.0
+    # Prefill nodes expected to finish a turn within this many ms (or this fraction) of the
+    # best are near-ties, one drawn at random (kvshuttle.router.placement)...
+    near_tie_ms: float = 20.0
+    near_tie_fraction: float = 0.05
+    # ...and decode nodes within this many requests' load of the least loaded. All three 0:
+    # no draws, exact ties go to the first node by name (repeatable placement, for debugging).
+    near_tie_requests: float = 0.5
     # Decode: one running/queued request weighs as much as this fraction of KV cache in use...
     kv_usage_weight: float = 4.0
     # ...and as much as this many GiB of KV held in retentions.

@@ -1,8 +1,10 @@
 """What one router replica's planner and committer share: its registry port, clock, cost models,
-turn codec, policy, metrics, tracer, caches and shuttle. `Router` makes one and hands it to both."""
+turn codec, policy, metrics, tracer, caches, placement ledger and shuttle. `Router` makes one and
+hands it to both."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -11,6 +13,7 @@ from opentelemetry import trace
 from kvshuttle.core.clock import Clock
 from kvshuttle.router.chains import ChainCache
 from kvshuttle.router.cost import CostModel
+from kvshuttle.router.ledger import PlacementLedger
 from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import RouterPolicy
 from kvshuttle.router.node_directory import NodeDirectory
@@ -35,6 +38,10 @@ class RouterParts:
     nodes: NodeDirectory
     memory: TurnMemory
     chains: ChainCache
+    # What this replica placed on each node that no report shows yet; and its draws among
+    # near-tied nodes.
+    ledger: PlacementLedger
+    rng: random.Random
     # Moves this replica's committed retentions into agents' pools (None: parking off).
     shuttle: Shuttle | None = None
     # The agents, asked whether a pool holder still serves before a plan reads from it.

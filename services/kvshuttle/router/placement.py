@@ -1,24 +1,34 @@
 """Where a turn's prefill and decode run.
 
 Prefill: the node where the prompt is expected to finish soonest: its local prefix-cache hits
-(the registry's block index, keyed by kvshuttle's chain) shorten the work, queued and running
-requests lengthen it. Decode: the least loaded node, counting the KV memory it already holds
-for other conversations' retentions. A conversation's previous nodes only break ties: a hint,
-never the policy, and ahead of them the prefill node whose agent's pool holds the
-conversation's retention (`prefer`), so that its read stays on the machine. Only healthy nodes
-serving the model are candidates (a pool node never is); for decode, only those whose HTTP
+(the registry's block index, keyed by kvshuttle's chain) shorten the work, and the prefill
+already queued there lengthens it, in milliseconds: this replica's own placements the node has
+not reported yet, or its reported requests at a typical prefill's cost, whichever is more
+(kvshuttle.router.ledger). Decode: the least loaded node by its requests (reported, or this
+replica's own turns in flight there, whichever is more), its KV cache in use and the KV it holds
+for other conversations' retentions.
+
+Nodes within `near_tie_ms` (or `near_tie_fraction`) of the best are near-ties: the prefill node
+whose agent's pool holds the conversation's retention (`prefer`, so that its read stays on the
+machine), then the conversation's previous node (a hint, never the policy) win among them, else
+one is drawn at random, so that replicas planning at once on the same stale loads do not all
+pick the same node (and a burst of first turns does not pile onto the first name). Only healthy
+nodes serving the model are candidates (a pool node never is); for decode, only those whose HTTP
 endpoint the caller allows (`allowed`: PlanHints.decode_endpoints), when it names any.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+import random
+from collections.abc import Callable, Mapping, Sequence
 
 from kvshuttle.core.endpoints import EndpointSet
 from kvshuttle.core.errors import Unavailable
 from kvshuttle.core.nodes import POOL_OF_LABEL, NodeRole
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.router.cost import CostModel
+from kvshuttle.router.ledger import PlacementLedger
 from kvshuttle.router.model import NodeInfo, PlacementWeights
 
 _NO_NODE = {NodeRole.PREFILL: ErrorReason.NO_PREFILL_NODE, NodeRole.DECODE: ErrorReason.NO_DECODE_NODE}
@@ -39,9 +49,12 @@ def _allowed(pool: list[NodeInfo], allowed: EndpointSet | None) -> list[NodeInfo
     return pool if allowed is None else [n for n in pool if allowed.allows_url(n.http_endpoint)]
 
 
-def ready_decodes(nodes: Sequence[NodeInfo], model: str, weights: PlacementWeights) -> list[NodeInfo]:
-    """The healthy decode nodes of `model`, in choose_decode's order (least loaded first)."""
-    return sorted(_serving(nodes, NodeRole.DECODE, model), key=lambda n: (_decode_load(n, weights), n.name))
+def ready_decodes(
+    nodes: Sequence[NodeInfo], model: str, weights: PlacementWeights, ledger: PlacementLedger
+) -> list[NodeInfo]:
+    """The healthy decode nodes of `model`, least loaded first (choose_decode's measure)."""
+    pool = _serving(nodes, NodeRole.DECODE, model)
+    return sorted(pool, key=lambda n: (_decode_load(n, weights, ledger), n.name))
 
 
 def candidates(nodes: Sequence[NodeInfo], role: NodeRole, model: str) -> list[NodeInfo]:
@@ -57,6 +70,29 @@ def candidates(nodes: Sequence[NodeInfo], role: NodeRole, model: str) -> list[No
     return pool
 
 
+def _near_best(
+    pool: Sequence[NodeInfo],
+    score: Callable[[NodeInfo], float],
+    rng: random.Random,
+    *firsts: str,
+    margin: float,
+    fraction: float = 0.0,
+) -> NodeInfo:
+    """The node of least score, or among those within `margin` (or `fraction` of the best
+    score, whichever is more) of it the first of `firsts` there ("" skipped), else one at
+    random; with no margin at all, exact ties go to the first by name (no draw)."""
+    scores = [(score(n), n) for n in pool]
+    best = min(s for s, _ in scores)
+    near = [n for s, n in scores if s <= best + max(margin, fraction * best)]
+    for name in firsts:
+        chosen = next((n for n in near if name and n.name == name), None)
+        if chosen is not None:
+            return chosen
+    if len(near) == 1 or (margin <= 0 and fraction <= 0):
+        return min(near, key=lambda n: n.name)
+    return rng.choice(near)
+
+
 def choose_prefill(
     nodes: Sequence[NodeInfo],
     *,
@@ -65,6 +101,8 @@ def choose_prefill(
     local_hit_blocks: Mapping[str, int],
     cost: CostModel,
     weights: PlacementWeights,
+    ledger: PlacementLedger,
+    rng: random.Random,
     hint: str = "",
     prefer: str = "",
 ) -> tuple[NodeInfo, int]:
@@ -75,19 +113,23 @@ def choose_prefill(
         # vLLM hits at most prompt - 1 tokens locally: the last one is always computed.
         return min(local_hit_blocks.get(node.name, 0) * node.block_size, max(prompt_tokens - 1, 0))
 
-    def score(node: NodeInfo) -> tuple[float, bool, bool, str]:
-        ms = cost.recompute(prompt_tokens, hits(node)).total_ms
-        ms += weights.load_penalty_ms * (node.running_requests + node.waiting_requests)
-        return ms, node.name != prefer, node.name != hint, node.name
+    def finish_ms(node: NodeInfo) -> float:
+        own = cost.recompute(prompt_tokens, hits(node), node=node.name).total_ms
+        reported = node.running_requests + node.waiting_requests
+        return own + ledger.queued_ms(node.name, reported, unknown_ms=own)
 
-    best = pool[0] if len(pool) == 1 else min(pool, key=score)  # one candidate: nothing to score
+    if len(pool) == 1:
+        return pool[0], hits(pool[0])
+    best = _near_best(
+        pool, finish_ms, rng, prefer, hint, margin=weights.near_tie_ms, fraction=weights.near_tie_fraction
+    )
     return best, hits(best)
 
 
-def _decode_load(node: NodeInfo, weights: PlacementWeights) -> float:
+def _decode_load(node: NodeInfo, weights: PlacementWeights, ledger: PlacementLedger) -> float:
+    requests = max(node.running_requests + node.waiting_requests, ledger.in_flight(node.name))
     return (
-        node.running_requests
-        + node.waiting_requests
+        requests
         + weights.kv_usage_weight * node.kv_cache_usage
         + weights.retained_gib_weight * node.retained_bytes / 2**30
     )
@@ -98,6 +140,8 @@ def choose_decode(
     *,
     model: str,
     weights: PlacementWeights,
+    ledger: PlacementLedger,
+    rng: random.Random,
     avoid: str = "",
     hint: str = "",
     allowed: EndpointSet | None = None,
@@ -111,12 +155,12 @@ def choose_decode(
             reason=ErrorReason.NO_DECODE_NODE,
             metadata={"model": model, "decode_endpoints": str(len(allowed or ()))},
         )
-
-    def score(node: NodeInfo) -> tuple[bool, float, bool, str]:
-        # A kv_both node that already runs this turn's prefill is the last resort for decode.
-        return node.name == avoid, _decode_load(node, weights), node.name != hint, node.name
-
-    return pool[0] if len(pool) == 1 else min(pool, key=score)
+    if len(pool) == 1:
+        return pool[0]
+    # A kv_both node that already runs this turn's prefill is the last resort for decode.
+    others = [n for n in pool if n.name != avoid] or pool
+    load = functools.partial(_decode_load, weights=weights, ledger=ledger)
+    return _near_best(others, load, rng, hint, margin=weights.near_tie_requests)
 
 
 def pool_owner_of(nodes: Sequence[NodeInfo], holder: str) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import structlog
 from opentelemetry import trace
 
 from kvshuttle.core.digest import log_digest
@@ -30,7 +31,13 @@ from kvshuttle.router.model import (
 from kvshuttle.router.parts import RouterParts
 from kvshuttle.router.timing import CallTimer
 from kvshuttle.router.turns import TurnState
-from kvshuttle.router.verify import VerifiedPrefix, extend_params, first_turn_params, prefill_params
+from kvshuttle.router.verify import (
+    VerifiedPrefix,
+    extend_params,
+    first_turn_params,
+    prefill_params,
+    release_params,
+)
 
 __all__ = ["PlanCall", "PlanContext", "PlanIssuer", "Verdict"]
 
@@ -95,6 +102,9 @@ class Verdict:
     holder: NodeInfo | None = None
     # Running the turn on a decode holder, where it was priced (EXTEND_CHEAPER when it won).
     extend_cost: Estimate | None = None
+    # The turn recomputes and supersedes the retention it claims (`claim`): prefill reads none
+    # of it and notifies `holder`, which frees its blocks (kvshuttle.router.planner).
+    release: bool = False
 
 
 class PlanIssuer:
@@ -110,6 +120,9 @@ class PlanIssuer:
         local_hits = ctx.local_hits
         if claim is None:
             decision, params = Decision.RECOMPUTE, first_turn_params()
+        elif verdict.release and verdict.holder is not None:
+            decision, params = Decision.RECOMPUTE, release_params(claim.retention, verdict.holder)
+            reusable = 0
         elif reason is Reason.EXTEND_CHEAPER and verdict.holder is not None:
             # The whole turn on the holder: its prefix cache serves the verified full blocks.
             decision, params = Decision.EXTEND, extend_params()
@@ -173,13 +186,30 @@ class PlanIssuer:
         if conversation:
             self._parts.memory.placed(conversation, prefill.name, decode.name)
         self._parts.memory.hold_prompt(state.turn_id, call.tokens)
+        self._account(plan, state)
         self._parts.metrics.decided(decision, reason, reusable, n - cached)
         metrics = self._parts.metrics
-        if claim is not None and verdict.holder is not None:
+        if claim is not None and verdict.holder is not None and not verdict.release:
             metrics.child(metrics.plan_holders, verdict.holder.role.value).inc()
+        if verdict.release and claim is not None:
+            metrics.released.inc()
+            structlog.contextvars.bind_contextvars(released=True)
         if call.span.is_recording():  # the attributes of a span nobody records are not built
             self._describe(ctx, state, verdict, claim, prefill, decode, cached)
         return plan
+
+    def _account(self, plan: Plan, state: TurnState) -> None:
+        """The plan's work into the placement ledger: its estimated prefill compute queued on
+        the node that runs it, its decode in flight until the turn commits or aborts."""
+        if plan.decision is Decision.EXTEND and plan.extend_cost is not None:
+            prefill_ms = plan.extend_cost.prefill_ms
+        elif plan.decision is Decision.REUSE and plan.reuse_cost is not None:
+            prefill_ms = plan.reuse_cost.prefill_ms
+        else:
+            prefill_ms = plan.recompute_cost.prefill_ms
+        ledger = self._parts.ledger
+        ledger.placed_prefill(plan.prefill.name, prefill_ms)
+        ledger.placed_decode(state.turn_id, plan.decode.name, self._parts.policy.turn_ttl_s)
 
     def _describe(
         self,

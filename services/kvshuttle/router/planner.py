@@ -60,6 +60,13 @@ from kvshuttle.router.verify import (
 
 log = structlog.get_logger("kvshuttle.router")
 
+# A turn that recomputes for these reasons supersedes its conversation's retention: this turn's
+# commit replaces it in the registry, and nothing will read it again. Left alone, its blocks stay
+# pinned on the holder until the engine's own TTL (decoder_kv_blocks_ttl, minutes of HBM). The
+# plan claims it and hands prefill release params instead (kvshuttle.router.verify's
+# release_params): vLLM's prefill reads nothing and notifies the holder, which frees them.
+_SUPERSEDED = frozenset({Reason.COST, Reason.BELOW_THRESHOLD, Reason.PREFIX_MISMATCH})
+
 
 class Planner:
     def __init__(self, parts: RouterParts) -> None:
@@ -131,6 +138,9 @@ class Planner:
             if verdict.claim is not None:
                 try:
                     claim, reason = await self._claimer.claim(ctx, verdict.claim)
+                    if verdict.release:
+                        # A release lost (another turn claimed it) only leaves the retention be.
+                        reason = verdict.reason
                     if claim is not None:
                         verdict, claim, reason = await self._where_claimed(ctx, verdict, claim)
                 except Unavailable as err:
@@ -229,7 +239,7 @@ class Planner:
             prefill=prefill,
             decode=decode,
             local_hits=local_hits,
-            recompute_cost=call.cost.recompute(int(call.tokens.size), local_hits),
+            recompute_cost=call.cost.recompute(int(call.tokens.size), local_hits, prefill.name),
             now=self._parts.clock.now(),
         )
 
@@ -240,7 +250,7 @@ class Planner:
         the retention (`prefer`), then the conversation's last nodes break ties."""
         req, conversation = call.req, call.conversation
         hint_p, hint_d = self._parts.memory.last_nodes(conversation) if conversation else ("", "")
-        weights = self._parts.policy.weights
+        weights, ledger, rng = self._parts.policy.weights, self._parts.ledger, self._parts.rng
         prefill, local_hits = choose_prefill(
             nodes,
             model=req.model,
@@ -248,6 +258,8 @@ class Planner:
             local_hit_blocks=hits,
             cost=call.cost,
             weights=weights,
+            ledger=ledger,
+            rng=rng,
             hint=hint_p,
             prefer=prefer,
         )
@@ -255,6 +267,8 @@ class Planner:
             nodes,
             model=req.model,
             weights=weights,
+            ledger=ledger,
+            rng=rng,
             avoid=prefill.name,
             hint=hint_d,
             allowed=call.decode_allowed,
@@ -292,7 +306,7 @@ class Planner:
             prefill=prefill,
             decode=decode,
             local_hits=local_hits,
-            recompute_cost=call.cost.recompute(int(call.tokens.size), local_hits),
+            recompute_cost=call.cost.recompute(int(call.tokens.size), local_hits, prefill.name),
             now=self._parts.clock.now(),
         )
 
@@ -340,7 +354,7 @@ class Planner:
         # ctx.block_size is the retention's (see PlanContext), so the chains compare.
         tokens = call.tokens if self._parts.policy.token_granular_reuse else None
         prefix = verify(ctx.chain, n, retention, prompt=tokens)
-        reuse_cost = cost.reuse(n, prefix.tokens, ctx.local_hits) if prefix.tokens else None
+        reuse_cost = cost.reuse(n, prefix.tokens, ctx.local_hits, ctx.prefill.name) if prefix.tokens else None
         reason: Reason | None = None
         # Prefill reads from the holder as registered; one the router cannot address is down.
         holder = next((x for x in ctx.nodes if x.name == retention.node and x.healthy), None)
@@ -362,6 +376,8 @@ class Planner:
             reason = Reason.COST
         if reason is None:
             verdict = Verdict(Reason.REUSE_CHEAPER, prefix, reuse_cost, claim=retention, holder=holder)
+        elif reason in _SUPERSEDED and not ctx.fork and holder is not None and knows_side_channel(holder):
+            verdict = Verdict(reason, prefix, reuse_cost, claim=retention, holder=holder, release=True)
         else:
             verdict = Verdict(reason, prefix, reuse_cost)
         if holder is not None and reason in (None, Reason.COST, Reason.BELOW_THRESHOLD):
@@ -385,6 +401,7 @@ class Planner:
         extend, wins = price_extend(
             call.cost,
             self._parts.policy.extend,
+            holder=holder.name,
             prompt_tokens=int(call.tokens.size),
             held_tokens=prefix.tokens // ctx.block_size * ctx.block_size,
             running=holder.running_requests,
@@ -415,6 +432,17 @@ class Planner:
         assert seen is not None
         if got.node == seen.node and got.kv_transfer_params == seen.kv_transfer_params:
             return verdict, claim, verdict.reason
+        if verdict.release:
+            # Moved since it was read: released where it is now, if that holder can be told.
+            holder = next((x for x in ctx.nodes if x.name == got.node and x.healthy), None)
+            if holder is not None and knows_side_channel(holder):
+                return (
+                    replace(verdict, claim=got, holder=holder),
+                    replace(claim, retention=got),
+                    verdict.reason,
+                )
+            await self._give_back(ctx, got, claim)
+            return replace(verdict, claim=None, holder=None, release=False), None, verdict.reason
         if got.generation == seen.generation and got.num_tokens == seen.num_tokens:
             got = replace(got, known_from_block=seen.known_from_block, known_tokens=seen.known_tokens)
         call = ctx.call
@@ -425,16 +453,20 @@ class Planner:
         call.span.set_attribute("kvshuttle.claim.moved", True)
         if holder is None or not knows_side_channel(holder) or prefix is None or prefix.tokens == 0:
             log.info("plan.claimed_elsewhere", node=got.node, verified_tokens=prefix.tokens if prefix else 0)
-            try:
-                await call.timer.registry(
-                    self._parts.port.release(got.name, claim_id=claim.claim_id, keep=True)
-                )
-            except Unavailable as err:  # it lapses on its own TTL
-                log.warning("plan.release_failed", reason=err.reason)
+            await self._give_back(ctx, got, claim)
             return Verdict(Reason.NODE_DOWN, prefix), None, Reason.NODE_DOWN
-        reuse_cost = call.cost.reuse(n, prefix.tokens, ctx.local_hits)
+        reuse_cost = call.cost.reuse(n, prefix.tokens, ctx.local_hits, ctx.prefill.name)
         moved = Verdict(Reason.REUSE_CHEAPER, prefix, reuse_cost, claim=got, holder=holder)
         return moved, replace(claim, retention=got), Reason.REUSE_CHEAPER
+
+    async def _give_back(self, ctx: PlanContext, got: RetentionInfo, claim: ClaimInfo) -> None:
+        """The claim given back unread: the retention stays for a later turn."""
+        try:
+            await ctx.call.timer.registry(
+                self._parts.port.release(got.name, claim_id=claim.claim_id, keep=True)
+            )
+        except Unavailable as err:  # it lapses on its own TTL
+            log.warning("plan.release_failed", reason=err.reason)
 
     async def _holder_serving(self, ctx: PlanContext, verdict: Verdict) -> Verdict:
         """`verdict`, unless it reads from an agent's pool whose agent does not answer now: then
@@ -450,4 +482,6 @@ class Planner:
         log.warning("plan.holder_not_serving", node=holder.name)
         self._parts.metrics.holders_not_serving.inc()
         ctx.call.span.set_attribute("kvshuttle.holder_serving", False)
+        if verdict.release:  # nothing to release through an agent that does not answer
+            return Verdict(verdict.reason, verdict.prefix, verdict.reuse_cost)
         return Verdict(Reason.NODE_DOWN, verdict.prefix, verdict.reuse_cost)

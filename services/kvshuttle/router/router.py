@@ -6,6 +6,7 @@
 * committer.py: CommitTurn and AbortTurn;
 * node_directory.py: the node list per model, refreshed in the background;
 * turn_memory.py: what this replica remembers of its turns (retries, hints, commits in flight);
+* ledger.py: the work this replica placed on each node that no report shows yet;
 * chains.py: prompts' hash chains, computed incrementally per conversation;
 * shuttle.py: parks and prefetches this replica's committed retentions in agents' pools.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import random
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -29,6 +31,7 @@ from kvshuttle.router import checks
 from kvshuttle.router.chains import ChainCache
 from kvshuttle.router.committer import Committer
 from kvshuttle.router.cost import CostModel
+from kvshuttle.router.ledger import PlacementLedger
 from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import CommitRequest, CommitResult, NodeInfo, Plan, PlanRequest, RouterPolicy
 from kvshuttle.router.node_directory import NodeDirectory
@@ -57,11 +60,13 @@ class Router:
         tracer_provider: trace.TracerProvider | None = None,
         agents: AgentPort | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
     ) -> None:
         """`costs`: one cost model per served model; the router calibrates them as turns commit.
         `agents`: where the shuttle sends moves; it runs (`run_shuttle`) only with agents and
-        policy.parking's park or prefetch enabled. `monotonic`: the clock the node list ages
-        by (the fleet simulator's virtual one there)."""
+        policy.parking's park or prefetch enabled. `monotonic`: the clock the node list and the
+        placement ledger age by (the fleet simulator's virtual one there). `rng`: draws among
+        near-tied nodes (a seeded one makes a simulation repeatable)."""
         policy = policy or RouterPolicy()
         # Verifies turn handles for the authorization of CommitTurn and AbortTurn too.
         self.codec = codec
@@ -114,6 +119,8 @@ class Router:
             nodes=nodes,
             memory=memory,
             chains=self.chains,
+            ledger=PlacementLedger(max_turns=policy.remembered_turns, monotonic=monotonic),
+            rng=rng or random.Random(),
             shuttle=self.shuttle,
             agents=agents,
         )
@@ -138,10 +145,10 @@ class Router:
         list now (a node that just registered). The registry not answering: its last list while
         young enough (as a degraded plan), else Unavailable (REGISTRY_UNAVAILABLE)."""
         checks.cost_model(self._parts.costs, model)
-        directory, weights = self._parts.nodes, self._parts.policy.weights
+        directory, weights, ledger = self._parts.nodes, self._parts.policy.weights, self._parts.ledger
         try:
             nodes = await directory.nodes(model)
-            if not ready_decodes(nodes, model, weights):
+            if not ready_decodes(nodes, model, weights, ledger):
                 nodes = await directory.reread(model)
         except Unavailable as err:
             known = directory.last_known(model) if err.reason == ErrorReason.REGISTRY_UNAVAILABLE else None
@@ -149,7 +156,7 @@ class Router:
                 raise
             nodes = known[0]
             structlog.contextvars.bind_contextvars(nodes_age_s=round(known[1], 3))
-        ready = ready_decodes(nodes, model, weights)[:MAX_READY_DECODES]
+        ready = ready_decodes(nodes, model, weights, ledger)[:MAX_READY_DECODES]
         structlog.contextvars.bind_contextvars(decodes=len(ready))
         return ready
 

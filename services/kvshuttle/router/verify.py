@@ -142,6 +142,14 @@ def whole_params(retention: RetentionInfo, holder: NodeInfo) -> dict[str, Any]:
     }
 
 
+def release_params(retention: RetentionInfo, holder: NodeInfo) -> dict[str, Any]:
+    """The retention's params addressed to `holder` as a prefill that reads none of it gets
+    them: remote_num_tokens 0, so vLLM's pull scheduler matches no external token, and with
+    remote_block_ids set it still notifies the holder (as for a full local prefix hit), which
+    frees the blocks. Nothing is read: no KV of the retention can reach this turn."""
+    return whole_params(retention, holder) | {"remote_num_tokens": 0}
+
+
 def first_turn_params() -> dict[str, Any]:
     """What prefill gets when nothing is reused: compute, then keep the KV for decode to read."""
     return {"do_remote_decode": True, "do_remote_prefill": False}

@@ -1,0 +1,174 @@
+"""Placement that sees its own work: the ledger of what this replica placed that no report shows
+yet, draws among near-ties, decode turns in flight, and prefill speed learnt without the queue."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+from tests.router.domain_cluster import CPU, MODEL, Cluster
+from tests.router.helpers import TIES_BY_NAME
+
+from kvshuttle.core.nodes import NodeLoad, NodeRole
+from kvshuttle.router.cost import CostModel
+from kvshuttle.router.ledger import PlacementLedger
+from kvshuttle.router.model import CommitRequest, NodeInfo, PlacementWeights, PlanRequest
+from kvshuttle.router.placement import choose_decode, choose_prefill
+
+
+@pytest.fixture
+async def cluster() -> Cluster:
+    c = Cluster()
+    await c.add_node("nodes/p0", NodeRole.PREFILL)
+    await c.add_node("nodes/d0", NodeRole.DECODE)
+    return c
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def node(name: str, role: NodeRole = NodeRole.PREFILL, **load: Any) -> NodeInfo:
+    return NodeInfo(name, role, f"e-{name}", f"http://{name[6:]}:8000", MODEL, 16, 1, healthy=True, **load)
+
+
+PREFILLS = [node(f"nodes/p{i}") for i in range(4)]
+DECODES = [node(f"nodes/d{i}", NodeRole.DECODE) for i in range(4)]
+
+
+def prefill_on(nodes: list[NodeInfo], ledger: PlacementLedger, rng: random.Random, **kw: Any) -> str:
+    chosen, _ = choose_prefill(
+        nodes,
+        model=MODEL,
+        prompt_tokens=kw.pop("prompt_tokens", 1000),
+        local_hit_blocks=kw.pop("hits", {}),
+        cost=kw.pop("cost", CostModel(CPU)),
+        weights=kw.pop("weights", PlacementWeights()),
+        ledger=ledger,
+        rng=rng,
+        **kw,
+    )
+    return chosen.name
+
+
+def test_a_burst_on_idle_reports_is_spread_by_the_ledger() -> None:
+    """Twelve first turns planned inside one report interval: every node reports idle, and the
+    placements the router made itself spread them three to a node (it piled them onto the first
+    name before)."""
+    clock, rng = Clock(), random.Random(1)
+    ledger = PlacementLedger(monotonic=clock)
+    cost = CostModel(CPU)
+    got: Counter[str] = Counter()
+    for _ in range(12):
+        name = prefill_on(PREFILLS, ledger, rng, cost=cost)
+        ledger.placed_prefill(name, cost.recompute(1000, 0).prefill_ms)
+        got[name] += 1
+    assert sorted(got.values()) == [3, 3, 3, 3]
+    # The queue drains in time: once the work placed is done, every node is idle again.
+    clock.now = 4 * cost.recompute(1000, 0).prefill_ms / 1e3
+    assert all(ledger.queued_ms(n.name, 0, unknown_ms=1.0) == 0 for n in PREFILLS)
+
+
+def test_near_ties_are_drawn_and_a_hint_wins_among_them() -> None:
+    """Idle nodes tie: the first turn of each of 40 replicas lands all over, not on p0; the
+    conversation's last node (hint) wins while within the margin, not past it."""
+    firsts = Counter(prefill_on(PREFILLS, PlacementLedger(), random.Random(seed)) for seed in range(40))
+    assert set(firsts) == {n.name for n in PREFILLS}
+    assert prefill_on(PREFILLS, PlacementLedger(), random.Random(0), hint="nodes/p2") == "nodes/p2"
+    busy = [node("nodes/p0"), node("nodes/p1", running_requests=2)]
+    assert prefill_on(busy, PlacementLedger(), random.Random(0), hint="nodes/p1") == "nodes/p0"
+    # No margin at all: no draw, exact ties to the first name.
+    assert {
+        prefill_on(PREFILLS, PlacementLedger(), random.Random(s), weights=TIES_BY_NAME) for s in range(8)
+    } == {"nodes/p0"}
+
+
+def test_reported_requests_weigh_by_the_typical_prefill_not_by_count() -> None:
+    """Another replica's work shows only as the node's reported requests: each weighs what a
+    typical prefill there costs, so one waiting long prompt outweighs hits a short one saves."""
+    clock = Clock()
+    ledger = PlacementLedger(monotonic=clock)
+    ledger.placed_prefill("nodes/p0", 2000.0)  # this replica's typical prefill here: 2 s
+    clock.now = 10.0  # long done
+    nodes = [node("nodes/p0", waiting_requests=1), node("nodes/p1")]
+    # p0 holds 900 of the 1,000 tokens (a 450 ms saving) but one 2 s prefill waits there.
+    assert prefill_on(nodes, ledger, random.Random(0), hits={"nodes/p0": 900 // 16}) == "nodes/p1"
+    # Its own work, not yet reported, counts once, not twice: the larger of the two views.
+    ledger.placed_prefill("nodes/p1", 1000.0)
+    assert ledger.queued_ms("nodes/p1", 1, unknown_ms=0.0) == pytest.approx(1000.0)
+
+
+def test_decode_counts_the_turns_this_replica_has_in_flight() -> None:
+    clock = Clock()
+    ledger = PlacementLedger(max_turns=3, monotonic=clock)
+    chosen = []
+    for turn in ("t1", "t2", "t3"):
+        d = choose_decode(
+            DECODES[:2], model=MODEL, weights=PlacementWeights(), ledger=ledger, rng=random.Random(0)
+        )
+        ledger.placed_decode(turn, d.name, ttl_s=60)
+        chosen.append(d.name)
+    assert sorted(Counter(chosen).values()) == [1, 2]  # the second turn went to the other node
+    assert (
+        ledger.in_flight(chosen[0]) + ledger.in_flight(chosen[1] if chosen[1] != chosen[0] else chosen[2])
+        == 3
+    )
+    ledger.finished("t1")
+    ledger.finished("t1")  # twice: once
+    assert sum(ledger.in_flight(d.name) for d in DECODES) == 2
+    ledger.placed_decode("t4", "nodes/d3", ttl_s=60)
+    ledger.placed_decode("t5", "nodes/d3", ttl_s=60)  # past max_turns: the oldest goes
+    assert sum(ledger.in_flight(d.name) for d in DECODES) == 3
+    clock.now = 61.0  # a turn whose plan expired without a commit is not in flight
+    assert sum(ledger.in_flight(d.name) for d in DECODES) == 0
+    # A reported count above this replica's own is what counts.
+    loaded = [node("nodes/d0", NodeRole.DECODE, running_requests=5), node("nodes/d1", NodeRole.DECODE)]
+    assert choose_decode(
+        loaded, model=MODEL, weights=PlacementWeights(), ledger=ledger, rng=random.Random(0)
+    ).name == ("nodes/d1")
+
+
+def test_prefill_speed_is_learnt_from_turns_that_did_not_queue() -> None:
+    """Measured prefills include the time queued behind others: learnt as a median, load would
+    inflate every estimate. The low quantile learns the engine's speed; each node its own."""
+    cost = CostModel(CPU)
+    predicted = CPU.prefill.ms(1000, 0)
+    for i in range(40):
+        queued = 4.0 if i % 10 < 7 else 0.0  # 70 % of turns queued 4x their compute
+        cost.observe_prefill(computed=1000, cached=0, measured_ms=predicted * (1 + queued), node="nodes/p0")
+    assert cost.prefill_scale == pytest.approx(1.0)
+    for _ in range(8):
+        cost.observe_prefill(computed=1000, cached=0, measured_ms=predicted * 2, node="nodes/slow")
+    assert cost.node_prefill_scale("nodes/slow") == pytest.approx(2.0)
+    assert cost.node_prefill_scale("nodes/p0") == pytest.approx(1.0)
+    assert cost.node_prefill_scale("nodes/new") == cost.prefill_scale  # unmeasured: across nodes
+    assert cost.recompute(1000, 0, "nodes/slow").prefill_ms == pytest.approx(2 * predicted)
+
+
+async def test_plans_feed_the_ledger_and_commits_take_their_turns_out(cluster: Cluster) -> None:
+    """Through the router: a plan's decode is in flight on its node until its commit."""
+    router = cluster.router()
+    tokens = cluster.tokens(300)
+    plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=tokens))
+    ledger = router._parts.ledger
+    assert ledger.in_flight(plan.decode.name) == 1
+    assert ledger.queued_ms(plan.prefill.name, 0, unknown_ms=0.0) > 0
+    await router.commit_turn(CommitRequest(turn=plan.turn, token_ids=tokens, decode_kv_transfer_params=None))
+    assert ledger.in_flight(plan.decode.name) == 0
+
+
+async def test_the_prefill_node_reported_busy_is_avoided(cluster: Cluster) -> None:
+    await cluster.add_node("nodes/p1", NodeRole.PREFILL)
+    p0 = await cluster.registry.get_node("nodes/p0")
+    await cluster.registry.heartbeat_node(
+        "nodes/p0", p0.incarnation, 300, NodeLoad(running_requests=1, engine_healthy=True)
+    )
+    router = cluster.router()
+    plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=cluster.tokens(300)))
+    assert plan.prefill.name == "nodes/p1"
