@@ -590,7 +590,8 @@ class Kvshuttle:
             prefill_params={},
             decode_params={"max_tokens": turn.output},
             arrived=loop.time(),
-            expected_think_time_s=turn.next_think_s,
+            # No think-time hint: the trace's next gap is what no client knows and no peer is
+            # given (the shuttle's prefetch, which reads the hint, stays idle here).
         )
         await self.runner.complete(record)
         d_name, answer = done["decode"]

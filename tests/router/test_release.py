@@ -86,3 +86,13 @@ async def test_a_claimed_retention_is_not_released_and_a_fork_never_releases_its
     )
     assert (child.decision, child.claimed) == (Decision.RECOMPUTE, "")
     assert released(router) == 0
+
+
+async def test_release_can_be_turned_off(cluster: Cluster) -> None:
+    router = cluster.router(release_superseded=False)
+    _, seq = await run_turn(router, cluster, cluster.tokens(600))
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=[seq[0] + 1, *seq[1:]], conversation=CONV)
+    )
+    assert (plan.reason, plan.claimed) == (Reason.PREFIX_MISMATCH, "")
+    assert plan.prefill_kv_transfer_params == {"do_remote_decode": True, "do_remote_prefill": False}

@@ -151,6 +151,9 @@ class RouterPolicy:
     # A plan waits at most this long for its conversation's commit in flight on this replica.
     commit_wait_s: float = 2.0
     reuse_enabled: bool = True
+    # A recomputing turn releases the retention it supersedes (kvshuttle.router.planner): its
+    # holder frees the blocks now, not at decoder_kv_blocks_ttl. Off: they stay pinned until then.
+    release_superseded: bool = True
     # Cut the verified prefix at its last verified token, not at its last full block, where the
     # retention's tokens there are known (its commit's answer blocks, on this replica's hint).
     token_granular_reuse: bool = True

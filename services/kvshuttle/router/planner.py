@@ -376,13 +376,23 @@ class Planner:
             reason = Reason.COST
         if reason is None:
             verdict = Verdict(Reason.REUSE_CHEAPER, prefix, reuse_cost, claim=retention, holder=holder)
-        elif reason in _SUPERSEDED and not ctx.fork and holder is not None and knows_side_channel(holder):
+        elif self._releases(ctx, reason, holder):
             verdict = Verdict(reason, prefix, reuse_cost, claim=retention, holder=holder, release=True)
         else:
             verdict = Verdict(reason, prefix, reuse_cost)
         if holder is not None and reason in (None, Reason.COST, Reason.BELOW_THRESHOLD):
             return self._extend_or(ctx, verdict, retention, holder)
         return verdict
+
+    def _releases(self, ctx: PlanContext, reason: Reason, holder: NodeInfo | None) -> bool:
+        """Whether a recompute for `reason` releases the retention `holder` holds."""
+        return (
+            self._parts.policy.release_superseded
+            and reason in _SUPERSEDED
+            and not ctx.fork
+            and holder is not None
+            and knows_side_channel(holder)
+        )
 
     def _extend_or(
         self, ctx: PlanContext, verdict: Verdict, retention: RetentionInfo, holder: NodeInfo
