@@ -19,8 +19,8 @@ Thinking-2507 checkpoint's architecture, at TP 1 as deployed). The arms (`ARMS`)
     llm-d              LlmD with the pull, a 128 GiB CPU tier on every pod: the post's P2P arm
     llm-d-cpu-no-pull  LlmD without the pull, the CPU tier kept: what the tier alone buys (the post
                        adds tier and pull together)
-    kvshuttle, kvshuttle-agents    bench/fleet/run.py's POLICIES as they ship there (the agents'
-                       host pools 256 GiB), for the record
+    kvshuttle, kvshuttle-no-pool   bench/fleet/run.py's POLICIES as they ship there (the
+                       agents' host pools 256 GiB, or none), for the record
 
 The workload (`Workload`, `conversations`): the post's "agentic-serving profile", driven as
 inference-perf drives it ("288 requests at concurrency 16 ... through llmdbenchmark/
@@ -356,7 +356,7 @@ ARMS: Final = {
             "llm-d-cpu-no-pull", lambda f, s: LlmD(f, seed=s, p2p=False), CPU_TIER_GIB, ("prefill", "decode")
         ),
         _from_run("kvshuttle"),
-        _from_run("kvshuttle-agents"),
+        _from_run("kvshuttle-no-pool"),
     )
 }
 

@@ -4,11 +4,13 @@ virtual time; and what the policies are, each on the fleet it ships with.
 Every policy runs on the same hardware (the profile's engines, `HOST_GIB_PER_ENGINE` of host
 DRAM beside each); what each puts in that DRAM is what it ships with:
 
-    kvshuttle          as shipped: RouterPolicy() (reuse by cost; extend, parking, prefetch off),
-                       decode retaining for D->P reads (vLLM's bidirectional_kv_xfer)
-    kvshuttle-agents   as recommended for agents: extend on the holder (ExtendPolicy.enabled),
-                       parking (ParkingPolicy.enabled) and prefetch (prefetch_enabled) into the
-                       agents' host pools (the host DRAM), the rest as shipped
+    kvshuttle          as shipped: RouterPolicy() (reuse by cost, placement by its own ledger,
+                       superseded retentions released, idle ones parked into the agents' host
+                       pools: the host DRAM, as deploy/kubernetes/base sizes them; extend and
+                       prefetch off), decode retaining for D->P reads (bidirectional_kv_xfer)
+    kvshuttle-no-pool  as shipped, on agents without a pool (a deployment with no host DRAM to
+                       spare): nothing is parked, retentions stay on decode until read, released
+                       or the engine's TTL
     llm-d              bench/fleet/peers.py, OffloadingConnector CPU tier on every engine
     dynamo             bench/fleet/peers.py, KVBM host tier on the prefill engines
     affinity-local, prefix-aware, recompute, proxy    bench/fleet/baselines.py (proxy's decode
@@ -34,7 +36,6 @@ from bench.fleet.baselines import AffinityLocal, PrefixAware, Proxy, Recompute
 from bench.fleet.kvshuttle_sim import AgentModel, Kvshuttle, quiet_logs
 from bench.fleet.peers import Dynamo, LlmD
 from bench.fleet.replay import Arrival, Policy, ReplayResult, replay
-from kvshuttle.router.model import ExtendPolicy, ParkingPolicy, RouterPolicy
 
 __all__ = ["POLICIES", "RunResult", "RunSpec", "run"]
 
@@ -50,26 +51,19 @@ class PolicySpec:
     host_roles: tuple[str, ...] = ()
 
 
-AGENTS_POLICY: Final = RouterPolicy(
-    extend=ExtendPolicy(enabled=True),
-    parking=ParkingPolicy(enabled=True, prefetch_enabled=True),
-)
-
-
 def _kvshuttle(fleet: Fleet, seed: int) -> Policy:
-    return Kvshuttle(fleet, seed=seed)
+    return Kvshuttle(fleet, agent=AgentModel(pool_gib=HOST_GIB_PER_ENGINE), seed=seed)
 
 
-def _kvshuttle_agents(fleet: Fleet, seed: int) -> Policy:
-    agent = AgentModel(pool_gib=HOST_GIB_PER_ENGINE)
-    return Kvshuttle(fleet, name="kvshuttle-agents", policy=AGENTS_POLICY, agent=agent, seed=seed)
+def _kvshuttle_no_pool(fleet: Fleet, seed: int) -> Policy:
+    return Kvshuttle(fleet, name="kvshuttle-no-pool", agent=AgentModel(pool_gib=0.0), seed=seed)
 
 
 POLICIES: Final = {
     p.name: p
     for p in (
         PolicySpec("kvshuttle", _kvshuttle, retain_decode=True),
-        PolicySpec("kvshuttle-agents", _kvshuttle_agents, retain_decode=True),
+        PolicySpec("kvshuttle-no-pool", _kvshuttle_no_pool, retain_decode=True),
         PolicySpec("llm-d", lambda f, s: LlmD(f, seed=s), host_roles=("prefill", "decode")),
         PolicySpec("dynamo", lambda f, s: Dynamo(f, seed=s), host_roles=("prefill",)),
         PolicySpec("affinity-local", lambda f, s: AffinityLocal(f)),

@@ -77,7 +77,7 @@ def test_variables_are_what_the_services_read(monkeypatch: pytest.MonkeyPatch) -
 
     router = {v.name: v for v in reference.variables(RouterSettings, "KVSHUTTLE_ROUTER_")}
     assert router["KVSHUTTLE_ROUTER_SERVER__LISTEN"].default == "`127.0.0.1:50061`"
-    assert router["KVSHUTTLE_ROUTER_POLICY__PARKING__ENABLED"].default == "`false`"
+    assert router["KVSHUTTLE_ROUTER_POLICY__PARKING__ENABLED"].default == "`true`"
     registry = {v.name: v for v in reference.variables(RegistrySettings, "KVSHUTTLE_REGISTRY_")}
     assert registry["KVSHUTTLE_REGISTRY_LIMITS__RETENTION_TTL__MAXIMUM"].default == "`3600.0`"
     assert registry["KVSHUTTLE_REGISTRY_STORE_LIMITS__MAX_RETENTIONS"].default == "`1000000`"

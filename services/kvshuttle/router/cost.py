@@ -236,17 +236,18 @@ def price_extend(
     cost: CostModel,
     policy: ExtendPolicy,
     *,
-    holder: str,
     prompt_tokens: int,
     held_tokens: int,
     running: int,
     waiting: int,
     other: Estimate,
     decode_is_holder: bool,
+    holder: str = "",
 ) -> tuple[Estimate | None, bool]:
     """Extending on a decode holder with `held_tokens` of the prompt in full blocks and
     `running`/`waiting` requests, against `other` (the prefill path: reuse or recompute): its
-    estimate (None: not a candidate, nothing held or no room) and whether it wins. The prefill
+    estimate (None: not a candidate, nothing held or no room) and whether it wins; `holder`: the
+    node's name, for its own prefill speed ("": across nodes). The prefill
     path also has its decode read the prompt's KV from prefill: all of it, or past the held
     blocks when that decode is the holder (its prefix cache has them); extending moves nothing."""
     if not policy.enabled or held_tokens <= 0 or running + waiting >= policy.max_batch:
