@@ -419,10 +419,17 @@ def _answer(done: Completion) -> dict[str, Any]:
 
 
 class _RouterPort:
-    def __init__(self, router: Router, rng: random.Random, delay: Lognormal | None) -> None:
-        self._router = router
+    """The gateway's router client over `routers` (the replicas): each conversation's calls go
+    to one replica, as the gateway's default affinity sends them (a hash of the conversation
+    standing in for its rendezvous hashing)."""
+
+    def __init__(self, routers: Sequence[Router], rng: random.Random, delay: Lognormal | None) -> None:
+        self._routers = list(routers)
         self._rng = rng
         self._delay = delay
+
+    def _router(self, conversation: str) -> Router:
+        return self._routers[zlib.crc32(conversation.encode()) % len(self._routers)]
 
     @asynccontextmanager
     async def _failures(self) -> AsyncIterator[None]:
@@ -456,7 +463,7 @@ class _RouterPort:
             request.hints.expected_think_time.CopyFrom(to_duration(expected_think_time_s))
         plan = replace(convert.plan_request_from_pb(request), prompt_token_ids=_PROMPT.get().tokens)
         async with self._failures():
-            return convert.plan_to_pb(await self._router.plan_turn(plan))
+            return convert.plan_to_pb(await self._router(conversation).plan_turn(plan))
 
     async def commit_turn(
         self,
@@ -476,7 +483,7 @@ class _RouterPort:
         request.output_token_ids.token_ids.extend(output_token_ids)
         try:
             async with self._failures():
-                result = await self._router.commit_turn(convert.commit_request_from_pb(request))
+                result = await self._router(conversation).commit_turn(convert.commit_request_from_pb(request))
         except RouterFailure as err:
             if err.reason != "PROMPT_NOT_HELD":
                 raise
@@ -484,17 +491,18 @@ class _RouterPort:
             request.token_ids.extend(prompt_token_ids)
             request.token_ids.extend(output_token_ids)
             async with self._failures():
-                result = await self._router.commit_turn(convert.commit_request_from_pb(request))
+                result = await self._router(conversation).commit_turn(convert.commit_request_from_pb(request))
         return pb.CommitTurnResponse(retention=result.retention)
 
     async def abort_turn(self, turn: str, *, conversation: str, reason: str) -> None:
         async with self._failures():
-            await self._router.abort_turn(turn, reason)
+            await self._router(conversation).abort_turn(turn, reason)
 
 
 class Kvshuttle:
     """`policy`: the router's (RouterPolicy(): as shipped); the fleet's decode must retain
-    (FleetConfig.retain_decode: vLLM's bidirectional_kv_xfer)."""
+    (FleetConfig.retain_decode: vLLM's bidirectional_kv_xfer). `replicas`: router replicas the
+    gateway spreads its calls over, round robin."""
 
     def __init__(
         self,
@@ -505,6 +513,7 @@ class Kvshuttle:
         agent: AgentModel | None = None,
         seed: int = 0,
         control_plane: Lognormal | None = MEASURED_CONTROL_PLANE,
+        replicas: int = 1,
     ) -> None:
         self.name = name
         self.fleet = fleet
@@ -525,21 +534,26 @@ class Kvshuttle:
             )
         )
         self.policy = policy or RouterPolicy()
-        self.router = Router(
-            InProcessPort(self.registry),
-            self.clock,
-            [cost],
-            TurnCodec(b"fleet-simulator-turn-key"),
-            self.policy,
-            RouterMetrics(CollectorRegistry()),
-            tracer_provider=trace.NoOpTracerProvider(),
-            agents=_AgentPort(by_endpoint, by_node),
-            monotonic=_monotonic,
-            rng=random.Random(f"router-{seed}"),
-        )
+        # Replicas share the registry and the turn-signing key; each has its own ledger, hints,
+        # cost calibration and shuttle, as deployed.
+        self.routers = [
+            Router(
+                InProcessPort(self.registry),
+                self.clock,
+                [CostModel(cost.profile)],
+                TurnCodec(b"fleet-simulator-turn-key"),
+                self.policy,
+                RouterMetrics(CollectorRegistry()),
+                tracer_provider=trace.NoOpTracerProvider(),
+                agents=_AgentPort(by_endpoint, by_node),
+                monotonic=_monotonic,
+                rng=random.Random(f"router-{seed}" if i == 0 else f"router-{seed}-{i}"),
+            )
+            for i in range(replicas)
+        ]
         tracer = trace.get_tracer("kvshuttle.fleet", tracer_provider=trace.NoOpTracerProvider())
         self.runner = TurnRunner(
-            _RouterPort(self.router, random.Random(f"cp-{seed}"), control_plane),
+            _RouterPort(self.routers, random.Random(f"cp-{seed}"), control_plane),
             _EnginePort({e.name: e for e in fleet.engines}),
             tracer=tracer,
             metrics=GatewayMetrics(CollectorRegistry()),
@@ -564,10 +578,8 @@ class Kvshuttle:
         for agent in self.agents:
             await agent.start()
         loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self.router.run_shuttle()),
-            loop.create_task(self.registry.run_expiry()),
-        ]
+        self._tasks = [loop.create_task(r.run_shuttle()) for r in self.routers]
+        self._tasks.append(loop.create_task(self.registry.run_expiry()))
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -73,6 +73,33 @@ def test_an_edited_history_reuses_only_the_verified_prefix(
     assert out2 == reference(vllm_pair, prompt)
 
 
+def test_a_recompute_releases_the_retention_it_supersedes_on_decode(
+    stack: KvshuttleStack, vllm_pair: VllmPair
+) -> None:
+    """An edit at the history's first token: nothing verifies, the turn recomputes, and its
+    prefill gets the old retention's release params (remote_num_tokens 0): vLLM reads none of
+    it and notifies decode, which frees the blocks now instead of at decoder_kv_blocks_ttl."""
+    conv = f"c-{uuid.uuid4().hex[:8]}"
+    first = tokens(600, 41)
+    out1, _ = turn(stack, conv, first)
+    held = vllm_pair.decode.kv_cache_usage()
+    edited = first.copy()
+    edited[0] = (edited[0] + 1) % 2000 + 10
+    prompt = edited + out1 + tokens(80, 42)
+    out2, h2 = turn(stack, conv, prompt)
+    assert (h2["X-Kvshuttle-Decision"], h2["X-Kvshuttle-Reason"]) == ("recompute", "prefix_mismatch")
+    assert int(h2["X-Kvshuttle-Reused-Tokens"]) == 0
+    assert out2 == reference(vllm_pair, prompt)  # nothing of the old KV reached this turn
+    # Decode now holds turn 2's retention in place of turn 1's (1,024 blocks of 32 tokens):
+    # kept, turn 1's would add its blocks on top.
+    old_blocks = (len(first) + len(out1) - 1 + BS - 1) // BS
+    new_blocks = (len(prompt) + len(out2) - 1 + BS - 1) // BS
+    deadline = time.monotonic() + 20
+    while vllm_pair.decode.kv_cache_usage() > held + (new_blocks - 0.9 * old_blocks) / 1024:
+        assert time.monotonic() < deadline, "decode did not free the superseded retention's blocks"
+        time.sleep(0.2)
+
+
 def test_an_expired_retention_is_recomputed(stack: KvshuttleStack, vllm_pair: VllmPair) -> None:
     conv = f"c-{uuid.uuid4().hex[:8]}"
     first = tokens(400, 5)

@@ -104,34 +104,32 @@ def test_reported_requests_weigh_by_the_typical_prefill_not_by_count() -> None:
     assert ledger.queued_ms("nodes/p1", 1, unknown_ms=0.0) == pytest.approx(1000.0)
 
 
-def test_decode_counts_the_turns_this_replica_has_in_flight() -> None:
+def test_decode_counts_its_own_turns_until_reports_can_show_them() -> None:
+    """Turns placed in the last window add to the reported requests: a burst spreads before any
+    report moves; a finished turn, or one older than the window (the reports show it by then,
+    or it was committed on another replica), no longer counts."""
     clock = Clock()
-    ledger = PlacementLedger(max_turns=3, monotonic=clock)
+    ledger = PlacementLedger(max_turns=4, window_s=5.0, monotonic=clock)
+    weights, rng = PlacementWeights(), random.Random(0)
     chosen = []
-    for turn in ("t1", "t2", "t3"):
-        d = choose_decode(
-            DECODES[:2], model=MODEL, weights=PlacementWeights(), ledger=ledger, rng=random.Random(0)
-        )
-        ledger.placed_decode(turn, d.name, ttl_s=60)
+    for turn in ("t1", "t2", "t3", "t4"):
+        d = choose_decode(DECODES[:2], model=MODEL, weights=weights, ledger=ledger, rng=rng)
+        ledger.placed_decode(turn, d.name)
         chosen.append(d.name)
-    assert sorted(Counter(chosen).values()) == [1, 2]  # the second turn went to the other node
-    assert (
-        ledger.in_flight(chosen[0]) + ledger.in_flight(chosen[1] if chosen[1] != chosen[0] else chosen[2])
-        == 3
-    )
+    assert sorted(Counter(chosen).values()) == [2, 2]  # every report idle, the burst spread
     ledger.finished("t1")
     ledger.finished("t1")  # twice: once
-    assert sum(ledger.in_flight(d.name) for d in DECODES) == 2
-    ledger.placed_decode("t4", "nodes/d3", ttl_s=60)
-    ledger.placed_decode("t5", "nodes/d3", ttl_s=60)  # past max_turns: the oldest goes
-    assert sum(ledger.in_flight(d.name) for d in DECODES) == 3
-    clock.now = 61.0  # a turn whose plan expired without a commit is not in flight
-    assert sum(ledger.in_flight(d.name) for d in DECODES) == 0
-    # A reported count above this replica's own is what counts.
-    loaded = [node("nodes/d0", NodeRole.DECODE, running_requests=5), node("nodes/d1", NodeRole.DECODE)]
-    assert choose_decode(
-        loaded, model=MODEL, weights=PlacementWeights(), ledger=ledger, rng=random.Random(0)
-    ).name == ("nodes/d1")
+    assert sum(ledger.unreported(d.name) for d in DECODES) == 3
+    ledger.placed_decode("t5", "nodes/d3")
+    ledger.placed_decode("t6", "nodes/d3")  # past max_turns: the oldest goes
+    assert sum(ledger.unreported(d.name) for d in DECODES) == 4
+    clock.now = 5.0  # past the window: the reports carry them
+    assert sum(ledger.unreported(d.name) for d in DECODES) == 0
+    # Reported requests and this replica's unreported ones add up.
+    loaded = [node("nodes/d0", NodeRole.DECODE, running_requests=1), node("nodes/d1", NodeRole.DECODE)]
+    ledger.placed_decode("t7", "nodes/d1")
+    ledger.placed_decode("t8", "nodes/d1")
+    assert choose_decode(loaded, model=MODEL, weights=weights, ledger=ledger, rng=rng).name == "nodes/d0"
 
 
 def test_prefill_speed_is_learnt_from_turns_that_did_not_queue() -> None:
@@ -152,15 +150,15 @@ def test_prefill_speed_is_learnt_from_turns_that_did_not_queue() -> None:
 
 
 async def test_plans_feed_the_ledger_and_commits_take_their_turns_out(cluster: Cluster) -> None:
-    """Through the router: a plan's decode is in flight on its node until its commit."""
+    """Through the router: a plan's decode counts on its node until its commit."""
     router = cluster.router()
     tokens = cluster.tokens(300)
     plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=tokens))
     ledger = router._parts.ledger
-    assert ledger.in_flight(plan.decode.name) == 1
+    assert ledger.unreported(plan.decode.name) == 1
     assert ledger.queued_ms(plan.prefill.name, 0, unknown_ms=0.0) > 0
     await router.commit_turn(CommitRequest(turn=plan.turn, token_ids=tokens, decode_kv_transfer_params=None))
-    assert ledger.in_flight(plan.decode.name) == 0
+    assert ledger.unreported(plan.decode.name) == 0
 
 
 async def test_the_prefill_node_reported_busy_is_avoided(cluster: Cluster) -> None:

@@ -75,7 +75,7 @@ class Committer:
         return state
 
     def _finish(self, state: TurnState, outcome: str) -> None:
-        """Remembered as finished here; its decode no longer counts as in flight on its node."""
+        """Remembered as finished here; its decode no longer counts on its node's load."""
         self._parts.memory.finish(state.turn_id, outcome)
         self._parts.ledger.finished(state.turn_id)
 

@@ -9,11 +9,16 @@ that window would all see the same idle node; this replica's own placements fill
   with this replica's work until `busy_until`. What other replicas placed reaches this one only
   through the node's reported requests; the larger of the two views counts, so this replica's
   own work is never counted twice (it is in both once the report covers it).
-* **Decode**: the turns this replica placed on the node and has not seen committed or aborted.
+* **Decode**: the turns this replica placed on the node in the last `window_s` and has not
+  seen committed or aborted: the node's reports count them after that (a heartbeat and the node
+  list's refresh: 2.5 s as deployed; the window doubles it). They add to the reported requests: a
+  turn reported and still in the window counts twice for a moment, where the larger of the two
+  would count the new ones not at all while older ones fill the report. Bounded in time, a
+  turn committed on another replica (a gateway balancing calls round robin) is not counted here
+  for its whole answer.
 
 Both are bounded: queues by the number of nodes seen (a node not planned on for
-`forget_after_s` is dropped), turns in flight by `max_turns` (the oldest go first) and by their
-plans' expiry.
+`forget_after_s` is dropped), turns by `max_turns` (the oldest go first) and by the window.
 """
 
 from __future__ import annotations
@@ -38,11 +43,13 @@ class PlacementLedger:
         self,
         *,
         max_turns: int = 100_000,
+        window_s: float = 5.0,
         forget_after_s: float = 600.0,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._monotonic = monotonic
         self._max_turns = max_turns
+        self._window_s = window_s
         self._forget_after_s = forget_after_s
         self._queues: dict[str, _Queue] = {}
         self._typical_ms = 0.0  # across nodes: a node this replica has not placed on yet
@@ -79,19 +86,20 @@ class PlacementLedger:
 
     # -- decode ------------------------------------------------------------------------------
 
-    def in_flight(self, node: str) -> int:
-        """Turns this replica placed on `node` for decode and has not seen finish."""
+    def unreported(self, node: str) -> int:
+        """Turns this replica placed on `node` for decode in the last window and has not seen
+        finish: those the node's reports may not show yet."""
         self._expire(self._monotonic())
         return self._in_flight.get(node, 0)
 
-    def placed_decode(self, turn_id: str, node: str, ttl_s: float) -> None:
+    def placed_decode(self, turn_id: str, node: str) -> None:
         now = self._monotonic()
         self._expire(now)
         if turn_id in self._turns:
             return
         if len(self._turns) >= self._max_turns:
             self._drop(next(iter(self._turns)))
-        self._turns[turn_id] = (node, now + ttl_s)
+        self._turns[turn_id] = (node, now + self._window_s)
         self._in_flight[node] = self._in_flight.get(node, 0) + 1
 
     def finished(self, turn_id: str) -> None:
@@ -100,7 +108,7 @@ class PlacementLedger:
             self._drop(turn_id)
 
     def _expire(self, now: float) -> None:
-        # Turns are added in plan order with one ttl, so the oldest expires first.
+        # Turns are added in plan order with one window, so the oldest expires first.
         while self._turns:
             turn_id, (_, expires_at) = next(iter(self._turns.items()))
             if expires_at > now:

@@ -4,9 +4,9 @@ Prefill: the node where the prompt is expected to finish soonest: its local pref
 (the registry's block index, keyed by kvshuttle's chain) shorten the work, and the prefill
 already queued there lengthens it, in milliseconds: this replica's own placements the node has
 not reported yet, or its reported requests at a typical prefill's cost, whichever is more
-(kvshuttle.router.ledger). Decode: the least loaded node by its requests (reported, or this
-replica's own turns in flight there, whichever is more), its KV cache in use and the KV it holds
-for other conversations' retentions.
+(kvshuttle.router.ledger). Decode: the least loaded node by its requests (reported, and this
+replica's own turns placed there that a report may not show yet), its KV cache in use and the
+KV it holds for other conversations' retentions.
 
 Nodes within `near_tie_ms` (or `near_tie_fraction`) of the best are near-ties: the prefill node
 whose agent's pool holds the conversation's retention (`prefer`, so that its read stays on the
@@ -127,7 +127,7 @@ def choose_prefill(
 
 
 def _decode_load(node: NodeInfo, weights: PlacementWeights, ledger: PlacementLedger) -> float:
-    requests = max(node.running_requests + node.waiting_requests, ledger.in_flight(node.name))
+    requests = node.running_requests + node.waiting_requests + ledger.unreported(node.name)
     return (
         requests
         + weights.kv_usage_weight * node.kv_cache_usage

@@ -200,7 +200,7 @@ class PlanIssuer:
 
     def _account(self, plan: Plan, state: TurnState) -> None:
         """The plan's work into the placement ledger: its estimated prefill compute queued on
-        the node that runs it, its decode in flight until the turn commits or aborts."""
+        the node that runs it, its decode among the node's unreported turns."""
         if plan.decision is Decision.EXTEND and plan.extend_cost is not None:
             prefill_ms = plan.extend_cost.prefill_ms
         elif plan.decision is Decision.REUSE and plan.reuse_cost is not None:
@@ -209,7 +209,7 @@ class PlanIssuer:
             prefill_ms = plan.recompute_cost.prefill_ms
         ledger = self._parts.ledger
         ledger.placed_prefill(plan.prefill.name, prefill_ms)
-        ledger.placed_decode(state.turn_id, plan.decode.name, self._parts.policy.turn_ttl_s)
+        ledger.placed_decode(state.turn_id, plan.decode.name)
 
     def _describe(
         self,
