@@ -24,7 +24,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol, runtime_checkable
 
 import numpy as np
 from deploy.profiles.schema import EngineProfile
@@ -111,14 +111,28 @@ class RunResult:
     occupancy: list[dict[str, float]] = field(default_factory=list)
 
 
+@runtime_checkable
+class _Pool(Protocol):
+    """A host pool beside the engines (kvshuttle's agents' pools), as sampled."""
+
+    capacity_blocks: int
+
+    def used_blocks(self) -> int: ...
+
+
 async def _sample(fleet: Fleet, into: list[dict[str, float]]) -> None:
     loop = asyncio.get_running_loop()
+    engines_by_name = {e.name for e in fleet.engines}
     while True:
         row: dict[str, float] = {"t": round(loop.time(), 3)}
         for role, engines in (("prefill", fleet.prefills), ("decode", fleet.decodes)):
             row[f"{role}_hbm"] = round(float(np.mean([e.kv_usage() for e in engines])), 4)
             cap = sum(e.host.capacity_blocks for e in engines)
             row[f"{role}_host"] = round(sum(len(e.host) for e in engines) / cap, 4) if cap else 0.0
+        pools = [s for n, s in fleet.sources.items() if n not in engines_by_name and isinstance(s, _Pool)]
+        if pools:
+            cap = sum(p.capacity_blocks for p in pools)
+            row["agent_pools"] = round(sum(p.used_blocks() for p in pools) / cap, 4) if cap else 0.0
         into.append(row)
         await asyncio.sleep(SAMPLE_S)
 
