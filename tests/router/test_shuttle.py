@@ -184,8 +184,9 @@ class Cluster:
             parking=ParkingPolicy(**{"enabled": True, **parking}),
             extend=extend or ExtendPolicy(),
         )
+        self.port = InProcessPort(self.registry)
         return Router(
-            InProcessPort(self.registry),
+            self.port,
             self.clock,
             [CostModel(CPU)],
             TurnCodec(KEY),
@@ -388,9 +389,13 @@ async def test_nothing_is_claimed_without_a_live_pool() -> None:
     router = c.router(park_after_idle_s=30)
     await c.turn(router, c.tokens(200))
     c.clock.advance(31)
+    reads = c.port.calls["get_conversation"]
     await tick(router)
     assert moves(router, "park", "idle", "skipped_no_pool") == 1
     assert c.agents.calls == []
+    # Known from the node list alone: the registry is not asked (parking is on by default, and
+    # agents without a pool must not cost a read per commit).
+    assert c.port.calls["get_conversation"] == reads
     stored = await c.registry.get_retention(f"{CONV}/retentions/1")
     assert stored.claim is None and stored.node == "nodes/d"
 

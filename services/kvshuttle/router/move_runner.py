@@ -173,6 +173,10 @@ class MoveRunner:
             return Outcome.SKIPPED_IDLE_OVER
         try:
             nodes = {x.name: x for x in await self._nodes.nodes(entry.model)}
+            # No pool where the move would land: nothing to ask the registry (parking is on by
+            # default, and a fleet whose agents have no pool must not pay a read per commit).
+            if pool_of(nodes, entry.node if entry.kind is MoveKind.PARK else entry.target) is None:
+                return Outcome.SKIPPED_NO_POOL
             _, current = await self._port.get_conversation(entry.conversation)
         except Unavailable as err:
             fields.error = err.reason
