@@ -29,7 +29,7 @@ from dataclasses import replace
 from typing import Any, Final
 
 from bench.fleet import report
-from bench.fleet.__main__ import PROFILE, _profile, _sweep, _sweeps, finite
+from bench.fleet.__main__ import PROFILE, _args, _profile, _sweep, _sweeps, finite
 from bench.fleet.kvshuttle_sim import AgentModel, Kvshuttle
 from bench.fleet.run import HOST_GIB_PER_ENGINE, POLICIES, PolicySpec
 from bench.fleet.workloads import WORKLOADS, arrivals
@@ -77,8 +77,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     _register()
     # The full run's arguments, with the variants as its policies.
-    from bench.fleet.__main__ import _args  # noqa: PLC0415
-
     sweep_args = _args(
         [
             "--workloads",

@@ -524,14 +524,12 @@ class Kvshuttle:
         self.agents = [SimAgent(e, self.registry, self.agent_model, fleet) for e in fleet.engines]
         by_endpoint = {a.spec().agent_endpoint: a for a in self.agents}
         by_node = {a.node: a for a in self.agents}
-        cost = CostModel(
-            ModelProfile(
-                model=MODEL,
-                kv_bytes_per_token=profile.kv_bytes_per_token,
-                prefill=profile.prefill,
-                link=profile.link,
-                min_reuse_tokens=profile.min_reuse_tokens,
-            )
+        model_profile = ModelProfile(
+            model=MODEL,
+            kv_bytes_per_token=profile.kv_bytes_per_token,
+            prefill=profile.prefill,
+            link=profile.link,
+            min_reuse_tokens=profile.min_reuse_tokens,
         )
         self.policy = policy or RouterPolicy()
         # Replicas share the registry and the turn-signing key; each has its own ledger, hints,
@@ -540,7 +538,7 @@ class Kvshuttle:
             Router(
                 InProcessPort(self.registry),
                 self.clock,
-                [CostModel(cost.profile)],
+                [CostModel(model_profile)],
                 TurnCodec(b"fleet-simulator-turn-key"),
                 self.policy,
                 RouterMetrics(CollectorRegistry()),

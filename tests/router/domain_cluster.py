@@ -47,7 +47,8 @@ CONV = "tenants/acme/conversations/c1"
 
 
 class Cluster:
-    """A registry with one prefill and one decode node, and routers over it."""
+    """A registry and routers over it (tests/router/conftest.py's `cluster` adds one prefill
+    and one decode node)."""
 
     def __init__(self) -> None:
         self.clock = FakeClock()

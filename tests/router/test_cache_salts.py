@@ -15,7 +15,6 @@ from tests.router.domain_cluster import BS, CONV, MODEL, Cluster
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.hashing import ROOT_HASH, cache_salt_digest, chain_hashes, salted_root
 from kvshuttle.core.kv_events import BlockStored, EventBatch
-from kvshuttle.core.nodes import NodeRole
 from kvshuttle.router.grpc import convert
 from kvshuttle.router.model import CommitRequest, Decision, Plan, PlanRequest, Reason
 from kvshuttle.router.router import Router
@@ -24,14 +23,6 @@ from kvshuttle.router.v1 import router_service_pb2 as pb
 
 SALT_A = cache_salt_digest("salt-of-tenant-a")
 SALT_B = cache_salt_digest("salt-of-tenant-b")
-
-
-@pytest.fixture
-async def cluster() -> Cluster:
-    c = Cluster()
-    await c.add_node("nodes/p0", NodeRole.PREFILL)
-    await c.add_node("nodes/d0", NodeRole.DECODE)
-    return c
 
 
 def decode_params(cluster: Cluster, plan: Plan, total: int) -> dict[str, Any]:

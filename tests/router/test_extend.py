@@ -29,14 +29,6 @@ from kvshuttle.router.verify import extend_params
 ON = ExtendPolicy(enabled=True)
 
 
-@pytest.fixture
-async def cluster() -> Cluster:
-    c = Cluster()
-    await c.add_node("nodes/p0", NodeRole.PREFILL)
-    await c.add_node("nodes/d0", NodeRole.DECODE)
-    return c
-
-
 async def second_turn(
     router: Router, cluster: Cluster, new_tokens: int = 100, conversation: str = CONV
 ) -> tuple[Plan, list[int]]:

@@ -18,14 +18,6 @@ from kvshuttle.router.model import CommitRequest, NodeInfo, PlacementWeights, Pl
 from kvshuttle.router.placement import choose_decode, choose_prefill
 
 
-@pytest.fixture
-async def cluster() -> Cluster:
-    c = Cluster()
-    await c.add_node("nodes/p0", NodeRole.PREFILL)
-    await c.add_node("nodes/d0", NodeRole.DECODE)
-    return c
-
-
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0

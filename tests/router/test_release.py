@@ -4,20 +4,10 @@ once instead of pinning them until the engine's TTL. Nothing of it is ever read.
 
 from __future__ import annotations
 
-import pytest
 from tests.router.domain_cluster import CONV, MODEL, Cluster, run_turn
 
-from kvshuttle.core.nodes import NodeRole
 from kvshuttle.router.model import CommitRequest, Decision, PlanRequest, Reason
 from kvshuttle.router.router import Router
-
-
-@pytest.fixture
-async def cluster() -> Cluster:
-    c = Cluster()
-    await c.add_node("nodes/p0", NodeRole.PREFILL)
-    await c.add_node("nodes/d0", NodeRole.DECODE)
-    return c
 
 
 def released(router: Router) -> float:

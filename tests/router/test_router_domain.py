@@ -30,14 +30,6 @@ from kvshuttle.router.verify import verify
 CONV2 = "tenants/acme/conversations/c2"
 
 
-@pytest.fixture
-async def cluster() -> Cluster:
-    c = Cluster()
-    await c.add_node("nodes/p0", NodeRole.PREFILL)
-    await c.add_node("nodes/d0", NodeRole.DECODE)
-    return c
-
-
 async def test_first_turn_recomputes_then_the_next_reuses_the_verified_prefix(cluster: Cluster) -> None:
     router = cluster.router()
     first, seq = await run_turn(router, cluster, cluster.tokens(1000))

@@ -138,17 +138,23 @@ class _Window:
         self._low, self._high = low, high
         self._quantile = quantile
         self._values: deque[float] = deque(maxlen=_WINDOW)
+        # Read for every candidate node of every plan, changed once per commit: kept until then.
+        self._value: float | None = None
 
     def add(self, value: float) -> None:
         self._values.append(min(max(value, self._low), self._high))
+        self._value = None
 
     def value(self) -> float | None:
         if len(self._values) < _MIN_SAMPLES:
             return None
-        if self._quantile == 0.5:
-            return statistics.median(self._values)
-        ordered = sorted(self._values)
-        return ordered[min(int(self._quantile * len(ordered)), len(ordered) - 1)]
+        if self._value is None:
+            if self._quantile == 0.5:
+                self._value = statistics.median(self._values)
+            else:
+                ordered = sorted(self._values)
+                self._value = ordered[min(int(self._quantile * len(ordered)), len(ordered) - 1)]
+        return self._value
 
 
 class CostModel:
