@@ -9,9 +9,10 @@ moves."""
 from __future__ import annotations
 
 import pytest
-from tests.router.domain_cluster import BS, CONV, MODEL, Cluster, run_turn
+from tests.router.domain_cluster import BS, CONV, CPU, MODEL, Cluster, run_turn
 
 from kvshuttle.core.nodes import NodeLoad, NodeRole
+from kvshuttle.router.cost import CostModel
 from kvshuttle.router.grpc.convert import plan_to_pb
 from kvshuttle.router.model import (
     CommitRequest,
@@ -41,12 +42,14 @@ async def second_turn(
     return plan, prompt
 
 
-async def load_decode(cluster: Cluster, running: int) -> None:
+async def load_decode(cluster: Cluster, running: int, kv_cache_usage: float = 0.0) -> None:
     """d0 reports `running` requests (a router made after this reads them)."""
-    node = await cluster.registry.get_node("nodes/d0")
-    await cluster.registry.heartbeat_node(
-        "nodes/d0", node.incarnation, 300, NodeLoad(running_requests=running, engine_healthy=True)
-    )
+    await report(cluster, "nodes/d0", NodeLoad(running, 0, kv_cache_usage, engine_healthy=True))
+
+
+async def report(cluster: Cluster, name: str, load: NodeLoad) -> None:
+    node = await cluster.registry.get_node(name)
+    await cluster.registry.heartbeat_node(name, node.incarnation, 300, load)
 
 
 async def test_a_short_turn_on_a_long_history_extends_on_its_holder_and_the_next_turn_still_reuses(
@@ -108,6 +111,44 @@ async def test_a_busy_holder_pays_for_its_running_decodes_and_a_full_one_is_not_
     await load_decode(cluster, ON.max_batch)
     plan, _ = await second_turn(cluster.router(extend=ON), cluster, conversation=f"{CONV}-full")
     assert plan.decision is Decision.REUSE and plan.extend_cost is None
+
+
+async def test_a_measured_hand_off_counts_for_extending(cluster: Cluster) -> None:
+    """The busy holder lost above on the link model's hand-off alone (the KV decode reads past
+    its held blocks). Turns that measured 300 ms from prefill's answer to decode's first token
+    (decode's request and first step: the hop extending does not make) price it in."""
+    await load_decode(cluster, 40)
+    cost = CostModel(CPU)
+    router = cluster.router(extend=ON, costs=[cost])
+    for _ in range(4):
+        prompt = cluster.tokens(200)
+        plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt))
+        timings = TurnTimings(prefill_ms=100.0, ttft_ms=100.0 + cost.transfer_ms(200) + 300.0)
+        await router.commit_turn(CommitRequest(plan.turn, prompt, None, timings))
+    assert cost.handoff_ms(0) == pytest.approx(300.0)
+    plan, _ = await second_turn(router, cluster)
+    assert (plan.decision, plan.reason) == (Decision.EXTEND, Reason.EXTEND_CHEAPER)
+
+
+async def test_a_queue_on_prefill_counts_against_the_prefill_path(cluster: Cluster) -> None:
+    """The holder's 40 running decodes price extending out (above); ten turns waiting on the
+    only prefill node, each a typical prefill of seconds, price the prefill path out more."""
+    await load_decode(cluster, 40)
+    await report(cluster, "nodes/p0", NodeLoad(waiting_requests=10, engine_healthy=True))
+    plan, _ = await second_turn(cluster.router(extend=ON), cluster)
+    assert (plan.decision, plan.reason) == (Decision.EXTEND, Reason.EXTEND_CHEAPER)
+    assert plan.extend_cost is not None and plan.extend_cost.interference_ms > 200
+
+
+async def test_a_holder_whose_cache_is_filling_is_not_asked(cluster: Cluster) -> None:
+    """A turn extended stays on its holder and grows there: past max_kv_usage the holder is
+    not a candidate, however cheap."""
+    await load_decode(cluster, 0, kv_cache_usage=ON.max_kv_usage + 0.01)
+    plan, _ = await second_turn(cluster.router(extend=ON), cluster)
+    assert plan.decision is Decision.REUSE and plan.extend_cost is None
+    await load_decode(cluster, 0, kv_cache_usage=ON.max_kv_usage)
+    plan, _ = await second_turn(cluster.router(extend=ON), cluster, conversation=f"{CONV}-room")
+    assert plan.decision is Decision.EXTEND
 
 
 async def test_a_long_new_input_goes_to_prefill_however_cheap_extending_looks(cluster: Cluster) -> None:

@@ -15,7 +15,7 @@ from kvshuttle.core.nodes import NodeLoad, NodeRole
 from kvshuttle.router.cost import CostModel
 from kvshuttle.router.ledger import PlacementLedger
 from kvshuttle.router.model import CommitRequest, NodeInfo, PlacementWeights, PlanRequest
-from kvshuttle.router.placement import choose_decode, choose_prefill
+from kvshuttle.router.placement import choose_decode, choose_prefill, kv_pressure
 
 
 class Clock:
@@ -65,6 +65,25 @@ def test_a_burst_on_idle_reports_is_spread_by_the_ledger() -> None:
     # The queue drains in time: once the work placed is done, every node is idle again.
     clock.now = 4 * cost.recompute(1000, 0).prefill_ms / 1e3
     assert all(ledger.queued_ms(n.name, 0, unknown_ms=1.0) == 0 for n in PREFILLS)
+
+
+def test_a_finished_turn_takes_what_is_left_of_its_prefill_off_the_queue() -> None:
+    """Three 1 s prefills queued on p0; the second is committed 0.5 s in (its estimate was
+    long): the queue loses its whole second, not what the clock already drained."""
+    clock = Clock()
+    ledger = PlacementLedger(monotonic=clock)
+    for turn in ("t1", "t2", "t3"):
+        ledger.placed_prefill("nodes/p0", 1000.0, turn)
+    clock.now = 0.5
+    assert ledger.queued_ms("nodes/p0", 0, unknown_ms=0.0) == pytest.approx(2500.0)
+    ledger.finished("t2")
+    assert ledger.queued_ms("nodes/p0", 0, unknown_ms=0.0) == pytest.approx(1500.0)
+    ledger.finished("t2")  # twice: once
+    clock.now = 1.2  # t1 expected done at 1.0: finishing it now takes nothing off
+    ledger.finished("t1")
+    assert ledger.queued_ms("nodes/p0", 0, unknown_ms=0.0) == pytest.approx(800.0)
+    ledger.finished("t3")
+    assert ledger.queued_ms("nodes/p0", 0, unknown_ms=0.0) == 0
 
 
 def test_near_ties_are_drawn_and_a_hint_wins_among_them() -> None:
@@ -122,6 +141,21 @@ def test_decode_counts_its_own_turns_until_reports_can_show_them() -> None:
     ledger.placed_decode("t7", "nodes/d1")
     ledger.placed_decode("t8", "nodes/d1")
     assert choose_decode(loaded, model=MODEL, weights=weights, ledger=ledger, rng=rng).name == "nodes/d0"
+
+
+def test_a_decode_running_out_of_blocks_weighs_as_a_long_queue() -> None:
+    """Ten running answers on a cache a tenth full against none on one 95 % full: the full one
+    would queue every answer it admits. Counted linearly it weighed 3.8 requests and won."""
+    nodes = [
+        node("nodes/d0", NodeRole.DECODE, kv_cache_usage=0.95),
+        node("nodes/d1", NodeRole.DECODE, running_requests=10, kv_cache_usage=0.1),
+    ]
+    pick = choose_decode(
+        nodes, model=MODEL, weights=TIES_BY_NAME, ledger=PlacementLedger(), rng=random.Random(0)
+    )
+    assert pick.name == "nodes/d1"
+    assert kv_pressure(0.0) == 0 and kv_pressure(0.5) == pytest.approx(1.0)
+    assert kv_pressure(1.0) == kv_pressure(2.0) == pytest.approx(99.0)  # bounded past full
 
 
 def test_prefill_speed_is_learnt_from_turns_that_did_not_queue() -> None:

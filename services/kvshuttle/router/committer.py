@@ -294,6 +294,10 @@ class Committer:
             measured_ms=t.prefill_ms - transfer,
             node=state.prefill_node,
         )
+        if t.ttft_ms is not None and state.decision != Decision.EXTEND.value:
+            # Decode read the prompt's KV from prefill: all of it at most (less what its own
+            # prefix cache held), so the fixed part learnt is, if anything, low.
+            cost.observe_handoff(read_tokens=state.prompt_tokens, measured_ms=t.ttft_ms - t.prefill_ms)
 
     # ---- AbortTurn -------------------------------------------------------------------------
 

@@ -12,11 +12,17 @@ computed token attends to every earlier position). Moving `n` bytes of KV costs
 be faster than prefilling what the prefill node does not already hold, and the tokens read
 remotely clear the floor (vLLM's `kv_recompute_threshold`: below it vLLM recomputes anyway).
 Extending on the holder (the decode node whose prefix cache holds the history computes the
-new tokens itself) costs its prefill plus its running decodes' delay meanwhile, weighted.
+new tokens itself) costs its prefill plus its running decodes' delay meanwhile, weighted; the
+prefill path it is weighed against also waits for its prefill node's queue (the placement
+ledger's), which extending skips.
 
 Measured turns (CommitTurn timings) scale the prefill estimate, per prefill node and across
 them, and replace the link bandwidth with the median of recent observations, each clipped, so
-one outlier moves nothing. A measured prefill is the gateway's wall time of the call, the time
+one outlier moves nothing. A turn that went prefill -> decode also measures the hand-off: from
+prefill's answer to decode's first token (decode's request, its read of the prompt's KV, its
+first step), the one hop extending on the holder does not make; its fixed part, past the link
+model's time for the KV decode read, is learnt as the prefill scale is (a low quantile: a busy
+decode only adds). A measured prefill is the gateway's wall time of the call, the time
 the request queued on a busy engine included; the prefill scale is therefore the low quantile
 (`PREFILL_QUANTILE`) of recent measured/predicted ratios, not their median: queueing only ever
 adds, and the turns that found the engine free measure its compute. Queueing is a load signal,
@@ -42,6 +48,8 @@ _MAX_SCALE = 8.0
 PREFILL_QUANTILE = 0.2
 # Prefill nodes with a scale of their own, per model; the least recently measured go first.
 _MAX_NODES = 1024
+# A measured hand-off's fixed part is clipped to this (ms).
+_MAX_HANDOFF_MS = 60_000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +172,7 @@ class CostModel:
         self._node_scales: OrderedDict[str, _Window] = OrderedDict()
         bw = profile.link.bandwidth_gb_s
         self._bandwidth = _Window(bw / _MAX_SCALE**2, bw * _MAX_SCALE**2)
+        self._handoff_fixed = _Window(0.0, _MAX_HANDOFF_MS, PREFILL_QUANTILE)
 
     @staticmethod
     def _scale_window() -> _Window:
@@ -189,6 +198,11 @@ class CostModel:
 
     def transfer_ms(self, tokens: int) -> float:
         return self.profile.link.ms(tokens * self.profile.kv_bytes_per_token, self.bandwidth_gb_s)
+
+    def handoff_ms(self, read_tokens: int) -> float:
+        """Prefill's answer to decode's first token when decode reads `read_tokens` of the
+        prompt's KV: the link's time for them, plus the hop's fixed part once measured."""
+        return self.transfer_ms(read_tokens) + (self._handoff_fixed.value() or 0.0)
 
     def recompute(self, prompt_tokens: int, local_hits: int, node: str = "") -> Estimate:
         """Compute what prefill node `node` ("": any) does not hit in its prefix cache."""
@@ -232,6 +246,12 @@ class CostModel:
             if len(self._node_scales) > _MAX_NODES:
                 self._node_scales.popitem(last=False)
 
+    def observe_handoff(self, *, read_tokens: int, measured_ms: float) -> None:
+        """A measured hand-off (prefill's answer to decode's first token) of a turn whose decode
+        read at most `read_tokens` of the prompt's KV."""
+        if measured_ms > 0:
+            self._handoff_fixed.add(max(measured_ms - self.transfer_ms(read_tokens), 0.0))
+
     def observe_transfer(self, *, nbytes: int, measured_ms: float) -> None:
         wire_ms = measured_ms - self.profile.link.fixed_ms
         if nbytes > 0 and wire_ms > 0:
@@ -249,14 +269,23 @@ def price_extend(
     other: Estimate,
     decode_is_holder: bool,
     holder: str = "",
+    kv_usage: float = 0.0,
+    queued_ms: float = 0.0,
 ) -> tuple[Estimate | None, bool]:
-    """Extending on a decode holder with `held_tokens` of the prompt in full blocks and
-    `running`/`waiting` requests, against `other` (the prefill path: reuse or recompute): its
-    estimate (None: not a candidate, nothing held or no room) and whether it wins; `holder`: the
-    node's name, for its own prefill speed ("": across nodes). The prefill
-    path also has its decode read the prompt's KV from prefill: all of it, or past the held
-    blocks when that decode is the holder (its prefix cache has them); extending moves nothing."""
-    if not policy.enabled or held_tokens <= 0 or running + waiting >= policy.max_batch:
+    """Extending on a decode holder with `held_tokens` of the prompt in full blocks,
+    `running`/`waiting` requests and its KV cache `kv_usage` full, against `other` (the prefill
+    path: reuse or recompute) on a prefill node whose queue holds a turn `queued_ms` before it
+    starts: its estimate (None: not a candidate, nothing held, no room in the batch or the
+    cache) and whether it wins; `holder`: the node's name, for its own prefill speed ("": across
+    nodes). The prefill path also has its decode read the prompt's KV from prefill: all of it,
+    or past the held blocks when that decode is the holder (its prefix cache has them);
+    extending moves nothing and joins no prefill queue."""
+    if (
+        not policy.enabled
+        or held_tokens <= 0
+        or running + waiting >= policy.max_batch
+        or kv_usage > policy.max_kv_usage
+    ):
         return None, False
     extend = cost.extend(
         prompt_tokens,
@@ -265,6 +294,9 @@ def price_extend(
         interference_weight=policy.interference_weight,
         node=holder,
     )
-    handoff_ms = cost.transfer_ms(prompt_tokens - (held_tokens if decode_is_holder else 0))
-    wins = extend.prefill_ms <= policy.max_prefill_ms and extend.total_ms < other.total_ms + handoff_ms
+    handoff_ms = cost.handoff_ms(prompt_tokens - (held_tokens if decode_is_holder else 0))
+    wins = (
+        extend.prefill_ms <= policy.max_prefill_ms
+        and extend.total_ms < other.total_ms + queued_ms + handoff_ms
+    )
     return extend, wins

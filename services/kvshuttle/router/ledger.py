@@ -6,9 +6,11 @@ that window would all see the same idle node; this replica's own placements fill
 
 * **Prefill**: every plan adds its estimated prefill compute (the cost model's, queueing
   excluded) to the node's virtual queue, which drains in real time: the node is expected busy
-  with this replica's work until `busy_until`. What other replicas placed reaches this one only
-  through the node's reported requests; the larger of the two views counts, so this replica's
-  own work is never counted twice (it is in both once the report covers it).
+  with this replica's work until `busy_until`. A turn seen finished (committed or aborted:
+  its prefill is over) takes what is left of its own work off the queue at once. What other
+  replicas placed reaches this one only through the node's reported requests; the larger of
+  the two views counts, so this replica's own work is never counted twice (it is in both once
+  the report covers it).
 * **Decode**: the turns this replica placed on the node in the last `window_s` and has not
   seen committed or aborted: the node's reports count them after that (a heartbeat and the node
   list's refresh: 2.5 s as deployed; the window doubles it). They add to the reported requests: a
@@ -18,7 +20,8 @@ that window would all see the same idle node; this replica's own placements fill
   for its whole answer.
 
 Both are bounded: queues by the number of nodes seen (a node not planned on for
-`forget_after_s` is dropped), turns by `max_turns` (the oldest go first) and by the window.
+`forget_after_s` is dropped), turns by `max_turns` (the oldest go first) and by the window, a
+turn's prefill work by `max_turns` and by its end (queued work already done is forgotten).
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class PlacementLedger:
         # turn id -> (decode node, expires at on the monotonic clock)
         self._turns: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._in_flight: dict[str, int] = {}
+        # turn id -> (prefill node, its estimate in ms, when its work is expected done)
+        self._work: OrderedDict[str, tuple[str, float, float]] = OrderedDict()
 
     # -- prefill -----------------------------------------------------------------------------
 
@@ -69,7 +74,7 @@ class PlacementLedger:
         typical = queue.typical_ms if queue is not None and queue.typical_ms else self._typical_ms
         return max(own, reported_requests * (typical or unknown_ms))
 
-    def placed_prefill(self, node: str, estimate_ms: float) -> None:
+    def placed_prefill(self, node: str, estimate_ms: float, turn_id: str = "") -> None:
         now = self._monotonic()
         queue = self._queues.get(node)
         if queue is None:
@@ -78,6 +83,23 @@ class PlacementLedger:
         queue.busy_until = max(queue.busy_until, now) + estimate_ms / 1e3
         queue.typical_ms = _smoothed(queue.typical_ms, estimate_ms)
         self._typical_ms = _smoothed(self._typical_ms, estimate_ms)
+        if turn_id:
+            while self._work and (
+                len(self._work) >= self._max_turns or next(iter(self._work.values()))[2] <= now
+            ):
+                self._work.popitem(last=False)
+            self._work[turn_id] = (node, estimate_ms, queue.busy_until)
+
+    def _prefill_done(self, turn_id: str) -> None:
+        """What is left of the turn's queued work comes off its node's queue (all of it when the
+        queue has not reached it yet; none once it was expected done)."""
+        work = self._work.pop(turn_id, None)
+        queue = self._queues.get(work[0]) if work is not None else None
+        if work is None or queue is None:
+            return
+        now = self._monotonic()
+        left = min(work[1] / 1e3, max(work[2] - now, 0.0))
+        queue.busy_until = max(queue.busy_until - left, now)
 
     def _forget_idle(self, now: float) -> None:
         idle = [n for n, q in self._queues.items() if now - q.busy_until > self._forget_after_s]
@@ -103,7 +125,9 @@ class PlacementLedger:
         self._in_flight[node] = self._in_flight.get(node, 0) + 1
 
     def finished(self, turn_id: str) -> None:
-        """The turn was committed or aborted: its decode is no longer in flight."""
+        """The turn was committed or aborted: its prefill is over and its decode no longer in
+        flight."""
+        self._prefill_done(turn_id)
         if turn_id in self._turns:
             self._drop(turn_id)
 

@@ -5,8 +5,9 @@ Prefill: the node where the prompt is expected to finish soonest: its local pref
 already queued there lengthens it, in milliseconds: this replica's own placements the node has
 not reported yet, or its reported requests at a typical prefill's cost, whichever is more
 (kvshuttle.router.ledger). Decode: the least loaded node by its requests (reported, and this
-replica's own turns placed there that a report may not show yet), its KV cache in use and the
-KV it holds for other conversations' retentions.
+replica's own turns placed there that a report may not show yet), the pressure on its KV cache
+(kv_pressure: a node about to run out of blocks weighs as a long queue) and the KV it holds for
+other conversations' retentions.
 
 Nodes within `near_tie_ms` (or `near_tie_fraction`) of the best are near-ties: the prefill node
 whose agent's pool holds the conversation's retention (`prefer`, so that its read stays on the
@@ -31,6 +32,8 @@ from kvshuttle.router.cost import CostModel
 from kvshuttle.router.ledger import PlacementLedger
 from kvshuttle.router.model import NodeInfo, PlacementWeights
 
+# Past this a cache counts as full (kv_pressure's ceiling: 99).
+_FULL = 0.99
 _NO_NODE = {NodeRole.PREFILL: ErrorReason.NO_PREFILL_NODE, NodeRole.DECODE: ErrorReason.NO_DECODE_NODE}
 
 
@@ -126,13 +129,27 @@ def choose_prefill(
     return best, hits(best)
 
 
-def _decode_load(node: NodeInfo, weights: PlacementWeights, ledger: PlacementLedger) -> float:
+def _decode_load(
+    node: NodeInfo, weights: PlacementWeights, ledger: PlacementLedger, holder: str = "", held_bytes: int = 0
+) -> float:
     requests = node.running_requests + node.waiting_requests + ledger.unreported(node.name)
+    retained = node.retained_bytes - (held_bytes if node.name == holder else 0)
     return (
         requests
-        + weights.kv_usage_weight * node.kv_cache_usage
-        + weights.retained_gib_weight * node.retained_bytes / 2**30
+        + weights.kv_usage_weight * kv_pressure(node.kv_cache_usage)
+        + weights.retained_gib_weight * max(retained, 0) / 2**30
     )
+
+
+def kv_pressure(usage: float) -> float:
+    """A decode node's KV cache in use (0-1) as queueing weighs it: usage / (1 - usage), near
+    `usage` itself while the cache has room (0.1: 0.11), 1 at half, 9 at 90 %, 99 full. A node
+    out of free blocks queues every answer it admits until one ends; counted linearly, a full
+    cache weighed no more than a few requests and a fleet balanced by request counts filled
+    some decodes while others idled (the agent loop at 8 sessions/s: one decode engine had 2.8x
+    another's slow turns)."""
+    u = min(max(usage, 0.0), _FULL)
+    return u / (1.0 - u)
 
 
 def choose_decode(
@@ -145,9 +162,14 @@ def choose_decode(
     avoid: str = "",
     hint: str = "",
     allowed: EndpointSet | None = None,
+    holder: str = "",
+    held_bytes: int = 0,
 ) -> NodeInfo:
     """The decode node: the least loaded of the healthy ones `allowed` (None: all) names;
-    Unavailable (NO_DECODE_NODE) when there is none."""
+    Unavailable (NO_DECODE_NODE) when there is none. `holder`, a decode node holding the
+    conversation's retention of `held_bytes`, comes first among near-ties, and that retention
+    does not count against it: its prefix cache holds the history, so prefill hands it only the
+    new tokens' KV, and the retention is this turn's own, reused or superseded."""
     pool = _allowed(candidates(nodes, NodeRole.DECODE, model), allowed)
     if not pool:
         raise Unavailable(
@@ -159,8 +181,10 @@ def choose_decode(
         return pool[0]
     # A kv_both node that already runs this turn's prefill is the last resort for decode.
     others = [n for n in pool if n.name != avoid] or pool
-    load = functools.partial(_decode_load, weights=weights, ledger=ledger)
-    return _near_best(others, load, rng, hint, margin=weights.near_tie_requests)
+    load = functools.partial(
+        _decode_load, weights=weights, ledger=ledger, holder=holder, held_bytes=held_bytes
+    )
+    return _near_best(others, load, rng, holder, hint, margin=weights.near_tie_requests)
 
 
 def pool_owner_of(nodes: Sequence[NodeInfo], holder: str) -> str:

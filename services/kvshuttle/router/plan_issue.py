@@ -87,6 +87,9 @@ class PlanContext:
     local_hits: int
     recompute_cost: Estimate
     now: float
+    # How long prefill's queue is expected to hold this turn before it starts (the placement
+    # ledger's view): what running the turn on the holder instead saves.
+    prefill_queued_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +211,7 @@ class PlanIssuer:
         else:
             prefill_ms = plan.recompute_cost.prefill_ms
         ledger = self._parts.ledger
-        ledger.placed_prefill(plan.prefill.name, prefill_ms)
+        ledger.placed_prefill(plan.prefill.name, prefill_ms, state.turn_id)
         ledger.placed_decode(state.turn_id, plan.decode.name)
 
     def _describe(

@@ -224,9 +224,9 @@ class Planner:
             for name, blocks in hits.items()
             if any(x.name == name and x.block_size == block_size for x in nodes)
         }
-        prefill, local_hits, decode = self._place(
-            call, nodes, hits, prefer=pool_owner_of(nodes, retention.node) if retention else ""
-        )
+        prefill, local_hits, decode = self._place(call, nodes, hits, retention)
+        recompute = call.cost.recompute(int(call.tokens.size), local_hits, prefill.name)
+        reported = prefill.running_requests + prefill.waiting_requests
         return PlanContext(
             call=call,
             chain=chain,
@@ -239,16 +239,26 @@ class Planner:
             prefill=prefill,
             decode=decode,
             local_hits=local_hits,
-            recompute_cost=call.cost.recompute(int(call.tokens.size), local_hits, prefill.name),
+            recompute_cost=recompute,
             now=self._parts.clock.now(),
+            prefill_queued_ms=self._parts.ledger.queued_ms(
+                prefill.name, reported, unknown_ms=recompute.total_ms
+            ),
         )
 
     def _place(
-        self, call: PlanCall, nodes: Sequence[NodeInfo], hits: Mapping[str, int], *, prefer: str = ""
+        self,
+        call: PlanCall,
+        nodes: Sequence[NodeInfo],
+        hits: Mapping[str, int],
+        retention: RetentionInfo | None = None,
     ) -> tuple[NodeInfo, int, NodeInfo]:
-        """Prefill (and its local hits in tokens) and decode; the prefill node whose pool holds
-        the retention (`prefer`), then the conversation's last nodes break ties."""
+        """Prefill (and its local hits in tokens) and decode. Ties: for prefill the node whose
+        pool holds the retention, for decode the retention's holder, then the conversation's
+        last nodes."""
         req, conversation = call.req, call.conversation
+        holder = next((x for x in nodes if retention is not None and x.name == retention.node), None)
+        held_bytes = retention.num_tokens * holder.kv_bytes_per_token if retention and holder else 0
         hint_p, hint_d = self._parts.memory.last_nodes(conversation) if conversation else ("", "")
         weights, ledger, rng = self._parts.policy.weights, self._parts.ledger, self._parts.rng
         prefill, local_hits = choose_prefill(
@@ -261,7 +271,7 @@ class Planner:
             ledger=ledger,
             rng=rng,
             hint=hint_p,
-            prefer=prefer,
+            prefer=pool_owner_of(nodes, retention.node) if retention else "",
         )
         decode = choose_decode(
             nodes,
@@ -272,6 +282,8 @@ class Planner:
             avoid=prefill.name,
             hint=hint_d,
             allowed=call.decode_allowed,
+            holder=holder.name if holder is not None and holder.role.serves(NodeRole.DECODE) else "",
+            held_bytes=held_bytes,
         )
         return prefill, local_hits, decode
 
@@ -418,6 +430,8 @@ class Planner:
             waiting=holder.waiting_requests,
             other=other,
             decode_is_holder=ctx.decode.name == holder.name,
+            kv_usage=holder.kv_cache_usage,
+            queued_ms=ctx.prefill_queued_ms,
         )
         if not wins:
             return replace(verdict, extend_cost=extend)
