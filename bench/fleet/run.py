@@ -11,6 +11,8 @@ DRAM beside each); what each puts in that DRAM is what it ships with:
     kvshuttle-no-pool  as shipped, on agents without a pool (a deployment with no host DRAM to
                        spare): nothing is parked, retentions stay on decode until read, released
                        or the engine's TTL
+    kvshuttle-extend   as shipped with extend on the holder turned on (POLICY__EXTEND__ENABLED):
+                       the opt-in that runs a turn on the decode engine holding its history
     llm-d              bench/fleet/peers.py, OffloadingConnector CPU tier on every engine
     dynamo             bench/fleet/peers.py, KVBM host tier on the prefill engines
     affinity-local, prefix-aware, recompute, proxy    bench/fleet/baselines.py (proxy's decode
@@ -36,6 +38,7 @@ from bench.fleet.baselines import AffinityLocal, PrefixAware, Proxy, Recompute
 from bench.fleet.kvshuttle_sim import AgentModel, Kvshuttle, quiet_logs
 from bench.fleet.peers import Dynamo, LlmD
 from bench.fleet.replay import Arrival, Policy, ReplayResult, replay
+from kvshuttle.router.model import ExtendPolicy, RouterPolicy
 
 __all__ = ["POLICIES", "RunResult", "RunSpec", "run"]
 
@@ -59,11 +62,18 @@ def _kvshuttle_no_pool(fleet: Fleet, seed: int) -> Policy:
     return Kvshuttle(fleet, name="kvshuttle-no-pool", agent=AgentModel(pool_gib=0.0), seed=seed)
 
 
+def _kvshuttle_extend(fleet: Fleet, seed: int) -> Policy:
+    policy = RouterPolicy(extend=ExtendPolicy(enabled=True))
+    agent = AgentModel(pool_gib=HOST_GIB_PER_ENGINE)
+    return Kvshuttle(fleet, name="kvshuttle-extend", policy=policy, agent=agent, seed=seed)
+
+
 POLICIES: Final = {
     p.name: p
     for p in (
         PolicySpec("kvshuttle", _kvshuttle, retain_decode=True),
         PolicySpec("kvshuttle-no-pool", _kvshuttle_no_pool, retain_decode=True),
+        PolicySpec("kvshuttle-extend", _kvshuttle_extend, retain_decode=True),
         PolicySpec("llm-d", lambda f, s: LlmD(f, seed=s), host_roles=("prefill", "decode")),
         PolicySpec("dynamo", lambda f, s: Dynamo(f, seed=s), host_roles=("prefill",)),
         PolicySpec("affinity-local", lambda f, s: AffinityLocal(f)),
