@@ -45,7 +45,7 @@ from bench.emulator.fleet.engine import Completion, KvSource, Prompt, SimEngine
 from bench.emulator.fleet.fleet import Fleet
 from bench.fleet.inproc import InProcessPort
 from bench.fleet.replay import Served, SimTurn
-from kvshuttle.core.errors import FailedPrecondition, KvshuttleError, ResourceExhausted
+from kvshuttle.core.errors import FailedPrecondition, KvshuttleError, NotFound, ResourceExhausted
 from kvshuttle.core.kv_events import BlockRemoved, BlockStored, EventBatch
 from kvshuttle.core.limits import MAX_EVENT_BLOCKS, MAX_EVENTS_PER_BATCH
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec, pool_node_name
@@ -122,33 +122,67 @@ def _monotonic() -> float:
     return asyncio.get_running_loop().time()
 
 
+@dataclass(slots=True)
+class _Held:
+    contents: list[int]
+    expire_at: float
+    parked_at: float
+    retention: str  # the registry's name of what it holds
+
+
 class _Pool(KvSource):
-    """An agent's host pool: parked retentions by name, read once, bounded by blocks."""
+    """An agent's host pool: parked retentions by name, read once, bounded by blocks. Short of
+    room, the agent evicts as kvshuttle.agent.pool.mover does: the oldest parked first (the
+    conversation least likely to come back), then the largest, each once the registry dropped
+    it (a claimed one stays)."""
 
     def __init__(self, name: str, engine: SimEngine, capacity_blocks: int) -> None:
         self.name = name
         self.nic = engine.nic
         self.engine = engine
         self.capacity_blocks = capacity_blocks
-        self._held: dict[str, tuple[list[int], float]] = {}
+        self._held: dict[str, _Held] = {}
+        # Slots set aside for moves whose READ is under way (the agent allocates before it reads).
+        self._reserved: dict[str, int] = {}
 
     def used_blocks(self) -> int:
         now = asyncio.get_running_loop().time()
-        for name in [n for n, (_, at) in self._held.items() if at <= now]:
+        for name in [n for n, h in self._held.items() if h.expire_at <= now]:
             del self._held[name]
-        return sum(len(c) for c, _ in self._held.values())
+        return sum(len(h.contents) for h in self._held.values()) + sum(self._reserved.values())
 
-    def put(self, contents: list[int], ttl: float, name: str) -> bool:
-        if self.used_blocks() + len(contents) > self.capacity_blocks:
+    def reserve(self, name: str, blocks: int) -> bool:
+        if not self.fits(blocks):
             return False
-        self._held[name] = (contents, asyncio.get_running_loop().time() + ttl)
+        self._reserved[name] = blocks
         return True
+
+    def unreserve(self, name: str) -> None:
+        self._reserved.pop(name, None)
+
+    def fits(self, blocks: int) -> bool:
+        return self.used_blocks() + blocks <= self.capacity_blocks
+
+    def eviction_order(self) -> list[tuple[str, str]]:
+        """(holding, retention) of what it holds, the first to evict first."""
+        ordered = sorted(self._held.items(), key=lambda kv: (kv[1].parked_at, -len(kv[1].contents)))
+        return [(name, h.retention) for name, h in ordered]
+
+    def drop(self, holding: str) -> None:
+        self._held.pop(holding, None)
+
+    def put(self, contents: list[int], ttl: float, name: str, retention: str) -> None:
+        """What a move reserved room for (`reserve`), read."""
+        self.unreserve(name)
+        now = asyncio.get_running_loop().time()
+        self._held[name] = _Held(contents, now + ttl, now, retention)
 
     def take(self, holding: str, upto_blocks: int) -> list[int] | None:
         held = self._held.pop(holding, None)
-        if held is None or held[1] <= asyncio.get_running_loop().time() or upto_blocks > len(held[0]):
+        now = asyncio.get_running_loop().time()
+        if held is None or held.expire_at <= now or upto_blocks > len(held.contents):
             return None
-        return held[0][:upto_blocks]
+        return held.contents[:upto_blocks]
 
 
 class SimAgent:
@@ -300,15 +334,24 @@ class SimAgent:
             raise FailedPrecondition("this agent serves no pool")
         bs = self.engine.config.block_size
         n = int(source.get("remote_num_tokens") or 0)
+        # Room first, as the agent allocates its slots before its READ: a move refused for room
+        # leaves the retention where it is.
+        name = f"{self.pool.name}/{retention}"
+        await self._make_room(-(-n // bs))
+        if not self.pool.reserve(name, -(-n // bs)):
+            raise ResourceExhausted("the pool is full")
         holder = self._fleet.sources.get(str(source.get("remote_engine_id")))
         got = holder.take(str(source.get("remote_request_id")), -(-n // bs)) if holder is not None else None
         if got is None:
+            self.pool.unreserve(name)
             raise FailedPrecondition("the holder no longer has the blocks")
         link = self.engine.pcie if park and self.engine.pcie is not None else self.engine.nic
-        await link.transfer(len(got) * self.engine.block_bytes)
-        name = f"{self.pool.name}/{retention}"
-        if not self.pool.put(got, ttl, name):
-            raise ResourceExhausted("the pool is full")
+        try:
+            await link.transfer(len(got) * self.engine.block_bytes)
+        except BaseException:
+            self.pool.unreserve(name)
+            raise
+        self.pool.put(got, ttl, name, retention)
         params = {
             "do_remote_decode": True,
             "do_remote_prefill": False,
@@ -321,6 +364,20 @@ class SimAgent:
             "tp_size": 1,
         }
         return Pooled(pool_node_name(self.node), params)
+
+    async def _make_room(self, blocks: int) -> None:
+        pool = self.pool
+        assert pool is not None
+        for holding, retention in pool.eviction_order():
+            if pool.fits(blocks):
+                return
+            try:
+                await self.registry.evict_retention(retention, node=pool_node_name(self.node))
+            except NotFound:
+                pass  # gone from the registry already
+            except FailedPrecondition:
+                continue  # claimed (a reader is on it), or not moved here yet
+            pool.drop(holding)
 
 
 class _AgentPort:

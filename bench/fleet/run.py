@@ -136,7 +136,11 @@ async def _sample(fleet: Fleet, into: list[dict[str, float]]) -> None:
     while True:
         row: dict[str, float] = {"t": round(loop.time(), 3)}
         for role, engines in (("prefill", fleet.prefills), ("decode", fleet.decodes)):
-            row[f"{role}_hbm"] = round(float(np.mean([e.kv_usage() for e in engines])), 4)
+            usage = [e.kv_usage() for e in engines]
+            # The mean, and the fullest engine: one full decode queues its answers however
+            # empty the others are.
+            row[f"{role}_hbm"] = round(float(np.mean(usage)), 4)
+            row[f"{role}_hbm_max"] = round(float(np.max(usage)), 4)
             cap = sum(e.host.capacity_blocks for e in engines)
             row[f"{role}_host"] = round(sum(len(e.host) for e in engines) / cap, 4) if cap else 0.0
         pools = [s for n, s in fleet.sources.items() if n not in engines_by_name and isinstance(s, _Pool)]
