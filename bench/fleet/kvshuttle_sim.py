@@ -368,6 +368,8 @@ class SimAgent:
     async def _make_room(self, blocks: int) -> None:
         pool = self.pool
         assert pool is not None
+        if pool.fits(blocks):
+            return
         for holding, retention in pool.eviction_order():
             if pool.fits(blocks):
                 return

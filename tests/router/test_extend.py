@@ -8,10 +8,14 @@ moves."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from tests.router.domain_cluster import BS, CONV, CPU, MODEL, Cluster, run_turn
+from tests.router.test_shuttle import PROFILES
 
 from kvshuttle.core.nodes import NodeLoad, NodeRole
+from kvshuttle.router.config import RouterSettings
 from kvshuttle.router.cost import CostModel
 from kvshuttle.router.grpc.convert import plan_to_pb
 from kvshuttle.router.model import (
@@ -21,6 +25,7 @@ from kvshuttle.router.model import (
     Plan,
     PlanRequest,
     Reason,
+    RouterPolicy,
     TurnTimings,
 )
 from kvshuttle.router.router import Router
@@ -234,3 +239,9 @@ async def test_a_holder_outside_the_allowed_decode_endpoints_is_never_extended_o
         assert (plan.reason, plan.prefill.name) == (Reason.REUSE_CHEAPER, "nodes/p0")
         assert plan.extend_cost is None  # the holder could not run this turn
         assert plan.prefill_kv_transfer_params["remote_engine_id"] == "engine-d0"
+
+
+@pytest.mark.parametrize("extend", [{"max_kv_usage": 1.5}, {"max_kv_usage": -0.1}, {"max_batch": 0}])
+def test_settings_refuse_a_bad_extend_policy(extend: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=r"policy\.extend"):
+        RouterSettings(profiles_file=PROFILES, policy=RouterPolicy(extend=ExtendPolicy(**extend)))

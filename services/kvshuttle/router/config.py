@@ -105,8 +105,16 @@ class RouterSettings(BaseSettings):
             raise ValueError("policy: commit_registry_timeout_s must be positive")
         _check_parking(policy)
         e = policy.extend
-        if e.interference_weight < 0 or e.max_batch < 1 or e.max_prefill_ms <= 0:
-            raise ValueError("policy.extend: interference_weight >= 0, max_batch >= 1 and max_prefill_ms > 0")
+        if (
+            e.interference_weight < 0
+            or e.max_batch < 1
+            or e.max_prefill_ms <= 0
+            or not 0 <= e.max_kv_usage <= 1
+        ):
+            raise ValueError(
+                "policy.extend: interference_weight >= 0, max_batch >= 1, max_prefill_ms > 0 "
+                "and 0 <= max_kv_usage <= 1"
+            )
         return self
 
 
