@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from tests.router.domain_cluster import BS, CONV, CPU, MODEL, Cluster, run_turn
-from tests.router.test_shuttle import PROFILES
+from tests.router.helpers import PROFILES
 
 from kvshuttle.core.nodes import NodeLoad, NodeRole
 from kvshuttle.router.config import RouterSettings
