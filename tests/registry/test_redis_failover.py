@@ -65,6 +65,11 @@ FAILOVER_BOUND_S = DOWN_AFTER_S + 1.0 + 1.0 + 1.0 + 2 * FAILOVER_TIMEOUT_S
 # factor is the margin for a loaded two-core machine, not a measurement: the time recovery
 # takes is a figure this test prints and keeps, never asserted.
 RECOVERY_LIMIT = 4 * (FAILOVER_BOUND_S + 5.0)
+# The old master, started again, reports itself a master: a Sentinel makes it a replica only once
+# it has been up and reporting that role for 4 publish periods (8 s, sentinel.c's convert-to-slave
+# wait), and it learns the role from INFO, which it asks a replica that is up every 10 s. Then the
+# new master's full resync. Same 4x margin: a full run on a busy machine took more than 30 s once.
+REJOIN_LIMIT = 4 * (8.0 + 10.0 + 2.0)
 
 
 async def until_writable(write: Callable[[], Awaitable[object]]) -> None:
@@ -358,6 +363,7 @@ async def test_the_registry_rides_out_a_sentinel_failover(
                     lambda: (
                         info(old_master.port, "replication")["role"] == "slave" and in_sync(old_master.port)
                     ),
+                    timeout=REJOIN_LIMIT,
                 )
                 again = await client.put(writers[0].after, writers[0].gen_after + 1)
                 assert again.retention.generation == writers[0].gen_after + 1
