@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 from tests.router.domain_cluster import CPU, MODEL, Cluster
-from tests.router.helpers import TIES_BY_NAME
+from tests.router.helpers import PROFILES, TIES_BY_NAME
 
 from kvshuttle.core.nodes import NodeLoad, NodeRole
+from kvshuttle.router.config import RouterSettings
 from kvshuttle.router.cost import CostModel
 from kvshuttle.router.ledger import PlacementLedger
-from kvshuttle.router.model import CommitRequest, NodeInfo, PlacementWeights, PlanRequest
+from kvshuttle.router.model import CommitRequest, NodeInfo, PlacementWeights, PlanRequest, RouterPolicy
 from kvshuttle.router.placement import choose_decode, choose_prefill, kv_pressure
 
 
@@ -156,6 +157,37 @@ def test_a_decode_running_out_of_blocks_weighs_as_a_long_queue() -> None:
     assert pick.name == "nodes/d1"
     assert kv_pressure(0.0) == 0 and kv_pressure(0.5) == pytest.approx(1.0)
     assert kv_pressure(1.0) == kv_pressure(2.0) == pytest.approx(99.0)  # bounded past full
+
+
+def test_a_long_prefill_stays_off_the_short_lane() -> None:
+    """Eight prefill nodes, p0-p2 with the least work queued: a 4,000-token first turn (2 s
+    here, past long_prefill_ms) goes to the least loaded of the other five, while a 100-token
+    suffix still takes the idle p0. Without the lane, or with one node, the long turn takes the
+    least loaded node as any turn does."""
+    clock = Clock()
+    ledger = PlacementLedger(monotonic=clock)
+    nodes = [node(f"nodes/p{i}") for i in range(8)]
+    for i, n in enumerate(nodes):
+        if i:  # p0 idle, then 1 s, 2 s, ... of queued prefill
+            ledger.placed_prefill(n.name, 1000.0 * i)
+    lane = PlacementWeights(near_tie_ms=0.0, near_tie_fraction=0.0, near_tie_requests=0.0)
+    assert int(8 * lane.short_lane_fraction) == 3
+    rng = random.Random(0)
+    assert prefill_on(nodes, ledger, rng, prompt_tokens=4000, weights=lane) == "nodes/p3"
+    assert prefill_on(nodes, ledger, rng, prompt_tokens=100, weights=lane) == "nodes/p0"
+    no_lane = PlacementWeights(near_tie_ms=0.0, near_tie_fraction=0.0, short_lane_fraction=0.0)
+    assert prefill_on(nodes, ledger, rng, prompt_tokens=4000, weights=no_lane) == "nodes/p0"
+    assert prefill_on(nodes[:1], ledger, rng, prompt_tokens=4000, weights=lane) == "nodes/p0"
+    # Two nodes: the lane rounds down to none, the long turn is not left with no node.
+    assert prefill_on(nodes[:2], ledger, rng, prompt_tokens=4000, weights=lane) == "nodes/p0"
+
+
+@pytest.mark.parametrize(
+    "lane", [{"short_lane_fraction": 1.0}, {"short_lane_fraction": -0.1}, {"long_prefill_ms": 0.0}]
+)
+def test_settings_refuse_a_short_lane_that_leaves_long_turns_nowhere(lane: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=r"policy\.weights"):
+        RouterSettings(profiles_file=PROFILES, policy=RouterPolicy(weights=PlacementWeights(**lane)))
 
 
 def test_prefill_speed_is_learnt_from_turns_that_did_not_queue() -> None:

@@ -9,6 +9,12 @@ replica's own turns placed there that a report may not show yet), the pressure o
 (kv_pressure: a node about to run out of blocks weighs as a long queue) and the KV it holds for
 other conversations' retentions.
 
+A long prefill (`long_prefill_ms` or more on every node) stays off the short lane: the
+`short_lane_fraction` of the prefill nodes with the least work queued. vLLM schedules a running
+prefill's chunks before a later request's, so a turn that computes a few hundred new tokens behind a
+first turn of 100k waits for all of it; keeping some nodes free of long work bounds what a short
+turn waits (size-interval assignment). Long turns queue longer for it.
+
 Nodes within `near_tie_ms` (or `near_tie_fraction`) of the best are near-ties: the prefill node
 whose agent's pool holds the conversation's retention (`prefer`, so that its read stays on the
 machine), then the conversation's previous node (a hint, never the policy) win among them, else
@@ -116,15 +122,24 @@ def choose_prefill(
         # vLLM hits at most prompt - 1 tokens locally: the last one is always computed.
         return min(local_hit_blocks.get(node.name, 0) * node.block_size, max(prompt_tokens - 1, 0))
 
-    def finish_ms(node: NodeInfo) -> float:
-        own = cost.recompute(prompt_tokens, hits(node), node=node.name).total_ms
-        reported = node.running_requests + node.waiting_requests
-        return own + ledger.queued_ms(node.name, reported, unknown_ms=own)
-
     if len(pool) == 1:
         return pool[0], hits(pool[0])
+    own = {n.name: cost.recompute(prompt_tokens, hits(n), node=n.name).total_ms for n in pool}
+    queued = {
+        n.name: ledger.queued_ms(n.name, n.running_requests + n.waiting_requests, unknown_ms=own[n.name])
+        for n in pool
+    }
+    lane = min(int(len(pool) * weights.short_lane_fraction), len(pool) - 1)
+    if lane > 0 and min(own.values()) >= weights.long_prefill_ms:
+        pool = sorted(pool, key=lambda n: (queued[n.name], n.name))[lane:]
     best = _near_best(
-        pool, finish_ms, rng, prefer, hint, margin=weights.near_tie_ms, fraction=weights.near_tie_fraction
+        pool,
+        lambda n: own[n.name] + queued[n.name],
+        rng,
+        prefer,
+        hint,
+        margin=weights.near_tie_ms,
+        fraction=weights.near_tie_fraction,
     )
     return best, hits(best)
 
