@@ -8,10 +8,15 @@ stopping at the first miss) on the same seeds, and their capacity per GPU.
 The variants (`VARIANTS`), cumulative, in the order the changes were made:
 
     placement      the placement ledger and near-tie draws alone: superseded retentions kept
-                   (release_superseded off), no parking
-    + release      a recomputing turn releases the retention it supersedes: kvshuttle-no-pool
-    + parking      idle retentions parked into the agents' pools after 2 s: kvshuttle as shipped
+                   (release_superseded off), no parking, no short lane
+    + release      a recomputing turn releases the retention it supersedes
+    + parking      idle retentions parked into the agents' pools after 2 s, 64 moves in flight
+    + short lane   long prefills kept off 3/8 of the prefill nodes: kvshuttle as shipped
     + extend       extend on the holder and prefetch on as well (the former kvshuttle-agents)
+
+The router's other changes (decode placement by KV pressure and the holder first, a finished
+turn's prefill taken off the ledger, extend priced with prefill's queue) are code, not settings:
+every row has them.
 
 The row before all of them is the last full run's `kvshuttle` (bench/results, the shipped
 defaults then); the rows' runs are the same simulator's, so only the router's settings differ.
@@ -34,21 +39,23 @@ from bench.fleet.kvshuttle_sim import AgentModel, Kvshuttle
 from bench.fleet.run import HOST_GIB_PER_ENGINE, POLICIES, PolicySpec
 from bench.fleet.workloads import WORKLOADS, arrivals
 from bench.report import ROOT, save
-from kvshuttle.router.model import ExtendPolicy, ParkingPolicy, RouterPolicy
+from kvshuttle.router.model import ExtendPolicy, RouterPolicy
 
 SHIPPED: Final = RouterPolicy()
+_NO_LANE: Final = replace(SHIPPED, weights=replace(SHIPPED.weights, short_lane_fraction=0.0))
 VARIANTS: Final = {
     "placement": (
-        replace(SHIPPED, release_superseded=False, parking=replace(SHIPPED.parking, enabled=False)),
+        replace(_NO_LANE, release_superseded=False, parking=replace(SHIPPED.parking, enabled=False)),
         0.0,
     ),
-    "+release": (replace(SHIPPED, parking=replace(SHIPPED.parking, enabled=False)), 0.0),
-    "+parking": (SHIPPED, HOST_GIB_PER_ENGINE),
+    "+release": (replace(_NO_LANE, parking=replace(SHIPPED.parking, enabled=False)), 0.0),
+    "+parking": (_NO_LANE, HOST_GIB_PER_ENGINE),
+    "+short-lane": (SHIPPED, HOST_GIB_PER_ENGINE),
     "+extend": (
         replace(
             SHIPPED,
             extend=ExtendPolicy(enabled=True),
-            parking=ParkingPolicy(enabled=True, prefetch_enabled=True),
+            parking=replace(SHIPPED.parking, prefetch_enabled=True),
         ),
         HOST_GIB_PER_ENGINE,
     ),
