@@ -160,13 +160,16 @@ def test_a_decode_running_out_of_blocks_weighs_as_a_long_queue() -> None:
 
 
 def test_a_long_prefill_stays_off_the_short_lane() -> None:
-    """Eight prefill nodes, p0-p2 with the least work queued: a 4,000-token first turn (2 s
-    here, past long_prefill_ms) goes to the least loaded of the other five, while a 100-token
-    suffix still takes the idle p0. Without the lane, or with one node, the long turn takes the
-    least loaded node as any turn does."""
+    """Eight prefill nodes, p0-p2 with the least work queued and short turns placed on them: a
+    4,000-token first turn (2 s here, past long_prefill_ms) goes to the least loaded of the
+    other five, while a 100-token suffix still takes the idle p0. Without the lane, or with one
+    node, the long turn takes the least loaded node as any turn does."""
     clock = Clock()
     ledger = PlacementLedger(monotonic=clock)
     nodes = [node(f"nodes/p{i}") for i in range(8)]
+    for n in nodes[:3]:
+        ledger.placed_prefill(n.name, 50.0, short=True)
+    clock.now = 1.0  # the short turns are done
     for i, n in enumerate(nodes):
         if i:  # p0 idle, then 1 s, 2 s, ... of queued prefill
             ledger.placed_prefill(n.name, 1000.0 * i)
@@ -182,8 +185,43 @@ def test_a_long_prefill_stays_off_the_short_lane() -> None:
     assert prefill_on(nodes[:2], ledger, rng, prompt_tokens=4000, weights=lane) == "nodes/p0"
 
 
+def test_the_lane_keeps_only_the_nodes_short_turns_use() -> None:
+    """p0 and p1 idle, only p1 took a short turn lately: a long turn may take p0, not p1; once
+    p1's short turn is older than short_lane_window_s, p1 is open to it too."""
+    clock = Clock()
+    ledger = PlacementLedger(monotonic=clock)
+    nodes = [node(f"nodes/p{i}") for i in range(8)]
+    ledger.placed_prefill("nodes/p1", 50.0, short=True)
+    clock.now = 0.1  # done: every node idle
+    lane = PlacementWeights(near_tie_ms=0.0, near_tie_fraction=0.0, near_tie_requests=0.0)
+    rng = random.Random(0)
+    assert prefill_on(nodes, ledger, rng, prompt_tokens=4000, weights=lane) == "nodes/p0"
+    assert prefill_on(nodes[1:], ledger, rng, prompt_tokens=4000, weights=lane) == "nodes/p2"
+    clock.now = lane.short_lane_window_s + 1.0
+    assert prefill_on(nodes[1:], ledger, rng, prompt_tokens=4000, weights=lane) == "nodes/p1"
+
+
+def test_plans_mark_their_prefill_short_or_long_in_the_ledger() -> None:
+    clock = Clock()
+    ledger = PlacementLedger(monotonic=clock)
+    ledger.placed_prefill("nodes/p0", 5000.0)
+    assert not ledger.took_short_within("nodes/p0", 5.0)
+    assert not ledger.took_short_within("nodes/unseen", 5.0)
+    ledger.placed_prefill("nodes/p0", 50.0, short=True)
+    clock.now = 5.0
+    assert ledger.took_short_within("nodes/p0", 5.0)
+    clock.now = 5.5
+    assert not ledger.took_short_within("nodes/p0", 5.0)
+
+
 @pytest.mark.parametrize(
-    "lane", [{"short_lane_fraction": 1.0}, {"short_lane_fraction": -0.1}, {"long_prefill_ms": 0.0}]
+    "lane",
+    [
+        {"short_lane_fraction": 1.0},
+        {"short_lane_fraction": -0.1},
+        {"long_prefill_ms": 0.0},
+        {"short_lane_window_s": 0.0},
+    ],
 )
 def test_settings_refuse_a_short_lane_that_leaves_long_turns_nowhere(lane: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=r"policy\.weights"):

@@ -105,8 +105,10 @@ class RouterSettings(BaseSettings):
             raise ValueError("policy: commit_registry_timeout_s must be positive")
         _check_parking(policy)
         w = policy.weights
-        if not 0 <= w.short_lane_fraction < 1 or w.long_prefill_ms <= 0:
-            raise ValueError("policy.weights: 0 <= short_lane_fraction < 1 and long_prefill_ms > 0")
+        if not 0 <= w.short_lane_fraction < 1 or min(w.long_prefill_ms, w.short_lane_window_s) <= 0:
+            raise ValueError(
+                "policy.weights: 0 <= short_lane_fraction < 1, long_prefill_ms and short_lane_window_s > 0"
+            )
         e = policy.extend
         if (
             e.interference_weight < 0

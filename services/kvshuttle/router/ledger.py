@@ -11,6 +11,8 @@ that window would all see the same idle node; this replica's own placements fill
   replicas placed reaches this one only through the node's reported requests; the larger of
   the two views counts, so this replica's own work is never counted twice (it is in both once
   the report covers it).
+* **Short turns**: when this replica last placed a prefill shorter than the short lane's line
+  on each node (kvshuttle.router.placement keeps the lane only on nodes short turns use).
 * **Decode**: the turns this replica placed on the node in the last `window_s` and has not
   seen committed or aborted: the node's reports count them after that (a heartbeat and the node
   list's refresh: 2.5 s as deployed; the window doubles it). They add to the reported requests: a
@@ -39,6 +41,8 @@ class _Queue:
     busy_until: float = 0.0
     # Smoothed estimate of one prefill placed on the node (ms): what a reported request weighs.
     typical_ms: float = 0.0
+    # When this replica last placed a short prefill here (monotonic; -inf: never).
+    short_at: float = float("-inf")
 
 
 class PlacementLedger:
@@ -74,12 +78,16 @@ class PlacementLedger:
         typical = queue.typical_ms if queue is not None and queue.typical_ms else self._typical_ms
         return max(own, reported_requests * (typical or unknown_ms))
 
-    def placed_prefill(self, node: str, estimate_ms: float, turn_id: str = "") -> None:
+    def placed_prefill(
+        self, node: str, estimate_ms: float, turn_id: str = "", *, short: bool = False
+    ) -> None:
         now = self._monotonic()
         queue = self._queues.get(node)
         if queue is None:
             self._forget_idle(now)
             queue = self._queues[node] = _Queue(busy_until=now)
+        if short:
+            queue.short_at = now
         queue.busy_until = max(queue.busy_until, now) + estimate_ms / 1e3
         queue.typical_ms = _smoothed(queue.typical_ms, estimate_ms)
         self._typical_ms = _smoothed(self._typical_ms, estimate_ms)
@@ -89,6 +97,11 @@ class PlacementLedger:
             ):
                 self._work.popitem(last=False)
             self._work[turn_id] = (node, estimate_ms, queue.busy_until)
+
+    def took_short_within(self, node: str, window_s: float) -> bool:
+        """Whether this replica placed a short prefill on `node` in the last `window_s`."""
+        queue = self._queues.get(node)
+        return queue is not None and self._monotonic() - queue.short_at <= window_s
 
     def _prefill_done(self, turn_id: str) -> None:
         """What is left of the turn's queued work comes off its node's queue (all of it when the

@@ -67,6 +67,11 @@ class PlacementWeights:
     # 0: no lane.
     short_lane_fraction: float = 0.375
     long_prefill_ms: float = 1000.0
+    # A lane node is kept only while short turns use it: one that took no short prefill from
+    # this replica in this long is open to long turns. Where short turns stay on the node that
+    # caches their history (Claude Code's 60k-100k-token sessions), a lane they never use would
+    # idle three nodes and pile the long turns onto the rest, the short turns behind them.
+    short_lane_window_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -131,7 +131,11 @@ def choose_prefill(
     }
     lane = min(int(len(pool) * weights.short_lane_fraction), len(pool) - 1)
     if lane > 0 and min(own.values()) >= weights.long_prefill_ms:
-        pool = sorted(pool, key=lambda n: (queued[n.name], n.name))[lane:]
+        # The lane: the `lane` nodes with the least queued, those of them short turns use.
+        by_queued = sorted(pool, key=lambda n: (queued[n.name], n.name))
+        window_s = weights.short_lane_window_s
+        kept = {n.name for n in by_queued[:lane] if ledger.took_short_within(n.name, window_s)}
+        pool = [n for n in by_queued if n.name not in kept]
     best = _near_best(
         pool,
         lambda n: own[n.name] + queued[n.name],

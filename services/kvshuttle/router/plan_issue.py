@@ -211,7 +211,8 @@ class PlanIssuer:
         else:
             prefill_ms = plan.recompute_cost.prefill_ms
         ledger = self._parts.ledger
-        ledger.placed_prefill(plan.prefill.name, prefill_ms, state.turn_id)
+        short = prefill_ms < self._parts.policy.weights.long_prefill_ms
+        ledger.placed_prefill(plan.prefill.name, prefill_ms, state.turn_id, short=short)
         ledger.placed_decode(state.turn_id, plan.decode.name)
 
     def _describe(
