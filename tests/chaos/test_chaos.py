@@ -268,10 +268,13 @@ def test_a_lease_expires_during_the_read(
 
 
 def _dropped_stream(stack: KvshuttleStack, conversation: str, prompt: list[int], chunks: int) -> int:
-    """A streaming turn whose client hangs up after `chunks` SSE events; the events it read."""
+    """A streaming turn whose client hangs up after `chunks` SSE events; the events it read.
+    The answer is long enough to still be streaming when the hang-up reaches the gateway: 64
+    tokens took ~150 ms on the real pair, and a client delayed that long on a busy machine
+    hung up after the answer was whole and rightly committed (a full `make test` saw it once)."""
     host, port = stack.gateway_url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    body = {"model": "m", "prompt": prompt, "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+    body = {"model": "m", "prompt": prompt, "max_tokens": 1024, "temperature": 0, "ignore_eos": True,
             "stream": True, "conversation_id": conversation}  # fmt: skip
     connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = connection.getresponse()
