@@ -11,7 +11,8 @@ The variants (`VARIANTS`), cumulative, in the order the changes were made:
                    (release_superseded off), no parking, no short lane
     + release      a recomputing turn releases the retention it supersedes
     + parking      idle retentions parked into the agents' pools after 2 s, 64 moves in flight
-    + short lane   long prefills kept off 3/8 of the prefill nodes: kvshuttle as shipped
+    + short lane   long prefills kept off the 3/8 of the prefill nodes short turns use:
+                   kvshuttle as shipped
     + extend       extend on the holder and prefetch on as well (the former kvshuttle-agents)
 
 The router's other changes (decode placement by KV pressure and the holder first, a finished

@@ -201,7 +201,7 @@ def test_the_lane_keeps_only_the_nodes_short_turns_use() -> None:
     assert prefill_on(nodes[1:], ledger, rng, prompt_tokens=4000, weights=lane) == "nodes/p1"
 
 
-def test_plans_mark_their_prefill_short_or_long_in_the_ledger() -> None:
+def test_the_ledger_remembers_short_prefills_for_a_window() -> None:
     clock = Clock()
     ledger = PlacementLedger(monotonic=clock)
     ledger.placed_prefill("nodes/p0", 5000.0)
@@ -255,6 +255,18 @@ async def test_plans_feed_the_ledger_and_commits_take_their_turns_out(cluster: C
     assert ledger.queued_ms(plan.prefill.name, 0, unknown_ms=0.0) > 0
     await router.commit_turn(CommitRequest(turn=plan.turn, token_ids=tokens, decode_kv_transfer_params=None))
     assert ledger.unreported(plan.decode.name) == 0
+
+
+async def test_a_plan_marks_its_prefill_node_short_below_the_lanes_line(cluster: Cluster) -> None:
+    """Through the router: the short lane forms where plans put prefills under long_prefill_ms,
+    and a prefill at or past the line does not keep a node for short turns."""
+    tokens = cluster.tokens(300)
+    short = cluster.router()
+    plan = await short.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=tokens))
+    assert short._parts.ledger.took_short_within(plan.prefill.name, 5.0)
+    long = cluster.router(weights=PlacementWeights(long_prefill_ms=1e-6))
+    plan = await long.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=tokens))
+    assert not long._parts.ledger.took_short_within(plan.prefill.name, 5.0)
 
 
 async def test_the_prefill_node_reported_busy_is_avoided(cluster: Cluster) -> None:
