@@ -23,7 +23,7 @@ from typing import Any
 
 from bench.report import save
 from kvshuttle.router.cost import CostModel, ModelProfile, load_profiles, price_extend
-from kvshuttle.router.model import ExtendPolicy
+from kvshuttle.router.policy import ExtendPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROFILE = ROOT / "deploy" / "profiles" / "qwen3-32b-h200-tp2.toml"

@@ -14,6 +14,8 @@ The variants (`VARIANTS`), cumulative, in the order the changes were made:
     + short lane   long prefills kept off the 3/8 of the prefill nodes short turns use:
                    kvshuttle as shipped
     + extend       extend on the holder and prefetch on as well (the former kvshuttle-agents)
+    + next-turn    the shipped defaults with retention by what comes next on (the learnt gaps
+                   after each kind of answer end set when a retention parks; off by default)
 
 The router's other changes (decode placement by KV pressure and the holder first, a finished
 turn's prefill taken off the ledger, extend priced with prefill's queue) are code, not settings:
@@ -40,7 +42,7 @@ from bench.fleet.kvshuttle_sim import AgentModel, Kvshuttle
 from bench.fleet.run import HOST_GIB_PER_ENGINE, POLICIES, PolicySpec
 from bench.fleet.workloads import WORKLOADS, arrivals
 from bench.report import ROOT, save
-from kvshuttle.router.model import ExtendPolicy, RouterPolicy
+from kvshuttle.router.policy import ExtendPolicy, NextTurnPolicy, RouterPolicy
 
 SHIPPED: Final = RouterPolicy()
 _NO_LANE: Final = replace(SHIPPED, weights=replace(SHIPPED.weights, short_lane_fraction=0.0))
@@ -60,6 +62,7 @@ VARIANTS: Final = {
         ),
         HOST_GIB_PER_ENGINE,
     ),
+    "+next-turn": (replace(SHIPPED, next_turn=NextTurnPolicy(enabled=True)), HOST_GIB_PER_ENGINE),
 }
 
 

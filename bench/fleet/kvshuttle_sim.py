@@ -31,7 +31,7 @@ import math
 import os
 import random
 import zlib
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Final
@@ -53,7 +53,7 @@ from kvshuttle.core.prototime import to_duration
 from kvshuttle.gateway.errors import RouterFailure
 from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.gateway.turns.background import BackgroundTasks
-from kvshuttle.gateway.turns.record import Turn
+from kvshuttle.gateway.turns.record import DecodeOutput, Turn
 from kvshuttle.gateway.turns.runner import TurnRunner
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
@@ -62,7 +62,8 @@ from kvshuttle.registry.store.memory.store import InMemoryStore
 from kvshuttle.router.cost import CostModel, ModelProfile
 from kvshuttle.router.grpc import convert
 from kvshuttle.router.metrics import RouterMetrics
-from kvshuttle.router.model import Pooled, RouterPolicy
+from kvshuttle.router.model import Pooled
+from kvshuttle.router.policy import RouterPolicy
 from kvshuttle.router.router import Router
 from kvshuttle.router.turns import TurnCodec
 from kvshuttle.router.v1 import router_service_pb2 as pb
@@ -533,10 +534,13 @@ class _RouterPort:
         output_token_ids: Sequence[int],
         decode_kv_transfer_params: KvTransferParams | None,
         timings: pb.TurnTimings,
+        turn_end: pb.TurnEnd.ValueType = pb.TURN_END_UNSPECIFIED,
     ) -> pb.CommitTurnResponse:
         """As the gateway commits (kvshuttle.gateway.turns.router_port): the output alone, the
         router holding the prompt since the plan; the whole sequence when it does not."""
-        request = pb.CommitTurnRequest(turn=turn, timings=timings, request_id=f"c-{turn[-24:]}")
+        request = pb.CommitTurnRequest(
+            turn=turn, timings=timings, request_id=f"c-{turn[-24:]}", turn_end=turn_end
+        )
         if decode_kv_transfer_params is not None:
             request.decode_kv_transfer_params.CopyFrom(decode_kv_transfer_params)
         request.output_token_ids.token_ids.extend(output_token_ids)
@@ -660,7 +664,9 @@ class Kvshuttle:
             decode_params={"max_tokens": turn.output},
             arrived=loop.time(),
             # No think-time hint: the trace's next gap is what no client knows and no peer is
-            # given (the shuttle's prefetch, which reads the hint, stays idle here).
+            # given (the shuttle's prefetch, which reads the hint, stays idle here). How the
+            # answer ended is what the gateway reads from the answer itself (a parsed tool call).
+            finish_reason=_finish(turn.stop.value),
         )
         await self.runner.complete(record)
         d_name, answer = done["decode"]
@@ -674,3 +680,8 @@ class Kvshuttle:
             (pre.cached_tokens + pre.read_tokens + pre.host_tokens) if pre else answer.cached_tokens,
             pre,
         )
+
+
+def _finish(reason: str) -> Callable[[DecodeOutput], str | None]:
+    """The trace's stop reason as the answer's finish_reason (its values are vLLM's)."""
+    return lambda _out: reason

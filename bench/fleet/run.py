@@ -38,7 +38,7 @@ from bench.fleet.baselines import AffinityLocal, PrefixAware, Proxy, Recompute
 from bench.fleet.kvshuttle_sim import AgentModel, Kvshuttle, quiet_logs
 from bench.fleet.peers import Dynamo, LlmD
 from bench.fleet.replay import Arrival, Policy, ReplayResult, replay
-from kvshuttle.router.model import ExtendPolicy, RouterPolicy
+from kvshuttle.router.policy import ExtendPolicy, RouterPolicy
 
 __all__ = ["POLICIES", "RunResult", "RunSpec", "run"]
 

@@ -78,7 +78,7 @@ from bench.fleet.replay import TurnRecord as SimRecord
 from bench.fleet.run import POLICIES as FLEET_POLICIES
 from bench.report import ROOT, save
 from kvshuttle.core.hashing import chain_array
-from kvshuttle.router.model import RouterPolicy
+from kvshuttle.router.policy import RouterPolicy
 
 __all__ = [
     "POLICIES",

@@ -12,7 +12,8 @@ from tests.router.domain_cluster import CONV, MODEL, Cluster, run_turn
 
 from kvshuttle.core.nodes import NodeLoad, NodeRole
 from kvshuttle.router.cost import CostModel, load_profiles
-from kvshuttle.router.model import ExtendPolicy, PlanRequest
+from kvshuttle.router.model import PlanRequest
+from kvshuttle.router.policy import ExtendPolicy
 
 (QWEN_TP2,) = load_profiles(DEFAULT_PROFILE)
 ON = ExtendPolicy(enabled=True)

@@ -34,7 +34,7 @@ from bench.fleet.replay import Served, SimTurn, replay
 
 from kvshuttle.core.hashing import chain_array
 from kvshuttle.router.config import RouterSettings
-from kvshuttle.router.model import RouterPolicy
+from kvshuttle.router.policy import RouterPolicy
 from kvshuttle.router.verify import extend_params
 
 PROFILE = engine_profile(Path(__file__).parents[2] / "deploy/profiles/qwen3-32b-h200-tp2.toml")

@@ -29,7 +29,7 @@ from kvshuttle.registry.v1 import registry_service_pb2 as rpb
 from kvshuttle.router.config import RouterSettings
 from kvshuttle.router.grpc.registry_port import GrpcRegistryPort
 from kvshuttle.router.main import build_router, build_server
-from kvshuttle.router.model import RouterPolicy
+from kvshuttle.router.policy import RouterPolicy
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.router.v1 import router_service_pb2_grpc as pb_grpc
 from kvshuttle.serving.settings import ServerSettings

@@ -28,7 +28,7 @@ from kvshuttle.gateway.errors import GatewayError, RouterFailure, engine_error
 from kvshuttle.gateway.http.app import turn_headers
 from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.gateway.turns.background import BackgroundTasks
-from kvshuttle.gateway.turns.record import Turn
+from kvshuttle.gateway.turns.record import DecodeOutput, Turn
 from kvshuttle.gateway.turns.request_log import RequestLog
 from kvshuttle.gateway.turns.runner import ClientGone, TurnRunner
 from kvshuttle.router.v1 import router_service_pb2 as pb
@@ -95,6 +95,7 @@ class Commit:
     token_ids: list[int]
     params: KvTransferParams | None
     timings: pb.TurnTimings
+    turn_end: int = pb.TURN_END_UNSPECIFIED
 
 
 @dataclass
@@ -140,6 +141,7 @@ class FakeRouter:
         output_token_ids: Sequence[int],
         decode_kv_transfer_params: KvTransferParams | None,
         timings: pb.TurnTimings,
+        turn_end: pb.TurnEnd.ValueType = pb.TURN_END_UNSPECIFIED,
     ) -> pb.CommitTurnResponse:
         if self.commit_gate is not None:
             await self.commit_gate.wait()
@@ -147,7 +149,9 @@ class FakeRouter:
         if self.commit_failure is not None:
             raise self.commit_failure
         sequence = [*prompt_token_ids, *output_token_ids]
-        self.commits.append(Commit(turn, conversation, sequence, decode_kv_transfer_params, timings))
+        self.commits.append(
+            Commit(turn, conversation, sequence, decode_kv_transfer_params, timings, turn_end)
+        )
         retained = decode_kv_transfer_params is not None
         return pb.CommitTurnResponse(retention=f"{CONVERSATION}/retentions/1" if retained else "")
 
@@ -319,6 +323,7 @@ async def test_a_plain_turn_prefills_decodes_and_commits_the_sequence_with_its_o
     assert commit.turn == "turns/1"
     assert commit.token_ids == PROMPT + OUTPUT
     assert commit.params is not None and to_vllm(commit.params) == d_params()
+    assert commit.turn_end == pb.TURN_END_STOP  # decode's finish_reason "stop"
     # The timings are what the runner measured (each engine call took at least `delay`).
     assert turn.prefill_s is not None and turn.decode_s is not None and turn.ttft_s is not None
     assert min(turn.prefill_s, turn.decode_s) >= env.engines.delay
@@ -333,6 +338,26 @@ async def test_a_plain_turn_prefills_decodes_and_commits_the_sequence_with_its_o
     assert env.router.aborts == []
     assert env.log == ["plan r1", "prefill", "decode", "commit turns/1"]
     assert env.commits("stored") == 1
+
+
+async def test_the_commit_says_how_the_answer_ended_as_the_client_is_told(env: Env) -> None:
+    """A chat answer whose parsed tool call makes its finish_reason "tool_calls" commits as a
+    tool call, though decode itself said "stop"; one the reader cannot place is unspecified."""
+    for n, told, end in ((1, "tool_calls", pb.TURN_END_TOOL_CALL), (2, "length", pb.TURN_END_LENGTH),
+                         (3, "abort", pb.TURN_END_UNSPECIFIED)):  # fmt: skip
+        env.router.plans[f"r{n}"] = make_plan(n)
+        turn = make_turn(f"r{n}")
+        seen: list[str | None] = []
+
+        def finish(out: DecodeOutput, told: str = told, seen: list[str | None] = seen) -> str:
+            seen.append(out.finish_reason)
+            return told
+
+        turn.finish_reason = finish
+        await env.runner.complete(turn)
+        await env.background.settle()
+        assert env.router.commits[-1].turn_end == end
+        assert seen == ["stop"]  # read from decode's whole answer
 
 
 async def test_the_turns_think_time_hint_reaches_the_plan(env: Env) -> None:

@@ -18,13 +18,8 @@ from kvshuttle.registry.service.registry import Registry
 from kvshuttle.registry.store.memory.store import InMemoryStore
 from kvshuttle.router.cost import CostModel, LinkModel, ModelProfile, PrefillModel, load_profiles
 from kvshuttle.router.metrics import RouterMetrics
-from kvshuttle.router.model import (
-    CommitRequest,
-    Plan,
-    PlanRequest,
-    RouterPolicy,
-    TurnTimings,
-)
+from kvshuttle.router.model import CommitRequest, Plan, PlanRequest, TurnTimings
+from kvshuttle.router.policy import RouterPolicy
 from kvshuttle.router.router import Router
 from kvshuttle.router.turns import TurnCodec
 

@@ -24,7 +24,7 @@ from kvshuttle.router.config import RouterSettings
 from kvshuttle.router.cost import load_profiles
 from kvshuttle.router.grpc.registry_port import GrpcRegistryPort
 from kvshuttle.router.main import build_router, build_server, connect_registry
-from kvshuttle.router.model import PlacementWeights, RouterPolicy
+from kvshuttle.router.policy import PlacementWeights, RouterPolicy
 from kvshuttle.router.router import Router
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.serving.server import GrpcServer

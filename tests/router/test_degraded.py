@@ -39,10 +39,10 @@ from kvshuttle.router.model import (
     PlanRequest,
     Reason,
     RetentionInfo,
-    RouterPolicy,
     TurnTimings,
 )
 from kvshuttle.router.node_directory import NodeDirectory
+from kvshuttle.router.policy import RouterPolicy
 from kvshuttle.router.router import Router
 from kvshuttle.router.turns import TurnCodec
 

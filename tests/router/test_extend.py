@@ -18,16 +18,8 @@ from kvshuttle.core.nodes import NodeLoad, NodeRole
 from kvshuttle.router.config import RouterSettings
 from kvshuttle.router.cost import CostModel
 from kvshuttle.router.grpc.convert import plan_to_pb
-from kvshuttle.router.model import (
-    CommitRequest,
-    Decision,
-    ExtendPolicy,
-    Plan,
-    PlanRequest,
-    Reason,
-    RouterPolicy,
-    TurnTimings,
-)
+from kvshuttle.router.model import CommitRequest, Decision, Plan, PlanRequest, Reason, TurnTimings
+from kvshuttle.router.policy import ExtendPolicy, RouterPolicy
 from kvshuttle.router.router import Router
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.router.verify import extend_params

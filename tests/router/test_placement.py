@@ -15,8 +15,9 @@ from kvshuttle.core.nodes import NodeLoad, NodeRole
 from kvshuttle.router.config import RouterSettings
 from kvshuttle.router.cost import CostModel
 from kvshuttle.router.ledger import PlacementLedger
-from kvshuttle.router.model import CommitRequest, NodeInfo, PlacementWeights, PlanRequest, RouterPolicy
+from kvshuttle.router.model import CommitRequest, NodeInfo, PlanRequest
 from kvshuttle.router.placement import choose_decode, choose_prefill, kv_pressure
+from kvshuttle.router.policy import PlacementWeights, RouterPolicy
 
 
 class Clock:

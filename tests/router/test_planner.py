@@ -27,11 +27,11 @@ from kvshuttle.router.model import (
     PlanRequest,
     Reason,
     RetentionInfo,
-    RouterPolicy,
 )
 from kvshuttle.router.node_directory import NodeDirectory
 from kvshuttle.router.parts import RouterParts
 from kvshuttle.router.planner import Planner
+from kvshuttle.router.policy import RouterPolicy
 from kvshuttle.router.turn_memory import TurnMemory
 from kvshuttle.router.turns import TurnCodec
 

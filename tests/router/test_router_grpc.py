@@ -350,6 +350,7 @@ def _huge(params: KvTransferParams) -> KvTransferParams:
         ({"tokens": lambda s: [s[0] + 1, *s[1:]]}, "token_ids"),
         ({"tokens": lambda s: []}, "token_ids"),
         ({"request_id": "not an id"}, "request_id"),
+        ({"turn_end": 99}, "turn_end"),
     ],
 )
 async def test_bad_commit_input_is_invalid_argument_and_changes_nothing(
@@ -368,6 +369,7 @@ async def test_bad_commit_input_is_invalid_argument_and_changes_nothing(
         decode_kv_transfer_params=change.get("params", lambda p: p)(params),
         timings=change.get("timings"),
         request_id=change.get("request_id", "c1"),
+        turn_end=change.get("turn_end", pb.TURN_END_TOOL_CALL),
     )
 
     err = await fails(call)

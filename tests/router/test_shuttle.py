@@ -27,17 +27,16 @@ from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import (
     CommitRequest,
     Decision,
-    ExtendPolicy,
     NodeInfo,
-    ParkingPolicy,
     Plan,
     PlanRequest,
     Pooled,
     Reason,
-    RouterPolicy,
+    TurnEnd,
     TurnTimings,
 )
 from kvshuttle.router.placement import choose_prefill
+from kvshuttle.router.policy import ExtendPolicy, NextTurnPolicy, ParkingPolicy, RouterPolicy
 from kvshuttle.router.router import Router
 from kvshuttle.router.shuttle import Shuttle
 from kvshuttle.router.turns import TurnCodec
@@ -178,11 +177,14 @@ class Cluster:
             NodeLoad(engine_healthy=healthy, kv_cache_usage=kv_cache_usage),
         )
 
-    def router(self, *, extend: ExtendPolicy | None = None, **parking: Any) -> Router:
+    def router(
+        self, *, extend: ExtendPolicy | None = None, next_turn: bool = False, **parking: Any
+    ) -> Router:
         policy = RouterPolicy(
             node_max_age_s=0.0,
             parking=ParkingPolicy(**{"enabled": True, **parking}),
             extend=extend or ExtendPolicy(),
+            next_turn=NextTurnPolicy(enabled=next_turn),
         )
         self.port = InProcessPort(self.registry)
         return Router(
@@ -212,7 +214,13 @@ class Cluster:
         }
 
     async def turn(
-        self, router: Router, prompt: list[int], *, conversation: str = CONV, **plan_kw: Any
+        self,
+        router: Router,
+        prompt: list[int],
+        *,
+        conversation: str = CONV,
+        turn_end: TurnEnd = TurnEnd.UNSPECIFIED,
+        **plan_kw: Any,
     ) -> tuple[Plan, list[int]]:
         plan = await router.plan_turn(
             PlanRequest(model=MODEL, prompt_token_ids=prompt, conversation=conversation, **plan_kw)
@@ -224,6 +232,7 @@ class Cluster:
                 token_ids=sequence,
                 decode_kv_transfer_params=self.decode_params(plan, len(sequence)),
                 timings=TurnTimings(ttft_ms=100.0, prefill_ms=90.0),
+                turn_end=turn_end,
             )
         )
         return plan, sequence
@@ -369,6 +378,88 @@ async def test_a_full_decode_node_parks_its_oldest_retentions_at_once(cluster: C
     assert [c[2] for c in cluster.agents.calls] == ["tenants/acme/conversations/c1/retentions/1"]
     assert moves(router, "park", "kv_usage", "moved") == 1
     assert len(shuttle(router)) == 1
+
+
+async def teach_tool_gaps(
+    cluster: Cluster, router: Router, *, conversations: int = 8, gap_s: float = 0.8
+) -> None:
+    """acme's agents: three turns each, every answer a tool call, back after gap_s; then parked."""
+    for i in range(conversations):
+        conversation = f"tenants/acme/conversations/taught{i}"
+        _, seq = await cluster.turn(
+            router, cluster.tokens(100), conversation=conversation, turn_end=TurnEnd.TOOL_CALL
+        )
+        for _ in range(2):
+            cluster.clock.advance(gap_s)
+            _, seq = await cluster.turn(router, seq + cluster.tokens(20), conversation=conversation,
+                                        turn_end=TurnEnd.TOOL_CALL)  # fmt: skip
+    cluster.clock.advance(3)
+    await tick(router)
+    for i in range(conversations):  # the first few were scheduled before anything was learnt
+        shuttle(router).forget(f"tenants/acme/conversations/taught{i}")
+
+
+async def test_a_tool_call_stays_on_decode_through_its_learnt_gap_and_a_stop_parks_at_once(
+    cluster: Cluster,
+) -> None:
+    router = cluster.router(park_after_idle_s=30, next_turn=True)  # the timer, where nothing is learnt
+    await teach_tool_gaps(cluster, router)
+    moved = moves(router, "park", "next_turn", "moved")
+    assert moved >= 5  # the taught conversations' last retentions, once learnt: the learnt time
+
+    # A tool call: kept ~the taught gap (0.8 s), not the 30 s timer.
+    await cluster.turn(router, cluster.tokens(300), turn_end=TurnEnd.TOOL_CALL)
+    cluster.clock.advance(0.5)
+    assert await tick(router) == 0
+    cluster.clock.advance(0.6)
+    assert await tick(router) == 1
+    assert moves(router, "park", "next_turn", "moved") == moved + 1
+
+    # acme's answers to people never came back here: a stop parks at once.
+    for i in range(8):
+        await cluster.turn(router, cluster.tokens(50), conversation=f"tenants/acme/conversations/gone{i}",
+                           turn_end=TurnEnd.STOP)  # fmt: skip
+        cluster.clock.advance(60)
+        await tick(router)
+    await cluster.turn(
+        router, cluster.tokens(300), conversation="tenants/acme/conversations/s", turn_end=TurnEnd.STOP
+    )
+    assert await tick(router) == 1
+    # Another tenant's conversation learns nothing from acme's: the timer.
+    idle = moves(router, "park", "idle", "moved")
+    await cluster.turn(router, cluster.tokens(300), conversation="tenants/globex/conversations/g",
+                       turn_end=TurnEnd.TOOL_CALL)  # fmt: skip
+    cluster.clock.advance(29)
+    assert await tick(router) == 0
+    cluster.clock.advance(2)
+    assert await tick(router) == 1
+    assert moves(router, "park", "idle", "moved") == idle + 1
+
+
+async def test_a_full_decode_node_parks_what_is_least_likely_wanted_soon_first(cluster: Cluster) -> None:
+    """Not the oldest: the retention whose conversation is past every gap its tenant's tool calls
+    took goes before an older one nothing is known of."""
+    router = cluster.router(park_after_idle_s=300, max_in_flight=1, next_turn=True)
+    await teach_tool_gaps(cluster, router)
+    older = "tenants/globex/conversations/g"
+    await cluster.turn(router, cluster.tokens(200), conversation=older, turn_end=TurnEnd.TOOL_CALL)
+    cluster.clock.advance(2)
+    await cluster.turn(router, cluster.tokens(200), turn_end=TurnEnd.TOOL_CALL)
+    cluster.clock.advance(2)  # CONV: 2 s idle, past every taught gap (0.8 s), its park due
+    await cluster.load("nodes/d", kv_cache_usage=0.9)
+    calls = len(cluster.agents.calls)
+    assert await tick(router) == 1
+    assert [c[2] for c in cluster.agents.calls[calls:]] == [f"{CONV}/retentions/1"]
+    assert moves(router, "park", "kv_usage", "moved") == 1
+
+
+async def test_with_the_next_turn_model_off_the_timer_decides(cluster: Cluster) -> None:
+    router = cluster.router(park_after_idle_s=30)  # off: the default
+    await teach_tool_gaps(cluster, router)
+    await cluster.turn(router, cluster.tokens(300), turn_end=TurnEnd.TOOL_CALL)
+    cluster.clock.advance(5)
+    assert await tick(router) == 0
+    assert moves(router, "park", "next_turn", "moved") == 0
 
 
 async def test_a_park_is_due_before_the_engines_pin_ends(cluster: Cluster) -> None:
@@ -596,6 +687,16 @@ def test_placement_prefers_the_prefill_node_whose_pool_holds_the_retention() -> 
 def test_settings_refuse_a_bad_parking_policy(parking: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="parking"):
         RouterSettings(profiles_file=PROFILES, policy=RouterPolicy(parking=ParkingPolicy(**parking)))
+
+
+@pytest.mark.parametrize(
+    "next_turn",
+    [{"keep_max_s": 0}, {"min_return_p": 1.5}, {"keep_quantile": 1.0}, {"min_samples": 0},
+     {"min_conversation_gaps": 1}, {"max_tenants": 0}],
+)  # fmt: skip
+def test_settings_refuse_a_bad_next_turn_policy(next_turn: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="next_turn"):
+        RouterSettings(profiles_file=PROFILES, policy=RouterPolicy(next_turn=NextTurnPolicy(**next_turn)))
 
 
 async def test_the_router_process_runs_the_shuttle_as_a_task(cluster: Cluster) -> None:

@@ -61,10 +61,13 @@ class RouterClient(ServiceClient):
         request_id: str | None = None,
         timeout: float | None = None,
         output_token_ids: Iterable[int] | None = None,
+        turn_end: pb.TurnEnd.ValueType = pb.TURN_END_UNSPECIFIED,
     ) -> pb.CommitTurnResponse:
         """Finish `turn` ("turns/{turn}"): store decode's retained KV (prompt + output `token_ids`).
         With `output_token_ids` instead, the output alone: the replica that planned the turn
-        holds its prompt; another refuses it (FAILED_PRECONDITION, PROMPT_NOT_HELD)."""
+        holds its prompt; another refuses it (FAILED_PRECONDITION, PROMPT_NOT_HELD). `turn_end`:
+        how the answer ended (a tool call, a stop, a cut), which sets how long its KV stays on
+        decode."""
         output = None if output_token_ids is None else pb.OutputTokenIds(token_ids=output_token_ids)
         request = pb.CommitTurnRequest(
             request_id=new_request_id(request_id),
@@ -73,6 +76,7 @@ class RouterClient(ServiceClient):
             token_ids=token_ids,
             timings=timings,
             output_token_ids=output,
+            turn_end=turn_end,
         )
         return await self._unary("CommitTurn", request, pb.CommitTurnResponse, timeout)
 

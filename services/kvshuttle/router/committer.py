@@ -43,6 +43,7 @@ from kvshuttle.router.model import (
     NewRetention,
     Reason,
     RetentionInfo,
+    TurnEnd,
     TurnTimings,
 )
 from kvshuttle.router.parts import RouterParts
@@ -129,7 +130,9 @@ class Committer:
             result = _NOTHING_STORED
             try:
                 with self._parts.memory.storing(state.conversation):
-                    result = await self._store(state, tokens, chain, params if retains else None, timer)
+                    result = await self._store(
+                        state, tokens, chain, params if retains else None, timer, req.turn_end
+                    )
             finally:
                 if state.claimed and not result.retention:
                     if result.not_stored == "registry_unavailable":
@@ -140,8 +143,7 @@ class Committer:
                         )
                     else:
                         await timer.registry(self._release(state, "commit"))
-            if not result.retention and state.conversation and self._parts.shuttle is not None:
-                self._parts.shuttle.forget(state.conversation)  # what it had scheduled was consumed
+            self._tell_shuttle(state, result, req.turn_end)
             self._observe(state, req.timings)
             self._finish(state, "committed")
             if req.request_id:
@@ -153,6 +155,14 @@ class Committer:
         self._parts.metrics.own_commit.observe(own["own_cpu_ms"] / 1e3)
         structlog.contextvars.bind_contextvars(retention=log_name(result.retention), **own)
         return result
+
+    def _tell_shuttle(self, state: TurnState, result: CommitResult, end: TurnEnd) -> None:
+        shuttle = self._parts.shuttle
+        if not state.conversation or shuttle is None:
+            return
+        if not result.retention:
+            shuttle.forget(state.conversation)  # what it had scheduled was consumed
+        shuttle.turn_ended(state.conversation, end)
 
     def _sequence(
         self, req: CommitRequest, state: TurnState
@@ -197,6 +207,7 @@ class Committer:
         chain: Chain,
         params: dict[str, Any] | None,
         timer: CallTimer,
+        turn_end: TurnEnd,
     ) -> CommitResult:
         """Decode's retained KV, stored as the conversation's retention. Nothing is stored, and
         the commit still succeeds, when there is no conversation, decode kept nothing, its node
@@ -272,6 +283,7 @@ class Committer:
                 prefill_node=state.prefill_node,
                 expected_think_time_s=state.expected_think_time_s,
                 computed_tokens=state.prompt_tokens - max(state.reusable_tokens, state.local_hit_tokens),
+                turn_end=turn_end,
             )
         return CommitResult(stored.name, stored.expire_at)
 

@@ -28,7 +28,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from kvshuttle.client.channel import ChannelOptions
 from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.router.cost import EMULATOR_SECTIONS, ModelProfile
-from kvshuttle.router.model import RouterPolicy
+from kvshuttle.router.policy import RouterPolicy
 from kvshuttle.serving.settings import AuthSettings, ServerSettings, TelemetrySettings
 
 MIN_SIGNING_KEY_BYTES = 16
@@ -104,6 +104,7 @@ class RouterSettings(BaseSettings):
         if policy.commit_registry_timeout_s <= 0:
             raise ValueError("policy: commit_registry_timeout_s must be positive")
         _check_parking(policy)
+        _check_next_turn(policy)
         w = policy.weights
         if not 0 <= w.short_lane_fraction < 1 or min(w.long_prefill_ms, w.short_lane_window_s) <= 0:
             raise ValueError(
@@ -149,3 +150,18 @@ def _check_parking(policy: RouterPolicy) -> None:
         raise ValueError("policy.parking: max_in_flight and max_scheduled must be at least 1")
     if p.max_idle_s <= p.park_after_idle_s + p.min_ttl_s:
         raise ValueError("policy.parking: max_idle_s must exceed park_after_idle_s + min_ttl_s")
+
+
+def _check_next_turn(policy: RouterPolicy) -> None:
+    n = policy.next_turn
+    if n.keep_max_s <= 0 or not 0 <= n.min_return_p <= 1 or not 0 < n.keep_quantile < 1:
+        raise ValueError("policy.next_turn: keep_max_s > 0, 0 <= min_return_p <= 1 and 0 < keep_quantile < 1")
+    if min(n.min_samples, n.min_conversation_gaps, n.half_life, n.max_conversations, n.max_tenants) < 1:
+        raise ValueError(
+            "policy.next_turn: min_samples, min_conversation_gaps, half_life, max_conversations and "
+            "max_tenants must be at least 1"
+        )
+    if n.min_conversation_gaps < 2:
+        raise ValueError(
+            "policy.next_turn: min_conversation_gaps must be at least 2 (a spread needs two gaps)"
+        )

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvshuttle.router.model import Estimate, ExtendPolicy
+from kvshuttle.router.model import Estimate
+from kvshuttle.router.policy import ExtendPolicy
 
 _WINDOW = 64
 _MIN_SAMPLES = 4

@@ -36,8 +36,9 @@ from kvshuttle.core.errors import (
 )
 from kvshuttle.core.nodes import POOL_OF_LABEL, NodeRole, pool_node_name
 from kvshuttle.router.hints import RetentionHints
-from kvshuttle.router.model import NodeInfo, RetentionInfo, RouterPolicy
+from kvshuttle.router.model import NodeInfo, RetentionInfo, TurnEnd
 from kvshuttle.router.node_directory import NodeDirectory
+from kvshuttle.router.policy import RouterPolicy
 from kvshuttle.router.ports import AgentPort, RegistryPort
 from kvshuttle.router.verify import knows_side_channel, whole_params
 
@@ -66,6 +67,8 @@ class MoveReason(StrEnum):
     KV_USAGE = "kv_usage"
     PIN_ENDING = "pin_ending"
     THINK_TIME = "think_time"
+    # When the learnt gaps after the turn's end say (kvshuttle.router.next_turn).
+    NEXT_TURN = "next_turn"
 
 
 class Outcome(StrEnum):
@@ -132,6 +135,7 @@ class ScheduledMove:
     reason: MoveReason
     target: str = ""  # a prefetch's prefill node
     seq: int = 0
+    turn_end: TurnEnd = TurnEnd.UNSPECIFIED  # how the committed answer ended
 
 
 @dataclass(slots=True)

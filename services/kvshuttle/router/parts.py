@@ -15,8 +15,8 @@ from kvshuttle.router.chains import ChainCache
 from kvshuttle.router.cost import CostModel
 from kvshuttle.router.ledger import PlacementLedger
 from kvshuttle.router.metrics import RouterMetrics
-from kvshuttle.router.model import RouterPolicy
 from kvshuttle.router.node_directory import NodeDirectory
+from kvshuttle.router.policy import RouterPolicy
 from kvshuttle.router.ports import AgentPort, RegistryPort
 from kvshuttle.router.shuttle import Shuttle
 from kvshuttle.router.turn_memory import TurnMemory

@@ -36,7 +36,8 @@ from kvshuttle.core.nodes import POOL_OF_LABEL, NodeRole
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.router.cost import CostModel
 from kvshuttle.router.ledger import PlacementLedger
-from kvshuttle.router.model import NodeInfo, PlacementWeights
+from kvshuttle.router.model import NodeInfo
+from kvshuttle.router.policy import PlacementWeights
 
 # Past this a cache counts as full (kv_pressure's ceiling: 99).
 _FULL = 0.99

@@ -99,6 +99,8 @@ class Planner:
             )
             if earlier is not None:
                 return earlier
+        if req.conversation and self._parts.shuttle is not None:
+            self._parts.shuttle.turn_arrived(req.conversation)  # the gap since its last commit here
 
         give_up_at = None if req.deadline_s is None else self._parts.clock.now() + req.deadline_s
         with self._parts.tracer.start_as_current_span("plan") as span:

@@ -33,11 +33,12 @@ from kvshuttle.router.committer import Committer
 from kvshuttle.router.cost import CostModel
 from kvshuttle.router.ledger import PlacementLedger
 from kvshuttle.router.metrics import RouterMetrics
-from kvshuttle.router.model import CommitRequest, CommitResult, NodeInfo, Plan, PlanRequest, RouterPolicy
+from kvshuttle.router.model import CommitRequest, CommitResult, NodeInfo, Plan, PlanRequest
 from kvshuttle.router.node_directory import NodeDirectory
 from kvshuttle.router.parts import RouterParts
 from kvshuttle.router.placement import ready_decodes
 from kvshuttle.router.planner import Planner
+from kvshuttle.router.policy import RouterPolicy
 from kvshuttle.router.ports import AgentPort, RegistryPort
 from kvshuttle.router.shuttle import Shuttle
 from kvshuttle.router.turn_memory import TurnMemory

@@ -7,15 +7,22 @@ scheduled), it keeps a bounded schedule keyed by conversation: a newer commit re
 conversation's entry, and the oldest entry is dropped when the schedule is full. A park is due
 
 * once the conversation has been idle `park_after_idle_s` (reason `idle`),
-* at once, oldest idle first, while its decode node's kv_cache_usage is above
-  `park_kv_usage_above` (reason `kv_usage`),
+* at once, oldest idle first (lowest value per byte first, below), while its decode node's
+  kv_cache_usage is above `park_kv_usage_above` (reason `kv_usage`),
 * at the latest `park_before_pin_s` before the engine's pin on the blocks ends, when the
   conversation may come back after it (`max_idle_s` reaches past the pin; reason `pin_ending`).
 
+Where the gaps after the commit's end are learnt (kvshuttle.router.next_turn; `next_turn`
+policy), they set the idle park's time instead (reason `next_turn`): kept on decode through the
+likely tool call, parked at once when the next turn is unlikely soon; and the kv_usage parks go
+lowest value per byte first (the least likely to be wanted soon, per byte freed), not oldest.
+
 A prefetch is due at commit time, when the turn's plan carried `expected_think_time_s` and
 that is at least `prefetch_margin` times the estimated move (the cost model's link), to the
-pool of the conversation's last prefill node (reason `think_time`). One that does not move
-falls back to the park schedule.
+pool of the conversation's last prefill node (reason `think_time`); with no hint and learnt
+gaps, the learnt park time moves it there instead of to any pool (reason `next_turn`). Never
+when the next turn would extend on the holder. One that does not move falls back to the park
+schedule.
 
 A move, once due, is carried out by move_runner.py (checks, claim, the agent's read, MoveRetention).
 
@@ -43,7 +50,7 @@ from kvshuttle.core.nodes import NodeRole
 from kvshuttle.router.cost import CostModel
 from kvshuttle.router.hints import RetentionHints
 from kvshuttle.router.metrics import RouterMetrics
-from kvshuttle.router.model import NodeInfo, RetentionInfo, RouterPolicy
+from kvshuttle.router.model import NodeInfo, RetentionInfo, TurnEnd
 from kvshuttle.router.move_runner import (
     PARK_INSTEAD,
     SKIPPED,
@@ -55,7 +62,9 @@ from kvshuttle.router.move_runner import (
     ScheduledMove,
     pool_of,
 )
+from kvshuttle.router.next_turn import NextTurnModel
 from kvshuttle.router.node_directory import NodeDirectory
+from kvshuttle.router.policy import RouterPolicy
 from kvshuttle.router.ports import AgentPort, RegistryPort
 
 __all__ = ["MoveKind", "MoveReason", "Outcome", "Shuttle"]
@@ -88,6 +97,7 @@ class Shuttle:
         self._policy = policy
         self._parking = policy.parking
         self._metrics = metrics
+        self._next_turn = NextTurnModel(policy.next_turn) if policy.next_turn.enabled else None
         self._entries: OrderedDict[str, ScheduledMove] = OrderedDict()  # by last activity, oldest first
         self._heap: list[tuple[float, int, str]] = []
         self._models: dict[str, int] = {}
@@ -108,6 +118,18 @@ class Shuttle:
         """The move of the conversation's retention while it runs (None: there is none)."""
         return self._moving_for.get(conversation)
 
+    # ---- what the conversations do next ----------------------------------------------------
+
+    def turn_ended(self, conversation: str, end: TurnEnd) -> None:
+        """A turn of `conversation` was committed here, its answer ended so (stored or not)."""
+        if self._next_turn is not None and conversation:
+            self._next_turn.committed(conversation, end, self._clock.now())
+
+    def turn_arrived(self, conversation: str) -> None:
+        """A turn of `conversation` is being planned here."""
+        if self._next_turn is not None and conversation:
+            self._next_turn.arrived(conversation, self._clock.now())
+
     # ---- the schedule ----------------------------------------------------------------------
 
     def committed(
@@ -120,9 +142,11 @@ class Shuttle:
         prefill_node: str,
         expected_think_time_s: float | None,
         computed_tokens: int = 0,
+        turn_end: TurnEnd = TurnEnd.UNSPECIFIED,
     ) -> None:
         """Schedule the retention a commit of this replica just stored (replacing whatever the
-        conversation had scheduled); `computed_tokens`: what the turn computed."""
+        conversation had scheduled); `computed_tokens`: what the turn computed, `turn_end`: how
+        its answer ended."""
         if self._closed:
             return
         now = self._clock.now()
@@ -138,12 +162,20 @@ class Shuttle:
             due_at=now,
             kind=MoveKind.PARK,
             reason=MoveReason.IDLE,
+            turn_end=turn_end,
         )
         if self._wants_prefetch(entry, prefill_node, expected_think_time_s, computed_tokens):
             entry.kind, entry.reason, entry.target = MoveKind.PREFETCH, MoveReason.THINK_TIME, prefill_node
             self._put(entry)
             return
         park = self._park_entry(entry, pin_expire_at)
+        if (
+            park is not None
+            and park.reason is MoveReason.NEXT_TURN
+            and expected_think_time_s is None
+            and self._can_prefetch(entry, prefill_node, computed_tokens)
+        ):
+            park.kind, park.target = MoveKind.PREFETCH, prefill_node  # to where the next turn runs
         if park is None:
             self.forget(conversation)
         else:
@@ -157,15 +189,20 @@ class Shuttle:
     def _wants_prefetch(
         self, entry: ScheduledMove, prefill_node: str, think_s: float | None, computed: int
     ) -> bool:
-        if not self._parking.prefetch_enabled or think_s is None or not prefill_node:
+        """A prefetch at commit time, on the client's think-time hint."""
+        if think_s is None or not self._can_prefetch(entry, prefill_node, computed):
+            return False
+        cost = self._costs[entry.model]
+        move_s = cost.transfer_ms(entry.num_tokens) / 1e3
+        return think_s >= self._parking.prefetch_margin * move_s
+
+    def _can_prefetch(self, entry: ScheduledMove, prefill_node: str, computed: int) -> bool:
+        if not self._parking.prefetch_enabled or not prefill_node:
             return False
         if prefill_node == entry.node:  # a kv_both node: its next prefill reads locally already
             return False
         cost = self._costs.get(entry.model)
-        if cost is None or self._next_turn_extends(entry, cost, computed):
-            return False
-        move_s = cost.transfer_ms(entry.num_tokens) / 1e3
-        return think_s >= self._parking.prefetch_margin * move_s
+        return cost is not None and not self._next_turn_extends(entry, cost, computed)
 
     def _next_turn_extends(self, entry: ScheduledMove, cost: CostModel, computed: int) -> bool:
         """With extend on the holder, a next turn computing as much as this one did would run on
@@ -184,12 +221,16 @@ class Shuttle:
         p = self._parking
         if not p.enabled:
             return None
-        idle_at = entry.active_at + p.park_after_idle_s
+        keep = None
+        if self._next_turn is not None:
+            keep = self._next_turn.keep_s(entry.conversation, entry.turn_end)
+        reason = MoveReason.IDLE if keep is None else MoveReason.NEXT_TURN
+        idle_at = entry.active_at + (p.park_after_idle_s if keep is None else keep)
         pin_at = pin_expire_at - p.park_before_pin_s
         lives_past_pin = entry.active_at + p.max_idle_s > pin_expire_at
         if lives_past_pin and pin_at < idle_at:
             return replace(entry, kind=MoveKind.PARK, reason=MoveReason.PIN_ENDING, due_at=pin_at, target="")
-        return replace(entry, kind=MoveKind.PARK, reason=MoveReason.IDLE, due_at=idle_at, target="")
+        return replace(entry, kind=MoveKind.PARK, reason=reason, due_at=idle_at, target="")
 
     def _put(self, entry: ScheduledMove) -> None:
         old = self._entries.pop(entry.conversation, None)
@@ -280,7 +321,8 @@ class Shuttle:
 
     async def _pressured(self) -> list[str]:
         """Conversations to park at once: those scheduled for a park on a decode node whose
-        kv_cache_usage is above park_kv_usage_above (and which has a pool), oldest first."""
+        kv_cache_usage is above park_kv_usage_above (and which has a pool): oldest first, or lowest
+        value per byte first with the next_turn model on."""
         if not self._parking.enabled or not self._entries:
             return []
         nodes: dict[str, NodeInfo] = {}
@@ -299,7 +341,21 @@ class Shuttle:
         if not full:
             return []
         limit = self._parking.max_in_flight
-        return [c for c, e in self._entries.items() if e.kind is MoveKind.PARK and e.node in full][:limit]
+        due = [e for e in self._entries.values() if e.kind is MoveKind.PARK and e.node in full]
+        if self._next_turn is not None:
+            now = self._clock.now()
+            # Not learnt: P = 1/2, so by the prefill it saves per byte; equal values stay oldest first.
+            due.sort(key=lambda e: self._value_per_byte(e, now))
+        return [e.conversation for e in due[:limit]]
+
+    def _value_per_byte(self, entry: ScheduledMove, now: float) -> float:
+        assert self._next_turn is not None
+        cost = self._costs.get(entry.model)
+        saved_ms = cost.prefill_ms(entry.num_tokens, 0) if cost is not None else float(entry.num_tokens)
+        return self._next_turn.value_per_byte(
+            entry.conversation, entry.turn_end, idle_s=now - entry.active_at, saved_ms=saved_ms,
+            kv_bytes=entry.kv_bytes,
+        )  # fmt: skip
 
     def _start(self, entry: ScheduledMove, reason: MoveReason) -> None:
         task = asyncio.create_task(self._move(entry, reason), context=contextvars.Context())

@@ -99,9 +99,12 @@ def plan_fingerprint(req: PlanRequest, tokens: np.ndarray[Any, Any]) -> bytes:
 
 
 def commit_fingerprint(req: CommitRequest, tokens: np.ndarray[Any, Any]) -> bytes:
-    """What identifies a CommitTurn request: the turn, decode's params, the tokens, the timings."""
+    """What identifies a CommitTurn request: the turn, decode's params, the tokens, the timings,
+    how the answer ended."""
     header = json.dumps(
-        [req.turn, req.decode_kv_transfer_params, astuple(req.timings)], sort_keys=True, default=repr
+        [req.turn, req.decode_kv_transfer_params, astuple(req.timings), req.turn_end.value],
+        sort_keys=True,
+        default=repr,
     ).encode()
     return fingerprint(b"kvs.commit", [header, np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()])
 

@@ -60,7 +60,7 @@ from kvshuttle.gateway.prompts.salts import CacheSalts
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.gateway.turns.background import BackgroundTasks
 from kvshuttle.gateway.turns.engines import EngineClient
-from kvshuttle.gateway.turns.record import Turn
+from kvshuttle.gateway.turns.record import DecodeOutput, Turn
 from kvshuttle.gateway.turns.request_log import RequestLog
 from kvshuttle.gateway.turns.router_port import GrpcRouterPort
 from kvshuttle.gateway.turns.runner import ClientGone, TurnRunner
@@ -368,6 +368,7 @@ class Gateway:
             cache_salt=self._salts.salt(tenant, treq.cache_salt),
             stop_strings=treq.stop_strings,
             expected_think_time_s=self._think_time(treq, request.headers.get(THINK_TIME_HEADER)),
+            finish_reason=self._finish_reader(treq),
         )
         try:
             if treq.stream:
@@ -417,6 +418,20 @@ class Gateway:
         if seconds is None and treq.tools is not None:
             seconds = self.settings.agent_think_time_s
         return seconds
+
+    def _finish_reader(self, treq: TurnRequest) -> Callable[[DecodeOutput], str | None] | None:
+        """The answer's finish_reason as the client gets it, for CommitTurn's turn_end: with tools
+        declared, a parsed tool call makes it "tool_calls" (a fresh parser: a stream's is
+        stateful); without, decode's own (None)."""
+        if treq.tools is None:
+            return None
+
+        def finish(out: DecodeOutput) -> str | None:
+            parser = self._output_parser(treq)
+            assert parser is not None  # tools were declared
+            return parser.message(out.text, out.token_ids, out.finish_reason)[1]
+
+        return finish
 
     def _output_parser(self, treq: TurnRequest) -> OutputParser | None:
         """What splits a chat answer into content, reasoning and tool calls; None when it is

@@ -45,10 +45,12 @@ class RouterPort(Protocol):
         output_token_ids: Sequence[int],
         decode_kv_transfer_params: KvTransferParams | None,
         timings: pb.TurnTimings,
+        turn_end: pb.TurnEnd.ValueType = pb.TURN_END_UNSPECIFIED,
     ) -> pb.CommitTurnResponse:
         """CommitTurn of the turn `turn` (its handle) of `conversation` ("": none), which
         routes it to the router replica that planned it; the sequence is the prompt plus the
-        output (which the router may be sent alone: the replica that planned holds the prompt)."""
+        output (which the router may be sent alone: the replica that planned holds the prompt);
+        `turn_end`: how the answer ended."""
         ...
 
     async def abort_turn(self, turn: str, *, conversation: str, reason: str) -> None: ...

@@ -5,7 +5,7 @@ timings."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +14,14 @@ import orjson
 from kvshuttle.core.prototime import to_duration
 from kvshuttle.router.v1 import router_service_pb2 as pb
 
-__all__ = ["DecodeOutput", "Turn", "decode_body", "prompt_json", "request_body", "timings"]
+__all__ = ["DecodeOutput", "Turn", "decode_body", "prompt_json", "request_body", "timings", "turn_end"]
+
+# The chat answer's finish_reason -> how CommitTurn says the turn ended.
+_TURN_ENDS: dict[str | None, pb.TurnEnd.ValueType] = {
+    "tool_calls": pb.TURN_END_TOOL_CALL,
+    "stop": pb.TURN_END_STOP,
+    "length": pb.TURN_END_LENGTH,
+}
 
 
 @dataclass(slots=True)
@@ -80,6 +87,9 @@ class Turn:
     stop_strings: bool = False
     # Seconds expected before the conversation's next turn (PlanTurn's hint); None: unknown.
     expected_think_time_s: float | None = None
+    # The answer's finish_reason as the client is told it (a chat answer's parsed tool calls
+    # make it "tool_calls"); None: decode's own. CommitTurn's turn_end is read from it.
+    finish_reason: Callable[[DecodeOutput], str | None] | None = None
     # The plan's, once planned.
     decision: str = ""
     reason: str = ""
@@ -107,6 +117,13 @@ class Turn:
     outcome: str = ""
     # Committed, aborted, or handed to a commit in flight: nothing left to abort.
     settled: bool = False
+
+
+def turn_end(turn: Turn) -> pb.TurnEnd.ValueType:
+    """How the turn's answer ended, for CommitTurn (unspecified when it did not finish)."""
+    out = turn.output
+    finish = turn.finish_reason(out) if turn.finish_reason is not None else out.finish_reason
+    return _TURN_ENDS.get(finish, pb.TURN_END_UNSPECIFIED)
 
 
 def request_body(prompt_json: bytes, fields: Mapping[str, Any]) -> bytes:

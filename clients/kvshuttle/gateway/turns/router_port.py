@@ -197,6 +197,7 @@ class GrpcRouterPort:
         output_token_ids: Sequence[int],
         decode_kv_transfer_params: KvTransferParams | None,
         timings: pb.TurnTimings,
+        turn_end: pb.TurnEnd.ValueType = pb.TURN_END_UNSPECIFIED,
     ) -> pb.CommitTurnResponse:
         """The output alone first (the replica that planned holds the prompt: a long prompt is
         not sent twice), the whole sequence when the replica answering does not hold it
@@ -210,6 +211,7 @@ class GrpcRouterPort:
                     turn,
                     decode_kv_transfer_params=decode_kv_transfer_params,
                     timings=timings,
+                    turn_end=turn_end,
                     request_id=request_id,
                     timeout=deadline_s,
                     **tokens,

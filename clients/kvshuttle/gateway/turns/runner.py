@@ -482,6 +482,7 @@ class TurnRunner:
                 output_token_ids=out.token_ids if out.ids_complete else [],
                 decode_kv_transfer_params=params,
                 timings=timings,
+                turn_end=record.turn_end(turn),
             )
         except RouterFailure as err:
             self._metrics.commits.labels("failed").inc()

@@ -24,6 +24,7 @@ from kvshuttle.router.model import (
     Plan,
     PlanRequest,
     Reason,
+    TurnEnd,
     TurnTimings,
 )
 from kvshuttle.router.v1 import router_service_pb2 as pb
@@ -165,4 +166,22 @@ def commit_request_from_pb(request: pb.CommitTurnRequest) -> CommitRequest:
         timings=_timings(request),
         request_id=request.request_id,
         output_token_ids=request.output_token_ids.token_ids if request.HasField("output_token_ids") else None,
+        turn_end=_turn_end(request.turn_end),
     )
+
+
+TURN_END_FROM_PB: dict[int, TurnEnd] = {
+    pb.TURN_END_UNSPECIFIED: TurnEnd.UNSPECIFIED,
+    pb.TURN_END_TOOL_CALL: TurnEnd.TOOL_CALL,
+    pb.TURN_END_STOP: TurnEnd.STOP,
+    pb.TURN_END_LENGTH: TurnEnd.LENGTH,
+}
+
+
+def _turn_end(value: int) -> TurnEnd:
+    """A value this router does not know is refused, not read as unspecified: a caller that
+    sends it expects it to mean something."""
+    end = TURN_END_FROM_PB.get(value)
+    if end is None:
+        raise InvalidArgument("turn_end", f"unknown value {value}")
+    return end

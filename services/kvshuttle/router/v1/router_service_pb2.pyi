@@ -22,6 +22,37 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _TurnEnd:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TurnEndEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TurnEnd.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TURN_END_UNSPECIFIED: _TurnEnd.ValueType  # 0
+    """Not said (or not known): the retention is parked on the router's timer."""
+    TURN_END_TOOL_CALL: _TurnEnd.ValueType  # 1
+    """The answer called a tool: an agent comes back with its result, usually within seconds."""
+    TURN_END_STOP: _TurnEnd.ValueType  # 2
+    """The answer ended the turn (a stop token or string): a person reads it and may write again."""
+    TURN_END_LENGTH: _TurnEnd.ValueType  # 3
+    """The answer was cut at max_tokens: the client may ask it to go on."""
+
+class TurnEnd(_TurnEnd, metaclass=_TurnEndEnumTypeWrapper):
+    """TurnEnd is how a turn's answer ended: what the conversation does next. The router learns
+    how long each kind of end is followed by a next turn (per conversation and per tenant) and
+    keeps or parks the retention by it.
+    """
+
+TURN_END_UNSPECIFIED: TurnEnd.ValueType  # 0
+"""Not said (or not known): the retention is parked on the router's timer."""
+TURN_END_TOOL_CALL: TurnEnd.ValueType  # 1
+"""The answer called a tool: an agent comes back with its result, usually within seconds."""
+TURN_END_STOP: TurnEnd.ValueType  # 2
+"""The answer ended the turn (a stop token or string): a person reads it and may write again."""
+TURN_END_LENGTH: TurnEnd.ValueType  # 3
+"""The answer was cut at max_tokens: the client may ask it to go on."""
+Global___TurnEnd: _TypeAlias = TurnEnd  # noqa: Y015
+
 class _Decision:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -453,12 +484,17 @@ class CommitTurnRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TURN_END_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id; a repeated request returns the first response unchanged. The same id
     with another request body is INVALID_ARGUMENT (REQUEST_ID_REUSED).
     """
     turn: _builtins.str
     """`turns/{turn}` from PlanTurn."""
+    turn_end: Global___TurnEnd.ValueType
+    """How the answer ended (the chat answer's finish_reason: tool_calls, stop, length), for how
+    long the retention is kept on decode before it is parked.
+    """
     @_builtins.property
     def decode_kv_transfer_params(self) -> _kv_transfer_params_pb2.KvTransferParams:
         """Decode's final `kv_transfer_params` (the blocks it keeps for the next turn); absent when
@@ -491,10 +527,11 @@ class CommitTurnRequest(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         timings: Global___TurnTimings | None = ...,
         output_token_ids: Global___OutputTokenIds | None = ...,
+        turn_end: Global___TurnEnd.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["decode_kv_transfer_params", b"decode_kv_transfer_params", "output_token_ids", b"output_token_ids", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_kv_transfer_params", b"decode_kv_transfer_params", "output_token_ids", b"output_token_ids", "request_id", b"request_id", "timings", b"timings", "token_ids", b"token_ids", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_kv_transfer_params", b"decode_kv_transfer_params", "output_token_ids", b"output_token_ids", "request_id", b"request_id", "timings", b"timings", "token_ids", b"token_ids", "turn", b"turn", "turn_end", b"turn_end"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
