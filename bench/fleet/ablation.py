@@ -11,11 +11,10 @@ The variants (`VARIANTS`), cumulative, in the order the changes were made:
                    (release_superseded off), no parking, no short lane
     + release      a recomputing turn releases the retention it supersedes
     + parking      idle retentions parked into the agents' pools after 2 s, 64 moves in flight
-    + short lane   long prefills kept off the 3/8 of the prefill nodes short turns use:
-                   kvshuttle as shipped
+    + short lane   long prefills kept off the 3/8 of the prefill nodes short turns use
+    + next-turn    retention by what comes next: the learnt gaps after each kind of answer end
+                   set when a retention parks: kvshuttle as shipped
     + extend       extend on the holder and prefetch on as well (the former kvshuttle-agents)
-    + next-turn    the shipped defaults with retention by what comes next on (the learnt gaps
-                   after each kind of answer end set when a retention parks; off by default)
 
 The router's other changes (decode placement by KV pressure and the holder first, a finished
 turn's prefill taken off the ledger, extend priced with prefill's queue) are code, not settings:
@@ -45,7 +44,8 @@ from bench.report import ROOT, save
 from kvshuttle.router.policy import ExtendPolicy, NextTurnPolicy, RouterPolicy
 
 SHIPPED: Final = RouterPolicy()
-_NO_LANE: Final = replace(SHIPPED, weights=replace(SHIPPED.weights, short_lane_fraction=0.0))
+_NO_NEXT: Final = replace(SHIPPED, next_turn=NextTurnPolicy(enabled=False))
+_NO_LANE: Final = replace(_NO_NEXT, weights=replace(SHIPPED.weights, short_lane_fraction=0.0))
 VARIANTS: Final = {
     "placement": (
         replace(_NO_LANE, release_superseded=False, parking=replace(SHIPPED.parking, enabled=False)),
@@ -53,7 +53,8 @@ VARIANTS: Final = {
     ),
     "+release": (replace(_NO_LANE, parking=replace(SHIPPED.parking, enabled=False)), 0.0),
     "+parking": (_NO_LANE, HOST_GIB_PER_ENGINE),
-    "+short-lane": (SHIPPED, HOST_GIB_PER_ENGINE),
+    "+short-lane": (_NO_NEXT, HOST_GIB_PER_ENGINE),
+    "+next-turn": (SHIPPED, HOST_GIB_PER_ENGINE),
     "+extend": (
         replace(
             SHIPPED,
@@ -62,7 +63,6 @@ VARIANTS: Final = {
         ),
         HOST_GIB_PER_ENGINE,
     ),
-    "+next-turn": (replace(SHIPPED, next_turn=NextTurnPolicy(enabled=True)), HOST_GIB_PER_ENGINE),
 }
 
 

@@ -64,7 +64,7 @@ def test_conversations_that_never_come_back_count_against_keeping() -> None:
 
 
 def test_a_conversations_own_gaps_speak_for_it_once_it_has_enough() -> None:
-    policy = NextTurnPolicy(keep_max_s=30.0, min_conversation_gaps=3)
+    policy = NextTurnPolicy(keep_max_s=30.0, keep_quantile=0.9, min_conversation_gaps=3)
     model = NextTurnModel(policy)
     teach(model, TOOL, [1.0] * 100)  # the tenant's tools answer in a second
     slow = conv(500)

@@ -454,7 +454,7 @@ async def test_a_full_decode_node_parks_what_is_least_likely_wanted_soon_first(c
 
 
 async def test_with_the_next_turn_model_off_the_timer_decides(cluster: Cluster) -> None:
-    router = cluster.router(park_after_idle_s=30)  # off: the default
+    router = cluster.router(park_after_idle_s=30)  # next_turn off
     await teach_tool_gaps(cluster, router)
     await cluster.turn(router, cluster.tokens(300), turn_end=TurnEnd.TOOL_CALL)
     cluster.clock.advance(5)
