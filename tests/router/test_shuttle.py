@@ -581,6 +581,28 @@ async def test_a_long_think_time_prefetches_to_the_next_prefill_nodes_pool(clust
     assert plan.prefill_kv_transfer_params["remote_engine_id"] == "pool-engine-p-pool"
 
 
+async def test_with_prefetch_on_the_learnt_park_time_moves_the_kv_to_the_next_prefill_nodes_pool(
+    cluster: Cluster,
+) -> None:
+    router = cluster.router(park_after_idle_s=30, prefetch_enabled=True, next_turn=True)
+    await teach_tool_gaps(cluster, router)
+    before = moves(router, "prefetch", "next_turn", "moved")
+    _, seq = await cluster.turn(router, cluster.tokens(500), turn_end=TurnEnd.TOOL_CALL)  # no hint
+    cluster.clock.advance(0.5)
+    assert await tick(router) == 0  # within the learnt gap: kept on decode
+    calls = len(cluster.agents.calls)
+    cluster.clock.advance(0.6)
+    assert await tick(router) == 1
+    [(kind, endpoint, name, _, _)] = cluster.agents.calls[calls:]
+    assert (kind, endpoint, name) == ("prefetch nodes/p", "p:7000", f"{CONV}/retentions/1")
+    assert moves(router, "prefetch", "next_turn", "moved") == before + 1
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=seq + cluster.tokens(5), conversation=CONV)
+    )
+    assert plan.decision is Decision.REUSE and plan.prefill.name == "nodes/p"
+    assert plan.prefill_kv_transfer_params["remote_engine_id"] == "pool-engine-p-pool"
+
+
 async def test_a_turn_coming_back_while_its_kv_is_prefetched_waits_and_reads_it_where_it_landed(
     cluster: Cluster,
 ) -> None:
