@@ -273,7 +273,7 @@ async def test_ipv6_endpoints_are_bracketed_and_match_subsets(v6: EppCluster) ->
             json.dumps({"model": MODEL, "prompt": [1]}).encode(),
             {"x-session-id": "bad id!"},
             400,
-            "conversation_id",
+            "session_id",
             "invalid_conversation_id",
         ),
         (

@@ -6,8 +6,9 @@ rendered and tokenized by it (kvshuttle.gateway.http.prompt, without exact-token
 picker never sees an answer's token ids, and the decode-side sidecar tokenizes the same way),
 the turn's cache salt is the tenant's (kvshuttle.gateway.prompts.salts), and PlanTurn goes over the
 gateway's router port (conversation affinity over replicas included). The conversation is the
-body's `conversation_id`, else the `X-Conversation-ID` header, else `x-session-id` (llm-d's
-session affinity).
+gateway's (kvshuttle.gateway.http.protocol.conversation_id): the body's `conversation_id` or the
+`X-Conversation-ID` header, else the body's `session_id` or the `x-session-id` header (vLLM's
+session id, llm-d's session affinity).
 
 The subset hint (`x-gateway-destination-endpoint-subset`) goes to the router as
 `hints.decode_endpoints`: the router places decode only on a registered, live, healthy decode
@@ -70,6 +71,7 @@ from kvshuttle.gateway.errors import GatewayError, RouterFailure, router_error
 from kvshuttle.gateway.http.prompt import prompt_ids
 from kvshuttle.gateway.http.protocol import (
     CONVERSATION_HEADER,
+    SESSION_HEADER,
     THINK_TIME_HEADER,
     Kind,
     TurnRequest,
@@ -90,12 +92,11 @@ from kvshuttle.gateway.turns.ports import RouterPort
 from kvshuttle.gateway.turns.runner import NO_NODE, ROUTER_UNAVAILABLE, plain_plan
 from kvshuttle.router.v1 import router_service_pb2 as pb
 
-__all__ = ["SESSION_HEADER", "SIDECAR_HEADERS", "Pick", "PickRequest", "Picker", "PickerRouter"]
+__all__ = ["SIDECAR_HEADERS", "Pick", "PickRequest", "Picker", "PickerRouter"]
 
 log = structlog.get_logger("kvshuttle.epp")
 
 # llm-d's session affinity: the conversation when neither the body nor X-Conversation-ID names one.
-SESSION_HEADER = "x-session-id"
 # What the picker sets for the sidecar; a client's copies are always overwritten or removed.
 SIDECAR_HEADERS = (PREFILLER_HOST_PORT_HEADER, TURN_HEADER, PLAN_HEADER)
 # PlanTurn failures that mean the router could not answer (as the gateway's turn runner), unless
@@ -224,17 +225,14 @@ class Picker:
         except ValueError:
             raise GatewayError.invalid("the request body is not valid JSON", "body") from None
         headers = request.headers
-        # The body's conversation_id wins over llm-d's session header (X-Conversation-ID must agree).
-        conversation_header = headers.get(CONVERSATION_HEADER.lower())
-        if conversation_header is None and not (isinstance(body, dict) and "conversation_id" in body):
-            conversation_header = headers.get(SESSION_HEADER)
         return parse_request(
             kind,
             body,
             models=self._settings.models.keys(),
             default_max_tokens=None,
             content_format=self._content_format,
-            conversation_header=conversation_header,
+            conversation_header=headers.get(CONVERSATION_HEADER.lower()),
+            session_header=headers.get(SESSION_HEADER.lower()),
             tool_parsers=self._tool_parsers,
         )
 

@@ -37,6 +37,7 @@ from kvshuttle.gateway.errors import GatewayError
 from kvshuttle.gateway.http.prompt import prompt_ids, remember_turn
 from kvshuttle.gateway.http.protocol import (
     CONVERSATION_HEADER,
+    SESSION_HEADER,
     THINK_TIME_HEADER,
     Kind,
     TurnRequest,
@@ -95,16 +96,13 @@ class Gateway:
         tracer_provider: TracerProvider,
         metrics: GatewayMetrics | None = None,
         tokenizers: Mapping[str, ChatTokenizer] | None = None,
-        conversation_headers: tuple[str, ...] = (CONVERSATION_HEADER,),
         hold_for_commit: bool = False,
         tenant: str = DEFAULT_TENANT,
     ) -> None:
-        """`tenant`: every request's without API keys. `conversation_headers`: where a request's
-        conversation id may come from besides its body, first present wins. `hold_for_commit`:
+        """`tenant`: every request's without API keys. `hold_for_commit`:
         the answer ends only once its turn's commit has landed (bounded by router.timeout), for
         turns planned elsewhere (the sidecar)."""
         self.settings = settings
-        self._conversation_headers = conversation_headers
         self._default_tenant = tenant
         self._hold_for_commit = hold_for_commit
         self._tracer = tracer_provider.get_tracer("kvshuttle.gateway")
@@ -328,9 +326,8 @@ class Gateway:
             models=self.settings.models.keys(),
             default_max_tokens=self.settings.default_max_tokens,
             content_format=self._content_format,
-            conversation_header=next(
-                (v for h in self._conversation_headers if (v := request.headers.get(h))), None
-            ),
+            conversation_header=request.headers.get(CONVERSATION_HEADER),
+            session_header=request.headers.get(SESSION_HEADER),
             tool_parsers=self._tool_parsers,
         )
         if treq.kind == "chat":  # e.g. qwen3 reads its markers with special tokens kept

@@ -39,6 +39,9 @@ from kvshuttle.gateway.prompts.salts import client_salt_problem
 Kind = Literal["chat", "completions"]
 
 CONVERSATION_HEADER = "X-Conversation-ID"
+# vLLM's request session id (a body `session_id` or this header; llm-d's `x-session-id` is the
+# same header, HTTP names being case-insensitive): a conversation id for any client that sends one.
+SESSION_HEADER = "X-Session-ID"
 # Seconds the client expects before the conversation's next turn (a tool running, a user reading):
 # the router may move the turn's KV next to the next prefill meanwhile (prefetch).
 THINK_TIME_HEADER = "X-Kvshuttle-Expected-Think-Time"
@@ -90,6 +93,7 @@ _HANDLED = frozenset(
         "n",
         "return_token_ids",
         "conversation_id",
+        "session_id",
         "chat_template_kwargs",
         "add_generation_prompt",
         "add_special_tokens",
@@ -180,30 +184,43 @@ def expected_think_time(header: str | None) -> float | None:
     return seconds
 
 
-def conversation_id(body: Mapping[str, Any], header: str | None) -> str | None:
-    """The conversation this request continues: the body's `conversation_id` (vLLM's multi-turn
-    benchmark sends it) or the X-Conversation-ID header; None for neither."""
-    value = body.get("conversation_id")
-    if value is not None and not isinstance(value, str):
-        if not _is_int(value):
-            raise GatewayError.invalid("'conversation_id' must be a string", "conversation_id")
-        value = str(value)
-    if header is not None and value is not None and header != value:
-        raise GatewayError.invalid(
-            f"'conversation_id' and the {CONVERSATION_HEADER} header disagree", "conversation_id"
-        )
-    found = value if value is not None else header
-    if found is None or found == "":
+def conversation_id(
+    body: Mapping[str, Any], conversation_header: str | None, session_header: str | None = None
+) -> str | None:
+    """The conversation this request continues, in one precedence: kvshuttle's own (the body's
+    `conversation_id`, which vLLM's multi-turn benchmark sends, or the X-Conversation-ID header),
+    else the session id vLLM and llm-d read (the body's `session_id` or the X-Session-ID header);
+    None for none of them. A body field and its header that disagree are refused; kvshuttle's
+    id wins over a session id (a client may send both for different hops)."""
+    found = _id_pair(body, "conversation_id", conversation_header, CONVERSATION_HEADER)
+    field = "conversation_id"
+    if found is None:
+        found = _id_pair(body, "session_id", session_header, SESSION_HEADER)
+        field = "session_id"
+    if found is None:
         return None
     try:
-        return check_id(found, "conversation_id")
+        return check_id(found, field)
     except InvalidArgument as exc:
         raise GatewayError.invalid(
-            f"invalid conversation id: {exc.message.removeprefix('conversation_id: ')} "
+            f"invalid {field.replace('_', ' ')}: {exc.message.removeprefix(f'{field}: ')} "
             f"(1..{MAX_ID_LENGTH} characters of A-Z a-z 0-9 . _ ~ : -)",
-            "conversation_id",
+            field,
             code="invalid_conversation_id",
         ) from None
+
+
+def _id_pair(body: Mapping[str, Any], key: str, header: str | None, header_name: str) -> str | None:
+    """The body's `key` (a string, or an integer read as its digits) or else the header; the
+    two must agree when both are sent; "" counts as absent."""
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        if not _is_int(value):
+            raise GatewayError.invalid(f"'{key}' must be a string", key)
+        value = str(value)
+    if header and value and header != value:
+        raise GatewayError.invalid(f"'{key}' and the {header_name} header disagree", key)
+    return value or header or None
 
 
 def _refuse(body: Mapping[str, Any], key: str, ok: Any, why: str) -> None:
@@ -382,9 +399,11 @@ def parse_request(
     default_max_tokens: int | None,
     content_format: Mapping[str, str],
     conversation_header: str | None = None,
+    session_header: str | None = None,
     tool_parsers: Mapping[str, str | None] | None = None,
 ) -> TurnRequest:
-    """Validate a /v1/chat/completions or /v1/completions body. Raises GatewayError (400, 404)."""
+    """Validate a /v1/chat/completions or /v1/completions body. Raises GatewayError (400, 404).
+    The conversation: conversation_id(body, conversation_header, session_header)."""
     if not isinstance(body, dict):
         raise GatewayError.invalid("the request body must be a JSON object")
     model = body.get("model")
@@ -423,7 +442,7 @@ def parse_request(
         stream=stream,
         include_usage=include_usage,
         return_token_ids=_bool(body, "return_token_ids", False),
-        conversation_id=conversation_id(body, conversation_header),
+        conversation_id=conversation_id(body, conversation_header, session_header),
         decode_params=decode,
         prefill_params=prefill,
         stop_strings=stop_strings,

@@ -46,7 +46,7 @@ from kvshuttle.core.digest import log_name
 from kvshuttle.core.endpoints import endpoint_host_port, parse_host_port
 from kvshuttle.gateway.errors import GatewayError, RouterFailure
 from kvshuttle.gateway.http.app import Gateway
-from kvshuttle.gateway.http.protocol import CONVERSATION_HEADER, Kind
+from kvshuttle.gateway.http.protocol import Kind
 from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.gateway.pd_headers import PLAN_HEADER, PREFILLER_HOST_PORT_HEADER, TURN_HEADER, decode_plan
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
@@ -58,12 +58,9 @@ from kvshuttle.gateway.turns.background import BackgroundTasks
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 from kvshuttle.router.v1 import router_service_pb2 as pb
 
-__all__ = ["SESSION_HEADER", "Sidecar"]
+__all__ = ["Sidecar"]
 
 log = structlog.get_logger("kvshuttle.sidecar")
-
-# llm-d's session affinity header: a conversation id when the request names none otherwise.
-SESSION_HEADER = "x-session-id"
 
 PlainWhy = Literal[
     "unplanned",
@@ -105,7 +102,6 @@ class Sidecar:
             tracer_provider=tracer_provider,
             metrics=gateway_metrics,
             tokenizers=tokenizers,
-            conversation_headers=(CONVERSATION_HEADER, SESSION_HEADER),
             hold_for_commit=True,
             tenant=settings.tenant,
         )
