@@ -16,11 +16,11 @@ from pydantic import BaseModel, SecretStr
 from pydantic_settings import BaseSettings
 
 from kvshuttle.agent.config import AgentSettings
+from kvshuttle.epp.config import EppSettings
 from kvshuttle.gateway.config import GatewaySettings
-from kvshuttle.gateway.epp.config import EppSettings
-from kvshuttle.gateway.sidecar.config import SidecarSettings
 from kvshuttle.registry.config import RegistrySettings
 from kvshuttle.router.config import RouterSettings
+from kvshuttle.sidecar.config import SidecarSettings
 
 Obj = dict[str, Any]
 

@@ -17,7 +17,7 @@ from tests.deploy.manifest_checks import LOOPBACK_HOSTS, flag, http_port, servic
 
 from kvshuttle.core.auth import ROLE_PERMISSIONS, Permission, Role
 from kvshuttle.gateway.config import DEFAULT_TENANT
-from kvshuttle.gateway.sidecar.config import SidecarSettings
+from kvshuttle.sidecar.config import SidecarSettings
 
 Objects = list[dict[str, Any]]
 POOL_GROUP = "inference.networking.k8s.io"

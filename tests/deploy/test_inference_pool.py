@@ -29,7 +29,7 @@ from tests.deploy import manifest_checks as checks
 from tests.deploy import manifests as m
 from tests.deploy import pool_checks as pool
 
-from kvshuttle.gateway.sidecar.config import SidecarSettings
+from kvshuttle.sidecar.config import SidecarSettings
 
 pytestmark = pytest.mark.k8s
 

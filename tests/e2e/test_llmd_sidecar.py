@@ -33,14 +33,14 @@ from tests.gateway.epp.envoy import Envoy, body_chunks, request_headers
 
 from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.endpoints import endpoint_host_port
+from kvshuttle.epp.config import EppSettings
+from kvshuttle.epp.main import EppServer
 from kvshuttle.gateway.config import ModelSettings, RouterConnection
-from kvshuttle.gateway.epp.config import EppSettings
-from kvshuttle.gateway.epp.main import EppServer
 from kvshuttle.gateway.pd_headers import PREFILLER_HOST_PORT_HEADER
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
-from kvshuttle.gateway.sidecar.config import SidecarSettings
-from kvshuttle.gateway.sidecar.main import SidecarServer
 from kvshuttle.serving.settings import ServerSettings
+from kvshuttle.sidecar.config import SidecarSettings
+from kvshuttle.sidecar.main import SidecarServer
 
 pytestmark = pytest.mark.vllm
 

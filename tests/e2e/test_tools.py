@@ -21,8 +21,8 @@ from tests.e2e.agent_loop import TOOLS, calls, no_free_whitespace, streamed_mess
 from tests.e2e.stacks import running_stack
 
 from kvshuttle.gateway.config import ModelSettings
-from kvshuttle.gateway.http.prompt import prompt_ids
-from kvshuttle.gateway.http.protocol import parse_request
+from kvshuttle.gateway.openai.prompt import prompt_ids
+from kvshuttle.gateway.openai.protocol import parse_request
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.gateway.turns.background import BackgroundTasks
 

@@ -45,12 +45,12 @@ from tests.support.turns import reference, tokens, turn
 from tests.support.vllm_session import E2E_BLOCKS
 
 from kvshuttle.client.settings import ServiceConnection
+from kvshuttle.epp.config import EppSettings
+from kvshuttle.epp.main import EppServer
 from kvshuttle.gateway.config import ModelSettings, RouterConnection
-from kvshuttle.gateway.epp.config import EppSettings
-from kvshuttle.gateway.epp.main import EppServer
-from kvshuttle.gateway.sidecar.config import SidecarSettings
-from kvshuttle.gateway.sidecar.main import SidecarServer
 from kvshuttle.serving.settings import ServerSettings, TelemetrySettings
+from kvshuttle.sidecar.config import SidecarSettings
+from kvshuttle.sidecar.main import SidecarServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 ENGINES = ("vllm-prefill", "vllm-decode")

@@ -22,9 +22,9 @@ from tests.support.registry_env import RegistryEnv, start_registry
 from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.gateway.config import ModelSettings, RouterConnection
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
-from kvshuttle.gateway.sidecar.config import SidecarSettings
-from kvshuttle.gateway.sidecar.main import SidecarServer
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
+from kvshuttle.sidecar.config import SidecarSettings
+from kvshuttle.sidecar.main import SidecarServer
 
 SALT_KEY = b"sidecar-test-salt-key-0123456789"
 

@@ -11,7 +11,7 @@ from tests.gateway.helpers import Cluster, chat, first_messages
 from tests.router.helpers import MODEL
 
 from kvshuttle.gateway.errors import GatewayError
-from kvshuttle.gateway.http.protocol import conversation_id
+from kvshuttle.gateway.openai.protocol import conversation_id
 
 CHAT = "/v1/chat/completions"
 

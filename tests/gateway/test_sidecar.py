@@ -1,4 +1,4 @@
-"""The decode-side sidecar (kvshuttle.gateway.sidecar) over HTTP, with a real registry and router
+"""The decode-side sidecar (kvshuttle.sidecar) over HTTP, with a real registry and router
 and stand-in engines: a turn the EPP planned (reuse, recompute, extend) run and committed; llm-d's
 plain P->D; pass-through; the SSRF guard (IPv4, IPv6, unregistered hosts, KV sources); stale
 and malformed plans; the router gone; streams passed on unchanged."""
@@ -31,9 +31,9 @@ from kvshuttle.client import KvshuttleRpcError
 from kvshuttle.core.endpoints import endpoint_host_port
 from kvshuttle.gateway.pd_headers import PLAN_HEADER, PREFILLER_HOST_PORT_HEADER, TURN_HEADER
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
-from kvshuttle.gateway.sidecar.proxy import PREFILL_PARAMS
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 from kvshuttle.router.v1 import router_service_pb2 as pb
+from kvshuttle.sidecar.proxy import PREFILL_PARAMS
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -1,4 +1,4 @@
-"""The SSRF guard's allow list (kvshuttle.gateway.sidecar.allowlist) with a fake clock and an
+"""The SSRF guard's allow list (kvshuttle.sidecar.allowlist) with a fake clock and an
 in-memory node reader, and the header contract's host:port parsing (kvshuttle.gateway.pd_headers)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 
 from kvshuttle.core.endpoints import endpoint_host_port, parse_host_port
 from kvshuttle.gateway.pd_headers import decode_plan, encode_plan
-from kvshuttle.gateway.sidecar.allowlist import RegisteredEndpoints
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 from kvshuttle.router.v1 import router_service_pb2 as pb
+from kvshuttle.sidecar.allowlist import RegisteredEndpoints
 
 
 class Nodes:

@@ -17,7 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from kvshuttle.gateway.config import ModelSettings
-from kvshuttle.gateway.http.protocol import normalize_messages
+from kvshuttle.gateway.openai.protocol import normalize_messages
 from kvshuttle.gateway.prompts.chat_template import TemplateError
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 

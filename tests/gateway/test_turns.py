@@ -511,7 +511,8 @@ def test_the_turn_runner_and_its_domain_modules_import_no_transport() -> None:
         "metrics",
         "turns.ports",
         "turns.request_log",
-        "http.responses",
+        "openai.responses",
+        "openai.protocol",
         "turns.runner",
     ]
     code = (

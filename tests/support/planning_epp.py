@@ -14,8 +14,8 @@ from kvshuttle.client import RouterClient
 from kvshuttle.core.endpoints import endpoint_host_port
 from kvshuttle.core.hashing import cache_salt_digest
 from kvshuttle.gateway.config import DEFAULT_TENANT
-from kvshuttle.gateway.http.prompt import prompt_ids
-from kvshuttle.gateway.http.protocol import Kind, parse_request
+from kvshuttle.gateway.openai.prompt import prompt_ids
+from kvshuttle.gateway.openai.protocol import Kind, parse_request
 from kvshuttle.gateway.pd_headers import PLAN_HEADER, PREFILLER_HOST_PORT_HEADER, TURN_HEADER, encode_plan
 from kvshuttle.gateway.prompts.salts import CacheSalts
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer

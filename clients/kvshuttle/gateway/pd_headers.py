@@ -1,5 +1,5 @@
 """The header contract between kvshuttle's endpoint picker (the EPP writes these on the request
-Envoy forwards to the decode pod) and the decode-side sidecar (kvshuttle.gateway.sidecar reads
+Envoy forwards to the decode pod) and the decode-side sidecar (kvshuttle.sidecar reads
 them). One module, so the two sides cannot drift apart.
 
 - `x-prefiller-host-port`: the prefill engine as `host:port` (`[addr]:port` for IPv6), llm-d's

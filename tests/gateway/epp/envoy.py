@@ -29,9 +29,9 @@ from pydantic import SecretStr
 from tests.router.helpers import MODEL, RouterEnv, heartbeat, node, seconds, start_router
 from tests.support.registry_env import RegistryEnv, start_registry
 
+from kvshuttle.epp.config import EppSettings
+from kvshuttle.epp.main import EppServer
 from kvshuttle.gateway.config import ModelSettings, RouterConnection
-from kvshuttle.gateway.epp.config import EppSettings
-from kvshuttle.gateway.epp.main import EppServer
 from kvshuttle.gateway.pd_headers import PLAN_HEADER, decode_plan
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb

@@ -93,7 +93,7 @@ from tests.gateway.epp.envoy import (
 )
 from tests.router.helpers import MODEL, Tokens
 
-from kvshuttle.gateway.epp.protocol import (
+from kvshuttle.epp.protocol import (
     DESTINATION_ENDPOINT,
     DESTINATION_NAMESPACE,
     SUBSET_KEY,

@@ -11,8 +11,8 @@ import pytest
 from pydantic import ValidationError
 from tests.gateway.epp.envoy import request_headers, response_headers
 
-from kvshuttle.gateway.epp.config import EppSettings
-from kvshuttle.gateway.epp.protocol import header_values, served_endpoint, subset_hint
+from kvshuttle.epp.config import EppSettings
+from kvshuttle.epp.protocol import header_values, served_endpoint, subset_hint
 
 
 def test_settings_load_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,3 +1,2 @@
-"""The gateway's OpenAI HTTP surface: the aiohttp server (`app`), what a request may carry
-(`protocol`), the request's prompt as token ids (`prompt`, over kvshuttle.gateway.prompts) and
-decode's answer as OpenAI objects (`responses`). Only `app` imports aiohttp."""
+"""The gateway's HTTP server (`app`): routes, API keys, SSE and error responses, over the request
+pipeline of kvshuttle.gateway.openai. Only this package imports aiohttp."""

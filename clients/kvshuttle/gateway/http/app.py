@@ -1,7 +1,7 @@
 """The gateway's HTTP server: OpenAI-compatible endpoints, each request one turn that
 kvshuttle.gateway.turns.runner runs (PlanTurn -> prefill -> decode -> CommitTurn).
 
-Per request, here: authenticate (API key -> tenant), validate (kvshuttle.gateway.http.protocol),
+Per request, here: authenticate (API key -> tenant), validate (kvshuttle.gateway.openai.protocol),
 tokenize the prompt exactly as the engine would (kvshuttle.gateway.prompts.tokenizer), derive the turn's
 vLLM cache salt from the tenant (kvshuttle.gateway.prompts.salts), hand the turn to the runner, and
 answer: one JSON body, or server-sent events as decode streams (a failure after
@@ -34,8 +34,9 @@ from kvshuttle.core.digest import log_digest
 from kvshuttle.gateway.affinity import affinity_key
 from kvshuttle.gateway.config import DEFAULT_TENANT, GatewaySettings
 from kvshuttle.gateway.errors import GatewayError
-from kvshuttle.gateway.http.prompt import prompt_ids, remember_turn
-from kvshuttle.gateway.http.protocol import (
+from kvshuttle.gateway.metrics import GatewayMetrics
+from kvshuttle.gateway.openai.prompt import prompt_ids, remember_turn
+from kvshuttle.gateway.openai.protocol import (
     CONVERSATION_HEADER,
     SESSION_HEADER,
     THINK_TIME_HEADER,
@@ -44,7 +45,7 @@ from kvshuttle.gateway.http.protocol import (
     expected_think_time,
     parse_request,
 )
-from kvshuttle.gateway.http.responses import (
+from kvshuttle.gateway.openai.responses import (
     SSE_DONE,
     ChatStream,
     CompletionStream,
@@ -54,7 +55,6 @@ from kvshuttle.gateway.http.responses import (
     sse,
     with_cached_tokens,
 )
-from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.gateway.parsing import OutputParser, check_parsers, reasoning_decode_params
 from kvshuttle.gateway.prompts.history import ExactHistory
 from kvshuttle.gateway.prompts.salts import CacheSalts

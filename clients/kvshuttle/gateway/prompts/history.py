@@ -14,7 +14,7 @@ as usual. A byte of difference (an edited, trimmed or re-parsed answer) is never
 
 Keyed by the tenant-scoped conversation name (`tenants/{t}/conversations/{id}`): nothing is
 shared across tenants or conversations. Bounded by bytes, least recently used conversation out.
-No I/O, no transport: kvshuttle.gateway.http.prompt uses it.
+No I/O, no transport: kvshuttle.gateway.openai.prompt uses it.
 """
 
 from __future__ import annotations

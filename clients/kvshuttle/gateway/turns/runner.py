@@ -49,7 +49,7 @@ same with reason `no_prefill_node` / `no_decode_node`, so the two causes read ap
 no plan ever placed gets the router's error (503).
 
 A turn planned elsewhere (the endpoint picker made the PlanTurn and the decode-side sidecar runs
-the turn: kvshuttle.gateway.sidecar) is handed in with its plan: steps 2-4 as above, the same
+the turn: kvshuttle.sidecar) is handed in with its plan: steps 2-4 as above, the same
 aborts, and `committed()` lets the caller hold the answer's end until the commit has landed.
 
 One module: a turn's steps, what each measures and when the turn must be aborted belong

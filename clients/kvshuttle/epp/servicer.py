@@ -38,9 +38,9 @@ import structlog
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 
 from kvshuttle.core.errors import InvalidArgument
-from kvshuttle.gateway.epp.metrics import EppMetrics
-from kvshuttle.gateway.epp.picker import SIDECAR_HEADERS, Pick, Picker, PickRequest
-from kvshuttle.gateway.epp.protocol import (
+from kvshuttle.epp.metrics import EppMetrics
+from kvshuttle.epp.picker import SIDECAR_HEADERS, Pick, Picker, PickRequest
+from kvshuttle.epp.protocol import (
     FULL_DUPLEX_STREAMED,
     Subset,
     body_responses,

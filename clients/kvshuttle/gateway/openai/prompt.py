@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass
 
 from kvshuttle.gateway.errors import GatewayError
-from kvshuttle.gateway.http.protocol import TurnRequest
+from kvshuttle.gateway.openai.protocol import TurnRequest
 from kvshuttle.gateway.prompts.chat_template import TemplateError
 from kvshuttle.gateway.prompts.history import ExactHistory
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer

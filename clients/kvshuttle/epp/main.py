@@ -18,11 +18,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvshuttle.core.auth import Permission
+from kvshuttle.epp.config import EppSettings
+from kvshuttle.epp.metrics import EppMetrics
+from kvshuttle.epp.picker import Picker
+from kvshuttle.epp.servicer import SERVICE_NAME, ExternalProcessor
 from kvshuttle.gateway.affinity import affinity_key
-from kvshuttle.gateway.epp.config import EppSettings
-from kvshuttle.gateway.epp.metrics import EppMetrics
-from kvshuttle.gateway.epp.picker import Picker
-from kvshuttle.gateway.epp.servicer import SERVICE_NAME, ExternalProcessor
 from kvshuttle.gateway.parsing import check_parsers
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.gateway.turns.background import BackgroundTasks

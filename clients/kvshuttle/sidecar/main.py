@@ -15,12 +15,12 @@ from prometheus_client import CollectorRegistry
 
 from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
-from kvshuttle.gateway.sidecar.app import Sidecar
-from kvshuttle.gateway.sidecar.config import SidecarSettings
-from kvshuttle.gateway.sidecar.metrics import SidecarMetrics
 from kvshuttle.serving.logging import configure_logging
 from kvshuttle.serving.server import wait_for_signal
 from kvshuttle.serving.telemetry import Telemetry
+from kvshuttle.sidecar.app import Sidecar
+from kvshuttle.sidecar.config import SidecarSettings
+from kvshuttle.sidecar.metrics import SidecarMetrics
 
 __all__ = ["SidecarServer", "main"]
 

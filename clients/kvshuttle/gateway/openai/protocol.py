@@ -1,5 +1,5 @@
 """The OpenAI request surface: what a client request may carry and what of it goes on to the
-engines (kvshuttle.gateway.http.responses translates decode's answer back).
+engines (kvshuttle.gateway.openai.responses translates decode's answer back).
 
 The engines only ever see `/v1/completions` with a token-id prompt, so parameters are copied
 by allow-list: a client can never smuggle `kv_transfer_params` (or anything else that steers

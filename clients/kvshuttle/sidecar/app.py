@@ -11,7 +11,7 @@ Each request is served one of three ways (`kvshuttle_sidecar_requests_total{mode
   with decode's final params. The answer ends once the commit has landed, so the
   conversation's next turn, planned by the EPP as soon as it arrives, finds the retention.
 - llmd: with `x-prefiller-host-port` only (a plain llm-d EPP in front), llm-d's P->D
-  (kvshuttle.gateway.sidecar.proxy).
+  (kvshuttle.sidecar.proxy).
 - local: with neither, this pod's decode alone.
 
 Any other path (GET /v1/models, /tokenize, vLLM's /metrics, /health) goes to this pod's decode
@@ -27,7 +27,7 @@ decode on another node than this pod's (`stale_plan`); a non-extend plan's prefi
 before the client got a byte (`turn_failed`: the control plane or an engine; then local). The
 user's turn never fails for kvshuttle's sake: a router out of reach only costs the commit.
 
-SSRF guard (kvshuttle.gateway.sidecar.allowlist): no request goes to a prefill, and no engine is
+SSRF guard (kvshuttle.sidecar.allowlist): no request goes to a prefill, and no engine is
 handed a KV source, that is not a live registered node; refused targets are logged
 (`sidecar.ssrf_refused`) and counted, and the request served locally.
 """
@@ -46,17 +46,17 @@ from kvshuttle.core.digest import log_name
 from kvshuttle.core.endpoints import endpoint_host_port, parse_host_port
 from kvshuttle.gateway.errors import GatewayError, RouterFailure
 from kvshuttle.gateway.http.app import Gateway
-from kvshuttle.gateway.http.protocol import Kind
 from kvshuttle.gateway.metrics import GatewayMetrics
+from kvshuttle.gateway.openai.protocol import Kind
 from kvshuttle.gateway.pd_headers import PLAN_HEADER, PREFILLER_HOST_PORT_HEADER, TURN_HEADER, decode_plan
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
-from kvshuttle.gateway.sidecar.allowlist import RegisteredEndpoints
-from kvshuttle.gateway.sidecar.config import SidecarSettings
-from kvshuttle.gateway.sidecar.metrics import SidecarMetrics
-from kvshuttle.gateway.sidecar.proxy import PlainProxy
 from kvshuttle.gateway.turns.background import BackgroundTasks
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 from kvshuttle.router.v1 import router_service_pb2 as pb
+from kvshuttle.sidecar.allowlist import RegisteredEndpoints
+from kvshuttle.sidecar.config import SidecarSettings
+from kvshuttle.sidecar.metrics import SidecarMetrics
+from kvshuttle.sidecar.proxy import PlainProxy
 
 __all__ = ["Sidecar"]
 

@@ -41,7 +41,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from kvshuttle.gateway.config import EngineSettings
 from kvshuttle.gateway.errors import GatewayError
 from kvshuttle.gateway.pd_headers import KVSHUTTLE_HEADERS, PREFILLER_HOST_PORT_HEADER
-from kvshuttle.gateway.sidecar.metrics import SidecarMetrics
+from kvshuttle.sidecar.metrics import SidecarMetrics
 
 __all__ = ["PlainProxy", "host_url"]
 

@@ -2,7 +2,7 @@
 (kubernetes-sigs/gateway-api-inference-extension, docs/proposals/004-endpoint-picker-protocol)
 over Envoy's ext_proc messages: the names it fixes, what the data plane tells the picker (the
 request's headers, the subset hint, the endpoint that served) and the messages the picker
-answers with. No gRPC and no planning here: kvshuttle.gateway.epp.servicer drives the stream.
+answers with. No gRPC and no planning here: kvshuttle.epp.servicer drives the stream.
 
 - Subset hint (data plane -> picker): `metadata_context.filter_metadata["envoy.lb.subset_hint"]
   ["x-gateway-destination-endpoint-subset"]`, a list of `ip:port` (or a comma-separated string

@@ -1,12 +1,12 @@
 """The pick for one request: the request becomes a PlanTurn, exactly as the gateway would plan
 it, and the plan's decode node is the endpoint Envoy routes to.
 
-The body is parsed by the gateway's own code (kvshuttle.gateway.http.protocol), the prompt
-rendered and tokenized by it (kvshuttle.gateway.http.prompt, without exact-token history: the
+The body is parsed by the gateway's own code (kvshuttle.gateway.openai.protocol), the prompt
+rendered and tokenized by it (kvshuttle.gateway.openai.prompt, without exact-token history: the
 picker never sees an answer's token ids, and the decode-side sidecar tokenizes the same way),
 the turn's cache salt is the tenant's (kvshuttle.gateway.prompts.salts), and PlanTurn goes over the
 gateway's router port (conversation affinity over replicas included). The conversation is the
-gateway's (kvshuttle.gateway.http.protocol.conversation_id): the body's `conversation_id` or the
+gateway's (kvshuttle.gateway.openai.protocol.conversation_id): the body's `conversation_id` or the
 `X-Conversation-ID` header, else the body's `session_id` or the `x-session-id` header (vLLM's
 session id, llm-d's session affinity).
 
@@ -63,13 +63,13 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from kvshuttle.core.digest import log_digest
 from kvshuttle.core.endpoints import endpoint_host_port
 from kvshuttle.core.hashing import cache_salt_digest
-from kvshuttle.gateway.epp.config import EppSettings
-from kvshuttle.gateway.epp.metrics import EppMetrics
-from kvshuttle.gateway.epp.protocol import Subset
-from kvshuttle.gateway.epp.ready import ReadyDecodes
+from kvshuttle.epp.config import EppSettings
+from kvshuttle.epp.metrics import EppMetrics
+from kvshuttle.epp.protocol import Subset
+from kvshuttle.epp.ready import ReadyDecodes
 from kvshuttle.gateway.errors import GatewayError, RouterFailure, router_error
-from kvshuttle.gateway.http.prompt import prompt_ids
-from kvshuttle.gateway.http.protocol import (
+from kvshuttle.gateway.openai.prompt import prompt_ids
+from kvshuttle.gateway.openai.protocol import (
     CONVERSATION_HEADER,
     SESSION_HEADER,
     THINK_TIME_HEADER,
