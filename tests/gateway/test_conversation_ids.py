@@ -31,6 +31,9 @@ CHAT = "/v1/chat/completions"
         ({}, "c", "s", "c"),
         ({"conversation_id": 42}, None, None, "42"),
         ({"session_id": 7}, None, None, "7"),
+        ({"vllm_xargs": {"session_id": "x"}}, None, None, "x"),
+        ({"vllm_xargs": {"session_id": "x"}}, None, "s", "s"),
+        ({"vllm_xargs": {"other": 1}}, None, None, None),
         # Empty is absent.
         ({"conversation_id": ""}, None, "s", "s"),
         ({}, "", "", None),
@@ -52,6 +55,7 @@ def test_the_conversation_comes_from_one_precedence(
         ({}, None, "bad id!", "session_id"),
         ({"session_id": "x" * 129}, None, None, "session_id"),
         ({}, "bad/id", "fine", "conversation_id"),
+        ({"vllm_xargs": {"session_id": "no way"}}, None, None, "vllm_xargs.session_id"),
     ],
 )
 def test_a_bad_or_contradicting_id_is_refused_naming_its_field(

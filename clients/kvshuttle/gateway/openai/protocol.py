@@ -189,14 +189,20 @@ def conversation_id(
 ) -> str | None:
     """The conversation this request continues, in one precedence: kvshuttle's own (the body's
     `conversation_id`, which vLLM's multi-turn benchmark sends, or the X-Conversation-ID header),
-    else the session id vLLM and llm-d read (the body's `session_id` or the X-Session-ID header);
-    None for none of them. A body field and its header that disagree are refused; kvshuttle's
-    id wins over a session id (a client may send both for different hops)."""
+    else the session id vLLM and llm-d read (the body's `session_id` or the X-Session-ID header,
+    else `vllm_xargs.session_id`); None for none of them. A body field and its header that
+    disagree are refused; kvshuttle's id wins over a session id (a client may send both for
+    different hops)."""
     found = _id_pair(body, "conversation_id", conversation_header, CONVERSATION_HEADER)
     field = "conversation_id"
     if found is None:
         found = _id_pair(body, "session_id", session_header, SESSION_HEADER)
         field = "session_id"
+    xargs = body.get("vllm_xargs")
+    if found is None and isinstance(xargs, Mapping) and "session_id" in xargs:
+        # vLLM's compatibility fallback for clients that pass it as an extra argument.
+        found = _id_pair(xargs, "session_id", None, SESSION_HEADER)
+        field = "vllm_xargs.session_id"
     if found is None:
         return None
     try:
