@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -195,6 +196,7 @@ def test_an_agent_loop_reuses_decodes_kv_and_answers_as_vllm_does(
     ]
     no_whitespace = no_free_whitespace(tokenizer)
     previous_prompt = 0
+    before = _router_turn_ends(stack)  # the module's stack: other tests' turns counted already
     for turn, tool_choice in enumerate(choices, start=1):
         body = {
             "model": "m",
@@ -246,6 +248,30 @@ def test_an_agent_loop_reuses_decodes_kv_and_answers_as_vllm_does(
         messages.append(
             {"role": "tool", "tool_call_id": call["id"], "content": f"result {turn}: " + "ok " * 40}
         )
+    # Every answer was a tool call (vLLM's tool parser says so above), though a named tool_choice
+    # finishes "stop" as vLLM tells the client: each commit told the router "tool_call", from the
+    # gateway's own parse of decode's text. Commits land in the background: wait for the last.
+    deadline = time.monotonic() + 30
+    while True:
+        now = _router_turn_ends(stack)
+        ends = {end: n - before.get(end, 0) for end, n in now.items() if n > before.get(end, 0)}
+        if sum(ends.values()) >= len(choices) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert ends == {"tool_call": len(choices)}, ends
+
+
+def _router_turn_ends(stack: KvshuttleStack) -> dict[str, float]:
+    """kvshuttle_router_turn_ends_total by `end`, from the router's /metrics."""
+    url = f"http://127.0.0.1:{stack.metrics_ports['router']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    ends: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvshuttle_router_turn_ends_total{"):
+            labels, value = line.rsplit(" ", 1)
+            ends[labels.split('end="', 1)[1].split('"', 1)[0]] = float(value)
+    return ends
 
 
 # ---- reasoning ------------------------------------------------------------------------------

@@ -149,7 +149,7 @@ class Committer:
             if req.request_id:
                 self._parts.memory.remember_commit(state.turn_id, req.request_id, fingerprint, result)
             outcome = result.not_stored or ("stored" if result.retention else "nothing_retained")
-            self._parts.metrics.committed(outcome)
+            self._parts.metrics.committed(outcome, req.turn_end.value)
             _describe(span, state, result.retention, req.timings)
         own = timer.log_fields()  # read once: the metric and the log line agree
         self._parts.metrics.own_commit.observe(own["own_cpu_ms"] / 1e3)

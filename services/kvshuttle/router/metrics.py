@@ -90,6 +90,13 @@ class RouterMetrics:
         self.commits = Counter(
             "kvshuttle_router_commits", "CommitTurn outcomes.", ["outcome"], registry=registry
         )
+        self.turn_ends = Counter(
+            "kvshuttle_router_turn_ends",
+            "Committed turns by how the answer ended (CommitTurn's turn_end): tool_call, stop, "
+            "length, unspecified.",
+            ["end"],
+            registry=registry,
+        )
         self.retention_hints = Counter(
             "kvshuttle_router_retention_hints",
             "Plans of a conversation by this replica's retention hint: hit = its claim confirmed "
@@ -169,8 +176,9 @@ class RouterMetrics:
     def watch_caches(self, chains: ChainCache, hints: RetentionHints, prompts: _Sized | None = None) -> None:
         self._registry.register(CacheCollector(chains, hints, prompts))
 
-    def committed(self, outcome: str) -> None:
+    def committed(self, outcome: str, end: str) -> None:
         self.child(self.commits, outcome).inc()
+        self.child(self.turn_ends, end).inc()
 
     def decided(self, decision: Decision, reason: Reason, reused: int, recomputed: int) -> None:
         self.child(self.decisions, decision.value, reason.value).inc()

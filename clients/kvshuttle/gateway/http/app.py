@@ -417,16 +417,18 @@ class Gateway:
         return seconds
 
     def _finish_reader(self, treq: TurnRequest) -> Callable[[DecodeOutput], str | None] | None:
-        """The answer's finish_reason as the client gets it, for CommitTurn's turn_end: with tools
-        declared, a parsed tool call makes it "tool_calls" (a fresh parser: a stream's is
-        stateful); without, decode's own (None)."""
+        """How the answer ended, for CommitTurn's turn_end: with tools declared, "tool_calls"
+        whenever the answer parses as a tool call (a fresh parser: a stream's is stateful), even
+        where the client is told "stop" (vLLM's finish_reason for a named tool_choice), else the
+        client's finish_reason; without tools, decode's own (None)."""
         if treq.tools is None:
             return None
 
         def finish(out: DecodeOutput) -> str | None:
             parser = self._output_parser(treq)
             assert parser is not None  # tools were declared
-            return parser.message(out.text, out.token_ids, out.finish_reason)[1]
+            message, reason = parser.message(out.text, out.token_ids, out.finish_reason)
+            return "tool_calls" if message.get("tool_calls") else reason
 
         return finish
 

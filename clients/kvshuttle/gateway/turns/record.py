@@ -87,8 +87,9 @@ class Turn:
     stop_strings: bool = False
     # Seconds expected before the conversation's next turn (PlanTurn's hint); None: unknown.
     expected_think_time_s: float | None = None
-    # The answer's finish_reason as the client is told it (a chat answer's parsed tool calls
-    # make it "tool_calls"); None: decode's own. CommitTurn's turn_end is read from it.
+    # How the answer ended, as a finish_reason: "tool_calls" for an answer that parses as a tool
+    # call (even one a named tool_choice reports as "stop"); None: decode's own. CommitTurn's
+    # turn_end is read from it.
     finish_reason: Callable[[DecodeOutput], str | None] | None = None
     # The plan's, once planned.
     decision: str = ""
