@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
+from prometheus_client.parser import text_string_to_metric_families
 from tests.e2e.agent_loop import TOOLS, calls, no_free_whitespace, streamed_message
 from tests.e2e.stacks import running_stack
 
@@ -266,12 +267,12 @@ def _router_turn_ends(stack: KvshuttleStack) -> dict[str, float]:
     url = f"http://127.0.0.1:{stack.metrics_ports['router']}/metrics"
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
-    ends: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kvshuttle_router_turn_ends_total{"):
-            labels, value = line.rsplit(" ", 1)
-            ends[labels.split('end="', 1)[1].split('"', 1)[0]] = float(value)
-    return ends
+    return {
+        s.labels["end"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "kvshuttle_router_turn_ends_total"
+    }
 
 
 # ---- reasoning ------------------------------------------------------------------------------

@@ -24,8 +24,8 @@ learnt, None (the shuttle's idle timer decides).
 Value per byte, under HBM pressure (`value_per_byte`): P(next turn within keep_max_s | idle
 so far) x the prefill it saves / the bytes held; the shuttle parks the lowest first.
 
-Bounded: at most max_conversations conversations (~300 bytes each) and max_tenants tenants
-(~1,000 bytes each), the least recently used first out. Only this replica's commits and plans
+Bounded: at most max_conversations conversations (up to ~950 bytes each) and max_tenants
+tenants (up to ~1,100 bytes each), the least recently used first out. Only this replica's commits and plans
 teach it; nothing here is needed for correctness.
 """
 
