@@ -13,7 +13,15 @@ from kvshuttle.core.nodes import NodeRole
 from kvshuttle.registry import model as reg
 from kvshuttle.registry.api.convert import holder_from_pb
 from kvshuttle.registry.service.registry import Registry
-from kvshuttle.router.model import ClaimInfo, Hashes, NewRetention, NodeInfo, RetentionInfo
+from kvshuttle.router.model import (
+    ClaimInfo,
+    FoundTranscript,
+    Hashes,
+    NewRetention,
+    NodeInfo,
+    RetentionInfo,
+    TranscriptInfo,
+)
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
@@ -48,6 +56,42 @@ class InProcessPort:
         except NotFound:
             return 0, None
         return conv.fence_generation, retention_info(conv.retention) if conv.retention else None
+
+    async def find_by_chain(
+        self, tenant: str, model: str, block_size: int, chain: Hashes
+    ) -> RetentionInfo | None:
+        self._count("find_by_chain")
+        try:
+            found = await self.registry.find_retention(
+                parent=f"tenants/{tenant}",
+                model=model,
+                block_size=block_size,
+                block_hashes=array("Q", np.asarray(chain, dtype=np.uint64).tobytes()),
+                transcript_key=b"",
+            )
+        except NotFound:
+            return None
+        return retention_info(found.retention)
+
+    async def find_transcript(self, tenant: str, model: str, lookup_key: bytes) -> FoundTranscript | None:
+        self._count("find_transcript")
+        try:
+            found = await self.registry.find_retention(
+                parent=f"tenants/{tenant}",
+                model=model,
+                block_size=0,
+                block_hashes=array("Q"),
+                transcript_key=lookup_key,
+            )
+        except NotFound:
+            return None
+        t = found.retention.transcript
+        if t is None:
+            return None
+        ids = np.frombuffer(t.token_ids.tobytes(), dtype=np.uint32)
+        return FoundTranscript(
+            found.retention.conversation, TranscriptInfo(t.lookup_key, ids, t.answer_sha256, t.answer_chars)
+        )
 
     async def list_nodes(self, model: str) -> list[NodeInfo]:
         self._count("list_nodes")
@@ -96,6 +140,14 @@ class InProcessPort:
                 kv_bytes=new.kv_bytes,
                 pin_expire_at=new.pin_expire_at,
                 holder=holder_from_pb(params),
+                transcript=None
+                if new.transcript is None
+                else reg.Transcript(
+                    new.transcript.lookup_key,
+                    array("I", np.asarray(new.transcript.token_ids, dtype=np.uint32).tobytes()),
+                    new.transcript.answer_sha256,
+                    new.transcript.answer_chars,
+                ),
             ),
         )
         return retention_info(result.retention)

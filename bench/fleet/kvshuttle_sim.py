@@ -508,6 +508,7 @@ class _RouterPort:
         cache_salt_sha256: bytes,
         expected_think_time_s: float | None = None,
         decode_endpoints: Sequence[str] = (),
+        tenant: str = "",
     ) -> pb.PlanTurnResponse:
         if self._delay is not None:
             await asyncio.sleep(self._delay.draw(self._rng))
@@ -518,6 +519,7 @@ class _RouterPort:
             conversation=conversation,
             request_id=request_id,
             cache_salt_sha256=cache_salt_sha256,
+            tenant=tenant,
         )
         if expected_think_time_s is not None:
             request.hints.expected_think_time.CopyFrom(to_duration(expected_think_time_s))
@@ -535,11 +537,12 @@ class _RouterPort:
         decode_kv_transfer_params: KvTransferParams | None,
         timings: pb.TurnTimings,
         turn_end: pb.TurnEnd.ValueType = pb.TURN_END_UNSPECIFIED,
+        transcript: pb.TranscriptSpec | None = None,
     ) -> pb.CommitTurnResponse:
         """As the gateway commits (kvshuttle.gateway.turns.router_port): the output alone, the
         router holding the prompt since the plan; the whole sequence when it does not."""
         request = pb.CommitTurnRequest(
-            turn=turn, timings=timings, request_id=f"c-{turn[-24:]}", turn_end=turn_end
+            turn=turn, timings=timings, request_id=f"c-{turn[-24:]}", turn_end=turn_end, transcript=transcript
         )
         if decode_kv_transfer_params is not None:
             request.decode_kv_transfer_params.CopyFrom(decode_kv_transfer_params)

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 from tests.auth.helpers import ROLES, auth_settings, bearer, denial, token
-from tests.router.helpers import BS, KEY, MODEL, PROFILES, node, seconds
+from tests.router.helpers import BS, KEY, MODEL, PROFILES, Tokens, node, seconds
 from tests.support.clock import FakeClock
 
 from kvshuttle.client import RegistryClient
@@ -169,3 +169,50 @@ async def test_the_router_reaches_the_registry_only_as_itself(env: Env) -> None:
             reg_pb.GetConversationRequest(name=ACME), metadata=metadata("gateway-acme")
         )
     assert denial(err.value) == ("PERMISSION_DENIED", "PERMISSION_MISSING")
+
+
+async def test_no_gateway_finds_another_tenants_conversation_or_transcript(env: Env) -> None:
+    """A gateway of globex tries every way to learn of acme's retained KV by what it holds: the
+    tenant it names is checked against its scope, and within its own tenant nothing of acme's is
+    found (the router finds conversations and transcripts per tenant only)."""
+    prompt = list(range(1, 4 * BS + 1))
+    planned = await env.router.PlanTurn(
+        pb.PlanTurnRequest(model=MODEL, prompt_token_ids=prompt, tenant="tenants/acme"),
+        metadata=metadata("gateway-acme"),
+    )
+    assert planned.conversation.startswith("tenants/acme/conversations/anon-")
+    key = b"k" * 32
+    await env.router.CommitTurn(
+        pb.CommitTurnRequest(
+            turn=planned.turn,
+            token_ids=[*prompt, 7, 8],
+            decode_kv_transfer_params=Tokens().decode_params(planned, len(prompt) + 2),
+            transcript=pb.TranscriptSpec(lookup_key=key, num_tokens=len(prompt) + 2, answer_sha256=b"a" * 32),
+        ),
+        metadata=metadata("gateway-acme"),
+    )
+    for rpc, request in (
+        ("PlanTurn", pb.PlanTurnRequest(model=MODEL, prompt_token_ids=[*prompt, 9], tenant="tenants/acme")),
+        ("FindTranscript", pb.FindTranscriptRequest(tenant="tenants/acme", model=MODEL, lookup_key=key)),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await getattr(env.router, rpc)(request, metadata=metadata("gateway-globex"))
+        assert denial(err.value) == ("PERMISSION_DENIED", "TENANT_NOT_IN_SCOPE"), rpc
+    # In its own tenant: the same prompt starts a conversation of globex's, the key finds nothing.
+    theirs = await env.router.PlanTurn(
+        pb.PlanTurnRequest(model=MODEL, prompt_token_ids=[*prompt, 9], tenant="tenants/globex"),
+        metadata=metadata("gateway-globex"),
+    )
+    assert theirs.conversation.startswith("tenants/globex/") and theirs.reusable_tokens == 0
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await env.router.FindTranscript(
+            pb.FindTranscriptRequest(tenant="tenants/globex", model=MODEL, lookup_key=key),
+            metadata=metadata("gateway-globex"),
+        )
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    # Acme's own gateway finds both.
+    found = await env.router.FindTranscript(
+        pb.FindTranscriptRequest(tenant="tenants/acme", model=MODEL, lookup_key=key),
+        metadata=metadata("gateway-acme"),
+    )
+    assert found.conversation == planned.conversation and list(found.token_ids) == [*prompt, 7, 8]

@@ -397,6 +397,17 @@ class FakeRegistry(pb_grpc.RegistryServiceServicer):
         del self.retentions[request.name]
         return pb.EvictRetentionResponse()
 
+    async def FindRetention(
+        self, request: pb.FindRetentionRequest, context: Context
+    ) -> pb.FindRetentionResponse:
+        """The tenant's latest retention whose transcript has the key (chains: not modelled)."""
+        await self._enter("FindRetention", request, context)
+        for name, r in sorted(self.retentions.items(), key=lambda kv: kv[1].generation, reverse=True):
+            if name.startswith(f"{request.parent}/") and r.transcript.lookup_key == request.transcript_key:
+                return pb.FindRetentionResponse(retention=r)
+        await context.abort(grpc.StatusCode.NOT_FOUND, "no retention found")
+        raise AssertionError("unreachable")
+
     async def ListRetentions(
         self, request: pb.ListRetentionsRequest, context: Context
     ) -> pb.ListRetentionsResponse:

@@ -210,6 +210,9 @@ class _Router(router_grpc.RouterServiceServicer):
     async def ListReadyDecodes(self, request: router_pb.ListReadyDecodesRequest, context: Context) -> Any:
         return await self.r.answer("ListReadyDecodes", request, context)
 
+    async def FindTranscript(self, request: router_pb.FindTranscriptRequest, context: Context) -> Any:
+        return await self.r.answer("FindTranscript", request, context)
+
 
 class _Agent(agent_grpc.AgentServiceServicer):
     def __init__(self, recorder: _Recorder) -> None:

@@ -184,11 +184,12 @@ async def test_a_conversation_stays_on_one_router_replica_and_moves_only_when_it
     for _ in range(2):
         for conversation, messages in chats.items():
             await front.turn(conversation, messages)
-    # Two plans and two commits per conversation, all on its first-ranked replica; the second
-    # turn of each claimed on the hint its replica's first commit left (no registry read).
+    # Two plans, two commits and the second turn's transcript lookup per conversation, all on
+    # its first-ranked replica; the second turn of each claimed on the hint its replica's first
+    # commit left (no registry read).
     for i, addr in enumerate(addrs):
         mine = sum(1 for c in chats if ranked[c][0] == addr)
-        assert front.picks(addr) == 4 * mine
+        assert front.picks(addr) == 5 * mine
         hits = front.plane.router_samples(i).get(
             ("kvshuttle_router_retention_hints_total", (("outcome", "hit"),))
         )
@@ -203,8 +204,9 @@ async def test_a_conversation_stays_on_one_router_replica_and_moves_only_when_it
     moved = [c for c in chats if ranked[c][0] == lost]
     assert moved
     for addr in addrs:
-        expected = 2 * sum(1 for c in chats if ranked[c][0] == addr)
-        expected += 2 * sum(1 for c in moved if ranked[c][1] == addr)
+        # A lookup, a plan and a commit a turn.
+        expected = 3 * sum(1 for c in chats if ranked[c][0] == addr)
+        expected += 3 * sum(1 for c in moved if ranked[c][1] == addr)
         assert front.picks(addr) - before[addr] == (0 if addr == lost else expected), addr
 
     # Restarted: once its backoff is over and its channel reconnected (polled: no timing is
@@ -218,7 +220,7 @@ async def test_a_conversation_stays_on_one_router_replica_and_moves_only_when_it
     back = front.picks(lost)
     for conversation in moved:
         assert (await front.turn(conversation, chats[conversation]))["X-Kvshuttle-Decision"] == "reuse"
-    assert front.picks(lost) - back == 2 * len(moved)
+    assert front.picks(lost) - back == 3 * len(moved)
 
 
 def _chat(seed: int) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ from tests.gateway.helpers import (
 )
 from tests.router.helpers import BS, MODEL
 
-from kvshuttle.core.digest import log_name
+from kvshuttle.core.digest import log_digest, log_name
 from kvshuttle.core.hashing import cache_salt_digest, chain_hashes, salted_root
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
@@ -272,21 +272,52 @@ async def test_return_token_ids_reaches_the_client_only_when_asked(c: Cluster, m
     assert events[0]["prompt_token_ids"] == reference_ids(model_dir, messages)
 
 
-async def test_without_a_conversation_it_serves_plain_prefill_then_decode_and_retains_nothing(
-    c: Cluster,
-) -> None:
+async def test_without_a_conversation_the_next_turn_finds_its_history_by_what_it_holds(c: Cluster) -> None:
+    """The OpenAI SDK's requests as sent, no conversation id: the router starts a conversation
+    for the first turn and keeps its transcript, and the next request, its whole history as
+    text, is found by it and reuses through the previous answer, spliced from decode's ids."""
+    messages = first_messages()
     with capture_logs() as logs:
-        status, body = await c.post(CHAT, chat(first_messages()))
+        status, body = await c.post(CHAT, chat(messages))
     assert status == 200 and body["choices"][0]["message"]["content"] == c.decode.script.answer
     assert c.prefill.transcript.requests[0].body["kv_transfer_params"] == FIRST_TURN_PARAMS
-    assert (
-        c.decode.transcript.requests[0].body["kv_transfer_params"]
-        == c.prefill.transcript.answers[0]["kv_transfer_params"]
-    )
-    assert await c.retentions() == []
+    (retention,) = await c.retentions()
+    assert "/conversations/anon-" in retention.name
     (line,) = request_lines(logs)
-    assert (line["decision"], line["reason"]) == ("recompute", "no_conversation")
-    assert "conversation" not in line and "retention" not in line
+    assert (line["decision"], line["reason"]) == ("recompute", "no_retention")
+    first_prompt = c.prefill.transcript.requests[0].body["prompt"]
+    # Decode's ids but its last, EOS, which the answer's text lacks.
+    answer_ids = c.decode.transcript.answers[0]["token_ids"][:-1]
+
+    following = [*messages, body["choices"][0]["message"], {"role": "user", "content": "And then?"}]
+    with capture_logs() as logs:
+        status, _ = await c.post(CHAT, chat(following))
+    assert status == 200
+    (line,) = request_lines(logs)
+    assert (line["decision"], line["conversation"]) == ("reuse", log_digest(retention.name.rsplit("/", 2)[0]))
+    prompt = c.prefill.transcript.requests[1].body["prompt"]
+    assert prompt[: len(first_prompt) + len(answer_ids)] == [*first_prompt, *answer_ids]
+    assert line["reused_tokens"] >= (len(first_prompt) + len(answer_ids)) // 16 * 16
+    (retention,) = await c.retentions()
+    assert retention.generation == 2
+
+
+async def test_without_finding_a_request_of_no_conversation_is_plain_and_retains_nothing(
+    model_dir: Path, chat_tokenizer: ChatTokenizer
+) -> None:
+    async for c in cluster_fixture(model_dir, chat_tokenizer, find_conversations=False):
+        with capture_logs() as logs:
+            status, body = await c.post(CHAT, chat(first_messages()))
+        assert status == 200 and body["choices"][0]["message"]["content"] == c.decode.script.answer
+        assert c.prefill.transcript.requests[0].body["kv_transfer_params"] == FIRST_TURN_PARAMS
+        assert (
+            c.decode.transcript.requests[0].body["kv_transfer_params"]
+            == c.prefill.transcript.answers[0]["kv_transfer_params"]
+        )
+        assert await c.retentions() == []
+        (line,) = request_lines(logs)
+        assert (line["decision"], line["reason"]) == ("recompute", "no_conversation")
+        assert "conversation" not in line and "retention" not in line
 
 
 async def test_prefill_without_params_sends_decode_none_rather_than_made_up_ones(c: Cluster) -> None:
@@ -318,7 +349,7 @@ async def test_requests_are_counted(c: Cluster) -> None:
     count = c.metrics.get_sample_value
     assert count("kvshuttle_gateway_requests_total", {"endpoint": "chat", "status": "200"}) == 1
     assert count("kvshuttle_gateway_requests_total", {"endpoint": "chat", "status": "404"}) == 1
-    assert count("kvshuttle_gateway_turns_total", {"decision": "recompute", "reason": "no_conversation"}) == 1
+    assert count("kvshuttle_gateway_turns_total", {"decision": "recompute", "reason": "no_retention"}) == 1
     assert count("kvshuttle_gateway_added_seconds_count") == 1
 
 

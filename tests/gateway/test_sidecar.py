@@ -48,13 +48,16 @@ async def c(model_dir: Path, chat_tokenizer: ChatTokenizer) -> AsyncIterator[Sid
         await stop_sidecar_cluster(cluster)
 
 
-def chat(messages: list[dict[str, Any]], conversation: str = "conv-s", **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": messages, "max_tokens": 64, "conversation_id": conversation, **extra}
+def chat(messages: list[dict[str, Any]], conversation: str | None = "conv-s", **extra: Any) -> dict[str, Any]:
+    named = {} if conversation is None else {"conversation_id": conversation}
+    return {"model": MODEL, "messages": messages, "max_tokens": 64, **named, **extra}
 
 
-async def planned(c: SidecarCluster, body: dict[str, Any]) -> tuple[pb.PlanTurnResponse, dict[str, str]]:
-    plan, _ = await c.epp.plan("chat", body)
-    return plan, plan_headers(plan)
+async def planned(
+    c: SidecarCluster, body: dict[str, Any]
+) -> tuple[pb.PlanTurnResponse, dict[str, str], list[int]]:
+    plan, ids = await c.epp.plan("chat", body)
+    return plan, plan_headers(plan, ids), ids
 
 
 async def planned_completion(
@@ -63,8 +66,8 @@ async def planned_completion(
     """A completions turn the EPP planned: the stand-in engines serve plain requests only with
     token-id prompts, which is what a plan served plain sends them."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 64, "conversation_id": conversation}
-    plan, _ = await c.epp.plan("completions", body)
-    return plan, body, plan_headers(plan)
+    plan, ids = await c.epp.plan("completions", body)
+    return plan, body, plan_headers(plan, ids)
 
 
 def text(raw: bytes) -> str:
@@ -83,12 +86,12 @@ async def commit_refused(c: SidecarCluster, handle: str) -> grpc.StatusCode:
 
 
 async def two_turns(
-    c: SidecarCluster, *, stream: bool = False
+    c: SidecarCluster, *, stream: bool = False, conversation: str | None = "conv-s"
 ) -> tuple[pb.PlanTurnResponse, bytes, dict[str, str]]:
     """Turn 1 (recompute), then turn 2 of the same conversation; turn 2's plan and answer."""
     messages = first_messages()
-    body = chat(messages)
-    _, headers = await planned(c, body)
+    body = chat(messages, conversation)
+    _, headers, _ = await planned(c, body)
     status, raw, _ = await c.post(CHAT, body, headers)
     assert status == 200, raw
     messages = [
@@ -96,8 +99,8 @@ async def two_turns(
         {"role": "assistant", "content": content(raw)},
         {"role": "user", "content": "And then?"},
     ]
-    body = chat(messages, stream=stream)
-    plan, headers = await planned(c, body)
+    body = chat(messages, conversation, stream=stream)
+    plan, headers, _ = await planned(c, body)
     status, raw, response_headers = await c.post(CHAT, body, headers)
     assert status == 200, raw
     return plan, raw, response_headers
@@ -110,7 +113,7 @@ async def test_a_first_turn_recomputes_p_to_d_and_is_committed_before_its_answer
     c: SidecarCluster,
 ) -> None:
     body = chat(first_messages())
-    plan, headers = await planned(c, body)
+    plan, headers, _ = await planned(c, body)
     assert plan.decision == pb.DECISION_RECOMPUTE
 
     async with c.http.post(c.url + CHAT, json=body, headers=headers) as response:
@@ -150,6 +153,25 @@ async def test_a_later_turn_reuses_decodes_kv_on_prefill_and_commits_again(c: Si
     assert len(await c.retentions()) == 1  # turn 2's retention replaced turn 1's
 
 
+@pytest.mark.parametrize("conversation", ["conv-s", None])
+async def test_a_later_turn_reuses_through_the_previous_answer(
+    c: SidecarCluster, conversation: str | None
+) -> None:
+    """With or without a conversation id, the picker and the sidecar both start turn 2's prompt
+    with turn 1's transcript (decode's own ids), and the plan reuses through the answer."""
+    plan, _, _ = await two_turns(c, conversation=conversation)
+    first = c.prefill.transcript.requests[0].body["prompt"]
+    answer = c.decode.transcript.answers[0]["token_ids"][:-1]  # EOS: not in the answer's text
+    prompt = c.prefill.transcript.requests[-1].body["prompt"]
+    assert prompt[: len(first) + len(answer)] == [*first, *answer]
+    assert plan.decision == pb.DECISION_REUSE
+    assert plan.reusable_tokens >= (len(first) + len(answer)) // 16 * 16
+    assert plan.generation == 2
+    if conversation is None:
+        assert "/conversations/anon-" in plan.conversation
+    assert c.metric("kvshuttle_sidecar_plain_total", why="prompt_mismatch") in (None, 0)
+
+
 async def test_a_streamed_reuse_turn_streams_the_answer_as_the_gateway_does(c: SidecarCluster) -> None:
     _, raw, headers = await two_turns(c, stream=True)
 
@@ -163,12 +185,12 @@ async def test_a_streamed_reuse_turn_streams_the_answer_as_the_gateway_does(c: S
 
 async def test_an_extend_plan_runs_whole_on_this_decode_without_a_prefill_request(c: SidecarCluster) -> None:
     body = chat(first_messages())
-    plan, _ = await planned(c, body)
+    plan, _, ids = await planned(c, body)
     # The holder runs the turn: what the router's extend plan looks like (prefill = decode).
     plan.prefill.CopyFrom(plan.decode)
     plan.decision, plan.reason = pb.DECISION_EXTEND, pb.DECISION_REASON_EXTEND_CHEAPER
     plan.prefill_kv_transfer_params.Clear()
-    headers = plan_headers(plan)
+    headers = plan_headers(plan, ids)
     assert PREFILLER_HOST_PORT_HEADER not in headers
 
     status, raw, response_headers = await c.post(CHAT, body, headers)
@@ -190,7 +212,7 @@ async def test_a_plan_for_another_decode_is_stale_served_plain_and_its_turn_abor
     plan.decode.node = "nodes/d9"
 
     with capture_logs() as logs:
-        status, raw, response_headers = await c.post(COMPLETIONS, body, plan_headers(plan))
+        status, raw, response_headers = await c.post(COMPLETIONS, body, plan_headers(plan, body["prompt"]))
 
     assert status == 200 and text(raw) == ANSWER
     assert "X-Kvshuttle-Decision" not in response_headers  # served as llm-d serves it
@@ -239,7 +261,7 @@ async def test_a_plan_whose_kv_source_is_not_registered_is_refused_never_forward
     plan.prefill_kv_transfer_params.remote_host = "169.254.169.254"
     requests_before = len(c.prefill.transcript.requests)
 
-    status, raw, _ = await c.post(COMPLETIONS, body, plan_headers(plan))
+    status, raw, _ = await c.post(COMPLETIONS, body, plan_headers(plan, body["prompt"]))
 
     assert status == 200 and text(raw) == ANSWER
     assert c.metric("kvshuttle_sidecar_ssrf_refused_total", target="kv_source") == 1
@@ -267,7 +289,7 @@ async def test_a_turn_that_fails_before_its_answer_is_served_locally_and_aborted
 
 async def test_with_the_router_gone_a_planned_turn_is_still_answered(c: SidecarCluster) -> None:
     body = chat(first_messages())
-    _, headers = await planned(c, body)
+    _, headers, _ = await planned(c, body)
     await c.router.server.stop()
 
     with capture_logs() as logs:
@@ -440,7 +462,7 @@ async def test_a_plan_without_a_turn_handle_is_served_plain_p_to_d(c: SidecarClu
     # The EPP's own degrade path (the router out of reach): a plan with no handle, nothing to commit.
     plan, body, _ = await planned_completion(c, list(range(100, 400)))
     plan.turn = ""
-    headers = {k: v for k, v in plan_headers(plan).items() if k != TURN_HEADER}
+    headers = {k: v for k, v in plan_headers(plan, body["prompt"]).items() if k != TURN_HEADER}
 
     status, raw, _ = await c.post(COMPLETIONS, body, headers)
 
@@ -459,7 +481,8 @@ async def test_a_plan_made_for_a_longer_prompt_is_never_run_on_this_one(c: Sidec
     assert status == 200 and text(raw) == ANSWER
     assert c.prefill.transcript.requests == []
     assert c.decode.transcript.requests[-1].body == body
-    assert c.metric("kvshuttle_sidecar_plain_total", why="turn_failed") == 1
+    # Its ids are not the planned ones (x-kvshuttle-prompt): served plain before anything runs.
+    assert c.metric("kvshuttle_sidecar_plain_total", why="prompt_mismatch") == 1
     assert await commit_refused(c, plan.turn) == grpc.StatusCode.FAILED_PRECONDITION
 
 

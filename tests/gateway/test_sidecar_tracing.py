@@ -109,8 +109,8 @@ async def test_a_planned_turns_engine_requests_are_in_the_turns_trace(
 ) -> None:
     c, exporter = traced
     body = {"model": MODEL, "messages": first_messages(), "max_tokens": 16, "conversation_id": "conv-t"}
-    plan, _ = await c.epp.plan("chat", body)
-    status, raw, _ = await c.post("/v1/chat/completions", body, {**plan_headers(plan), **CALLER})
+    plan, ids = await c.epp.plan("chat", body)
+    status, raw, _ = await c.post("/v1/chat/completions", body, {**plan_headers(plan, ids), **CALLER})
     assert status == 200, raw
     spans = exporter.get_finished_spans()
     turn = one(spans, "turn")

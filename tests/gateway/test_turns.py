@@ -125,6 +125,7 @@ class FakeRouter:
         cache_salt_sha256: bytes,
         expected_think_time_s: float | None = None,
         decode_endpoints: Sequence[str] = (),
+        tenant: str = "",
     ) -> pb.PlanTurnResponse:
         self.log.append(f"plan {request_id}")
         self.think_times[request_id] = expected_think_time_s
@@ -142,6 +143,7 @@ class FakeRouter:
         decode_kv_transfer_params: KvTransferParams | None,
         timings: pb.TurnTimings,
         turn_end: pb.TurnEnd.ValueType = pb.TURN_END_UNSPECIFIED,
+        transcript: pb.TranscriptSpec | None = None,
     ) -> pb.CommitTurnResponse:
         if self.commit_gate is not None:
             await self.commit_gate.wait()

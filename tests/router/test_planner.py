@@ -21,6 +21,7 @@ from kvshuttle.router.metrics import RouterMetrics
 from kvshuttle.router.model import (
     ClaimInfo,
     Decision,
+    FoundTranscript,
     Hashes,
     NewRetention,
     NodeInfo,
@@ -94,6 +95,15 @@ class ScriptedPort:
     async def list_nodes(self, model: str) -> list[NodeInfo]:
         self.calls.append("list_nodes")
         return self.nodes
+
+    async def find_by_chain(
+        self, tenant: str, model: str, block_size: int, chain: Hashes
+    ) -> RetentionInfo | None:
+        self.calls.append("find_by_chain")
+        return None
+
+    async def find_transcript(self, tenant: str, model: str, lookup_key: bytes) -> FoundTranscript | None:
+        raise AssertionError("a plan finds no transcript")
 
     async def lookup_blocks(self, chain: Hashes, model: str, role: NodeRole) -> dict[str, int]:
         self.calls.append("lookup_blocks")

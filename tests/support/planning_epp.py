@@ -10,17 +10,44 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
 from kvshuttle.client import RouterClient
+from kvshuttle.client.errors import KvshuttleRpcError
 from kvshuttle.core.endpoints import endpoint_host_port
 from kvshuttle.core.hashing import cache_salt_digest
 from kvshuttle.gateway.config import DEFAULT_TENANT
-from kvshuttle.gateway.openai.prompt import prompt_ids
+from kvshuttle.gateway.openai.prompt import Transcripts, prompt_ids
 from kvshuttle.gateway.openai.protocol import Kind, parse_request
-from kvshuttle.gateway.pd_headers import PLAN_HEADER, PREFILLER_HOST_PORT_HEADER, TURN_HEADER, encode_plan
+from kvshuttle.gateway.pd_headers import (
+    PLAN_HEADER,
+    PREFILLER_HOST_PORT_HEADER,
+    PROMPT_HEADER,
+    TURN_HEADER,
+    encode_plan,
+    prompt_digest,
+)
 from kvshuttle.gateway.prompts.salts import CacheSalts
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.gateway.turns.background import BackgroundTasks
 from kvshuttle.router.v1 import router_service_pb2 as pb
+
+
+@dataclass
+class _Transcripts:
+    """FindTranscript over the typed client, as the gateway's router port answers it."""
+
+    router: RouterClient
+
+    async def find_transcript(
+        self, tenant: str, model: str, lookup_key: bytes, *, conversation: str = ""
+    ) -> pb.FindTranscriptResponse | None:
+        try:
+            return await self.router.find_transcript(tenant, model, lookup_key)
+        except KvshuttleRpcError as err:
+            if err.code == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
 
 
 @dataclass
@@ -45,24 +72,32 @@ class PlanningEpp:
             conversation_header=session,
             tool_parsers={self.model: self.tool_call_parser},
         )
-        prompt = await prompt_ids(self.tokenizer, treq, max_tokens=2**20, background=BackgroundTasks())
-        conversation = (
-            f"tenants/{DEFAULT_TENANT}/conversations/{treq.conversation_id}" if treq.conversation_id else ""
-        )
         salt = CacheSalts.from_key(self.salt_key).salt(DEFAULT_TENANT, treq.cache_salt)
+        tenant = f"tenants/{DEFAULT_TENANT}"
+        transcripts = Transcripts(_Transcripts(self.router), tenant, self.served_name, salt)
+        prompt = await prompt_ids(
+            self.tokenizer, treq, max_tokens=2**20, background=BackgroundTasks(), transcripts=transcripts
+        )
+        conversation = (
+            f"tenants/{DEFAULT_TENANT}/conversations/{treq.conversation_id}"
+            if treq.conversation_id
+            else prompt.conversation
+        )
         plan = await self.router.plan_turn(
             self.served_name,
             prompt.ids,
             conversation=conversation,
             request_id=uuid.uuid4().hex,
             cache_salt_sha256=cache_salt_digest(salt),
+            tenant="" if conversation else tenant,
         )
         return plan, prompt.ids
 
 
-def plan_headers(plan: pb.PlanTurnResponse) -> dict[str, str]:
-    """The headers the EPP writes for `plan` (no x-prefiller-host-port on extend)."""
-    headers = {TURN_HEADER: plan.turn, PLAN_HEADER: encode_plan(plan)}
+def plan_headers(plan: pb.PlanTurnResponse, ids: list[int]) -> dict[str, str]:
+    """The headers the EPP writes for `plan`, made for the prompt `ids` (no
+    x-prefiller-host-port on extend)."""
+    headers = {TURN_HEADER: plan.turn, PLAN_HEADER: encode_plan(plan), PROMPT_HEADER: prompt_digest(ids)}
     if plan.decision != pb.DECISION_EXTEND:
         target = endpoint_host_port(plan.prefill.http_endpoint)
         assert target is not None, plan.prefill

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Iterable, Sequence
 
 from kvshuttle.client._base import ServiceClient, new_request_id
 from kvshuttle.client.retry import REGISTRY_SERVICE
@@ -138,6 +138,27 @@ class RegistryClient(ServiceClient):
         """A conversation's fencing generation and live retention, "tenants/{t}/conversations/{c}"."""
         request = pb.GetConversationRequest(name=name)
         return await self._unary("GetConversation", request, pb.GetConversationResponse, timeout)
+
+    async def find_retention(
+        self,
+        parent: str,
+        *,
+        model: str,
+        block_size: int = 0,
+        block_hashes: Sequence[int] = (),
+        transcript_key: bytes = b"",
+        timeout: float | None = None,
+    ) -> pb.FindRetentionResponse:
+        """The tenant's ("tenants/{t}") live retention whose chain is the longest prefix of
+        `block_hashes`, or whose transcript has `transcript_key` (set one)."""
+        request = pb.FindRetentionRequest(
+            parent=parent,
+            model=model,
+            block_size=block_size,
+            block_hashes=block_hashes,
+            transcript_key=transcript_key,
+        )
+        return await self._unary("FindRetention", request, pb.FindRetentionResponse, timeout)
 
     async def renew_retention(
         self, name: str, ttl: DurationLike, *, timeout: float | None = None

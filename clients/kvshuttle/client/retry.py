@@ -82,6 +82,7 @@ RETRY_POLICY: Mapping[str, Mapping[str, Retry]] = {
         # read as "gone" (EvictRetention's contract), the outcome they asked for.
         "EvictRetention": Retry.ALWAYS,
         "ListRetentions": Retry.ALWAYS,
+        "FindRetention": Retry.ALWAYS,
         # Server streaming: never resent; a broken watch ends with the error (events between
         # two watches would be lost silently otherwise).
         "WatchRetentions": Retry.NEVER,
@@ -95,6 +96,7 @@ RETRY_POLICY: Mapping[str, Mapping[str, Retry]] = {
         # No request_id; a resend after a lost success answers FAILED_PRECONDITION.
         "AbortTurn": Retry.NEVER,
         "ListReadyDecodes": Retry.ALWAYS,
+        "FindTranscript": Retry.ALWAYS,
     },
     AGENT_SERVICE: {
         "GetStatus": Retry.ALWAYS,

@@ -35,10 +35,13 @@ class RouterClient(ServiceClient):
         request_id: str | None = None,
         cache_salt_sha256: bytes = b"",
         timeout: float | None = None,
+        tenant: str = "",
     ) -> pb.PlanTurnResponse:
         """Plan one turn: reuse or recompute, P and D placement, the params to send to P.
 
-        `conversation` is "tenants/{t}/conversations/{c}", or empty for a plain P->D request.
+        `conversation` is "tenants/{t}/conversations/{c}"; without one, `tenant`
+        ("tenants/{t}") lets the router find the conversation the prompt continues (or start
+        one: the response's `conversation`); neither is a plain P->D request.
         `cache_salt_sha256`: SHA-256 of the `cache_salt` both engines get (b"": none).
         """
         request = pb.PlanTurnRequest(
@@ -48,6 +51,7 @@ class RouterClient(ServiceClient):
             prompt_token_ids=prompt_token_ids,
             hints=hints,
             cache_salt_sha256=cache_salt_sha256,
+            tenant=tenant,
         )
         return await self._unary("PlanTurn", request, pb.PlanTurnResponse, timeout)
 
@@ -62,6 +66,7 @@ class RouterClient(ServiceClient):
         timeout: float | None = None,
         output_token_ids: Iterable[int] | None = None,
         turn_end: pb.TurnEnd.ValueType = pb.TURN_END_UNSPECIFIED,
+        transcript: pb.TranscriptSpec | None = None,
     ) -> pb.CommitTurnResponse:
         """Finish `turn` ("turns/{turn}"): store decode's retained KV (prompt + output `token_ids`).
         With `output_token_ids` instead, the output alone: the replica that planned the turn
@@ -77,8 +82,17 @@ class RouterClient(ServiceClient):
             timings=timings,
             output_token_ids=output,
             turn_end=turn_end,
+            transcript=transcript,
         )
         return await self._unary("CommitTurn", request, pb.CommitTurnResponse, timeout)
+
+    async def find_transcript(
+        self, tenant: str, model: str, lookup_key: bytes, *, timeout: float | None = None
+    ) -> pb.FindTranscriptResponse:
+        """The exact token ids a commit's transcript kept under `lookup_key`, in `tenant`
+        ("tenants/{t}"), and their conversation; NOT_FOUND when none."""
+        request = pb.FindTranscriptRequest(tenant=tenant, model=model, lookup_key=lookup_key)
+        return await self._unary("FindTranscript", request, pb.FindTranscriptResponse, timeout)
 
     async def abort_turn(
         self, turn: str, *, reason: str = "", timeout: float | None = None

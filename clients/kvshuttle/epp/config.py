@@ -13,8 +13,9 @@
 
 The picker plans each request as the gateway would (kvshuttle.gateway.config: the same models,
 router connection and cache-salt key), so the settings that shape a plan mean what the gateway's
-do. It tokenizes without exact-token history (it never sees an answer's token ids): the
-decode-side sidecar tokenizes the same way, so both hold the same prompt ids.
+do. A model in history mode exact_tokens starts a prompt with a retained turn's transcript (its
+exact ids, kept in the registry) where the history repeats that turn: the decode-side sidecar
+does the same, and runs a plan only on the ids the picker planned (x-kvshuttle-prompt).
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ class EppSettings(BaseSettings):
     models: dict[str, ModelSettings] = Field(default_factory=dict)
     # The tenant every request of this pool belongs to (the sidecar's `tenant` too).
     tenant: str = DEFAULT_TENANT
+    # As the gateway's: a request with no conversation id gets the conversation its prompt
+    # continues (its transcript's, else the router's by the prompt's chain) or a new one; False:
+    # it is plain P->D and nothing is retained.
+    find_conversations: bool = True
     # HMAC key of the tenants' vLLM cache salts, the gateway's and the sidecar's. Secret. None:
     # a random key per process (warned): plans then never verify against the sidecar's salt.
     cache_salt_key: SecretStr | None = None

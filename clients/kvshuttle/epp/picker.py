@@ -2,8 +2,10 @@
 it, and the plan's decode node is the endpoint Envoy routes to.
 
 The body is parsed by the gateway's own code (kvshuttle.gateway.openai.protocol), the prompt
-rendered and tokenized by it (kvshuttle.gateway.openai.prompt, without exact-token history: the
-picker never sees an answer's token ids, and the decode-side sidecar tokenizes the same way),
+rendered and tokenized by it (kvshuttle.gateway.openai.prompt, with transcripts: a retained turn's
+exact ids, found in the registry through the router, start the prompt where the history repeats
+that turn exactly; the decode-side sidecar finds the same, and runs the plan only on the prompt
+ids whose digest the picker sends it),
 the turn's cache salt is the tenant's (kvshuttle.gateway.prompts.salts), and PlanTurn goes over the
 gateway's router port (conversation affinity over replicas included). The conversation is the
 gateway's (kvshuttle.gateway.openai.protocol.conversation_id): the body's `conversation_id` or the
@@ -68,7 +70,7 @@ from kvshuttle.epp.metrics import EppMetrics
 from kvshuttle.epp.protocol import Subset
 from kvshuttle.epp.ready import ReadyDecodes
 from kvshuttle.gateway.errors import GatewayError, RouterFailure, router_error
-from kvshuttle.gateway.openai.prompt import prompt_ids
+from kvshuttle.gateway.openai.prompt import Transcripts, prompt_ids
 from kvshuttle.gateway.openai.protocol import (
     CONVERSATION_HEADER,
     SESSION_HEADER,
@@ -82,13 +84,15 @@ from kvshuttle.gateway.pd_headers import (
     MAX_PLAN_HEADER_BYTES,
     PLAN_HEADER,
     PREFILLER_HOST_PORT_HEADER,
+    PROMPT_HEADER,
     TURN_HEADER,
     encode_plan,
+    prompt_digest,
 )
 from kvshuttle.gateway.prompts.salts import CacheSalts
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.gateway.turns.background import BackgroundTasks
-from kvshuttle.gateway.turns.ports import RouterPort
+from kvshuttle.gateway.turns.ports import RouterPort, TranscriptPort
 from kvshuttle.gateway.turns.runner import NO_NODE, ROUTER_UNAVAILABLE, plain_plan
 from kvshuttle.router.v1 import router_service_pb2 as pb
 
@@ -98,7 +102,7 @@ log = structlog.get_logger("kvshuttle.epp")
 
 # llm-d's session affinity: the conversation when neither the body nor X-Conversation-ID names one.
 # What the picker sets for the sidecar; a client's copies are always overwritten or removed.
-SIDECAR_HEADERS = (PREFILLER_HOST_PORT_HEADER, TURN_HEADER, PLAN_HEADER)
+SIDECAR_HEADERS = (PREFILLER_HOST_PORT_HEADER, TURN_HEADER, PLAN_HEADER, PROMPT_HEADER)
 # PlanTurn failures that mean the router could not answer (as the gateway's turn runner), unless
 # their reason is the router's answer that no node serves (NO_NODE).
 _ROUTER_UNREACHABLE = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
@@ -107,8 +111,8 @@ _KNOWN_DECODES = 256
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
-class PickerRouter(RouterPort, Protocol):
-    """What the picker asks the router: RouterPort's calls and ListReadyDecodes
+class PickerRouter(RouterPort, TranscriptPort, Protocol):
+    """What the picker asks the router: RouterPort's calls, FindTranscript and ListReadyDecodes
     (kvshuttle.gateway.turns.router_port has them)."""
 
     async def list_ready_decodes(self, model: str) -> list[pb.Placement]: ...
@@ -245,22 +249,46 @@ class Picker:
         conversation = (
             f"tenants/{tenant}/conversations/{treq.conversation_id}" if treq.conversation_id else ""
         )
-        structlog.contextvars.bind_contextvars(
-            model=treq.model, conversation=log_digest(conversation) if conversation else ""
+        salt = self._salts.salt(tenant, treq.cache_salt)
+        # As the gateway: a retained turn's transcript, found by the history's text, starts the
+        # prompt (the sidecar finds the same, and runs the plan only on the same ids), and
+        # without a conversation id the conversation is the transcript's or the router's.
+        finding = self._settings.find_conversations and not conversation
+        exact = self._settings.models[treq.model].history == "exact_tokens"
+        transcripts = (
+            Transcripts(
+                self._router, f"tenants/{tenant}", self._settings.served_name(treq.model), salt, conversation
+            )
+            if exact and (conversation or finding)
+            else None
         )
         prompt = await prompt_ids(
             self._tokenizers[treq.model],
             treq,
             max_tokens=self._settings.max_prompt_tokens,
             background=self._background,
+            transcripts=transcripts,
         )
-        salt = self._salts.salt(tenant, treq.cache_salt)
+        if finding and prompt.conversation:
+            conversation = prompt.conversation
+        structlog.contextvars.bind_contextvars(
+            model=treq.model, conversation=log_digest(conversation) if conversation else ""
+        )
         request_id = uuid.uuid4().hex
         structlog.contextvars.bind_contextvars(prompt_tokens=len(prompt.ids), request_id=request_id)
         with self._tracer.start_as_current_span(
             "pick", attributes={"kvshuttle.model": treq.model, "kvshuttle.prompt_tokens": len(prompt.ids)}
         ) as span:
-            pick = await self._plan(treq.model, prompt.ids, conversation, request_id, salt, think, request)
+            pick = await self._plan(
+                treq.model,
+                prompt.ids,
+                conversation,
+                request_id,
+                salt,
+                think,
+                request,
+                tenant=f"tenants/{tenant}" if finding else "",
+            )
             span.set_attribute("kvshuttle.decision", pick.decision)
             span.set_attribute("kvshuttle.decision.reason", pick.reason)
             span.set_attribute("kvshuttle.pick.outcome", pick.outcome)
@@ -279,6 +307,8 @@ class Picker:
         salt: str,
         think: float | None,
         request: PickRequest,
+        *,
+        tenant: str = "",
     ) -> Pick:
         started = time.perf_counter()
         subset = request.subset
@@ -291,6 +321,7 @@ class Picker:
                 cache_salt_sha256=cache_salt_digest(salt),
                 expected_think_time_s=think,
                 decode_endpoints=() if subset is None else subset.entries(),
+                tenant=tenant,
             )
         except RouterFailure as err:
             structlog.contextvars.bind_contextvars(plan_ms=_ms(time.perf_counter() - started))
@@ -333,6 +364,7 @@ class Picker:
         if plan.turn:
             pick.headers[TURN_HEADER] = plan.turn
         pick.headers[PLAN_HEADER] = encoded
+        pick.headers[PROMPT_HEADER] = prompt_digest(ids)
         return pick
 
     async def _no_node(self, model: str, err: RouterFailure, subset: Subset | None) -> Pick:

@@ -45,8 +45,6 @@ from kvshuttle.gateway.parsing import REASONING_PARSERS, TOOL_PARSERS
 from kvshuttle.serving.settings import TelemetrySettings
 
 DEFAULT_TENANT = "default"
-# Bytes of exact-token history per model (GatewaySettings.history_bytes).
-DEFAULT_HISTORY_BYTES = 64 * 2**20
 
 
 class ModelSettings(BaseModel):
@@ -228,9 +226,10 @@ class GatewaySettings(BaseSettings):
     # Fraction of cached tokenizations re-checked against a full tokenization off the request
     # path; a mismatch turns the cache off for that model and is logged as an error.
     tokenizer_verify_fraction: float = Field(default=0.01, ge=0, le=1)
-    # Exact-token history (models in history mode exact_tokens): bytes of remembered turns per
-    # model (ids, answer text, digests), least recently used conversation out.
-    history_bytes: int = Field(default=DEFAULT_HISTORY_BYTES, ge=0)
+    # A request with no conversation id: the router finds the conversation its prompt continues
+    # within the tenant (or starts one), so it is retained and reused as one that names it;
+    # False: such a request is plain P->D and nothing is retained.
+    find_conversations: bool = True
     # Expected think time of a chat turn whose request declares tools, when the client sends no
     # X-Kvshuttle-Expected-Think-Time: an agent runs a tool (or its user reads) before the next
     # turn, time the router may use to prefetch the KV. None: only the header says.

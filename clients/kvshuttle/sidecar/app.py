@@ -23,8 +23,10 @@ turn aborted) and counted in `kvshuttle_sidecar_plain_total{why}` when: it has n
 (`bad_plan`); its handle is not the `x-kvshuttle-turn` header's (`turn_mismatch`); it places
 decode on another node than this pod's (`stale_plan`); a non-extend plan's prefill is not the
 `x-prefiller-host-port` header's (`prefiller_mismatch`); the SSRF guard refuses its prefill
-(`prefill_refused`) or the KV source its params name (`kv_source_refused`); or the turn fails
-before the client got a byte (`turn_failed`: the control plane or an engine; then local). The
+(`prefill_refused`) or the KV source its params name (`kv_source_refused`); its prompt ids are not
+the ones the plan was made for (`prompt_mismatch`: `x-kvshuttle-prompt` differs from the digest of
+the sidecar's own, say the two found different transcripts; then local); or the turn fails before
+the client got a byte (`turn_failed`: the control plane or an engine; then local). The
 user's turn never fails for kvshuttle's sake: a router out of reach only costs the commit.
 
 SSRF guard (kvshuttle.sidecar.allowlist): no request goes to a prefill, and no engine is
@@ -70,6 +72,7 @@ PlainWhy = Literal[
     "prefiller_mismatch",
     "prefill_refused",
     "kv_source_refused",
+    "prompt_mismatch",
     "turn_failed",
 ]
 
@@ -218,7 +221,9 @@ class Sidecar:
         async def fallback(err: GatewayError) -> web.StreamResponse:
             # Before the first byte: the turn (aborted by the runner, or here when it never
             # started) is served by this pod's decode alone.
-            self._metrics.plain.labels("turn_failed").inc()
+            self._metrics.plain.labels(
+                "prompt_mismatch" if err.code == "prompt_mismatch" else "turn_failed"
+            ).inc()
             log.warning("sidecar.turn_failed", status=err.status, code=err.code, message=err.message[:300])
             self._abort(plan.turn, "sidecar: turn failed before its answer")
             return await self._proxy.local(request, await self._body(request))

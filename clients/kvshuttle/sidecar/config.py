@@ -11,8 +11,9 @@
 
 Models, cache salt key and tenant must be the endpoint picker's: the sidecar tokenizes the
 prompt and salts the engines' cache exactly as the EPP did for its PlanTurn, so the ids it
-commits are the ids the plan was made for. A model's history mode is always `retokenize`: the
-EPP never sees an answer, so neither side can splice one in.
+commits are the ids the plan was made for. A model in history mode exact_tokens starts the prompt
+with a retained turn's transcript, as the EPP does; a prompt whose ids are not the planned ones
+(`x-kvshuttle-prompt`) is served plain.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class SidecarSettings(BaseSettings):
     cache_salt_key: SecretStr | None = None
     # The tenant every request belongs to: the EPP's `tenant`.
     tenant: str = DEFAULT_TENANT
+    # The EPP's `find_conversations`: both sides find a request's transcript alike.
+    find_conversations: bool = True
     default_max_tokens: int | None = Field(default=None, ge=1)
     max_request_bytes: int = Field(default=32 * 2**20, ge=1024)
     max_prompt_tokens: int = Field(default=MAX_PROMPT_TOKENS, ge=1)
@@ -111,13 +114,13 @@ class SidecarSettings(BaseSettings):
     def gateway_settings(self) -> GatewaySettings:
         """The settings of the gateway code that runs a planned turn (tokenizers, engines,
         router), built from these alone: no KVSHUTTLE_GATEWAY_* variable reaches them."""
-        models = {n: m.model_copy(update={"history": "retokenize"}) for n, m in self.models.items()}
         return GatewaySettings.model_validate(
             {
                 "listen": self.listen,
                 "router": self.router,
                 "engines": self.engines,
-                "models": models,
+                "models": self.models,
+                "find_conversations": self.find_conversations,
                 "cache_salt_key": self.cache_salt_key,
                 "default_max_tokens": self.default_max_tokens,
                 "max_request_bytes": self.max_request_bytes,

@@ -25,7 +25,7 @@ class SidecarMetrics:
             "kvshuttle_sidecar_plain",
             "Requests with kvshuttle's headers served plain instead, by why (unplanned, "
             "bad_plan, turn_mismatch, stale_plan, prefiller_mismatch, prefill_refused, kv_source_refused, "
-            "turn_failed).",
+            "prompt_mismatch, turn_failed).",
             ["why"],
             registry=registry,
         )

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from kvshuttle.core.fingerprint import fingerprint
-from kvshuttle.registry.model import Move, Retention
+from kvshuttle.registry.model import Move, Retention, Transcript
 
 __all__ = [
     "Answer",
@@ -109,8 +109,20 @@ def put_fingerprint(retention: Retention) -> bytes:
             numbers,
             retention.block_hashes.tobytes(),
             retention.kv_transfer_params,
+            *_transcript_parts(retention.transcript),
         ],
     )
+
+
+def _transcript_parts(transcript: Transcript | None) -> list[bytes]:
+    if transcript is None:
+        return []  # as before transcripts: a put without one keeps its fingerprint
+    return [
+        transcript.lookup_key,
+        transcript.token_ids.tobytes(),
+        transcript.answer_sha256,
+        struct.pack("<Q", transcript.answer_chars),
+    ]
 
 
 def claim_fingerprint(holder: str) -> bytes:

@@ -70,6 +70,28 @@ class Holder:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class Transcript:
+    """The exact token ids of a retained sequence (prompt and answer), found by `lookup_key`
+    within the retention's tenant and model (RegistryStore.find_retention); `answer_sha256` and
+    `answer_chars` let a reader check its request's text holds the answer after the key's text.
+    `token_ids` is an array of uint32 (treat as immutable)."""
+
+    lookup_key: bytes
+    token_ids: array[int]
+    answer_sha256: bytes
+    answer_chars: int
+
+    @property
+    def nbytes(self) -> int:
+        """What a tenant's transcript bytes count for it: the ids and the fixed fields."""
+        return 4 * len(self.token_ids) + len(self.lookup_key) + TRANSCRIPT_OVERHEAD
+
+
+# Bytes a transcript costs beyond its ids and key: the record, its digest and the index entry.
+TRANSCRIPT_OVERHEAD = 256
+
+
 class RetentionState(StrEnum):
     ACTIVE = "active"
     CLAIMED = "claimed"
@@ -99,6 +121,7 @@ class Retention:
     expire_at: float = 0.0
     claim: Claim | None = None
     holder: Holder | None = None
+    transcript: Transcript | None = None
 
     @property
     def conversation(self) -> str:
@@ -196,6 +219,15 @@ class ExpiryResult:
 
 
 @dataclass(frozen=True, slots=True)
+class Found:
+    """What RegistryStore.find_retention found: the retention and, when found by a chain, how
+    many of the chain's hashes it covers."""
+
+    retention: Retention
+    matched_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class StoreCounts:
     nodes: int
     retentions: int
@@ -209,3 +241,6 @@ class StoreCounts:
     # Request ids remembered for idempotency, and their estimated bytes.
     remembered_requests: int = 0
     remembered_request_bytes: int = 0
+    # Transcripts kept with retentions, and their bytes (Transcript.nbytes).
+    transcripts: int = 0
+    transcript_bytes: int = 0

@@ -17,9 +17,9 @@ from kvshuttle.core.endpoints import MAX_ENDPOINT_LENGTH, EndpointSet
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.hashing import TokenIds, salted_root, token_array
 from kvshuttle.core.limits import MAX_DECODE_ENDPOINTS
-from kvshuttle.core.names import parse_conversation
+from kvshuttle.core.names import parse_conversation, parse_tenant
 from kvshuttle.router.cost import CostModel
-from kvshuttle.router.model import TurnTimings
+from kvshuttle.router.model import TranscriptInfo, TranscriptSpec, TurnTimings
 
 _TIMINGS = ("ttft_ms", "prefill_ms", "transfer_ms", "decode_ms", "transfer_bytes", "remote_cached_tokens")
 
@@ -69,6 +69,38 @@ def conversations(conversation: str, parent: str, *, max_id_length: int) -> tupl
     if parsed.tenant != parse_conversation(checked).tenant:
         raise InvalidArgument("hints.parent_conversation", "must be in the conversation's tenant")
     return checked, str(parsed)
+
+
+def tenant(tenant: str, conversation: str, *, max_id_length: int) -> str:
+    """The tenant id a request acts for ("" for none): `tenant` (`tenants/{tenant}`), which a
+    request with a conversation may leave empty or set to the conversation's own."""
+    if not tenant:
+        return parse_conversation(conversation).tenant if conversation else ""
+    checked = parse_tenant(tenant, "tenant", max_length=max_id_length)
+    if conversation and parse_conversation(conversation).tenant != checked:
+        raise InvalidArgument("tenant", "must be the conversation's tenant")
+    return checked
+
+
+def lookup_key(key: bytes, field: str) -> bytes:
+    if not 16 <= len(key) <= 64:
+        raise InvalidArgument(field, "must be 16 to 64 bytes")
+    return key
+
+
+def transcript(spec: TranscriptSpec | None, tokens: np.ndarray[Any, Any]) -> TranscriptInfo | None:
+    """The committed sequence's transcript (its first spec.num_tokens ids), checked."""
+    if spec is None:
+        return None
+    lookup_key(spec.lookup_key, "transcript.lookup_key")
+    if not 0 < spec.num_tokens <= tokens.size:
+        raise InvalidArgument("transcript.num_tokens", f"must be 1..{tokens.size} (the sequence's length)")
+    if len(spec.answer_sha256) != 32:
+        raise InvalidArgument("transcript.answer_sha256", "must be 32 bytes (SHA-256)")
+    if spec.answer_chars < 0:
+        raise InvalidArgument("transcript.answer_chars", "must not be negative")
+    ids = np.asarray(tokens[: spec.num_tokens], dtype=np.uint32)
+    return TranscriptInfo(spec.lookup_key, ids, spec.answer_sha256, spec.answer_chars)
 
 
 def chain_root(salt_sha256: bytes) -> int:

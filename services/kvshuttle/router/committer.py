@@ -43,6 +43,7 @@ from kvshuttle.router.model import (
     NewRetention,
     Reason,
     RetentionInfo,
+    TranscriptInfo,
     TurnEnd,
     TurnTimings,
 )
@@ -107,6 +108,7 @@ class Committer:
             raise FailedPrecondition("turn expired; its claim is gone", reason=ErrorReason.TURN_EXPIRED)
         if tokens.size < state.prompt_tokens:
             raise InvalidArgument("token_ids", "shorter than the planned prompt")
+        transcript = checks.transcript(req.transcript, tokens)
         params = req.decode_kv_transfer_params
         retains = bool(params and params.get("do_remote_decode") and block_groups(params)[0])
         if retains and params is not None:
@@ -131,7 +133,7 @@ class Committer:
             try:
                 with self._parts.memory.storing(state.conversation):
                     result = await self._store(
-                        state, tokens, chain, params if retains else None, timer, req.turn_end
+                        state, tokens, chain, params if retains else None, timer, req.turn_end, transcript
                     )
             finally:
                 if state.claimed and not result.retention:
@@ -208,6 +210,7 @@ class Committer:
         params: dict[str, Any] | None,
         timer: CallTimer,
         turn_end: TurnEnd,
+        transcript: TranscriptInfo | None,
     ) -> CommitResult:
         """Decode's retained KV, stored as the conversation's retention. Nothing is stored, and
         the commit still succeeds, when there is no conversation, decode kept nothing, its node
@@ -255,6 +258,7 @@ class Committer:
             kv_bytes=num_tokens * node.kv_bytes_per_token,
             ttl=pin - now,
             pin_expire_at=pin,
+            transcript=transcript,
         )
         try:
             stored = await self._registry(self._parts.port.put_retention(new), timer)

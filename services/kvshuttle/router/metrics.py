@@ -97,6 +97,14 @@ class RouterMetrics:
             ["end"],
             registry=registry,
         )
+        self.conversations_found = Counter(
+            "kvshuttle_router_conversations_found",
+            "Plans of requests that named only their tenant, by how their conversation was "
+            "settled: found = a retention's whole chain is a prefix of the prompt (the turn "
+            "continues its conversation), new = none is (the turn starts one).",
+            ["outcome"],
+            registry=registry,
+        )
         self.retention_hints = Counter(
             "kvshuttle_router_retention_hints",
             "Plans of a conversation by this replica's retention hint: hit = its claim confirmed "

@@ -126,6 +126,34 @@ class RetentionInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class TranscriptSpec:
+    """Which of a committed sequence's ids make its transcript (its first `num_tokens`), and how
+    it is found again (the registry's Transcript: `lookup_key`, the answer's digest and length)."""
+
+    lookup_key: bytes
+    num_tokens: int
+    answer_sha256: bytes
+    answer_chars: int
+
+
+@dataclass(frozen=True, slots=True)
+class TranscriptInfo:
+    """The exact token ids of a retained sequence and what a reader checks before using them."""
+
+    lookup_key: bytes
+    token_ids: npt.NDArray[np.uint32]
+    answer_sha256: bytes
+    answer_chars: int
+
+
+@dataclass(frozen=True, slots=True)
+class FoundTranscript:
+    # `tenants/{t}/conversations/{c}` whose retention holds it.
+    conversation: str
+    transcript: TranscriptInfo
+
+
+@dataclass(frozen=True, slots=True)
 class NewRetention:
     """Decode's retained KV as a commit stores it (RegistryPort.put_retention)."""
 
@@ -143,6 +171,7 @@ class NewRetention:
     ttl: float
     # Where the blocks live in vLLM, the engine's own pin: a renewal never goes past it.
     pin_expire_at: float
+    transcript: TranscriptInfo | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +221,9 @@ class PlanRequest:
     # The decode engines the plan may place decode on (hints.decode_endpoints: `host:port`s or
     # bare hosts, as the caller spelled them; checked by checks.decode_endpoints); empty: any.
     decode_endpoints: Sequence[str] = ()
+    # `tenants/{tenant}` of a request without a conversation: the router finds the conversation
+    # by the prompt's chain, or starts one (Plan.conversation names it).
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +244,8 @@ class Plan:
     claimed: str = ""
     # Running the turn on the retention's decode holder, where one could.
     extend_cost: Estimate | None = None
+    # The conversation the turn belongs to ("" for a request of neither conversation nor tenant).
+    conversation: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +268,7 @@ class CommitRequest:
     # Instead of token_ids: the output alone, after the prompt this replica holds for the turn.
     output_token_ids: TokenIds | None = None
     turn_end: TurnEnd = TurnEnd.UNSPECIFIED
+    transcript: TranscriptSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -185,6 +185,7 @@ class PlanIssuer:
             expire_at=state.expire_at,
             claimed=state.claimed,
             extend_cost=verdict.extend_cost,
+            conversation=conversation,
         )
         if conversation:
             self._parts.memory.placed(conversation, prefill.name, decode.name)

@@ -26,6 +26,7 @@ writes the decided plan down (its signed handle, params, counters and span).
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -37,7 +38,7 @@ from kvshuttle.core.names import check_id
 from kvshuttle.core.nodes import NodeRole
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.router import checks
-from kvshuttle.router.chains import NO_CHAIN, Chain
+from kvshuttle.router.chains import NO_CHAIN, Chain, Tokens
 from kvshuttle.router.claiming import Claimer
 from kvshuttle.router.cost import price_extend
 from kvshuttle.router.model import (
@@ -59,6 +60,9 @@ from kvshuttle.router.verify import (
 )
 
 log = structlog.get_logger("kvshuttle.router")
+
+# The ids of conversations the router starts for requests that name none.
+NEW_CONVERSATION_PREFIX = "anon-"
 
 # A turn that recomputes for these reasons supersedes its conversation's retention: this turn's
 # commit replaces it in the registry, and nothing will read it again. Left alone, its blocks stay
@@ -86,21 +90,24 @@ class Planner:
         conversation, parent = checks.conversations(
             req.conversation, req.parent_conversation, max_id_length=policy.max_id_length
         )
+        tenant = checks.tenant(req.tenant, conversation, max_id_length=policy.max_id_length)
         checks.think_time(req.expected_think_time_s)
         root = checks.chain_root(req.cache_salt_sha256)
         decode_allowed = checks.decode_endpoints(req.decode_endpoints)
         fingerprint = b""
+        # Scoped by the conversation, else by the tenant: ids are the caller's, per tenant.
+        scope = req.conversation or req.tenant
         if req.request_id:
             # A retry whose answer was lost gets the first plan; another request reusing the id
             # is refused (REQUEST_ID_REUSED), never handed the first one's plan.
             fingerprint = plan_fingerprint(req, tokens)
-            earlier = self._parts.memory.earlier_plan(
-                req.conversation, req.model, req.request_id, fingerprint
-            )
+            earlier = self._parts.memory.earlier_plan(scope, req.model, req.request_id, fingerprint)
             if earlier is not None:
                 return earlier
-        if req.conversation and self._parts.shuttle is not None:
-            self._parts.shuttle.turn_arrived(req.conversation)  # the gap since its last commit here
+        if not conversation and tenant:
+            conversation = await self._conversation_of(req, tenant, tokens, root, timer)
+        if conversation and self._parts.shuttle is not None:
+            self._parts.shuttle.turn_arrived(conversation)  # the gap since its last commit here
 
         give_up_at = None if req.deadline_s is None else self._parts.clock.now() + req.deadline_s
         with self._parts.tracer.start_as_current_span("plan") as span:
@@ -109,7 +116,7 @@ class Planner:
                          fingerprint=fingerprint, give_up_at=give_up_at, decode_allowed=decode_allowed)
             )  # fmt: skip
         if req.request_id:
-            self._parts.memory.remember_plan(req.conversation, req.model, req.request_id, fingerprint, plan)
+            self._parts.memory.remember_plan(scope, req.model, req.request_id, fingerprint, plan)
 
         own = timer.log_fields()  # read once: the metric and the log line agree
         self._parts.metrics.plan_seconds.observe(timer.elapsed_s())
@@ -122,6 +129,40 @@ class Planner:
             **own,
         )
         return plan
+
+    async def _conversation_of(
+        self, req: PlanRequest, tenant: str, tokens: Tokens, root: int, timer: CallTimer
+    ) -> str:
+        """The conversation of a request that names only its tenant: the one whose retention's
+        whole chain is the longest prefix of the prompt's (the prompt continues it), else a new
+        one. Found only among the tenant's own retentions, under the prompt's cache salt (the
+        chain's root): never another tenant's, never KV computed under another salt."""
+        found: RetentionInfo | None = None
+        if self._reuse_allowed(req):
+            try:
+                nodes = await timer.registry(self._parts.nodes.nodes(req.model))
+                pool = candidates(nodes, NodeRole.PREFILL, req.model)
+                if pool:
+                    block_size = pool[0].block_size
+                    chain = self._parts.chains.chain("", tokens, block_size, root=root, remember=False)
+                    if len(chain):
+                        found = await timer.registry(
+                            self._parts.port.find_by_chain(
+                                tenant, req.model, block_size, chain[:MAX_BLOCK_HASHES]
+                            )
+                        )
+            except Unavailable as err:
+                if err.reason != ErrorReason.REGISTRY_UNAVAILABLE:
+                    raise
+                # The plan degrades on its own; this turn starts a conversation of its own.
+        structlog.contextvars.bind_contextvars(conversation_found=found is not None)
+        self._parts.metrics.child(
+            self._parts.metrics.conversations_found, "found" if found is not None else "new"
+        ).inc()
+        if found is not None:
+            return found.name.rsplit("/", 2)[0]
+        # 96 random bits: a new conversation, named by the router, in the caller's tenant.
+        return f"tenants/{tenant}/conversations/{NEW_CONVERSATION_PREFIX}{os.urandom(12).hex()}"
 
     async def _plan(self, call: PlanCall) -> Plan:
         use_hint = True

@@ -10,7 +10,15 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from kvshuttle.core.nodes import NodeRole
-from kvshuttle.router.model import ClaimInfo, Hashes, NewRetention, NodeInfo, Pooled, RetentionInfo
+from kvshuttle.router.model import (
+    ClaimInfo,
+    FoundTranscript,
+    Hashes,
+    NewRetention,
+    NodeInfo,
+    Pooled,
+    RetentionInfo,
+)
 
 
 class RegistryPort(Protocol):
@@ -19,6 +27,17 @@ class RegistryPort(Protocol):
         ...
 
     async def list_nodes(self, model: str) -> list[NodeInfo]: ...
+
+    async def find_by_chain(
+        self, tenant: str, model: str, block_size: int, chain: Hashes
+    ) -> RetentionInfo | None:
+        """The tenant's live retention whose whole chain is the longest prefix of `chain`;
+        None when none is."""
+        ...
+
+    async def find_transcript(self, tenant: str, model: str, lookup_key: bytes) -> FoundTranscript | None:
+        """The tenant's transcript with `lookup_key` and its conversation; None when none."""
+        ...
 
     async def lookup_blocks(self, chain: Hashes, model: str, role: NodeRole) -> dict[str, int]:
         """Node name -> leading blocks of `chain` it holds."""

@@ -24,8 +24,9 @@ import structlog
 from opentelemetry import trace
 
 from kvshuttle.core.clock import Clock
-from kvshuttle.core.errors import Unavailable
+from kvshuttle.core.errors import NotFound, Unavailable
 from kvshuttle.core.limits import MAX_READY_DECODES
+from kvshuttle.core.names import parse_tenant
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.router import checks
 from kvshuttle.router.chains import ChainCache
@@ -33,7 +34,14 @@ from kvshuttle.router.committer import Committer
 from kvshuttle.router.cost import CostModel
 from kvshuttle.router.ledger import PlacementLedger
 from kvshuttle.router.metrics import RouterMetrics
-from kvshuttle.router.model import CommitRequest, CommitResult, NodeInfo, Plan, PlanRequest
+from kvshuttle.router.model import (
+    CommitRequest,
+    CommitResult,
+    FoundTranscript,
+    NodeInfo,
+    Plan,
+    PlanRequest,
+)
 from kvshuttle.router.node_directory import NodeDirectory
 from kvshuttle.router.parts import RouterParts
 from kvshuttle.router.placement import ready_decodes
@@ -160,6 +168,21 @@ class Router:
         ready = ready_decodes(nodes, model, weights, ledger)[:MAX_READY_DECODES]
         structlog.contextvars.bind_contextvars(decodes=len(ready))
         return ready
+
+    async def find_transcript(self, tenant: str, model: str, lookup_key: bytes) -> FoundTranscript:
+        """FindTranscript: the tenant's transcript with `lookup_key` (NotFound when none)."""
+        tenant_id = parse_tenant(tenant, "tenant", max_length=self._parts.policy.max_id_length)
+        checks.cost_model(self._parts.costs, model)
+        checks.lookup_key(lookup_key, "lookup_key")
+        found = await self._parts.port.find_transcript(tenant_id, model, lookup_key)
+        structlog.contextvars.bind_contextvars(transcript_found=found is not None)
+        if found is None:
+            raise NotFound(
+                "no transcript of the tenant has that lookup key",
+                reason=ErrorReason.RETENTION_NOT_FOUND,
+                metadata={"field": "lookup_key"},
+            )
+        return found
 
     async def _to_the_end(self, call: Coroutine[Any, Any, T]) -> T:
         """A commit or an abort runs to its end even when its caller stops waiting (the RPC's

@@ -93,6 +93,7 @@ def plan_fingerprint(req: PlanRequest, tokens: np.ndarray[Any, Any]) -> bytes:
             req.disable_reuse,
             req.cache_salt_sha256.hex(),
             list(req.decode_endpoints),
+            req.tenant,
         ]
     ).encode()
     return fingerprint(b"kvs.plan", [header, np.ascontiguousarray(tokens, dtype=np.uint32).tobytes()])
@@ -100,9 +101,15 @@ def plan_fingerprint(req: PlanRequest, tokens: np.ndarray[Any, Any]) -> bytes:
 
 def commit_fingerprint(req: CommitRequest, tokens: np.ndarray[Any, Any]) -> bytes:
     """What identifies a CommitTurn request: the turn, decode's params, the tokens, the timings,
-    how the answer ended."""
+    how the answer ended, its transcript."""
     header = json.dumps(
-        [req.turn, req.decode_kv_transfer_params, astuple(req.timings), req.turn_end.value],
+        [
+            req.turn,
+            req.decode_kv_transfer_params,
+            astuple(req.timings),
+            req.turn_end.value,
+            None if req.transcript is None else astuple(req.transcript),
+        ],
         sort_keys=True,
         default=repr,
     ).encode()

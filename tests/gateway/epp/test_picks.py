@@ -38,7 +38,7 @@ from tests.router.helpers import MODEL, Tokens
 from tests.serving.echo import JsonLog
 
 from kvshuttle.core.auth import Role
-from kvshuttle.gateway.pd_headers import PLAN_HEADER, PREFILLER_HOST_PORT_HEADER, TURN_HEADER
+from kvshuttle.gateway.pd_headers import PLAN_HEADER, PREFILLER_HOST_PORT_HEADER, PROMPT_HEADER, TURN_HEADER
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.registry.v1 import registry_service_pb2 as reg_pb
 from kvshuttle.router.v1 import router_service_pb2 as pb
@@ -197,7 +197,9 @@ async def test_with_no_prefill_node_the_decode_pod_runs_the_request_on_a_ready_d
     # No prefill to send the sidecar to: no sidecar headers (a client's copies removed), so the
     # decode pod serves the request alone; never the dead prefill the last plan named.
     assert local.endpoint == DECODE[2]
-    assert sorted(local.removed) == sorted([PREFILLER_HOST_PORT_HEADER, TURN_HEADER, PLAN_HEADER])
+    assert sorted(local.removed) == sorted(
+        [PREFILLER_HOST_PORT_HEADER, TURN_HEADER, PLAN_HEADER, PROMPT_HEADER]
+    )
     assert c.metric("kvshuttle_epp_picks_total", decision="", reason="no_prefill_node") == 1
     refused = await send(c, body, subset=[D1[2]])  # registered, its engine unhealthy
     assert refused.immediate is not None and refused.immediate.status.code == 503

@@ -28,7 +28,7 @@ from tests.gateway.epp.envoy import (
     response_headers,
 )
 
-from kvshuttle.gateway.pd_headers import PLAN_HEADER, PREFILLER_HOST_PORT_HEADER, TURN_HEADER
+from kvshuttle.gateway.pd_headers import PLAN_HEADER, PREFILLER_HOST_PORT_HEADER, PROMPT_HEADER, TURN_HEADER
 from kvshuttle.router.v1 import router_service_pb2 as pb
 
 BODY = json.dumps(chat("the first question of a conversation")).encode()
@@ -72,7 +72,8 @@ async def test_a_chat_is_planned_and_its_decode_node_picked_once_the_body_has_en
     assert answers.body("response") == b'data: {"x": 1}\n\ndata: [DONE]\n\n'
     assert c.metric("kvshuttle_epp_served_total", match="picked") == 1
     assert c.metric("kvshuttle_epp_requests_total", outcome="planned", status="200") == 1
-    assert c.metric("kvshuttle_epp_picks_total", decision="recompute", reason="no_conversation") == 1
+    # No conversation id: the router starts one for the request (nothing retained matches it).
+    assert c.metric("kvshuttle_epp_picks_total", decision="recompute", reason="no_retention") == 1
 
 
 async def test_body_split_anywhere_is_streamed_back_whole_and_picked_for_alike(c: EppCluster) -> None:
@@ -131,7 +132,9 @@ async def test_a_bodyless_request_goes_to_a_ready_decode_node_without_a_plan(c: 
     )
     assert [r.WhichOneof("response") for r in answers.request] == ["request_headers"]
     assert answers.endpoint == DECODE[2]
-    assert sorted(answers.removed) == sorted([PREFILLER_HOST_PORT_HEADER, TURN_HEADER, PLAN_HEADER])
+    assert sorted(answers.removed) == sorted(
+        [PREFILLER_HOST_PORT_HEADER, TURN_HEADER, PLAN_HEADER, PROMPT_HEADER]
+    )
     assert c.metric("kvshuttle_epp_requests_total", outcome="plain", status="200") == 1
 
 

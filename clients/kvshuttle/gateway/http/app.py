@@ -35,7 +35,7 @@ from kvshuttle.gateway.affinity import affinity_key
 from kvshuttle.gateway.config import DEFAULT_TENANT, GatewaySettings
 from kvshuttle.gateway.errors import GatewayError
 from kvshuttle.gateway.metrics import GatewayMetrics
-from kvshuttle.gateway.openai.prompt import prompt_ids, remember_turn
+from kvshuttle.gateway.openai.prompt import Transcripts, prompt_ids, transcript_spec
 from kvshuttle.gateway.openai.protocol import (
     CONVERSATION_HEADER,
     SESSION_HEADER,
@@ -56,7 +56,7 @@ from kvshuttle.gateway.openai.responses import (
     with_cached_tokens,
 )
 from kvshuttle.gateway.parsing import OutputParser, check_parsers, reasoning_decode_params
-from kvshuttle.gateway.prompts.history import ExactHistory
+from kvshuttle.gateway.pd_headers import PROMPT_HEADER, prompt_digest
 from kvshuttle.gateway.prompts.salts import CacheSalts
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.gateway.turns.background import BackgroundTasks
@@ -124,12 +124,8 @@ class Gateway:
         self._tool_parsers = {name: m.tool_call_parser for name, m in settings.models.items()}
         for name, m in settings.models.items():  # a parser whose tokens the model lacks: fail now
             check_parsers(m.tool_call_parser, m.reasoning_parser, self.tokenizers[name].tokenizer.token_to_id)
-        # Per model in history mode exact_tokens: its conversations' last turns as token ids.
-        self._histories = {
-            n: ExactHistory(settings.history_bytes)
-            for n, m in settings.models.items()
-            if m.history == "exact_tokens"
-        }
+        # The models in history mode exact_tokens: their turns keep transcripts.
+        self._exact = {n for n, m in settings.models.items() if m.history == "exact_tokens"}
         self._keys = {_key_digest(key): tenant for key, tenant in settings.tenant_keys().items()}
         key = None if settings.cache_salt_key is None else settings.cache_salt_key.get_secret_value().encode()
         self._salts = CacheSalts.from_key(key)
@@ -340,40 +336,57 @@ class Gateway:
         conversation = (
             f"tenants/{tenant}/conversations/{treq.conversation_id}" if treq.conversation_id else ""
         )
-        rec.conversation = log_digest(conversation) if conversation else ""
         tokenizing = time.perf_counter()
-        history = self._histories.get(treq.model) if conversation else None
+        served = self.settings.served_name(treq.model)
+        salt = self._salts.salt(tenant, treq.cache_salt)
+        # Without a conversation id, a turn's own conversation is found from what it holds (its
+        # transcript's, else the router's by the prompt's chain), when finding is on.
+        finding = self.settings.find_conversations and not conversation
+        transcripts = (
+            Transcripts(self._router, f"tenants/{tenant}", served, salt, conversation)
+            if treq.model in self._exact and (conversation or finding)
+            else None
+        )
+        tok = self.tokenizers[treq.model]
         prompt = await prompt_ids(
-            self.tokenizers[treq.model],
+            tok,
             treq,
             max_tokens=self.settings.max_prompt_tokens,
             background=self._background,
-            history=history,
-            conversation=conversation,
+            transcripts=transcripts,
         )
+        if plan is not None and request.headers.get(PROMPT_HEADER) != prompt_digest(prompt.ids):
+            # Planned elsewhere for other ids (the picker found another transcript, or none):
+            # the plan's KV is not this prompt's.
+            raise GatewayError(
+                502, "the plan was made for another prompt", type_="server_error", code="prompt_mismatch"
+            )
+        if finding and prompt.conversation:
+            conversation = prompt.conversation
+        rec.conversation = log_digest(conversation) if conversation else ""
         ids = prompt.ids
         rec.tokenize_ms = round((time.perf_counter() - tokenizing) * 1e3, 3)
         rec.prompt_tokens = len(ids)
         turn = Turn(
             request_id=rec.request_id,
-            model=self.settings.served_name(treq.model),
+            model=served,
             conversation=conversation,
             prompt_ids=ids,
             prefill_params=treq.prefill_params,
             decode_params=treq.decode_params,
             arrived=start,
-            cache_salt=self._salts.salt(tenant, treq.cache_salt),
+            cache_salt=salt,
             stop_strings=treq.stop_strings,
             expected_think_time_s=self._think_time(treq, request.headers.get(THINK_TIME_HEADER)),
             finish_reason=self._finish_reader(treq),
+            tenant=f"tenants/{tenant}" if finding else "",
+            transcript=(lambda out: transcript_spec(tok, prompt, out)) if prompt.lookup_key else None,
         )
         try:
             if treq.stream:
                 response = await self._stream(request, treq, turn, rec, plan)
             else:
                 response = await self._complete(treq, turn, plan)
-            if history is not None:
-                remember_turn(history, self.tokenizers[treq.model], conversation, prompt, turn.output)
             return response
         finally:
             rec.add_turn(turn)
@@ -384,7 +397,7 @@ class Gateway:
         self, treq: TurnRequest, turn: Turn, plan: pb.PlanTurnResponse | None
     ) -> web.Response:
         answer = await self._turns.complete(turn, plan)
-        if self._hold_for_commit:
+        if self._holds(turn):
             await self._turns.committed(turn.conversation)
         response_id = _response_id(treq, turn)
         if treq.kind == "chat":
@@ -408,6 +421,12 @@ class Gateway:
                 cached_tokens=turn.remote_cached_tokens,
             )
         return web.Response(body=dumps(payload), content_type="application/json", headers=turn_headers(turn))
+
+    def _holds(self, turn: Turn) -> bool:
+        """Whether the answer ends only once the turn's commit has landed: for a sidecar's turns
+        (planned elsewhere), and for a turn that keeps a transcript, which the client's next
+        request, on whichever replica, finds only once it is stored."""
+        return self._hold_for_commit or turn.transcript is not None
 
     def _think_time(self, treq: TurnRequest, header: str | None) -> float | None:
         """The client's hint, else the agent default for a request that declares tools."""
@@ -488,7 +507,7 @@ class Gateway:
                 await events.write(sse(err.body()) + SSE_DONE)
             return events.response
         try:
-            if self._hold_for_commit:
+            if self._holds(turn):
                 await self._turns.committed(turn.conversation)
             await events.write(SSE_DONE)
             await events.response.write_eof()

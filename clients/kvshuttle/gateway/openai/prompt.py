@@ -3,10 +3,10 @@ exactly as the engine would (kvshuttle.gateway.prompts.tokenizer): a token-id pr
 prompt with the tokenizer's default special tokens, a chat through its template and the
 segment cache. Tokenizing that would hold the event loop up runs in a thread.
 
-With exact-token history (kvshuttle.gateway.prompts.history, the model's `history: exact_tokens`), a
-chat that extends its conversation's last turn exactly gets that turn's prompt ids and decode's
-output ids, and only the rest of the text is tokenized; each finished turn is remembered for the
-next (remember_turn).
+With transcripts (kvshuttle.gateway.prompts.transcript, the model's `history: exact_tokens`), a chat
+that extends a retained turn exactly gets that turn's prompt and answer ids, found through the
+router by the digest of the previous prompt's rendered text, and only the rest of the text is
+tokenized; each finished turn's transcript is committed with it (transcript_spec).
 """
 
 from __future__ import annotations
@@ -17,12 +17,21 @@ from dataclasses import dataclass
 from kvshuttle.gateway.errors import GatewayError
 from kvshuttle.gateway.openai.protocol import TurnRequest
 from kvshuttle.gateway.prompts.chat_template import TemplateError
-from kvshuttle.gateway.prompts.history import ExactHistory
 from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
+from kvshuttle.gateway.prompts.transcript import (
+    Splice,
+    answer_ids,
+    answer_sha256,
+    lookup_key,
+    previous_turn_end,
+    splice,
+)
 from kvshuttle.gateway.turns.background import BackgroundTasks
+from kvshuttle.gateway.turns.ports import TranscriptPort
 from kvshuttle.gateway.turns.record import DecodeOutput
+from kvshuttle.router.v1 import router_service_pb2 as pb
 
-__all__ = ["Prompt", "prompt_ids", "remember_turn"]
+__all__ = ["Prompt", "Transcripts", "prompt_ids", "transcript_spec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +39,28 @@ class Prompt:
     ids: list[int]
     # The rendered chat (None for a completions prompt).
     text: str | None = None
-    # Leading ids taken from the conversation's exact-token history (0: none).
+    # Leading ids taken from a retained turn's transcript (0: none).
     history_tokens: int = 0
+    # The conversation of that transcript ("" for none).
+    conversation: str = ""
+    # The key this turn's own transcript is committed under (b"": it keeps none).
+    lookup_key: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Transcripts:
+    """Where a request's transcripts are found: the router (`port`), for `tenant`
+    ("tenants/{t}"), keyed under the served `model` and the turn's `cache_salt`."""
+
+    port: TranscriptPort
+    tenant: str
+    model: str
+    cache_salt: str
+    # The request's conversation ("" for none): which router replica is asked first.
+    conversation: str = ""
+
+    def key(self, text: str) -> bytes:
+        return lookup_key(self.cache_salt, self.model, text)
 
 
 async def prompt_ids(
@@ -40,14 +69,13 @@ async def prompt_ids(
     *,
     max_tokens: int,
     background: BackgroundTasks,
-    history: ExactHistory | None = None,
-    conversation: str = "",
+    transcripts: Transcripts | None = None,
 ) -> Prompt:
     """The prompt's ids; GatewayError (400) for an empty or too long prompt or a template that
     refuses the messages. A sampled cached tokenization is re-checked in `background`. With
-    `history`, a chat of `conversation` that extends its last turn exactly is spliced onto it."""
+    `transcripts`, a chat that extends a retained turn exactly is spliced onto its transcript."""
     text: str | None = None
-    spliced = 0
+    spliced, found = 0, ""
     if treq.kind == "completions":
         if treq.prompt_ids is not None:
             ids = treq.prompt_ids
@@ -69,14 +97,15 @@ async def prompt_ids(
             raise GatewayError.invalid(
                 f"chat template: {exc}", "messages", code="chat_template_error"
             ) from None
-        splice = (
-            history.splice(conversation, text)
-            if history is not None and conversation and not treq.add_special_tokens
+        joined = (
+            await _spliced(tok, treq, text, transcripts)
+            if transcripts is not None and not treq.add_special_tokens and treq.add_generation_prompt
             else None
         )
-        if splice is not None:
-            rest = await _encode_chat(tok, splice.rest, background) if splice.rest else []
-            ids, spliced = [*splice.ids, *rest], len(splice.ids)
+        if joined is not None:
+            onto, found = joined
+            rest = await _encode_chat(tok, onto.rest, background) if onto.rest else []
+            ids, spliced = [*onto.ids, *rest], len(onto.ids)
         elif treq.add_special_tokens:
             ids = await _encode_exact(tok, text, True)
         else:
@@ -89,25 +118,60 @@ async def prompt_ids(
         raise GatewayError.invalid(
             f"the prompt has {len(ids)} tokens, more than {max_tokens}", code="context_length_exceeded"
         )
-    # A chat with add_special_tokens has ids its text lacks (BOS): never remembered.
-    return Prompt(ids, None if treq.add_special_tokens else text, spliced)
+    # A chat with add_special_tokens has ids its text lacks (BOS): it keeps no transcript.
+    own = text if text is not None and not treq.add_special_tokens else None
+    key = transcripts.key(own) if transcripts is not None and own is not None else b""
+    return Prompt(ids, own, spliced, found, key)
 
 
-def remember_turn(
-    history: ExactHistory, tok: ChatTokenizer, conversation: str, prompt: Prompt, out: DecodeOutput
-) -> None:
-    """After a chat turn of `conversation`: remember it when decode finished with complete
-    token ids; anything else forgets the conversation (its next turn is tokenized as usual)."""
-    if prompt.text is None or out.finish_reason is None or not out.ids_complete:
-        history.forget(conversation)
-        return
-    history.remember(
-        conversation,
-        prompt_ids=prompt.ids,
-        text=prompt.text,
-        output_ids=out.token_ids,
-        output_text=out.text,
-        decode=lambda ids: tok.tokenizer.decode(list(ids), skip_special_tokens=False),
+async def _spliced(
+    tok: ChatTokenizer, treq: TurnRequest, text: str, transcripts: Transcripts
+) -> tuple[Splice, str] | None:
+    """The splice of the chat `text` onto the transcript of its previous turn (its messages up
+    to the last assistant message, rendered as that turn's prompt was), and the conversation
+    that holds it; None when there is none or it does not extend exactly."""
+    end = previous_turn_end(treq.messages)
+    if not end:
+        return None
+    try:
+        previous = tok.render(
+            treq.messages[:end],
+            add_generation_prompt=True,
+            template_kwargs=treq.template_kwargs,
+            tools=treq.tools.template_tools() if treq.tools else None,
+        )
+    except TemplateError:
+        return None  # e.g. a template that wants the conversation to end with a user message
+    if not text.startswith(previous):
+        return None  # the template renders earlier turns otherwise once a later one follows
+    found = await transcripts.port.find_transcript(
+        transcripts.tenant,
+        transcripts.model,
+        transcripts.key(previous),
+        conversation=transcripts.conversation,
+    )
+    if found is None or not found.conversation.startswith(f"{transcripts.tenant}/"):
+        return None
+    onto = splice(text, previous, found.token_ids, found.answer_sha256, found.answer_chars)
+    return None if onto is None else (onto, found.conversation)
+
+
+def transcript_spec(tok: ChatTokenizer, prompt: Prompt, out: DecodeOutput) -> pb.TranscriptSpec | None:
+    """The transcript a finished chat turn commits: its prompt ids and decode's output ids, when
+    decode finished with complete ids that decode to exactly its text; None otherwise (its next
+    turn is then tokenized as usual)."""
+    if not prompt.lookup_key or out.finish_reason is None or not out.ids_complete:
+        return None
+    kept = answer_ids(
+        out.token_ids, out.text, lambda ids: tok.tokenizer.decode(list(ids), skip_special_tokens=False)
+    )
+    if kept is None:
+        return None
+    return pb.TranscriptSpec(
+        lookup_key=prompt.lookup_key,
+        num_tokens=len(prompt.ids) + len(kept),
+        answer_sha256=answer_sha256(out.text),
+        answer_chars=len(out.text),
     )
 
 

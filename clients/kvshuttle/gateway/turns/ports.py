@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from kvshuttle.router.v1 import router_service_pb2 as pb
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
 
-__all__ = ["EnginePort", "RouterPort"]
+__all__ = ["EnginePort", "RouterPort", "TranscriptPort"]
 
 
 class RouterPort(Protocol):
@@ -29,11 +29,14 @@ class RouterPort(Protocol):
         cache_salt_sha256: bytes,
         expected_think_time_s: float | None = None,
         decode_endpoints: Sequence[str] = (),
+        tenant: str = "",
     ) -> pb.PlanTurnResponse:
         """PlanTurn; `request_id` is its idempotency key, `cache_salt_sha256` the SHA-256 of the
         cache salt the engines get (b"": none), `expected_think_time_s` the hint of how long
         until the conversation's next turn (None: none), `decode_endpoints` the decode engines
-        the plan may place on (hints.decode_endpoints: `host:port`s or bare hosts; empty: any)."""
+        the plan may place on (hints.decode_endpoints: `host:port`s or bare hosts; empty: any),
+        `tenant` ("tenants/{t}") for a turn of no conversation that the router is to find one
+        for (the plan's `conversation`)."""
         ...
 
     async def commit_turn(
@@ -46,14 +49,25 @@ class RouterPort(Protocol):
         decode_kv_transfer_params: KvTransferParams | None,
         timings: pb.TurnTimings,
         turn_end: pb.TurnEnd.ValueType = pb.TURN_END_UNSPECIFIED,
+        transcript: pb.TranscriptSpec | None = None,
     ) -> pb.CommitTurnResponse:
         """CommitTurn of the turn `turn` (its handle) of `conversation` ("": none), which
         routes it to the router replica that planned it; the sequence is the prompt plus the
         output (which the router may be sent alone: the replica that planned holds the prompt);
-        `turn_end`: how the answer ended."""
+        `turn_end`: how the answer ended; `transcript`: which ids to keep as the transcript."""
         ...
 
     async def abort_turn(self, turn: str, *, conversation: str, reason: str) -> None: ...
+
+
+class TranscriptPort(Protocol):
+    async def find_transcript(
+        self, tenant: str, model: str, lookup_key: bytes, *, conversation: str = ""
+    ) -> pb.FindTranscriptResponse | None:
+        """FindTranscript (`tenant`: "tenants/{t}"; `conversation`: the request's, "" for none,
+        which router replica to ask first); None when there is none or the router cannot say (a
+        request is then tokenized as usual)."""
+        ...
 
 
 class EnginePort(Protocol):

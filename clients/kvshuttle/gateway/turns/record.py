@@ -74,7 +74,8 @@ class Turn:
     request_id: str
     # The served model name: the router's profile and the engines' `model`.
     model: str
-    # `tenants/{tenant}/conversations/{id}`, or "" for a turn of no conversation.
+    # `tenants/{tenant}/conversations/{id}`, or "" for a turn of no conversation (the plan's,
+    # once planned, when `tenant` lets the router find or start one).
     conversation: str
     prompt_ids: list[int]
     prefill_params: dict[str, Any]
@@ -91,6 +92,11 @@ class Turn:
     # call (even one a named tool_choice reports as "stop"); None: decode's own. CommitTurn's
     # turn_end is read from it.
     finish_reason: Callable[[DecodeOutput], str | None] | None = None
+    # `tenants/{tenant}` of a turn of no conversation, for the router to find the conversation
+    # its prompt continues (or start one); "": plain P->D, nothing retained.
+    tenant: str = ""
+    # The transcript CommitTurn keeps of the finished turn (None from it: none).
+    transcript: Callable[[DecodeOutput], pb.TranscriptSpec | None] | None = None
     # The plan's, once planned.
     decision: str = ""
     reason: str = ""

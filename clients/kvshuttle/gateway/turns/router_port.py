@@ -166,6 +166,7 @@ class GrpcRouterPort:
         cache_salt_sha256: bytes,
         expected_think_time_s: float | None = None,
         decode_endpoints: Sequence[str] = (),
+        tenant: str = "",
     ) -> pb.PlanTurnResponse:
         hints = None
         if expected_think_time_s is not None or decode_endpoints:
@@ -183,6 +184,7 @@ class GrpcRouterPort:
                 request_id=request_id,
                 cache_salt_sha256=cache_salt_sha256,
                 timeout=deadline_s,
+                tenant="" if conversation else tenant,
             )
 
         # A turn of no conversation is spread over the replicas by its request id.
@@ -198,6 +200,7 @@ class GrpcRouterPort:
         decode_kv_transfer_params: KvTransferParams | None,
         timings: pb.TurnTimings,
         turn_end: pb.TurnEnd.ValueType = pb.TURN_END_UNSPECIFIED,
+        transcript: pb.TranscriptSpec | None = None,
     ) -> pb.CommitTurnResponse:
         """The output alone first (the replica that planned holds the prompt: a long prompt is
         not sent twice), the whole sequence when the replica answering does not hold it
@@ -212,6 +215,7 @@ class GrpcRouterPort:
                     decode_kv_transfer_params=decode_kv_transfer_params,
                     timings=timings,
                     turn_end=turn_end,
+                    transcript=transcript,
                     request_id=request_id,
                     timeout=deadline_s,
                     **tokens,
@@ -233,6 +237,24 @@ class GrpcRouterPort:
             await client.abort_turn(turn, reason=reason, timeout=deadline_s)
 
         await self._call(conversation or turn, abort)
+
+    async def find_transcript(
+        self, tenant: str, model: str, lookup_key: bytes, *, conversation: str = ""
+    ) -> pb.FindTranscriptResponse | None:
+        """FindTranscript on the conversation's replica, else the key's (any answers: the
+        registry holds transcripts);
+        None when there is none, or the router did not answer or refused (the request is then
+        tokenized as usual: never a failed turn)."""
+
+        async def find(client: RouterClient, deadline_s: float) -> pb.FindTranscriptResponse:
+            return await client.find_transcript(tenant, model, lookup_key, timeout=deadline_s)
+
+        try:
+            return await self._call(conversation or f"transcripts/{lookup_key.hex()}", find)
+        except RouterFailure as err:
+            if err.code != "NOT_FOUND":
+                log.warning("router.find_transcript_failed", code=err.code, reason=err.reason)
+            return None
 
     async def list_ready_decodes(self, model: str) -> list[pb.Placement]:
         """ListReadyDecodes: the decode engines a plan of `model` could place on now, least

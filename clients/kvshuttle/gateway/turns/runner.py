@@ -215,6 +215,7 @@ class TurnRunner:
                 request_id=turn.request_id,
                 cache_salt_sha256=cache_salt_digest(turn.cache_salt) if turn.cache_salt else b"",
                 expected_think_time_s=turn.expected_think_time_s,
+                tenant=turn.tenant,
             )
         except RouterFailure as err:
             turn.plan_s = self._clock() - started
@@ -234,6 +235,8 @@ class TurnRunner:
         turn.decision = _enum_name(pb.Decision.Name(plan.decision), "DECISION_")
         turn.reason = _enum_name(pb.DecisionReason.Name(plan.reason), "DECISION_REASON_")
         turn.generation, turn.reused_tokens = plan.generation, plan.reusable_tokens
+        if not turn.conversation and plan.conversation:
+            turn.conversation = plan.conversation  # found by the prompt, or started by the router
         self._metrics.turns.labels(turn.decision, turn.reason).inc()
         self._metrics.reused_tokens.inc(plan.reusable_tokens)
         return plan
@@ -483,6 +486,7 @@ class TurnRunner:
                 decode_kv_transfer_params=params,
                 timings=timings,
                 turn_end=record.turn_end(turn),
+                transcript=turn.transcript(out) if turn.transcript is not None else None,
             )
         except RouterFailure as err:
             self._metrics.commits.labels("failed").inc()

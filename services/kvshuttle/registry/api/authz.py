@@ -33,6 +33,7 @@ _TENANT_CALLS: dict[str, tuple[Permission, _Name]] = {
     "GetRetention": (Permission.RETENTIONS_READ, lambda r: r.name),
     "GetConversation": (Permission.RETENTIONS_READ, lambda r: r.name),
     "ListRetentions": (Permission.RETENTIONS_READ, lambda r: r.parent),
+    "FindRetention": (Permission.RETENTIONS_READ, lambda r: r.parent),
     "WatchRetentions": (Permission.RETENTIONS_READ, lambda r: r.parent),
     "ClaimRetention": (Permission.RETENTIONS_CLAIM, lambda r: r.name),
 }

@@ -16,7 +16,16 @@ from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.hashing import SALT_DIGEST_BYTES
 from kvshuttle.core.nodes import NodeRole, NodeSpec
 from kvshuttle.core.prototime import from_timestamp, timestamp_seconds, to_timestamp
-from kvshuttle.registry.model import ChangeKind, Claim, Holder, Move, Node, Retention, RetentionChange
+from kvshuttle.registry.model import (
+    ChangeKind,
+    Claim,
+    Holder,
+    Move,
+    Node,
+    Retention,
+    RetentionChange,
+    Transcript,
+)
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
 from kvshuttle.vllm.kv_transfer_params import check_extra
 from kvshuttle.vllm.v1.kv_transfer_params_pb2 import KvTransferParams
@@ -104,6 +113,16 @@ def retention_from_pb(r: pb.Retention) -> Retention:
         kv_bytes=r.kv_bytes,
         pin_expire_at=pin,
         holder=holder_from_pb(params) if params is not None else None,
+        transcript=transcript_from_pb(r.transcript) if r.HasField("transcript") else None,
+    )
+
+
+def transcript_from_pb(t: pb.Transcript) -> Transcript:
+    return Transcript(
+        lookup_key=t.lookup_key,
+        token_ids=array("I", t.token_ids),
+        answer_sha256=t.answer_sha256,
+        answer_chars=t.answer_chars,
     )
 
 
@@ -123,7 +142,8 @@ def move_from_pb(request: pb.MoveRetentionRequest) -> Move:
     )
 
 
-def retention_to_pb(r: Retention) -> pb.Retention:
+def retention_to_pb(r: Retention, *, transcript: bool = False) -> pb.Retention:
+    """The retention; with its transcript only when `transcript` (reads of one retention)."""
     out = pb.Retention(
         name=r.name,
         node=r.node,
@@ -147,6 +167,16 @@ def retention_to_pb(r: Retention) -> pb.Retention:
                 holder=r.claim.holder,
                 claim_time=to_timestamp(r.claim.claim_time),
                 expire_time=to_timestamp(r.claim.expire_at),
+            )
+        )
+    if transcript and r.transcript is not None:
+        t = r.transcript
+        out.transcript.CopyFrom(
+            pb.Transcript(
+                lookup_key=t.lookup_key,
+                token_ids=t.token_ids,
+                answer_sha256=t.answer_sha256,
+                answer_chars=t.answer_chars,
             )
         )
     return out

@@ -7,6 +7,7 @@ names are bound for the `rpc.done` line with their conversation id replaced by i
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import AsyncIterator
 
 import grpc
@@ -108,7 +109,25 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         context: grpc.aio.ServicerContext[pb.GetRetentionRequest, pb.GetRetentionResponse],
     ) -> pb.GetRetentionResponse:
         retention = await self._registry.get_retention(request.name)
-        return pb.GetRetentionResponse(retention=convert.retention_to_pb(retention))
+        return pb.GetRetentionResponse(retention=convert.retention_to_pb(retention, transcript=True))
+
+    async def FindRetention(
+        self,
+        request: pb.FindRetentionRequest,
+        context: grpc.aio.ServicerContext[pb.FindRetentionRequest, pb.FindRetentionResponse],
+    ) -> pb.FindRetentionResponse:
+        found = await self._registry.find_retention(
+            parent=request.parent,
+            model=request.model,
+            block_size=request.block_size,
+            block_hashes=array("Q", request.block_hashes),
+            transcript_key=request.transcript_key,
+        )
+        bind_contextvars(retention=log_name(found.retention.name))
+        return pb.FindRetentionResponse(
+            retention=convert.retention_to_pb(found.retention, transcript=True),
+            matched_blocks=found.matched_blocks,
+        )
 
     async def GetConversation(
         self,
@@ -118,7 +137,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         conversation = await self._registry.get_conversation(request.name)
         out = pb.Conversation(name=conversation.name, fence_generation=conversation.fence_generation)
         if conversation.retention is not None:
-            out.retention.CopyFrom(convert.retention_to_pb(conversation.retention))
+            out.retention.CopyFrom(convert.retention_to_pb(conversation.retention, transcript=True))
         return pb.GetConversationResponse(conversation=out)
 
     async def RenewRetention(

@@ -19,6 +19,7 @@ rejected request changes nothing; InvalidArgument names the request field (the p
 from __future__ import annotations
 
 import asyncio
+from array import array
 from collections.abc import Sequence
 
 from kvshuttle.core.clock import Clock
@@ -31,7 +32,7 @@ from kvshuttle.registry.feeds.change import ChangeFeed
 from kvshuttle.registry.feeds.index import IndexFeed
 from kvshuttle.registry.feeds.watchers import Subscription
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.model import Conversation, ExpiryResult, Move, Node, PutResult, Retention
+from kvshuttle.registry.model import Conversation, ExpiryResult, Found, Move, Node, PutResult, Retention
 from kvshuttle.registry.service.blocks import RegistryBlocks
 from kvshuttle.registry.service.expiry import RegistryExpiry
 from kvshuttle.registry.service.nodes import RegistryNodes
@@ -147,6 +148,17 @@ class Registry:
     async def evict_retention(self, name: str, *, node: str) -> None:
         """Remove a retention its holder `node` needs the room of (never a claimed one)."""
         await self._retentions.evict_retention(name, node=node)
+
+    async def find_retention(
+        self, *, parent: str, model: str, block_size: int, block_hashes: array[int], transcript_key: bytes
+    ) -> Found:
+        return await self._retentions.find_retention(
+            parent=parent,
+            model=model,
+            block_size=block_size,
+            block_hashes=block_hashes,
+            transcript_key=transcript_key,
+        )
 
     async def list_retentions(
         self, *, parent: str, node: str, page_size: int, page_token: str

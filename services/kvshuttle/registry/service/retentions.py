@@ -5,13 +5,19 @@ to the store, which enforces the rules that depend on state."""
 from __future__ import annotations
 
 import math
+from array import array
 
 import structlog
 
 from kvshuttle.core.errors import InvalidArgument
 from kvshuttle.core.limits import MAX_GENERATION
-from kvshuttle.core.names import parse_conversation, parse_retention, parse_tenant_or_conversation
-from kvshuttle.registry.model import Conversation, Move, PutResult, Retention
+from kvshuttle.core.names import (
+    parse_conversation,
+    parse_retention,
+    parse_tenant,
+    parse_tenant_or_conversation,
+)
+from kvshuttle.registry.model import Conversation, Found, Move, PutResult, Retention, Transcript
 from kvshuttle.registry.service.shared import RegistryShared
 
 log = structlog.get_logger("kvshuttle.registry")
@@ -54,6 +60,17 @@ class RegistryRetentions:
         # A node's retained_bytes is a sum of these.
         if not 0 <= retention.kv_bytes <= self._limits.max_kv_bytes:
             raise InvalidArgument("retention.kv_bytes", f"must be 0..{self._limits.max_kv_bytes}")
+        if retention.transcript is not None:
+            self._check_transcript(retention.transcript)
+
+    def _check_transcript(self, transcript: Transcript) -> None:
+        _check_key(transcript.lookup_key, "retention.transcript.lookup_key")
+        if not 0 < len(transcript.token_ids) <= self._limits.max_num_tokens:
+            raise InvalidArgument(
+                "retention.transcript.token_ids", f"must hold 1..{self._limits.max_num_tokens} ids"
+            )
+        if len(transcript.answer_sha256) != 32:
+            raise InvalidArgument("retention.transcript.answer_sha256", "must be 32 bytes (SHA-256)")
 
     def _request_id(self, request_id: str) -> str:
         if request_id:
@@ -162,6 +179,31 @@ class RegistryRetentions:
         self._stats.evictions += len(changes)
         await self._shared.publish(changes)
 
+    async def find_retention(
+        self, *, parent: str, model: str, block_size: int, block_hashes: array[int], transcript_key: bytes
+    ) -> Found:
+        """The tenant's retention covering the longest prefix of `block_hashes`, or the one whose
+        transcript has `transcript_key` (exactly one of the two)."""
+        tenant = parse_tenant(parent, "parent", max_length=self._limits.max_id_length)
+        self._check.bounded(model, "model")
+        if bool(block_hashes) == bool(transcript_key):
+            raise InvalidArgument("block_hashes", "set exactly one of block_hashes and transcript_key")
+        if block_hashes:
+            if len(block_hashes) > self._limits.max_lookup_hashes:
+                raise InvalidArgument("block_hashes", f"at most {self._limits.max_lookup_hashes}")
+            if not 0 < block_size <= self._limits.max_block_size:
+                raise InvalidArgument("block_size", f"must be 1..{self._limits.max_block_size}")
+        else:
+            _check_key(transcript_key, "transcript_key")
+        return await self._store.find_retention(
+            tenant=tenant,
+            model=model,
+            block_size=block_size,
+            chain=block_hashes or None,
+            transcript_key=transcript_key or None,
+            now=self._clock.now(),
+        )
+
     async def list_retentions(
         self, *, parent: str, node: str, page_size: int, page_token: str
     ) -> tuple[list[Retention], str]:
@@ -177,3 +219,8 @@ class RegistryRetentions:
             tenant=tenant, conversation=conv_name, node=node or None, after=after, limit=size
         )
         return retentions, self._check.next_token(scope, [r.name for r in retentions], size)
+
+
+def _check_key(key: bytes, field_name: str) -> None:
+    if not 16 <= len(key) <= 64:
+        raise InvalidArgument(field_name, "must be 16 to 64 bytes")

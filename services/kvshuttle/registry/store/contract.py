@@ -10,6 +10,7 @@ every test agrees on time. StoreLimits are the bounds every store enforces, the 
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,6 +18,7 @@ from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
 from kvshuttle.registry.model import (
     Conversation,
     ExpiryResult,
+    Found,
     Move,
     Node,
     PutResult,
@@ -42,6 +44,10 @@ class StoreLimits:
     idempotency_ttl: float = 600.0
     idempotency_max_entries: int = 100_000
     idempotency_max_bytes: int = 64 * 2**20
+    # Transcripts (exact token ids kept with retentions), by bytes per tenant and in all: a put
+    # past either keeps its retention and drops the transcript.
+    transcript_max_bytes_per_tenant: int = 256 * 2**20
+    transcript_max_bytes: int = 2 * 2**30
 
 
 # Bytes one lingering fence costs beyond its name's characters: the name's string object, its
@@ -122,6 +128,22 @@ class RegistryStore(Protocol):
         self, *, tenant: str, conversation: str | None, node: str | None, after: str, limit: int
     ) -> list[Retention]:
         """A tenant's (or one conversation's) live retentions with name > after, in name order."""
+        ...
+
+    async def find_retention(
+        self,
+        *,
+        tenant: str,
+        model: str,
+        block_size: int,
+        chain: array[int] | None,
+        transcript_key: bytes | None,
+        now: float,
+    ) -> Found:
+        """The tenant's live retention (lease not lapsed) of `model` found by what it holds:
+        with `chain`, the one whose whole block_hashes (of `block_size`) are the longest prefix
+        of it; with `transcript_key`, the latest put whose transcript has that key.
+        RETENTION_NOT_FOUND when none. Another tenant's retentions are never candidates."""
         ...
 
     async def expire_due(self, now: float) -> ExpiryResult:

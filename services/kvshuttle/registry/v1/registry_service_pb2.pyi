@@ -540,6 +540,7 @@ class Retention(_message.Message):
     CLAIM_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
+    TRANSCRIPT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Output only. `tenants/{tenant}/conversations/{conversation}/retentions/{generation}`."""
     node: _builtins.str
@@ -589,6 +590,15 @@ class Retention(_message.Message):
     def expire_time(self) -> _timestamp_pb2.Timestamp:
         """Output only. When the lease lapses unless renewed (or, while claimed, the claim's end)."""
 
+    @_builtins.property
+    def transcript(self) -> Global___Transcript:
+        """Optional: the exact token ids of the retained sequence, for the next request of a chat
+        client that sends its history as text. Returned by GetRetention, GetConversation and
+        FindRetention; omitted by ListRetentions and WatchRetentions. A put past the tenant's
+        transcript bytes (the registry's transcript_max_bytes_per_tenant) keeps the retention and
+        drops its transcript.
+        """
+
     def __init__(
         self,
         *,
@@ -606,14 +616,58 @@ class Retention(_message.Message):
         claim: Global___Claim | None = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
         expire_time: _timestamp_pb2.Timestamp | None = ...,
+        transcript: Global___Transcript | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim", "create_time", b"create_time", "expire_time", b"expire_time", "kv_transfer_params", b"kv_transfer_params", "pin_expire_time", b"pin_expire_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim", "create_time", b"create_time", "expire_time", b"expire_time", "kv_transfer_params", b"kv_transfer_params", "pin_expire_time", b"pin_expire_time", "transcript", b"transcript"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_size", b"block_size", "claim", b"claim", "create_time", b"create_time", "expire_time", b"expire_time", "generation", b"generation", "kv_bytes", b"kv_bytes", "kv_transfer_params", b"kv_transfer_params", "model", b"model", "name", b"name", "node", b"node", "num_tokens", b"num_tokens", "pin_expire_time", b"pin_expire_time", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_size", b"block_size", "claim", b"claim", "create_time", b"create_time", "expire_time", b"expire_time", "generation", b"generation", "kv_bytes", b"kv_bytes", "kv_transfer_params", b"kv_transfer_params", "model", b"model", "name", b"name", "node", b"node", "num_tokens", b"num_tokens", "pin_expire_time", b"pin_expire_time", "state", b"state", "transcript", b"transcript"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Retention: _TypeAlias = Retention  # noqa: Y015
+
+@_typing.final
+class Transcript(_message.Message):
+    """Transcript is the exact token ids of a retained sequence (prompt and answer) as its engines
+    saw them: a chat client sends the answer back as text, whose tokenization rarely gives back
+    decode's ids, so a gateway finds these by `lookup_key` and starts the next prompt with them.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOOKUP_KEY_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    ANSWER_SHA256_FIELD_NUMBER: _builtins.int
+    ANSWER_CHARS_FIELD_NUMBER: _builtins.int
+    lookup_key: _builtins.bytes
+    """What FindRetention finds the transcript by, unique per tenant (a later put with the same
+    key takes it over): for the gateway, SHA-256 of the rendered prompt text under its cache
+    salt and model. 16 to 64 bytes.
+    """
+    answer_sha256: _builtins.bytes
+    """SHA-256 of the answer's text (32 bytes) and its length in characters: what a reader checks
+    its request's text holds right after the key's text before it uses token_ids.
+    """
+    answer_chars: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The sequence's token ids; 1 to the registry's max_num_tokens."""
+
+    def __init__(
+        self,
+        *,
+        lookup_key: _builtins.bytes = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        answer_sha256: _builtins.bytes = ...,
+        answer_chars: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer_chars", b"answer_chars", "answer_sha256", b"answer_sha256", "lookup_key", b"lookup_key", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Transcript: _TypeAlias = Transcript  # noqa: Y015
 
 @_typing.final
 class Claim(_message.Message):
@@ -1095,6 +1149,71 @@ class EvictRetentionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EvictRetentionResponse: _TypeAlias = EvictRetentionResponse  # noqa: Y015
+
+@_typing.final
+class FindRetentionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARENT_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    TRANSCRIPT_KEY_FIELD_NUMBER: _builtins.int
+    parent: _builtins.str
+    """`tenants/{tenant}`."""
+    model: _builtins.str
+    """Served model name."""
+    block_size: _builtins.int
+    """Tokens per block of `block_hashes`; required with them."""
+    transcript_key: _builtins.bytes
+    """A transcript's lookup_key (16 to 64 bytes)."""
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """A prompt's prefix-hash chain (as Retention.block_hashes, from the same root): the
+        retention whose chain is its longest prefix. At most max_block_hashes. Set exactly one of
+        block_hashes and transcript_key (INVALID_ARGUMENT otherwise).
+        """
+
+    def __init__(
+        self,
+        *,
+        parent: _builtins.str = ...,
+        model: _builtins.str = ...,
+        block_size: _builtins.int = ...,
+        block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        transcript_key: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_size", b"block_size", "model", b"model", "parent", b"parent", "transcript_key", b"transcript_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FindRetentionRequest: _TypeAlias = FindRetentionRequest  # noqa: Y015
+
+@_typing.final
+class FindRetentionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RETENTION_FIELD_NUMBER: _builtins.int
+    MATCHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    matched_blocks: _builtins.int
+    """With block_hashes: how many of them the retention's chain covers (all of its own)."""
+    @_builtins.property
+    def retention(self) -> Global___Retention: ...
+    def __init__(
+        self,
+        *,
+        retention: Global___Retention | None = ...,
+        matched_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["matched_blocks", b"matched_blocks", "retention", b"retention"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FindRetentionResponse: _TypeAlias = FindRetentionResponse  # noqa: Y015
 
 @_typing.final
 class ListRetentionsRequest(_message.Message):

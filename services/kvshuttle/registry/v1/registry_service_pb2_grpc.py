@@ -137,6 +137,11 @@ class RegistryServiceStub:
                 request_serializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.EvictRetentionRequest.SerializeToString,
                 response_deserializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.EvictRetentionResponse.FromString,
                 _registered_method=True)
+        self.FindRetention = channel.unary_unary(
+                '/kvshuttle.registry.v1.RegistryService/FindRetention',
+                request_serializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.FindRetentionRequest.SerializeToString,
+                response_deserializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.FindRetentionResponse.FromString,
+                _registered_method=True)
         self.ListRetentions = channel.unary_unary(
                 '/kvshuttle.registry.v1.RegistryService/ListRetentions',
                 request_serializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.ListRetentionsRequest.SerializeToString,
@@ -317,6 +322,17 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FindRetention(self, request, context):
+        """FindRetention finds a tenant's live retention by what it holds, for a turn that names no
+        conversation: by `block_hashes`, the retention whose whole chain is the longest prefix of
+        the given chain (of the given model and block size); by `transcript_key`, the latest
+        retention whose transcript has that key. Never another tenant's: the index is per tenant,
+        and a caller may ask only for its own. NOT_FOUND (RETENTION_NOT_FOUND) when none matches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListRetentions(self, request, context):
         """ListRetentions pages through one tenant's (or one conversation's) live retentions.
         """
@@ -424,6 +440,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.EvictRetention,
                     request_deserializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.EvictRetentionRequest.FromString,
                     response_serializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.EvictRetentionResponse.SerializeToString,
+            ),
+            'FindRetention': grpc.unary_unary_rpc_method_handler(
+                    servicer.FindRetention,
+                    request_deserializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.FindRetentionRequest.FromString,
+                    response_serializer=kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.FindRetentionResponse.SerializeToString,
             ),
             'ListRetentions': grpc.unary_unary_rpc_method_handler(
                     servicer.ListRetentions,
@@ -835,6 +856,33 @@ class RegistryService:
             '/kvshuttle.registry.v1.RegistryService/EvictRetention',
             kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.EvictRetentionRequest.SerializeToString,
             kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.EvictRetentionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FindRetention(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvshuttle.registry.v1.RegistryService/FindRetention',
+            kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.FindRetentionRequest.SerializeToString,
+            kvshuttle_dot_registry_dot_v1_dot_registry__service__pb2.FindRetentionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -131,6 +131,13 @@ class RegistryServiceStub:
     holds it, RETENTION_ALREADY_CLAIMED when a reader claimed it. NOT_FOUND means already gone.
     The conversation's fence stays, as when a retention expires.
     """
+    FindRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.FindRetentionRequest, _registry_service_pb2.FindRetentionResponse]
+    """FindRetention finds a tenant's live retention by what it holds, for a turn that names no
+    conversation: by `block_hashes`, the retention whose whole chain is the longest prefix of
+    the given chain (of the given model and block size); by `transcript_key`, the latest
+    retention whose transcript has that key. Never another tenant's: the index is per tenant,
+    and a caller may ask only for its own. NOT_FOUND (RETENTION_NOT_FOUND) when none matches.
+    """
     ListRetentions: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.ListRetentionsRequest, _registry_service_pb2.ListRetentionsResponse]
     """ListRetentions pages through one tenant's (or one conversation's) live retentions."""
     WatchRetentions: _grpc.UnaryStreamMultiCallable[_registry_service_pb2.WatchRetentionsRequest, _registry_service_pb2.WatchRetentionsResponse]
@@ -256,6 +263,13 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     evict only from its own pool node). FAILED_PRECONDITION: NODE_MISMATCH when another node
     holds it, RETENTION_ALREADY_CLAIMED when a reader claimed it. NOT_FOUND means already gone.
     The conversation's fence stays, as when a retention expires.
+    """
+    FindRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.FindRetentionRequest, _registry_service_pb2.FindRetentionResponse]  # type: ignore[assignment]
+    """FindRetention finds a tenant's live retention by what it holds, for a turn that names no
+    conversation: by `block_hashes`, the retention whose whole chain is the longest prefix of
+    the given chain (of the given model and block size); by `transcript_key`, the latest
+    retention whose transcript has that key. Never another tenant's: the index is per tenant,
+    and a caller may ask only for its own. NOT_FOUND (RETENTION_NOT_FOUND) when none matches.
     """
     ListRetentions: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.ListRetentionsRequest, _registry_service_pb2.ListRetentionsResponse]  # type: ignore[assignment]
     """ListRetentions pages through one tenant's (or one conversation's) live retentions."""
@@ -457,6 +471,19 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         evict only from its own pool node). FAILED_PRECONDITION: NODE_MISMATCH when another node
         holds it, RETENTION_ALREADY_CLAIMED when a reader claimed it. NOT_FOUND means already gone.
         The conversation's fence stays, as when a retention expires.
+        """
+
+    @_abc_1.abstractmethod
+    def FindRetention(
+        self,
+        request: _registry_service_pb2.FindRetentionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_service_pb2.FindRetentionResponse, _abc.Awaitable[_registry_service_pb2.FindRetentionResponse]]:
+        """FindRetention finds a tenant's live retention by what it holds, for a turn that names no
+        conversation: by `block_hashes`, the retention whose whole chain is the longest prefix of
+        the given chain (of the given model and block size); by `transcript_key`, the latest
+        retention whose transcript has that key. Never another tenant's: the index is per tenant,
+        and a caller may ask only for its own. NOT_FOUND (RETENTION_NOT_FOUND) when none matches.
         """
 
     @_abc_1.abstractmethod

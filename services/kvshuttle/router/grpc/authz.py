@@ -1,7 +1,8 @@
 """Which permission each RouterService RPC needs, and the tenant it acts for: PlanTurn's
-conversation names it; CommitTurn and AbortTurn carry a signed turn handle whose conversation
-does (a handle is verified here, so a gateway cannot commit or abort another tenant's turn);
-ListReadyDecodes acts for no tenant (the permission to plan turns, for any tenant)."""
+conversation (or, without one, its tenant) names it, as FindTranscript's tenant does; CommitTurn
+and AbortTurn carry a signed turn handle whose conversation does (a handle is verified here, so a
+gateway cannot commit or abort another tenant's turn); ListReadyDecodes acts for no tenant (the
+permission to plan turns, for any tenant)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ def turn_policy(codec: TurnCodec) -> MethodPolicy:
 
     def policy(method: str, request: Any) -> Requirement:
         if method == "PlanTurn":
-            return Requirement(Permission.TURNS, tenant=tenant_of(request.conversation))
+            # Its conversation names the tenant; without one, its `tenant` does (checked to be
+            # the conversation's own when both are set).
+            return Requirement(Permission.TURNS, tenant=tenant_of(request.conversation or request.tenant))
+        if method == "FindTranscript":
+            return Requirement(Permission.TURNS, tenant=tenant_of(request.tenant))
         if method in ("CommitTurn", "AbortTurn"):
             # A handle that does not verify names no tenant: the servicer refuses it
             # (TURN_NOT_FOUND / INVALID_ARGUMENT) before anything is touched.

@@ -20,10 +20,12 @@ from kvshuttle.router.model import (
     CommitRequest,
     Decision,
     Estimate,
+    FoundTranscript,
     NodeInfo,
     Plan,
     PlanRequest,
     Reason,
+    TranscriptSpec,
     TurnEnd,
     TurnTimings,
 )
@@ -38,6 +40,7 @@ __all__ = [
     "placement_to_pb",
     "plan_request_from_pb",
     "plan_to_pb",
+    "transcript_to_pb",
 ]
 
 DECISION_TO_PB: dict[Decision, pb.Decision.ValueType] = {
@@ -76,6 +79,7 @@ def plan_request_from_pb(request: pb.PlanTurnRequest, *, deadline_s: float | Non
         cache_salt_sha256=request.cache_salt_sha256,
         deadline_s=deadline_s,
         decode_endpoints=tuple(hints.decode_endpoints),
+        tenant=request.tenant,
     )
 
 
@@ -113,6 +117,7 @@ def plan_to_pb(plan: Plan) -> pb.PlanTurnResponse:
         tokens_to_compute=plan.tokens_to_compute,
         recompute_cost=_estimate(plan.recompute_cost),
         expire_time=to_timestamp(plan.expire_at),
+        conversation=plan.conversation,
     )
     if plan.reuse_cost is not None:
         response.reuse_cost.CopyFrom(_estimate(plan.reuse_cost))
@@ -167,6 +172,25 @@ def commit_request_from_pb(request: pb.CommitTurnRequest) -> CommitRequest:
         request_id=request.request_id,
         output_token_ids=request.output_token_ids.token_ids if request.HasField("output_token_ids") else None,
         turn_end=_turn_end(request.turn_end),
+        transcript=_transcript(request),
+    )
+
+
+def _transcript(request: pb.CommitTurnRequest) -> TranscriptSpec | None:
+    if not request.HasField("transcript"):
+        return None
+    t = request.transcript
+    return TranscriptSpec(t.lookup_key, t.num_tokens, t.answer_sha256, t.answer_chars)
+
+
+def transcript_to_pb(found: FoundTranscript) -> pb.FindTranscriptResponse:
+    t = found.transcript
+    return pb.FindTranscriptResponse(
+        conversation=found.conversation,
+        # A uint32 array's buffer: protobuf reads it without a per-token Python loop.
+        token_ids=t.token_ids,
+        answer_sha256=t.answer_sha256,
+        answer_chars=t.answer_chars,
     )
 
 

@@ -37,7 +37,15 @@ from kvshuttle.core.nodes import NodeRole
 from kvshuttle.core.prototime import from_timestamp, to_timestamp
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.v1 import registry_service_pb2 as pb
-from kvshuttle.router.model import ClaimInfo, Hashes, NewRetention, NodeInfo, RetentionInfo
+from kvshuttle.router.model import (
+    ClaimInfo,
+    FoundTranscript,
+    Hashes,
+    NewRetention,
+    NodeInfo,
+    RetentionInfo,
+    TranscriptInfo,
+)
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 
 __all__ = ["GrpcRegistryPort"]
@@ -84,6 +92,15 @@ def _refused(err: KvshuttleRpcError) -> Exception:
     return domain_error(err, "registry")
 
 
+def _check_tenant(name: str, tenant: str) -> None:
+    """Never hand a tenant another's retention, whatever the registry answered."""
+    if not name.startswith(f"tenants/{tenant}/"):
+        raise Aborted(
+            f"the registry answered a lookup of tenant {tenant} with another tenant's retention",
+            reason=ErrorReason.REGISTRY_ANSWER_MISMATCH,
+        )
+
+
 class GrpcRegistryPort:
     """The router's RegistryPort over a RegistryClient (which retries what is safe to retry)."""
 
@@ -100,6 +117,48 @@ class GrpcRegistryPort:
         conversation = response.conversation
         retention = retention_info(conversation.retention) if conversation.HasField("retention") else None
         return conversation.fence_generation, retention
+
+    async def find_by_chain(
+        self, tenant: str, model: str, block_size: int, chain: Hashes
+    ) -> RetentionInfo | None:
+        try:
+            response = await self._client.find_retention(
+                f"tenants/{tenant}",
+                model=model,
+                block_size=block_size,
+                block_hashes=np.asarray(chain, dtype=np.uint64).tolist(),
+            )
+        except KvshuttleRpcError as err:
+            if err.code == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise domain_error(err, "registry") from err
+        retention = retention_info(response.retention)
+        _check_tenant(retention.name, tenant)
+        return retention
+
+    async def find_transcript(self, tenant: str, model: str, lookup_key: bytes) -> FoundTranscript | None:
+        try:
+            response = await self._client.find_retention(
+                f"tenants/{tenant}", model=model, transcript_key=lookup_key
+            )
+        except KvshuttleRpcError as err:
+            if err.code == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise domain_error(err, "registry") from err
+        r = response.retention
+        _check_tenant(r.name, tenant)
+        if not r.HasField("transcript") or r.transcript.lookup_key != lookup_key:
+            return None
+        t = r.transcript
+        return FoundTranscript(
+            conversation=r.name.rsplit("/", 2)[0],
+            transcript=TranscriptInfo(
+                lookup_key=t.lookup_key,
+                token_ids=np.asarray(t.token_ids, dtype=np.uint32),
+                answer_sha256=t.answer_sha256,
+                answer_chars=t.answer_chars,
+            ),
+        )
 
     async def list_nodes(self, model: str) -> list[NodeInfo]:
         nodes: list[NodeInfo] = []
@@ -156,6 +215,16 @@ class GrpcRegistryPort:
             kv_bytes=new.kv_bytes,
             pin_expire_time=to_timestamp(new.pin_expire_at),
         )
+        if new.transcript is not None:
+            t = new.transcript
+            retention.transcript.CopyFrom(
+                pb.Transcript(
+                    lookup_key=t.lookup_key,
+                    token_ids=t.token_ids,
+                    answer_sha256=t.answer_sha256,
+                    answer_chars=t.answer_chars,
+                )
+            )
         try:
             response = await self._client.put_retention(
                 new.conversation, retention, ttl=max(new.ttl, 0.0), request_id=new.request_id

@@ -37,6 +37,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             convert.plan_request_from_pb(request, deadline_s=context.time_remaining())
         )
         bind_contextvars(turn=log_digest(plan.turn), generation=plan.generation)
+        if plan.conversation != request.conversation:  # found by the prompt, or started here
+            bind_contextvars(conversation=log_name(plan.conversation))
         return convert.plan_to_pb(plan)
 
     async def CommitTurn(
@@ -68,3 +70,15 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         bind_contextvars(model=request.model[:200])
         decodes = await self._router.ready_decodes(request.model)
         return pb.ListReadyDecodesResponse(decodes=[convert.placement_to_pb(node) for node in decodes])
+
+    async def FindTranscript(
+        self,
+        request: pb.FindTranscriptRequest,
+        context: grpc.aio.ServicerContext[pb.FindTranscriptRequest, pb.FindTranscriptResponse],
+    ) -> pb.FindTranscriptResponse:
+        bind_contextvars(model=request.model[:200])
+        found = await self._router.find_transcript(request.tenant, request.model, request.lookup_key)
+        bind_contextvars(
+            conversation=log_name(found.conversation), transcript_tokens=len(found.transcript.token_ids)
+        )
+        return convert.transcript_to_pb(found)

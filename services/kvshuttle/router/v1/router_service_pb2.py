@@ -27,19 +27,19 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from kvshuttle.vllm.v1 import kv_transfer_params_pb2 as kvshuttle_dot_vllm_dot_v1_dot_kv__transfer__params__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(kvshuttle/router/v1/router_service.proto\x12\x13kvshuttle.router.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a*kvshuttle/vllm/v1/kv_transfer_params.proto\"\x91\x01\n\tPlanHints\x12\x1b\n\x13parent_conversation\x18\x01 \x01(\t\x12\x36\n\x13\x65xpected_think_time\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rdisable_reuse\x18\x03 \x01(\x08\x12\x18\n\x10\x64\x65\x63ode_endpoints\x18\x04 \x03(\t\"C\n\tPlacement\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x15\n\rhttp_endpoint\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\"\xc2\x01\n\x0c\x43ostEstimate\x12+\n\x08transfer\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07prefill\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05total\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0cinterference\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xae\x01\n\x0fPlanTurnRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63onversation\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12-\n\x05hints\x18\x05 \x01(\x0b\x32\x1e.kvshuttle.router.v1.PlanHints\x12\x19\n\x11\x63\x61\x63he_salt_sha256\x18\x06 \x01(\x0c\"\xd3\x04\n\x10PlanTurnResponse\x12\x0c\n\x04turn\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12/\n\x07prefill\x18\x03 \x01(\x0b\x32\x1e.kvshuttle.router.v1.Placement\x12.\n\x06\x64\x65\x63ode\x18\x04 \x01(\x0b\x32\x1e.kvshuttle.router.v1.Placement\x12G\n\x1aprefill_kv_transfer_params\x18\x05 \x01(\x0b\x32#.kvshuttle.vllm.v1.KvTransferParams\x12/\n\x08\x64\x65\x63ision\x18\x06 \x01(\x0e\x32\x1d.kvshuttle.router.v1.Decision\x12\x33\n\x06reason\x18\x07 \x01(\x0e\x32#.kvshuttle.router.v1.DecisionReason\x12\x17\n\x0freusable_tokens\x18\x08 \x01(\r\x12\x19\n\x11tokens_to_compute\x18\t \x01(\r\x12\x35\n\nreuse_cost\x18\n \x01(\x0b\x32!.kvshuttle.router.v1.CostEstimate\x12\x39\n\x0erecompute_cost\x18\x0b \x01(\x0b\x32!.kvshuttle.router.v1.CostEstimate\x12/\n\x0b\x65xpire_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x36\n\x0b\x65xtend_cost\x18\r \x01(\x0b\x32!.kvshuttle.router.v1.CostEstimate\"\xa6\x02\n\x0bTurnTimings\x12\'\n\x04ttft\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07prefill\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12+\n\x08transfer\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1b\n\x0etransfer_bytes\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12)\n\x06\x64\x65\x63ode\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12!\n\x14remote_cached_tokens\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\x11\n\x0f_transfer_bytesB\x17\n\x15_remote_cached_tokens\"\xb2\x02\n\x11\x43ommitTurnRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04turn\x18\x02 \x01(\t\x12\x46\n\x19\x64\x65\x63ode_kv_transfer_params\x18\x03 \x01(\x0b\x32#.kvshuttle.vllm.v1.KvTransferParams\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x31\n\x07timings\x18\x05 \x01(\x0b\x32 .kvshuttle.router.v1.TurnTimings\x12=\n\x10output_token_ids\x18\x06 \x01(\x0b\x32#.kvshuttle.router.v1.OutputTokenIds\x12.\n\x08turn_end\x18\x07 \x01(\x0e\x32\x1c.kvshuttle.router.v1.TurnEnd\"#\n\x0eOutputTokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"X\n\x12\x43ommitTurnResponse\x12\x11\n\tretention\x18\x01 \x01(\t\x12/\n\x0b\x65xpire_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"0\n\x10\x41\x62ortTurnRequest\x12\x0c\n\x04turn\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x13\n\x11\x41\x62ortTurnResponse\"(\n\x17ListReadyDecodesRequest\x12\r\n\x05model\x18\x01 \x01(\t\"K\n\x18ListReadyDecodesResponse\x12/\n\x07\x64\x65\x63odes\x18\x01 \x03(\x0b\x32\x1e.kvshuttle.router.v1.Placement*c\n\x07TurnEnd\x12\x18\n\x14TURN_END_UNSPECIFIED\x10\x00\x12\x16\n\x12TURN_END_TOOL_CALL\x10\x01\x12\x11\n\rTURN_END_STOP\x10\x02\x12\x13\n\x0fTURN_END_LENGTH\x10\x03*e\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x45\x43ISION_REUSE\x10\x01\x12\x16\n\x12\x44\x45\x43ISION_RECOMPUTE\x10\x02\x12\x13\n\x0f\x44\x45\x43ISION_EXTEND\x10\x03*\x8c\x04\n\x0e\x44\x65\x63isionReason\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_UNSPECIFIED\x10\x00\x12!\n\x1d\x44\x45\x43ISION_REASON_REUSE_CHEAPER\x10\x01\x12 \n\x1c\x44\x45\x43ISION_REASON_NO_RETENTION\x10\x02\x12\x1b\n\x17\x44\x45\x43ISION_REASON_EXPIRED\x10\x03\x12#\n\x1f\x44\x45\x43ISION_REASON_PREFIX_MISMATCH\x10\x04\x12#\n\x1f\x44\x45\x43ISION_REASON_BELOW_THRESHOLD\x10\x05\x12\x18\n\x14\x44\x45\x43ISION_REASON_COST\x10\x06\x12\x1d\n\x19\x44\x45\x43ISION_REASON_NODE_DOWN\x10\x07\x12\x1e\n\x1a\x44\x45\x43ISION_REASON_CLAIM_LOST\x10\x08\x12\"\n\x1e\x44\x45\x43ISION_REASON_MODEL_MISMATCH\x10\t\x12\x1c\n\x18\x44\x45\x43ISION_REASON_DISABLED\x10\n\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_FORK_UNSAFE\x10\x0b\x12#\n\x1f\x44\x45\x43ISION_REASON_NO_CONVERSATION\x10\x0c\x12(\n$DECISION_REASON_REGISTRY_UNAVAILABLE\x10\r\x12\"\n\x1e\x44\x45\x43ISION_REASON_EXTEND_CHEAPER\x10\x0e\x32\x94\x03\n\rRouterService\x12W\n\x08PlanTurn\x12$.kvshuttle.router.v1.PlanTurnRequest\x1a%.kvshuttle.router.v1.PlanTurnResponse\x12]\n\nCommitTurn\x12&.kvshuttle.router.v1.CommitTurnRequest\x1a\'.kvshuttle.router.v1.CommitTurnResponse\x12Z\n\tAbortTurn\x12%.kvshuttle.router.v1.AbortTurnRequest\x1a&.kvshuttle.router.v1.AbortTurnResponse\x12o\n\x10ListReadyDecodes\x12,.kvshuttle.router.v1.ListReadyDecodesRequest\x1a-.kvshuttle.router.v1.ListReadyDecodesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(kvshuttle/router/v1/router_service.proto\x12\x13kvshuttle.router.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a*kvshuttle/vllm/v1/kv_transfer_params.proto\"\x91\x01\n\tPlanHints\x12\x1b\n\x13parent_conversation\x18\x01 \x01(\t\x12\x36\n\x13\x65xpected_think_time\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rdisable_reuse\x18\x03 \x01(\x08\x12\x18\n\x10\x64\x65\x63ode_endpoints\x18\x04 \x03(\t\"C\n\tPlacement\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x15\n\rhttp_endpoint\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\"\xc2\x01\n\x0c\x43ostEstimate\x12+\n\x08transfer\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07prefill\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05total\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0cinterference\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xbe\x01\n\x0fPlanTurnRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x63onversation\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\r\x12-\n\x05hints\x18\x05 \x01(\x0b\x32\x1e.kvshuttle.router.v1.PlanHints\x12\x19\n\x11\x63\x61\x63he_salt_sha256\x18\x06 \x01(\x0c\x12\x0e\n\x06tenant\x18\x07 \x01(\t\"\xe9\x04\n\x10PlanTurnResponse\x12\x0c\n\x04turn\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12/\n\x07prefill\x18\x03 \x01(\x0b\x32\x1e.kvshuttle.router.v1.Placement\x12.\n\x06\x64\x65\x63ode\x18\x04 \x01(\x0b\x32\x1e.kvshuttle.router.v1.Placement\x12G\n\x1aprefill_kv_transfer_params\x18\x05 \x01(\x0b\x32#.kvshuttle.vllm.v1.KvTransferParams\x12/\n\x08\x64\x65\x63ision\x18\x06 \x01(\x0e\x32\x1d.kvshuttle.router.v1.Decision\x12\x33\n\x06reason\x18\x07 \x01(\x0e\x32#.kvshuttle.router.v1.DecisionReason\x12\x17\n\x0freusable_tokens\x18\x08 \x01(\r\x12\x19\n\x11tokens_to_compute\x18\t \x01(\r\x12\x35\n\nreuse_cost\x18\n \x01(\x0b\x32!.kvshuttle.router.v1.CostEstimate\x12\x39\n\x0erecompute_cost\x18\x0b \x01(\x0b\x32!.kvshuttle.router.v1.CostEstimate\x12/\n\x0b\x65xpire_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x36\n\x0b\x65xtend_cost\x18\r \x01(\x0b\x32!.kvshuttle.router.v1.CostEstimate\x12\x14\n\x0c\x63onversation\x18\x0e \x01(\t\"\xa6\x02\n\x0bTurnTimings\x12\'\n\x04ttft\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07prefill\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12+\n\x08transfer\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x1b\n\x0etransfer_bytes\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12)\n\x06\x64\x65\x63ode\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12!\n\x14remote_cached_tokens\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\x11\n\x0f_transfer_bytesB\x17\n\x15_remote_cached_tokens\"\xeb\x02\n\x11\x43ommitTurnRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04turn\x18\x02 \x01(\t\x12\x46\n\x19\x64\x65\x63ode_kv_transfer_params\x18\x03 \x01(\x0b\x32#.kvshuttle.vllm.v1.KvTransferParams\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x31\n\x07timings\x18\x05 \x01(\x0b\x32 .kvshuttle.router.v1.TurnTimings\x12=\n\x10output_token_ids\x18\x06 \x01(\x0b\x32#.kvshuttle.router.v1.OutputTokenIds\x12.\n\x08turn_end\x18\x07 \x01(\x0e\x32\x1c.kvshuttle.router.v1.TurnEnd\x12\x37\n\ntranscript\x18\x08 \x01(\x0b\x32#.kvshuttle.router.v1.TranscriptSpec\"e\n\x0eTranscriptSpec\x12\x12\n\nlookup_key\x18\x01 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x15\n\ranswer_sha256\x18\x03 \x01(\x0c\x12\x14\n\x0c\x61nswer_chars\x18\x04 \x01(\r\"J\n\x15\x46indTranscriptRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nlookup_key\x18\x03 \x01(\x0c\"n\n\x16\x46indTranscriptResponse\x12\x14\n\x0c\x63onversation\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\ranswer_sha256\x18\x03 \x01(\x0c\x12\x14\n\x0c\x61nswer_chars\x18\x04 \x01(\r\"#\n\x0eOutputTokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"X\n\x12\x43ommitTurnResponse\x12\x11\n\tretention\x18\x01 \x01(\t\x12/\n\x0b\x65xpire_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"0\n\x10\x41\x62ortTurnRequest\x12\x0c\n\x04turn\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x13\n\x11\x41\x62ortTurnResponse\"(\n\x17ListReadyDecodesRequest\x12\r\n\x05model\x18\x01 \x01(\t\"K\n\x18ListReadyDecodesResponse\x12/\n\x07\x64\x65\x63odes\x18\x01 \x03(\x0b\x32\x1e.kvshuttle.router.v1.Placement*c\n\x07TurnEnd\x12\x18\n\x14TURN_END_UNSPECIFIED\x10\x00\x12\x16\n\x12TURN_END_TOOL_CALL\x10\x01\x12\x11\n\rTURN_END_STOP\x10\x02\x12\x13\n\x0fTURN_END_LENGTH\x10\x03*e\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x45\x43ISION_REUSE\x10\x01\x12\x16\n\x12\x44\x45\x43ISION_RECOMPUTE\x10\x02\x12\x13\n\x0f\x44\x45\x43ISION_EXTEND\x10\x03*\x8c\x04\n\x0e\x44\x65\x63isionReason\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_UNSPECIFIED\x10\x00\x12!\n\x1d\x44\x45\x43ISION_REASON_REUSE_CHEAPER\x10\x01\x12 \n\x1c\x44\x45\x43ISION_REASON_NO_RETENTION\x10\x02\x12\x1b\n\x17\x44\x45\x43ISION_REASON_EXPIRED\x10\x03\x12#\n\x1f\x44\x45\x43ISION_REASON_PREFIX_MISMATCH\x10\x04\x12#\n\x1f\x44\x45\x43ISION_REASON_BELOW_THRESHOLD\x10\x05\x12\x18\n\x14\x44\x45\x43ISION_REASON_COST\x10\x06\x12\x1d\n\x19\x44\x45\x43ISION_REASON_NODE_DOWN\x10\x07\x12\x1e\n\x1a\x44\x45\x43ISION_REASON_CLAIM_LOST\x10\x08\x12\"\n\x1e\x44\x45\x43ISION_REASON_MODEL_MISMATCH\x10\t\x12\x1c\n\x18\x44\x45\x43ISION_REASON_DISABLED\x10\n\x12\x1f\n\x1b\x44\x45\x43ISION_REASON_FORK_UNSAFE\x10\x0b\x12#\n\x1f\x44\x45\x43ISION_REASON_NO_CONVERSATION\x10\x0c\x12(\n$DECISION_REASON_REGISTRY_UNAVAILABLE\x10\r\x12\"\n\x1e\x44\x45\x43ISION_REASON_EXTEND_CHEAPER\x10\x0e\x32\xff\x03\n\rRouterService\x12W\n\x08PlanTurn\x12$.kvshuttle.router.v1.PlanTurnRequest\x1a%.kvshuttle.router.v1.PlanTurnResponse\x12]\n\nCommitTurn\x12&.kvshuttle.router.v1.CommitTurnRequest\x1a\'.kvshuttle.router.v1.CommitTurnResponse\x12Z\n\tAbortTurn\x12%.kvshuttle.router.v1.AbortTurnRequest\x1a&.kvshuttle.router.v1.AbortTurnResponse\x12o\n\x10ListReadyDecodes\x12,.kvshuttle.router.v1.ListReadyDecodesRequest\x1a-.kvshuttle.router.v1.ListReadyDecodesResponse\x12i\n\x0e\x46indTranscript\x12*.kvshuttle.router.v1.FindTranscriptRequest\x1a+.kvshuttle.router.v1.FindTranscriptResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvshuttle.router.v1.router_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TURNEND']._serialized_start=2286
-  _globals['_TURNEND']._serialized_end=2385
-  _globals['_DECISION']._serialized_start=2387
-  _globals['_DECISION']._serialized_end=2488
-  _globals['_DECISIONREASON']._serialized_start=2491
-  _globals['_DECISIONREASON']._serialized_end=3015
+  _globals['_TURNEND']._serialized_start=2672
+  _globals['_TURNEND']._serialized_end=2771
+  _globals['_DECISION']._serialized_start=2773
+  _globals['_DECISION']._serialized_end=2874
+  _globals['_DECISIONREASON']._serialized_start=2877
+  _globals['_DECISIONREASON']._serialized_end=3401
   _globals['_PLANHINTS']._serialized_start=175
   _globals['_PLANHINTS']._serialized_end=320
   _globals['_PLACEMENT']._serialized_start=322
@@ -47,25 +47,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COSTESTIMATE']._serialized_start=392
   _globals['_COSTESTIMATE']._serialized_end=586
   _globals['_PLANTURNREQUEST']._serialized_start=589
-  _globals['_PLANTURNREQUEST']._serialized_end=763
-  _globals['_PLANTURNRESPONSE']._serialized_start=766
-  _globals['_PLANTURNRESPONSE']._serialized_end=1361
-  _globals['_TURNTIMINGS']._serialized_start=1364
-  _globals['_TURNTIMINGS']._serialized_end=1658
-  _globals['_COMMITTURNREQUEST']._serialized_start=1661
-  _globals['_COMMITTURNREQUEST']._serialized_end=1967
-  _globals['_OUTPUTTOKENIDS']._serialized_start=1969
-  _globals['_OUTPUTTOKENIDS']._serialized_end=2004
-  _globals['_COMMITTURNRESPONSE']._serialized_start=2006
-  _globals['_COMMITTURNRESPONSE']._serialized_end=2094
-  _globals['_ABORTTURNREQUEST']._serialized_start=2096
-  _globals['_ABORTTURNREQUEST']._serialized_end=2144
-  _globals['_ABORTTURNRESPONSE']._serialized_start=2146
-  _globals['_ABORTTURNRESPONSE']._serialized_end=2165
-  _globals['_LISTREADYDECODESREQUEST']._serialized_start=2167
-  _globals['_LISTREADYDECODESREQUEST']._serialized_end=2207
-  _globals['_LISTREADYDECODESRESPONSE']._serialized_start=2209
-  _globals['_LISTREADYDECODESRESPONSE']._serialized_end=2284
-  _globals['_ROUTERSERVICE']._serialized_start=3018
-  _globals['_ROUTERSERVICE']._serialized_end=3422
+  _globals['_PLANTURNREQUEST']._serialized_end=779
+  _globals['_PLANTURNRESPONSE']._serialized_start=782
+  _globals['_PLANTURNRESPONSE']._serialized_end=1399
+  _globals['_TURNTIMINGS']._serialized_start=1402
+  _globals['_TURNTIMINGS']._serialized_end=1696
+  _globals['_COMMITTURNREQUEST']._serialized_start=1699
+  _globals['_COMMITTURNREQUEST']._serialized_end=2062
+  _globals['_TRANSCRIPTSPEC']._serialized_start=2064
+  _globals['_TRANSCRIPTSPEC']._serialized_end=2165
+  _globals['_FINDTRANSCRIPTREQUEST']._serialized_start=2167
+  _globals['_FINDTRANSCRIPTREQUEST']._serialized_end=2241
+  _globals['_FINDTRANSCRIPTRESPONSE']._serialized_start=2243
+  _globals['_FINDTRANSCRIPTRESPONSE']._serialized_end=2353
+  _globals['_OUTPUTTOKENIDS']._serialized_start=2355
+  _globals['_OUTPUTTOKENIDS']._serialized_end=2390
+  _globals['_COMMITTURNRESPONSE']._serialized_start=2392
+  _globals['_COMMITTURNRESPONSE']._serialized_end=2480
+  _globals['_ABORTTURNREQUEST']._serialized_start=2482
+  _globals['_ABORTTURNREQUEST']._serialized_end=2530
+  _globals['_ABORTTURNRESPONSE']._serialized_start=2532
+  _globals['_ABORTTURNRESPONSE']._serialized_end=2551
+  _globals['_LISTREADYDECODESREQUEST']._serialized_start=2553
+  _globals['_LISTREADYDECODESREQUEST']._serialized_end=2593
+  _globals['_LISTREADYDECODESRESPONSE']._serialized_start=2595
+  _globals['_LISTREADYDECODESRESPONSE']._serialized_end=2670
+  _globals['_ROUTERSERVICE']._serialized_start=3404
+  _globals['_ROUTERSERVICE']._serialized_end=3915
 # @@protoc_insertion_point(module_scope)

@@ -295,6 +295,7 @@ class PlanTurnRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     HINTS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_SHA256_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id; a repeated request returns the first plan unchanged (on the replica
     that made it). The same id with another request body is INVALID_ARGUMENT
@@ -312,6 +313,14 @@ class PlanTurnRequest(_message.Message):
     as vLLM's own prefix cache never shares blocks across salts. A gateway derives one salt per
     tenant, so tenants never share KV.
     """
+    tenant: _builtins.str
+    """`tenants/{tenant}`: the tenant of a request without a conversation. The router then finds
+    the tenant's retention whose chain is the longest prefix of the prompt (within the cache
+    salt) and plans the turn as the next of that retention's conversation, or, when none
+    matches, as the first turn of a new conversation; either way the response names it. With a
+    conversation: empty, or that conversation's tenant (INVALID_ARGUMENT otherwise). Neither
+    set: plain P->D, nothing retained (DECISION_REASON_NO_CONVERSATION).
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The new prompt's token ids exactly as the engine will see them; at most 262,144."""
@@ -327,10 +336,11 @@ class PlanTurnRequest(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         hints: Global___PlanHints | None = ...,
         cache_salt_sha256: _builtins.bytes = ...,
+        tenant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["hints", b"hints"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt_sha256", b"cache_salt_sha256", "conversation", b"conversation", "hints", b"hints", "model", b"model", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt_sha256", b"cache_salt_sha256", "conversation", b"conversation", "hints", b"hints", "model", b"model", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -353,6 +363,7 @@ class PlanTurnResponse(_message.Message):
     RECOMPUTE_COST_FIELD_NUMBER: _builtins.int
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
     EXTEND_COST_FIELD_NUMBER: _builtins.int
+    CONVERSATION_FIELD_NUMBER: _builtins.int
     turn: _builtins.str
     """`turns/{turn}`: the handle CommitTurn and AbortTurn take."""
     generation: _builtins.int
@@ -365,6 +376,11 @@ class PlanTurnResponse(_message.Message):
     """
     tokens_to_compute: _builtins.int
     """Tokens the prefill (on extend: the holder) computes."""
+    conversation: _builtins.str
+    """`tenants/{tenant}/conversations/{conversation}` the turn belongs to: the request's, or for
+    a request with only a tenant, the one found by the prompt's chain or a new one; empty for a
+    request with neither.
+    """
     @_builtins.property
     def prefill(self) -> Global___Placement: ...
     @_builtins.property
@@ -405,10 +421,11 @@ class PlanTurnResponse(_message.Message):
         recompute_cost: Global___CostEstimate | None = ...,
         expire_time: _timestamp_pb2.Timestamp | None = ...,
         extend_cost: Global___CostEstimate | None = ...,
+        conversation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "expire_time", b"expire_time", "extend_cost", b"extend_cost", "prefill", b"prefill", "prefill_kv_transfer_params", b"prefill_kv_transfer_params", "recompute_cost", b"recompute_cost", "reuse_cost", b"reuse_cost"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decision", b"decision", "decode", b"decode", "expire_time", b"expire_time", "extend_cost", b"extend_cost", "generation", b"generation", "prefill", b"prefill", "prefill_kv_transfer_params", b"prefill_kv_transfer_params", "reason", b"reason", "recompute_cost", b"recompute_cost", "reusable_tokens", b"reusable_tokens", "reuse_cost", b"reuse_cost", "tokens_to_compute", b"tokens_to_compute", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation", b"conversation", "decision", b"decision", "decode", b"decode", "expire_time", b"expire_time", "extend_cost", b"extend_cost", "generation", b"generation", "prefill", b"prefill", "prefill_kv_transfer_params", b"prefill_kv_transfer_params", "reason", b"reason", "recompute_cost", b"recompute_cost", "reusable_tokens", b"reusable_tokens", "reuse_cost", b"reuse_cost", "tokens_to_compute", b"tokens_to_compute", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -485,6 +502,7 @@ class CommitTurnRequest(_message.Message):
     TIMINGS_FIELD_NUMBER: _builtins.int
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TURN_END_FIELD_NUMBER: _builtins.int
+    TRANSCRIPT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id; a repeated request returns the first response unchanged. The same id
     with another request body is INVALID_ARGUMENT (REQUEST_ID_REUSED).
@@ -518,6 +536,10 @@ class CommitTurnRequest(_message.Message):
         the caller sends token_ids instead. Set at most one of the two.
         """
 
+    @_builtins.property
+    def transcript(self) -> Global___TranscriptSpec:
+        """Keep the sequence's exact token ids with the retention, found later by FindTranscript."""
+
     def __init__(
         self,
         *,
@@ -528,14 +550,110 @@ class CommitTurnRequest(_message.Message):
         timings: Global___TurnTimings | None = ...,
         output_token_ids: Global___OutputTokenIds | None = ...,
         turn_end: Global___TurnEnd.ValueType = ...,
+        transcript: Global___TranscriptSpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["decode_kv_transfer_params", b"decode_kv_transfer_params", "output_token_ids", b"output_token_ids", "timings", b"timings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decode_kv_transfer_params", b"decode_kv_transfer_params", "output_token_ids", b"output_token_ids", "timings", b"timings", "transcript", b"transcript"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_kv_transfer_params", b"decode_kv_transfer_params", "output_token_ids", b"output_token_ids", "request_id", b"request_id", "timings", b"timings", "token_ids", b"token_ids", "turn", b"turn", "turn_end", b"turn_end"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_kv_transfer_params", b"decode_kv_transfer_params", "output_token_ids", b"output_token_ids", "request_id", b"request_id", "timings", b"timings", "token_ids", b"token_ids", "transcript", b"transcript", "turn", b"turn", "turn_end", b"turn_end"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CommitTurnRequest: _TypeAlias = CommitTurnRequest  # noqa: Y015
+
+@_typing.final
+class TranscriptSpec(_message.Message):
+    """TranscriptSpec says which of the committed sequence's ids make its transcript and how it is
+    found (kvshuttle.registry.v1.Transcript).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOOKUP_KEY_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    ANSWER_SHA256_FIELD_NUMBER: _builtins.int
+    ANSWER_CHARS_FIELD_NUMBER: _builtins.int
+    lookup_key: _builtins.bytes
+    """16 to 64 bytes (INVALID_ARGUMENT, field "transcript.lookup_key")."""
+    num_tokens: _builtins.int
+    """The transcript is the sequence's first num_tokens ids (a stop token the answer's text does
+    not hold left out); 1 to the sequence's length.
+    """
+    answer_sha256: _builtins.bytes
+    """SHA-256 of the answer's text (32 bytes) and its length in characters."""
+    answer_chars: _builtins.int
+    def __init__(
+        self,
+        *,
+        lookup_key: _builtins.bytes = ...,
+        num_tokens: _builtins.int = ...,
+        answer_sha256: _builtins.bytes = ...,
+        answer_chars: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer_chars", b"answer_chars", "answer_sha256", b"answer_sha256", "lookup_key", b"lookup_key", "num_tokens", b"num_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TranscriptSpec: _TypeAlias = TranscriptSpec  # noqa: Y015
+
+@_typing.final
+class FindTranscriptRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    LOOKUP_KEY_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    """`tenants/{tenant}`."""
+    model: _builtins.str
+    """Served model name."""
+    lookup_key: _builtins.bytes
+    """The transcript's lookup_key (16 to 64 bytes)."""
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        model: _builtins.str = ...,
+        lookup_key: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lookup_key", b"lookup_key", "model", b"model", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FindTranscriptRequest: _TypeAlias = FindTranscriptRequest  # noqa: Y015
+
+@_typing.final
+class FindTranscriptResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONVERSATION_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    ANSWER_SHA256_FIELD_NUMBER: _builtins.int
+    ANSWER_CHARS_FIELD_NUMBER: _builtins.int
+    conversation: _builtins.str
+    """`tenants/{tenant}/conversations/{conversation}` whose retention holds it."""
+    answer_sha256: _builtins.bytes
+    answer_chars: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        conversation: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        answer_sha256: _builtins.bytes = ...,
+        answer_chars: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer_chars", b"answer_chars", "answer_sha256", b"answer_sha256", "conversation", b"conversation", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FindTranscriptResponse: _TypeAlias = FindTranscriptResponse  # noqa: Y015
 
 @_typing.final
 class OutputTokenIds(_message.Message):

@@ -86,6 +86,11 @@ class RouterServiceStub:
                 request_serializer=kvshuttle_dot_router_dot_v1_dot_router__service__pb2.ListReadyDecodesRequest.SerializeToString,
                 response_deserializer=kvshuttle_dot_router_dot_v1_dot_router__service__pb2.ListReadyDecodesResponse.FromString,
                 _registered_method=True)
+        self.FindTranscript = channel.unary_unary(
+                '/kvshuttle.router.v1.RouterService/FindTranscript',
+                request_serializer=kvshuttle_dot_router_dot_v1_dot_router__service__pb2.FindTranscriptRequest.SerializeToString,
+                response_deserializer=kvshuttle_dot_router_dot_v1_dot_router__service__pb2.FindTranscriptResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServiceServicer:
@@ -167,6 +172,17 @@ class RouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FindTranscript(self, request, context):
+        """FindTranscript finds the exact token ids of a retained sequence of the tenant by its
+        transcript's lookup key (as CommitTurn's `transcript` stored them), and the conversation
+        it belongs to: a gateway starts a chat's next prompt with them, whichever replica
+        served the last turn. NOT_FOUND (RETENTION_NOT_FOUND) when the tenant has none with that
+        key; UNAVAILABLE (REGISTRY_UNAVAILABLE) when the registry does not answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +205,11 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.ListReadyDecodes,
                     request_deserializer=kvshuttle_dot_router_dot_v1_dot_router__service__pb2.ListReadyDecodesRequest.FromString,
                     response_serializer=kvshuttle_dot_router_dot_v1_dot_router__service__pb2.ListReadyDecodesResponse.SerializeToString,
+            ),
+            'FindTranscript': grpc.unary_unary_rpc_method_handler(
+                    servicer.FindTranscript,
+                    request_deserializer=kvshuttle_dot_router_dot_v1_dot_router__service__pb2.FindTranscriptRequest.FromString,
+                    response_serializer=kvshuttle_dot_router_dot_v1_dot_router__service__pb2.FindTranscriptResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -331,6 +352,33 @@ class RouterService:
             '/kvshuttle.router.v1.RouterService/ListReadyDecodes',
             kvshuttle_dot_router_dot_v1_dot_router__service__pb2.ListReadyDecodesRequest.SerializeToString,
             kvshuttle_dot_router_dot_v1_dot_router__service__pb2.ListReadyDecodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FindTranscript(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvshuttle.router.v1.RouterService/FindTranscript',
+            kvshuttle_dot_router_dot_v1_dot_router__service__pb2.FindTranscriptRequest.SerializeToString,
+            kvshuttle_dot_router_dot_v1_dot_router__service__pb2.FindTranscriptResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -93,6 +93,13 @@ class RouterServiceStub:
     degraded_nodes_max_age_s, else UNAVAILABLE (REGISTRY_UNAVAILABLE). Needs the permission
     PlanTurn needs, for no particular tenant.
     """
+    FindTranscript: _grpc.UnaryUnaryMultiCallable[_router_service_pb2.FindTranscriptRequest, _router_service_pb2.FindTranscriptResponse]
+    """FindTranscript finds the exact token ids of a retained sequence of the tenant by its
+    transcript's lookup key (as CommitTurn's `transcript` stored them), and the conversation
+    it belongs to: a gateway starts a chat's next prompt with them, whichever replica
+    served the last turn. NOT_FOUND (RETENTION_NOT_FOUND) when the tenant has none with that
+    key; UNAVAILABLE (REGISTRY_UNAVAILABLE) when the registry does not answer.
+    """
 
 @_typing.type_check_only
 class RouterServiceAsyncStub(RouterServiceStub):
@@ -158,6 +165,13 @@ class RouterServiceAsyncStub(RouterServiceStub):
     that does not answer is answered from the last list it gave while that is younger than
     degraded_nodes_max_age_s, else UNAVAILABLE (REGISTRY_UNAVAILABLE). Needs the permission
     PlanTurn needs, for no particular tenant.
+    """
+    FindTranscript: _aio.UnaryUnaryMultiCallable[_router_service_pb2.FindTranscriptRequest, _router_service_pb2.FindTranscriptResponse]  # type: ignore[assignment]
+    """FindTranscript finds the exact token ids of a retained sequence of the tenant by its
+    transcript's lookup key (as CommitTurn's `transcript` stored them), and the conversation
+    it belongs to: a gateway starts a chat's next prompt with them, whichever replica
+    served the last turn. NOT_FOUND (RETENTION_NOT_FOUND) when the tenant has none with that
+    key; UNAVAILABLE (REGISTRY_UNAVAILABLE) when the registry does not answer.
     """
 
 class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -245,6 +259,19 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
         that does not answer is answered from the last list it gave while that is younger than
         degraded_nodes_max_age_s, else UNAVAILABLE (REGISTRY_UNAVAILABLE). Needs the permission
         PlanTurn needs, for no particular tenant.
+        """
+
+    @_abc_1.abstractmethod
+    def FindTranscript(
+        self,
+        request: _router_service_pb2.FindTranscriptRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_service_pb2.FindTranscriptResponse, _abc.Awaitable[_router_service_pb2.FindTranscriptResponse]]:
+        """FindTranscript finds the exact token ids of a retained sequence of the tenant by its
+        transcript's lookup key (as CommitTurn's `transcript` stored them), and the conversation
+        it belongs to: a gateway starts a chat's next prompt with them, whichever replica
+        served the last turn. NOT_FOUND (RETENTION_NOT_FOUND) when the tenant has none with that
+        key; UNAVAILABLE (REGISTRY_UNAVAILABLE) when the registry does not answer.
         """
 
 def add_RouterServiceServicer_to_server(servicer: RouterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from array import array
 
 from kvshuttle.core.errors import FailedPrecondition
 from kvshuttle.core.fingerprint import request_id_reused
@@ -13,6 +14,7 @@ from kvshuttle.registry.idempotency import PutAnswer, put_fingerprint
 from kvshuttle.registry.model import (
     ChangeKind,
     Conversation,
+    Found,
     Holder,
     Node,
     PutResult,
@@ -25,6 +27,7 @@ from kvshuttle.registry.store.errors import (
     node_not_registered,
     pin_expired,
     retention_claimed,
+    retention_not_found,
     too_many,
 )
 from kvshuttle.registry.store.memory.state import RETENTION, Fence, MemoryState, snapshot_retention
@@ -79,7 +82,10 @@ class MemoryRetentions:
         record.create_time = now
         record.expire_at = expire_at
         record.claim = None
+        if record.transcript is not None and not self._state.transcript_fits(tenant, record.transcript):
+            record.transcript = None  # past the transcript bounds: the retention is kept without
         self._state.retentions[record.name] = record
+        self._state.index(record)
         self._state.by_conversation[conversation] = record.name
         self._state.node_retentions[record.node].add(record.name)
         node.retained_bytes += record.kv_bytes
@@ -160,6 +166,32 @@ class MemoryRetentions:
             self._state.push(expire_at, RETENTION, name)
         snapshot = snapshot_retention(record)
         return snapshot, [RetentionChange(ChangeKind.RENEWED, snapshot, now)]
+
+    async def find_retention(
+        self,
+        *,
+        tenant: str,
+        model: str,
+        block_size: int,
+        chain: array[int] | None,
+        transcript_key: bytes | None,
+        now: float,
+    ) -> Found:
+        state = self._state
+        if chain is not None:
+            ends = state.chain_ends.get(tenant, {})
+            for i in range(len(chain) - 1, -1, -1):
+                name = ends.get((model, block_size, chain[i]))
+                if name is None:
+                    continue
+                record = state.retentions[name]
+                if record.expire_at > now and record.block_hashes == chain[: i + 1]:
+                    return Found(snapshot_retention(record), i + 1)
+        elif transcript_key is not None:
+            name = state.transcript_keys.get(tenant, {}).get((model, transcript_key))
+            if name is not None and state.retentions[name].expire_at > now:
+                return Found(snapshot_retention(state.retentions[name]))
+        raise retention_not_found(f"tenants/{tenant}")
 
     async def list_retentions(
         self, *, tenant: str, conversation: str | None, node: str | None, after: str, limit: int

@@ -13,11 +13,14 @@ import math
 import operator
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvshuttle.registry.idempotency import IdempotencyCache
-from kvshuttle.registry.model import ChangeKind, Node, Retention, RetentionChange
+from kvshuttle.registry.model import ChangeKind, Node, Retention, RetentionChange, Transcript
 from kvshuttle.registry.store.contract import FENCE_OVERHEAD, StoreLimits
 from kvshuttle.registry.store.errors import already_claimed, retention_expired, retention_not_found
+
+_K = TypeVar("_K")
 
 # The kinds of the expiry heap's entries.
 NODE, RETENTION, FENCE = 0, 1, 2
@@ -69,6 +72,14 @@ class MemoryState:
         # Incarnations grow across registry restarts too (callers seed the base from the clock).
         self.next_incarnation = incarnation_base + 1
         self.claimed = 0
+        # What find_retention looks up, per tenant: (model, block size, last chain hash) and
+        # (model, transcript key) -> the retention name (the latest put wins a shared key).
+        self.chain_ends: dict[str, dict[tuple[str, int, int], str]] = {}
+        self.transcript_keys: dict[str, dict[tuple[str, bytes], str]] = {}
+        # Transcript bytes per tenant and in all, and how many transcripts are kept.
+        self.transcript_bytes: dict[str, int] = {}
+        self.transcript_total = 0
+        self.transcripts = 0
 
     def retention(self, name: str) -> Retention:
         """The live record `name` (RETENTION_NOT_FOUND when there is none)."""
@@ -93,8 +104,52 @@ class MemoryState:
     def drop_node_retentions(self, name: str, kind: ChangeKind, now: float) -> list[RetentionChange]:
         return [self.remove_retention(r, kind, now) for r in sorted(self.node_retentions.get(name, ()))]
 
+    def transcript_fits(self, tenant: str, transcript: Transcript) -> bool:
+        """Whether the tenant's and the store's transcript bytes have room for `transcript`."""
+        size = transcript.nbytes
+        return (
+            self.transcript_bytes.get(tenant, 0) + size <= self.limits.transcript_max_bytes_per_tenant
+            and self.transcript_total + size <= self.limits.transcript_max_bytes
+        )
+
+    def index(self, record: Retention) -> None:
+        """Make the live `record` findable by its chain's end and its transcript's key."""
+        tenant = record.tenant
+        if record.block_hashes:
+            key = (record.model, record.block_size, record.block_hashes[-1])
+            self.chain_ends.setdefault(tenant, {})[key] = record.name
+        if record.transcript is not None:
+            self.transcript_keys.setdefault(tenant, {})[(record.model, record.transcript.lookup_key)] = (
+                record.name
+            )
+            size = record.transcript.nbytes
+            self.transcript_bytes[tenant] = self.transcript_bytes.get(tenant, 0) + size
+            self.transcript_total += size
+            self.transcripts += 1
+
+    def unindex(self, record: Retention) -> None:
+        tenant = record.tenant
+        if record.block_hashes:
+            _drop(
+                self.chain_ends,
+                tenant,
+                (record.model, record.block_size, record.block_hashes[-1]),
+                record.name,
+            )
+        if record.transcript is not None:
+            _drop(self.transcript_keys, tenant, (record.model, record.transcript.lookup_key), record.name)
+            size = record.transcript.nbytes
+            left = self.transcript_bytes[tenant] - size
+            if left:
+                self.transcript_bytes[tenant] = left
+            else:
+                del self.transcript_bytes[tenant]
+            self.transcript_total -= size
+            self.transcripts -= 1
+
     def remove_retention(self, name: str, kind: ChangeKind, now: float) -> RetentionChange:
         record = self.retentions.pop(name)
+        self.unindex(record)
         conversation = record.conversation
         if self.by_conversation.get(conversation) == name:
             del self.by_conversation[conversation]
@@ -152,3 +207,12 @@ class MemoryState:
         heap += [(f.forget_at, FENCE, name) for name, f in self.fences.items() if f.forget_at != math.inf]
         heapq.heapify(heap)
         self.heap = heap
+
+
+def _drop(index: dict[str, dict[_K, str]], tenant: str, key: _K, name: str) -> None:
+    """Remove `key` from the tenant's `index` if it still names `name` (a later put may own it)."""
+    entries = index.get(tenant)
+    if entries is not None and entries.get(key) == name:
+        del entries[key]
+        if not entries:
+            del index[tenant]

@@ -19,12 +19,14 @@ stored, which the router's verification still never serves as wrong KV).
 from __future__ import annotations
 
 import heapq
+from array import array
 
 from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
 from kvshuttle.registry.model import (
     ChangeKind,
     Conversation,
     ExpiryResult,
+    Found,
     Move,
     Node,
     NodeExpiry,
@@ -99,6 +101,25 @@ class InMemoryStore:
             tenant=tenant, conversation=conversation, node=node, after=after, limit=limit
         )
 
+    async def find_retention(
+        self,
+        *,
+        tenant: str,
+        model: str,
+        block_size: int,
+        chain: array[int] | None,
+        transcript_key: bytes | None,
+        now: float,
+    ) -> Found:
+        return await self._retentions.find_retention(
+            tenant=tenant,
+            model=model,
+            block_size=block_size,
+            chain=chain,
+            transcript_key=transcript_key,
+            now=now,
+        )
+
     # ---- claims ----------------------------------------------------------------------------
 
     async def claim_retention(
@@ -160,4 +181,6 @@ class InMemoryStore:
             fences_forgotten_early=state.fences_forgotten_early,
             remembered_requests=len(state.idempotency),
             remembered_request_bytes=state.idempotency.nbytes,
+            transcripts=state.transcripts,
+            transcript_bytes=state.transcript_total,
         )

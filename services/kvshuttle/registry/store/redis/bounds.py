@@ -17,6 +17,17 @@ leaves a member with the put's deadline: the sweeper finds the name gone when it
 drops it, so the count is back by then. Until then the count is high, never low: a crash can
 refuse a put early, never let one past the limit.
 
+Transcripts. Their bytes (Transcript.nbytes) are reserved in the same script, with the member:
+`{P}:txsz` (name -> bytes), `{P}:txt` (tenant -> bytes) and `{P}:meta` "tb" (in all), checked
+against transcript_max_bytes_per_tenant and transcript_max_bytes at once; a put that does not fit
+commits its retention without the transcript. Whatever removes the member frees the bytes in the
+same step (lua/lib/counted.lua), so they live exactly as long as the capacity reservation: given
+back with a refused put's, freed by every removal path, and after a crash freed by the sweeper
+when the member is due. The counters are exact while each name is put once. Another put of a
+name (a replay, a retry after a crash, a race) shares its reservation, grown to the largest of
+theirs; a replay whose first put dropped its transcript may so reserve bytes its record does not
+use, until the retention goes: counted high, never low.
+
 Remembered answers. Each first answer is a key of its conversation's slot (with a PEXPIRE of
 idempotency_ttl); a successful put, claim or move with a request id then indexes it in the
 global slot, `{P}:idem` (keys in write order) and `{P}:isz` (key -> estimated bytes and write
@@ -56,14 +67,31 @@ class RedisBounds:
     async def reserve(self, name: str, deadline: float) -> tuple[bool, int, str]:
         """Reserve `name`'s place (its deadline member). Returns whether this added it, the
         version it got and the limit a NEW retention would pass ("" none)."""
+        added, version, limit, _ = await self.reserve_put(name, deadline, 0)
+        return added, version, limit
+
+    async def reserve_put(
+        self, name: str, deadline: float, transcript_bytes: int
+    ) -> tuple[bool, int, str, bool]:
+        """`reserve`, and with `transcript_bytes` (0: no transcript) their reservation under the
+        transcript bounds, per tenant and in all: the last value is whether it fits (the put
+        keeps its transcript). Its bytes go with the member (lua/lib/counted.lua)."""
         limits = self._limits
-        added, version, limit = await self._run(
+        added, version, limit, tx = await self._run(
             "reserve",
             self._keys.retention_deadlines,
-            [name, time_arg(deadline), limits.max_retentions, limits.max_retentions_per_tenant],
+            [
+                name,
+                time_arg(deadline),
+                limits.max_retentions,
+                limits.max_retentions_per_tenant,
+                transcript_bytes,
+                limits.transcript_max_bytes_per_tenant,
+                limits.transcript_max_bytes,
+            ],
         )
         self._shared.soon(deadline)
-        return bool(added), int(version), as_str(limit)
+        return bool(added), int(version), as_str(limit), as_str(tx) == "1"
 
     async def unreserve(self, name: str, version: int | None) -> bool:
         """Take back the reservation that got `version`, unless a write of `name` came since

@@ -7,6 +7,8 @@ import copy
 import functools
 import json
 import re
+import struct
+import sys
 from array import array
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
@@ -27,6 +29,7 @@ from kvshuttle.registry.model import (
     Holder,
     Node,
     Retention,
+    Transcript,
 )
 from kvshuttle.registry.store.errors import (
     already_claimed,
@@ -70,6 +73,60 @@ def _holder_of(raw: bytes | None) -> Holder | None:
         return None
     engine, host, port = json.loads(raw)
     return Holder(engine, host, int(port))
+
+
+# A transcript's record field: key length, digest length, answer chars, then the key, the digest
+# and the token ids as little-endian uint32.
+_TX_HEAD = struct.Struct("<IIQ")
+
+
+def transcript_bytes(transcript: Transcript | None) -> bytes:
+    """The record's `tx` field (b"" for none)."""
+    if transcript is None:
+        return b""
+    ids = transcript.token_ids
+    if ids.itemsize == 4 and sys.byteorder == "little":
+        packed = ids.tobytes()
+    else:
+        packed = struct.pack(f"<{len(ids)}I", *ids)
+    key, digest = transcript.lookup_key, transcript.answer_sha256
+    return _TX_HEAD.pack(len(key), len(digest), transcript.answer_chars) + key + digest + packed
+
+
+def _transcript_of(raw: bytes | None) -> Transcript | None:
+    if not raw:
+        return None
+    key_len, digest_len, chars = _TX_HEAD.unpack_from(raw)
+    start = _TX_HEAD.size
+    key = bytes(raw[start : start + key_len])
+    digest = bytes(raw[start + key_len : start + key_len + digest_len])
+    body = raw[start + key_len + digest_len :]
+    ids: array[int] = array("I")
+    if ids.itemsize == 4 and sys.byteorder == "little":
+        ids.frombytes(body)
+    else:
+        ids.extend(struct.unpack(f"<{len(body) // 4}I", body))
+    return Transcript(key, ids, digest, chars)
+
+
+def end_field(model: str, block_size: int, last_hash: int) -> bytes:
+    """The tenant's chain-end index field of a chain's last hash (kvshuttle.registry.store.redis.keys)."""
+    return b"%s\0%d\0%s" % (model.encode(), block_size, struct.pack("<Q", last_hash))
+
+
+def key_field(model: str, lookup_key: bytes) -> bytes:
+    """The tenant's transcript index field of a transcript's key."""
+    return model.encode() + b"\0" + lookup_key
+
+
+def lookup_args(record: Retention) -> list[str | bytes]:
+    """The index and unindex scripts' ARGV for `record`: its name, its chain-end field and its
+    transcript-key field (b"" for none)."""
+    end = b""
+    if record.block_hashes:
+        end = end_field(record.model, record.block_size, record.block_hashes[-1])
+    key = b"" if record.transcript is None else key_field(record.model, record.transcript.lookup_key)
+    return [record.name, end, key]
 
 
 def spec_json(spec: NodeSpec) -> str:
@@ -146,6 +203,7 @@ def retention_of(h: dict[str, bytes]) -> Retention:
         expire_at=float(h["exp"]),
         claim=claim,
         holder=_holder_of(h.get("holder")),
+        transcript=_transcript_of(h.get("tx")),
     )
 
 

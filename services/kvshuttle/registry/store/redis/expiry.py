@@ -137,10 +137,20 @@ class RedisExpiry:
         pipe.zcard(self._keys.claimed)
         pipe.zcard(self._keys.fdl)
         pipe.zcard(self._keys.idem)
-        pipe.hmget(self._keys.meta, ["lb", "early", "ib"])
+        pipe.hlen(self._keys.txsz)
+        pipe.hmget(self._keys.meta, ["lb", "early", "ib", "tb"])
         for dl in (self._keys.ndl, self._keys.rdl, self._keys.fdl):
             pipe.zrange(dl, 0, 0, withscores=True)
-        nodes, retentions, claimed, lingering, remembered, (lb, early, ib), *firsts = await pipe.execute()
+        (
+            nodes,
+            retentions,
+            claimed,
+            lingering,
+            remembered,
+            transcripts,
+            (lb, early, ib, tb),
+            *firsts,
+        ) = await pipe.execute()
         self._shared.counts = StoreCounts(
             nodes=nodes,
             retentions=retentions,
@@ -151,6 +161,8 @@ class RedisExpiry:
             fences_forgotten_early=int(early or 0),
             remembered_requests=remembered,
             remembered_request_bytes=int(ib or 0),
+            transcripts=transcripts,
+            transcript_bytes=int(tb or 0),
         )
         deadlines = [float(first[0][1]) for first in firsts if first]
         self._shared.deadline = min(deadlines) if deadlines else None

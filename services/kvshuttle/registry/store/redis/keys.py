@@ -16,13 +16,23 @@ class RedisKeys:
         self.nodes = f"{g}:nodes"
         self.ndl, self.nver = f"{g}:ndl", f"{g}:nver"
         self.rdl, self.rver = f"{g}:rdl", f"{g}:rver"
-        # The retention deadline set with its versions, per-tenant member counts and members
-        # reserved past a limit: the keys of every script that adds or removes one of its members
-        # (kvshuttle.registry.store.redis.bounds).
-        self.retention_deadlines = [self.rdl, self.rver, f"{g}:rcount", f"{g}:rover"]
         self.idem, self.isz = f"{g}:idem", f"{g}:isz"
         self.fdl, self.fsz = f"{g}:fdl", f"{g}:fsz"
         self.claimed, self.meta = f"{g}:claimed", f"{g}:meta"
+        # Transcript bytes reserved per retention name and per tenant (their sum in `meta` "tb").
+        self.txsz, self.txt = f"{g}:txsz", f"{g}:txt"
+        # The retention deadline set with its versions, per-tenant member counts, members
+        # reserved past a limit and the transcript bytes its members hold: the keys of every
+        # script that adds or removes one of its members (kvshuttle.registry.store.redis.bounds).
+        self.retention_deadlines = [
+            self.rdl,
+            self.rver,
+            f"{g}:rcount",
+            f"{g}:rover",
+            self.txsz,
+            self.txt,
+            self.meta,
+        ]
 
     def conversation(self, conversation: str) -> str:
         return f"{self.prefix}:{{{conversation}}}"
@@ -37,3 +47,9 @@ class RedisKeys:
 
     def tenant(self, tenant: str) -> str:
         return f"{self.prefix}:{{tenants/{tenant}}}:names"
+
+    def lookup(self, tenant: str) -> list[str]:
+        """The tenant's find_retention indexes (its names' slot): chain ends (model, block size,
+        last hash -> retention name) and transcript keys (model, key -> retention name)."""
+        base = f"{self.prefix}:{{tenants/{tenant}}}"
+        return [f"{base}:ends", f"{base}:tx"]

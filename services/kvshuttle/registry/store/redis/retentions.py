@@ -4,6 +4,7 @@ the conversation's fence, read, renew, list."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvshuttle.core.errors import (
@@ -22,6 +23,7 @@ from kvshuttle.registry.model import (
     PutResult,
     Retention,
     RetentionChange,
+    Transcript,
 )
 from kvshuttle.registry.store.errors import (
     conversation_not_found,
@@ -43,8 +45,20 @@ from kvshuttle.registry.store.redis.codec import (
     reachable,
     retention_of,
     time_arg,
+    transcript_bytes,
 )
 from kvshuttle.registry.store.redis.shared import RedisShared
+
+
+@dataclass(slots=True)
+class _PutSteps:
+    """What a put's index steps before its commit did (RedisRetentions._index_first)."""
+
+    attached: bool = False  # this put attached the name to its node
+    reserved: bool = False  # this put added the name's deadline member, which got `version`
+    version: int = 0
+    capacity: str = ""  # the limit a new retention would pass ("" none)
+    kept: Transcript | None = None  # the transcript, if its bytes fit
 
 
 class RedisRetentions:
@@ -85,26 +99,13 @@ class RedisRetentions:
         self, retention: Retention, ttl: float, now: float, *, request_id: str
     ) -> tuple[PutResult, list[RetentionChange]]:
         conversation = retention.conversation
-        tenant = retention.tenant
         name = retention.name
         fingerprint = put_fingerprint(retention).hex() if request_id else ""
         node, node_error = await self._holding_node(retention)
         expire_at = now + ttl
         if retention.pin_expire_at is not None and retention.pin_expire_at > now:
             expire_at = min(expire_at, retention.pin_expire_at)
-        # Index steps first: a replica dying right after the commit still leaves the deadline
-        # that expires it, and a replacement's detach always comes after this attach. The
-        # deadline is the put's reservation too: the commit refuses a new retention past the
-        # limit its count gave (kvshuttle.registry.store.redis.bounds).
-        attached = version = 0
-        reserved = False
-        capacity = ""
-        if node_error is None:
-            assert node is not None
-            attached, node_error = await self._attach_for_put(retention, node.spec)
-        if node_error is None:
-            reserved, version, capacity = await self._bounds.reserve(name, expire_at)
-            await self._redis.zadd(self._keys.tenant(tenant), {name: 0})
+        steps, node_error = await self._index_first(retention, node, node_error, expire_at)
         idem_key = self._keys.idempotency(conversation, "put", conversation, request_id)
         idem_until = self._shared.idem_args(now)
         out = await self._run(
@@ -118,7 +119,7 @@ class RedisRetentions:
                 time_arg(expire_at),
                 "" if retention.pin_expire_at is None else time_arg(retention.pin_expire_at),
                 "" if node_error is None else "NODE",
-                capacity,
+                steps.capacity,
                 *idem_until,
                 name,
                 retention.node,
@@ -129,6 +130,7 @@ class RedisRetentions:
                 retention.kv_transfer_params,
                 str(retention.kv_bytes),
                 holder_json(retention.holder),
+                transcript_bytes(steps.kept),
             ],
         )
         tag = as_str(out[0])
@@ -136,7 +138,7 @@ class RedisRetentions:
             dead, held, out = as_str(out[1]) == "1", as_str(out[3]) == "1", out[2]
             tag = as_str(out[0])
             if not held:
-                await self._take_back(retention, node, attached == 1, dead, reserved, version)
+                await self._take_back(retention, node, steps, dead)
             if tag == "reused":
                 raise request_id_reused()
             if tag == "repeat":
@@ -155,6 +157,8 @@ class RedisRetentions:
         record.create_time = now
         record.expire_at = expire_at
         record.claim = None
+        record.transcript = steps.kept
+        await self._shared.index(record)
         result = PutResult(record, old_name)
         changes.append(RetentionChange(ChangeKind.PUT, copy_retention(record), now))
         assert node is not None
@@ -162,19 +166,34 @@ class RedisRetentions:
         self._shared.account(changes)
         return result, changes
 
-    async def _take_back(
-        self,
-        retention: Retention,
-        node: Node | None,
-        attached: bool,
-        dead: bool,
-        reserved: bool,
-        version: int,
-    ) -> None:
+    async def _index_first(
+        self, retention: Retention, node: Node | None, node_error: KvshuttleError | None, expire_at: float
+    ) -> tuple[_PutSteps, KvshuttleError | None]:
+        """A put's index steps before its commit: a replica dying right after the commit still
+        leaves the deadline that expires it, and a replacement's detach always comes after this
+        attach. The deadline is the put's reservation too: the commit refuses a new retention past
+        the limit its count gave (kvshuttle.registry.store.redis.bounds). Its transcript's bytes
+        are reserved with its place; past the transcript bounds it is kept without them."""
+        steps = _PutSteps()
+        if node_error is None:
+            assert node is not None
+            attached, node_error = await self._attach_for_put(retention, node.spec)
+            steps.attached = attached == 1
+        if node_error is None:
+            size = 0 if retention.transcript is None else retention.transcript.nbytes
+            steps.reserved, steps.version, steps.capacity, fits = await self._bounds.reserve_put(
+                retention.name, expire_at, size
+            )
+            steps.kept = retention.transcript if fits else None
+            await self._redis.zadd(self._keys.tenant(retention.tenant), {retention.name: 0})
+        return steps, node_error
+
+    async def _take_back(self, retention: Retention, node: Node | None, steps: _PutSteps, dead: bool) -> None:
         """A refused put's index steps and place, given back. Not called for a name another put
         of it committed meanwhile (a replay racing its first answer): that commit owns them."""
         name = retention.name
-        if attached:  # the name was not live: take its index steps back
+        reserved, version = steps.reserved, steps.version
+        if steps.attached:  # the name was not live: take its index steps back
             await self._run("detach", self._keys.node(retention.node), [name])
             # ... unless a put of the name that attached before this one committed since (its
             # node check may have run before this detach): then it is attached again. Were its
@@ -232,16 +251,9 @@ class RedisRetentions:
             f"tenant {retention.tenant} holds {self._limits.max_retentions_per_tenant} retentions",
         )
 
-    async def _read_retention(self, name: str) -> Retention | None:
-        raw = await self._shared.hgetall(self._keys.conversation(conversation_of(name)))
-        h = {as_str(k): v for k, v in raw.items()}
-        if as_str(h.get("name", b"")) != name:
-            return None
-        return retention_of(h)
-
     @reachable
     async def get_retention(self, name: str) -> Retention:
-        record = await self._read_retention(name)
+        record = await self._shared.read_retention(name)
         if record is None:
             raise retention_not_found(name)
         return record

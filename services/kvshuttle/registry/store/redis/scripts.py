@@ -5,10 +5,10 @@ body (and its SHA) is exactly the library's code followed by the script's.
 
 Every script touches the keys of ONE hash slot only: a conversation's (its record and its
 idempotency entries), a node's (its record, its held and lost sets), a tenant's (its name
-index) or the store's global slot (deadline sets, node directory, counters). Times and
-expiries arrive as strings from Python (repr of a float) and are stored as given: Lua only
-compares them (tonumber), never computes a time, so no precision is lost. Generations
-(< 2**63, beyond a double's exact range) are compared as decimal strings.
+index, its find_retention indexes) or the store's global slot (deadline sets, node directory,
+counters). Times and expiries arrive as strings from Python (repr of a float) and are stored
+as given: Lua only compares them (tonumber), never computes a time, so no precision is lost.
+Generations (< 2**63, beyond a double's exact range) are compared as decimal strings.
 
 Replies: {'ok', ...}, {'err', REASON, detail...}, or a step-specific tag.
 """
@@ -50,6 +50,8 @@ _LIBRARY: dict[str, str | None] = {
     "reserve": "counted",
     "unreserve": "counted",
     "remember": None,
+    "index": None,
+    "unindex": None,
 }
 
 

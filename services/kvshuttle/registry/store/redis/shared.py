@@ -1,8 +1,10 @@
 """What every part of the Redis store (kvshuttle.registry.store.redis.store) holds: one RedisShared with
 the client, the limits, the key layout, the registered scripts and this replica's view of the counts
-and the next deadline; and the steps the parts share: reading a node, the deadline hint, the
-NODE_LOST cascade of a removed node, the retirement of a removed retention and its fence's
-lingering, and the check that a committed retention's node still holds it."""
+and the next deadline; and the steps the parts share: reading a node or a retention, the deadline
+hint, a committed retention's find_retention index entries, the NODE_LOST cascade of a removed
+node, the retirement of a removed retention (its index steps, its transcript bytes freed with its
+deadline member) and its fence's lingering, and the check that a committed retention's node still
+holds it."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from kvshuttle.registry.store.redis.codec import (
     RedisClient,
     as_str,
     conversation_of,
+    lookup_args,
     node_of,
     pairs,
     retention_of,
@@ -71,18 +74,31 @@ class RedisShared:
     def account(self, changes: Sequence[RetentionChange], nodes: int = 0) -> None:
         c = self.counts
         retentions, claimed = c.retentions, c.claimed
+        transcripts, transcript_bytes = c.transcripts, c.transcript_bytes
         for change in changes:
+            transcript = change.retention.transcript
             if change.kind is ChangeKind.PUT:
                 retentions += 1
+                if transcript is not None:
+                    transcripts += 1
+                    transcript_bytes += transcript.nbytes
             elif change.kind in REMOVED_KINDS:
                 retentions -= 1
                 claimed -= change.retention.claim is not None
+                if transcript is not None:
+                    transcripts -= 1
+                    transcript_bytes -= transcript.nbytes
             elif change.kind is ChangeKind.CLAIMED:
                 claimed += 1
             elif change.kind in (ChangeKind.UNCLAIMED, ChangeKind.MOVED):
                 claimed -= 1
         self.counts = dataclasses.replace(
-            c, nodes=max(0, c.nodes + nodes), retentions=max(0, retentions), claimed=max(0, claimed)
+            c,
+            nodes=max(0, c.nodes + nodes),
+            retentions=max(0, retentions),
+            claimed=max(0, claimed),
+            transcripts=max(0, transcripts),
+            transcript_bytes=max(0, transcript_bytes),
         )
 
     # ---- steps several parts take ----------------------------------------------------------
@@ -98,6 +114,30 @@ class RedisShared:
         h = {as_str(k): v for k, v in raw.items()}
         h["count"] = str(count).encode()
         return node_of(h)
+
+    async def read_retention(self, name: str) -> Retention | None:
+        """The retention `name` as its conversation holds it now, or None when it holds another
+        or none."""
+        raw = await self.hgetall(self.keys.conversation(conversation_of(name)))
+        h = {as_str(k): v for k, v in raw.items()}
+        if as_str(h.get("name", b"")) != name:
+            return None
+        return retention_of(h)
+
+    async def index(self, record: Retention) -> None:
+        """Make the committed `record` findable by its chain's end and its transcript's key (the
+        latest put wins a shared field). The record and the indexes are in different slots, so:
+        index, then check it is still held; removed in between, its retirement may have
+        unindexed it before this index, so unindex it again."""
+        keys, args = self.keys.lookup(record.tenant), lookup_args(record)
+        if args[1:] == [b"", b""]:
+            return
+        await self.run("index", keys, args)
+        held = await cast(
+            "Awaitable[bytes | None]", self.client.hget(self.keys.conversation(record.conversation), "name")
+        )
+        if held is None or as_str(held) != record.name:
+            await self.run("unindex", keys, args)
 
     async def hint(self, keys: list[str], member: str, deadline: float) -> None:
         await self.run("hint", keys, [member, time_arg(deadline)])
@@ -125,6 +165,7 @@ class RedisShared:
         if detach:
             await self.run("detach", self.keys.node(record.node), [record.name])
         await self.client.zrem(self.keys.tenant(record.tenant), record.name)
+        await self.run("unindex", self.keys.lookup(record.tenant), lookup_args(record))
         if record.claim is not None:
             await self.client.zrem(self.keys.claimed, record.name)
         await self.run("drop", self.keys.retention_deadlines, [record.name])

@@ -16,24 +16,32 @@ Keys (P is the configured prefix; the braces are Redis Cluster hash tags):
 - `P:{nodes/n}`: the node's lease record; `...:held` (retention name -> kv_bytes: its retentions,
   whose count and byte sum are the node's counts) and `...:lost` (retentions of a removed
   incarnation whose NODE_LOST cascade is not done yet), one slot per node.
-- `P:{tenants/t}:names`: the tenant's retention names (a lexicographic ZSET), for listing.
+- `P:{tenants/t}:names`: the tenant's retention names (a lexicographic ZSET), for listing;
+  `...:ends` and `...:tx` (hashes), what find_retention looks up: (model, block size, the chain's
+  last hash) and (model, transcript key) -> retention name, the latest put winning a shared field
+  (kvshuttle.registry.store.redis.lookup). The transcript itself is the record's `tx` field.
 - `{P}:...`, the global slot: `nodes` (node directory), `ndl`/`nver`, `rdl`/`rver` and `fdl`
   (node, retention and fence deadlines, with write versions), `rcount`/`rover` (the retention
-  deadlines per tenant, which capacity counts, and those reserved past a limit), `fsz`
-  (lingering fence sizes), `claimed` (claimed retention names), `idem`/`isz` (the remembered
-  answers' index), `meta` (incarnation counter, lingering and remembered bytes, fences forgotten
-  early).
+  deadlines per tenant, which capacity counts, and those reserved past a limit), `txsz`/`txt`
+  (transcript bytes reserved per retention name and per tenant), `fsz` (lingering fence sizes),
+  `claimed` (claimed retention names), `idem`/`isz` (the remembered answers' index), `meta`
+  (incarnation counter, lingering, remembered and transcript bytes, fences forgotten early).
 
 Operations that touch several slots run as per-slot scripts driven from Python, each step
 idempotent and each index a hint that the deciding record overrides:
 
 - put: node record read (validation), node attach, the reservation (its expiry deadline, added
-  under the capacity limits in one script: kvshuttle.registry.store.redis.bounds) and tenant-index add
-  BEFORE the commit (so a replica dying after the commit still leaves a deadline that expires
-  it), the conversation's commit script (a new retention past the limit refused, a replacement
-  let in), then the replaced retention's clean-up, the node check (a node gone meanwhile: the
-  retention is dropped at once as NODE_LOST) and the remembered answer's indexing. A refused put
-  gives its reservation back.
+  under the capacity limits in one script, with its transcript's bytes under the transcript
+  bounds: kvshuttle.registry.store.redis.bounds) and tenant-index add BEFORE the commit (so a
+  replica dying after the commit still leaves a deadline that expires it), the conversation's
+  commit script (a new retention past the limit refused, a replacement let in; the transcript
+  stored only if its bytes fit), then the replaced retention's clean-up, the find_retention
+  entries, the node check (a node gone meanwhile: the retention is dropped at once as NODE_LOST)
+  and the remembered answer's indexing. A refused put gives its reservation back.
+- retirement (every removal: replaced, released, expired, evicted, node lost): the record's
+  script first, then its index steps (`RedisShared.retired`): detach, tenant names, its
+  find_retention entries (each only while it still names it), its deadline member, whose
+  removal frees its transcript bytes in the same script.
 - node removal (deregister, expiry, engine change): the node script moves `held` to `lost`
   atomically with the record's removal; Python then drops each lost retention with a
   conversation script that removes it only if it is still that retention on that node, and
@@ -48,6 +56,15 @@ idempotent and each index a hint that the deciding record overrides:
   since it read it, so no concurrent write is lost and a record is never swept late.
 - listing: the ZSET index in name order, then each record read (a name whose record is gone or
   changed is skipped), until the page is full.
+- find_retention: the tenant's `ends` (every candidate field in one HMGET, walked from the
+  longest prefix) or `tx` entry, then the record it names, which decides: it must exist, own the
+  entry, not have lapsed and (for a chain) hold exactly that prefix. A stale entry is skipped and
+  deleted. Gaps, each a miss or a leftover, never a wrong answer: a replica dying between a
+  commit and its entries' write leaves that retention unfindable (it stays usable by name); one
+  dying between a record's removal and its retirement leaves its entries until a lookup meets
+  them (deleted then) or a later put of the field overwrites them (the sweep that finishes the
+  other index steps does not know the fields). Transcript bytes have no such gap: they go with
+  the deadline member, which that sweep removes.
 
 Time is the registry's clock, passed in as `now`; Redis's clock is used only to bound memory
 (each remembered answer also gets a PEXPIRE of idempotency_ttl, besides the index's count,
@@ -65,10 +82,13 @@ So on one replica they are exact after each operation; with several, another rep
 show after this one's next sweep, read from the shared counters every replica moves (the same
 figures on every replica then). `retentions` is what capacity counts: live retentions plus
 puts in flight; `fenced_conversations` counts it plus lingering fences; `remembered_requests` /
-`remembered_request_bytes` are the remembered answers' index (as of the sweep).
+`remembered_request_bytes` are the remembered answers' index (as of the sweep); `transcripts` /
+`transcript_bytes` the transcript reservations (live ones plus puts in flight, as of the sweep).
 """
 
 from __future__ import annotations
+
+from array import array
 
 from redis.commands.core import AsyncScript
 
@@ -76,6 +96,7 @@ from kvshuttle.core.nodes import NodeLoad, NodeRole, NodeSpec
 from kvshuttle.registry.model import (
     Conversation,
     ExpiryResult,
+    Found,
     Move,
     Node,
     PutResult,
@@ -89,6 +110,7 @@ from kvshuttle.registry.store.redis.claims import RedisClaims
 from kvshuttle.registry.store.redis.codec import RedisClient
 from kvshuttle.registry.store.redis.expiry import RedisExpiry
 from kvshuttle.registry.store.redis.keys import RedisKeys
+from kvshuttle.registry.store.redis.lookup import RedisLookup
 from kvshuttle.registry.store.redis.nodes import RedisNodes
 from kvshuttle.registry.store.redis.retentions import RedisRetentions
 from kvshuttle.registry.store.redis.shared import RedisShared
@@ -114,6 +136,7 @@ class RedisStore:
         self._retentions = RedisRetentions(self._shared, self.bounds)
         self._claims = RedisClaims(self._shared, self.bounds)
         self._expiry = RedisExpiry(self._shared, self.bounds)
+        self._lookup = RedisLookup(self._shared)
 
     @property
     def client(self) -> RedisClient:
@@ -174,6 +197,25 @@ class RedisStore:
     ) -> list[Retention]:
         return await self._retentions.list_retentions(
             tenant=tenant, conversation=conversation, node=node, after=after, limit=limit
+        )
+
+    async def find_retention(
+        self,
+        *,
+        tenant: str,
+        model: str,
+        block_size: int,
+        chain: array[int] | None,
+        transcript_key: bytes | None,
+        now: float,
+    ) -> Found:
+        return await self._lookup.find_retention(
+            tenant=tenant,
+            model=model,
+            block_size=block_size,
+            chain=chain,
+            transcript_key=transcript_key,
+            now=now,
         )
 
     # ---- claims ----------------------------------------------------------------------------

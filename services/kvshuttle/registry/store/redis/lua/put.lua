@@ -1,7 +1,8 @@
 -- KEYS: conversation, idempotency entry. ARGV: now, request_id, fingerprint, generation,
 -- expire_at, pin ('' none), node_error, capacity_error, idem_until, idem_px, name, node, model,
--- block_size, num_tokens, block_hashes, params, kv_bytes, holder ('' none). Reply: {'ok', ...}, or
--- {'no', '1' when the name can no longer be committed, the refusal}.
+-- block_size, num_tokens, block_hashes, params, kv_bytes, holder ('' none), transcript ('' none:
+-- none, or past its bounds). Reply: {'ok', ...}, or {'no', '1' when the name can no longer be
+-- committed, the refusal}.
 
 local function attempt()
   local now = tonumber(ARGV[1])
@@ -30,6 +31,7 @@ local function attempt()
     'ct', ARGV[1], 'exp', ARGV[5])
   if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'pin', ARGV[6]) end
   if ARGV[19] ~= '' then redis.call('HSET', KEYS[1], 'holder', ARGV[19]) end
+  if ARGV[20] ~= '' then redis.call('HSET', KEYS[1], 'tx', ARGV[20]) end
   if ARGV[2] ~= '' then
     redis.call('DEL', KEYS[2])
     redis.call('HSET', KEYS[2], 'op', 'put', 'fp', ARGV[3], 'name', ARGV[11], 'ct', ARGV[1],
