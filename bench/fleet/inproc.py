@@ -140,6 +140,7 @@ class InProcessPort:
                 kv_bytes=new.kv_bytes,
                 pin_expire_at=new.pin_expire_at,
                 holder=holder_from_pb(params),
+                prompt_blocks=new.prompt_blocks,
                 transcript=None
                 if new.transcript is None
                 else reg.Transcript(

@@ -15,6 +15,7 @@ The figures (reuse per turn) are printed; run with -s to see them.
 
 from __future__ import annotations
 
+import itertools
 import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -30,6 +31,7 @@ from pydantic import SecretStr
 from tests.e2e.agent_loop import TOOLS, calls, no_free_whitespace, streamed_message
 from tests.e2e.stacks import running_stack
 from tests.gateway.epp.envoy import Envoy, body_chunks, request_headers
+from tests.support.turns import reference
 
 from kvshuttle.client.settings import ServiceConnection
 from kvshuttle.core.endpoints import endpoint_host_port
@@ -267,3 +269,51 @@ async def test_llmd_plain_p_to_d_and_pass_through_answer_as_vllm_does(
     assert front.metric("kvshuttle_sidecar_requests_total", mode="llmd") == 1
     assert front.metric("kvshuttle_sidecar_requests_total", mode="local") == 1
     assert front.metric("kvshuttle_sidecar_ssrf_refused_total", target="prefill") == 0
+
+
+@pytest.mark.parametrize("session", [True, False], ids=["x-session-id", "no-id"])
+async def test_a_chat_through_epp_and_sidecar_reuses_through_the_previous_answer(
+    front: Front, vllm_pair: VllmPair, session: bool
+) -> None:
+    """A plain chat, its history sent back as text, with llm-d's session header or none at all:
+    the picker and the sidecar both start each prompt with the previous turn's transcript
+    (decode's own ids, from the registry), so every later turn reuses the previous prompt and
+    answer but the last token, and answers as the same ids computed from scratch."""
+    headers = {"x-session-id": f"chat-{uuid.uuid4().hex[:8]}"} if session else {}
+    messages: list[dict[str, Any]] = [
+        {
+            "role": "system",
+            "content": "You are a careful assistant for a team that runs inference servers. " * 8,
+        },
+        {"role": "user", "content": f"Why does reusing KV shorten the time to first token? ({session})"},
+    ]
+    figures: list[tuple[int, int, int]] = []
+    async with aiohttp.ClientSession() as http:
+        for turn in range(4):
+            body = {
+                "model": "m",
+                "messages": messages,
+                "max_tokens": 24,
+                "temperature": 0,
+                "return_token_ids": True,
+            }
+            url, sent, forwarded = await front.route(body, headers)
+            async with http.post(
+                url, data=forwarded, headers={"Content-Type": "application/json", **sent}
+            ) as r:
+                assert r.status == 200, await r.text()
+                answer = json.loads(await r.read())
+                reused = int(r.headers["x-kvshuttle-reused-tokens"])
+            prompt, output = answer["prompt_token_ids"], answer["choices"][0]["token_ids"]
+            ref = reference(vllm_pair, prompt, max_tokens=len(output))
+            assert ref[: len(output)] == output, turn  # the same ids computed from scratch
+            figures.append((len(prompt), len(output), reused))
+            messages += [
+                {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                {"role": "user", "content": f"Say it again, shorter ({turn})."},
+            ]
+    print(f"\npicker + sidecar, {'x-session-id' if session else 'no id'} (prompt, answer, reused):", figures)
+    assert front.metric("kvshuttle_sidecar_plain_total", why="prompt_mismatch") == 0
+    for (prompt, answer, _), (_, _, reused) in itertools.pairwise(figures):
+        # Decode holds the KV of the prompt and the answer but its last token.
+        assert reused >= prompt + answer - 1 - 32, figures

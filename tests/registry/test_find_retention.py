@@ -180,3 +180,29 @@ async def test_bad_lookups_name_their_field(make_store: StoreFactory, clock: Fak
     with pytest.raises(InvalidArgument) as err:
         await put(registry, f"{ACME}/conversations/c1", t=Transcript(KEY, array("I"), b"a" * 32, 0))
     assert err.value.field == "retention.transcript.token_ids"
+
+
+async def test_a_prompt_that_repeats_only_the_previous_prompt_finds_it_by_its_prompt_blocks(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    """A chat re-tokenized from text repeats the previous prompt but not decode's answer: the
+    retention is found by its prompt's last full block too, and answers how far it matches."""
+    registry = await make(make_store, clock)
+    conv = f"{ACME}/conversations/c1"
+    r = retention(1, tokens=100)  # 6 blocks: a prompt of 70 tokens (4 blocks before its last token)
+    r.prompt_blocks = 4
+    await registry.put_retention(request_id="", parent=conv, retention=r, ttl=60)
+    departs = array("Q", chain_hashes([*range(70), *range(500, 600)], BLOCK))
+    found = await find_chain(registry, departs)
+    assert (found.retention.conversation, found.matched_blocks, found.retention.prompt_blocks) == (conv, 4, 4)
+    assert (await find_chain(registry, prompt_chain(300))).matched_blocks == 6  # the whole chain first
+    with pytest.raises(NotFound):  # departing inside the prompt's blocks: nothing
+        await find_chain(registry, array("Q", chain_hashes([*range(40), *range(500, 600)], BLOCK)))
+    await registry.release_retention(f"{conv}/retentions/1", claim_id="", force=True)
+    with pytest.raises(NotFound):
+        await find_chain(registry, departs)
+    bad = retention(2, tokens=100)
+    bad.prompt_blocks = 7
+    with pytest.raises(InvalidArgument) as err:
+        await registry.put_retention(request_id="", parent=conv, retention=bad, ttl=60)
+    assert err.value.field == "retention.prompt_blocks"

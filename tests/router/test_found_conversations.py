@@ -5,6 +5,7 @@ found again by its key. Over the registry's domain in process, on a fake clock."
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -175,3 +176,82 @@ async def test_a_bad_transcript_is_refused_naming_its_field_and_commits_nothing(
         )
     )
     assert (await router.find_transcript(ACME, MODEL, KEY)).conversation == plan.conversation
+
+
+async def commit(router: Router, cluster: Cluster, plan: Plan, prompt: list[int]) -> list[int]:
+    sequence = prompt + cluster.tokens(32)
+    await router.commit_turn(
+        CommitRequest(
+            turn=plan.turn,
+            token_ids=sequence,
+            decode_kv_transfer_params=cluster.decode_params(plan, len(sequence)),
+        )
+    )
+    return sequence
+
+
+async def test_siblings_of_a_fork_each_get_a_conversation_of_their_own(cluster: Cluster) -> None:
+    """Two requests continue one history at once (a fork's children): the first continues the
+    parent's conversation, the second, finding its retention claimed, forks a conversation of its
+    own (it recomputes: the retention is single use). Both commits are stored; each child's next
+    turn finds its own."""
+    router = cluster.router()
+    parent, seq = await turn(router, cluster, cluster.tokens(1000))
+    one, two = seq + cluster.tokens(50), seq + cluster.tokens(50)
+    first = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=one, tenant=ACME))
+    second = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=two, tenant=ACME))
+    assert (first.conversation, first.decision) == (parent.conversation, Decision.REUSE)
+    assert second.conversation not in (parent.conversation, "")
+    assert (second.decision, second.reason) == (Decision.RECOMPUTE, Reason.FORK_UNSAFE)
+    seq1 = await commit(router, cluster, first, one)
+    seq2 = await commit(router, cluster, second, two)
+    assert (await cluster.registry.get_retention(f"{first.conversation}/retentions/2")).num_tokens == len(
+        seq1
+    )
+    assert (await cluster.registry.get_retention(f"{second.conversation}/retentions/1")).num_tokens == len(
+        seq2
+    )
+    for mine, sequence in ((first, seq1), (second, seq2)):
+        nxt = await router.plan_turn(
+            PlanRequest(model=MODEL, prompt_token_ids=sequence + cluster.tokens(20), tenant=ACME)
+        )
+        assert (nxt.conversation, nxt.decision) == (mine.conversation, Decision.REUSE)
+
+
+async def test_a_sibling_that_loses_the_claim_forks_instead_of_recomputing_into_a_fenced_commit(
+    cluster: Cluster,
+) -> None:
+    """Both siblings found the retention unclaimed; the second's claim loses: it plans again as
+    a fork, and its commit is stored under its own conversation."""
+    router = cluster.router()
+    parent, seq = await turn(router, cluster, cluster.tokens(1000))
+    port = cluster.port(router)
+    stale = port.find_by_chain
+    first = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=seq + [1] * 40, tenant=ACME))
+    assert first.decision == Decision.REUSE
+
+    async def unclaimed(*args: object) -> object:
+        found = await stale(*args)  # type: ignore[arg-type]  # as before the first sibling claimed
+        return None if found is None else replace(found, claimed=False)
+
+    port.find_by_chain = unclaimed  # type: ignore[method-assign, assignment]
+    second = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=seq + [2] * 40, tenant=ACME))
+    assert second.conversation not in (parent.conversation, "")
+    assert (second.decision, second.reason) == (Decision.RECOMPUTE, Reason.FORK_UNSAFE)
+    await commit(router, cluster, second, seq + [2] * 40)
+    assert (await cluster.registry.get_conversation(second.conversation)).retention is not None
+
+
+async def test_a_prompt_that_repeats_the_previous_prompt_but_not_its_answer_continues_it(
+    cluster: Cluster,
+) -> None:
+    """A chat re-tokenized from text (or whose answer was re-rendered: a tool call) repeats the
+    previous prompt, not decode's answer ids: the conversation is still found, by the prompt's
+    last full block, and the turn reuses the previous prompt."""
+    router = cluster.router()
+    prompt = cluster.tokens(1000)
+    first, _ = await turn(router, cluster, prompt)
+    retokenized = prompt + cluster.tokens(80)  # another answer's ids, then the new message
+    second = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=retokenized, tenant=ACME))
+    assert (second.conversation, second.decision) == (first.conversation, Decision.REUSE)
+    assert (1000 - 1) // 16 * 16 <= second.reusable_tokens <= 1000

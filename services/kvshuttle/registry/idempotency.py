@@ -110,6 +110,8 @@ def put_fingerprint(retention: Retention) -> bytes:
             retention.block_hashes.tobytes(),
             retention.kv_transfer_params,
             *_transcript_parts(retention.transcript),
+            # As before prompt_blocks: a put without them keeps its fingerprint.
+            *([struct.pack("<Q", retention.prompt_blocks)] if retention.prompt_blocks else []),
         ],
     )
 

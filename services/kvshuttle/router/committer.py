@@ -259,6 +259,12 @@ class Committer:
             ttl=pin - now,
             pin_expire_at=pin,
             transcript=transcript,
+            # The prompt's full blocks before its last token (re-tokenizing a chat can change the
+            # prompt's last token, where the generation prompt meets the answer), when they are
+            # in the retention's block size.
+            prompt_blocks=min((state.prompt_tokens - 1) // bs, num_tokens // bs)
+            if state.prompt_full_blocks
+            else 0,
         )
         try:
             stored = await self._registry(self._parts.port.put_retention(new), timer)

@@ -100,8 +100,9 @@ class RouterMetrics:
         self.conversations_found = Counter(
             "kvshuttle_router_conversations_found",
             "Plans of requests that named only their tenant, by how their conversation was "
-            "settled: found = a retention's whole chain is a prefix of the prompt (the turn "
-            "continues its conversation), new = none is (the turn starts one).",
+            "settled: continued = a retention's whole chain is a prefix of the prompt (the turn "
+            "continues its conversation), forked = such a retention another turn had claimed (a "
+            "sibling of a fork: the turn starts a conversation forked from it), new = none is.",
             ["outcome"],
             registry=registry,
         )

@@ -172,6 +172,9 @@ class NewRetention:
     # Where the blocks live in vLLM, the engine's own pin: a renewal never goes past it.
     pin_expire_at: float
     transcript: TranscriptInfo | None = None
+    # Leading blocks of the turn's prompt before its last token (0: unknown): the registry finds
+    # the retention by them too (a next prompt that repeats the prompt but not the answer).
+    prompt_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,6 +62,10 @@ class PlanCall:
     give_up_at: float | None = None
     # The decode endpoints the caller allows (hints.decode_endpoints; None: any).
     decode_allowed: EndpointSet | None = None
+    # The conversation was found by the prompt (not named): a retention another turn claimed
+    # first makes this turn a fork of it (Planner), rather than a recompute that its sibling's
+    # commit would fence.
+    fork_on_claim_lost: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,6 +64,16 @@ log = structlog.get_logger("kvshuttle.router")
 # The ids of conversations the router starts for requests that name none.
 NEW_CONVERSATION_PREFIX = "anon-"
 
+
+def new_conversation(tenant: str) -> str:
+    """A new conversation, named by the router (96 random bits), in the caller's tenant."""
+    return f"tenants/{tenant}/conversations/{NEW_CONVERSATION_PREFIX}{os.urandom(12).hex()}"
+
+
+class _Sibling(Exception):
+    """A plan of a found conversation lost its retention's claim to another turn."""
+
+
 # A turn that recomputes for these reasons supersedes its conversation's retention: this turn's
 # commit replaces it in the registry, and nothing will read it again. Left alone, its blocks stay
 # pinned on the holder until the engine's own TTL (decoder_kv_blocks_ttl, minutes of HBM). The
@@ -104,17 +114,32 @@ class Planner:
             earlier = self._parts.memory.earlier_plan(scope, req.model, req.request_id, fingerprint)
             if earlier is not None:
                 return earlier
+        found = ""  # the conversation the prompt continues, when the router found it
         if not conversation and tenant:
-            conversation = await self._conversation_of(req, tenant, tokens, root, timer)
+            conversation, parent, found = await self._conversation_of(req, tenant, tokens, root, timer)
         if conversation and self._parts.shuttle is not None:
             self._parts.shuttle.turn_arrived(conversation)  # the gap since its last commit here
 
         give_up_at = None if req.deadline_s is None else self._parts.clock.now() + req.deadline_s
         with self._parts.tracer.start_as_current_span("plan") as span:
-            plan = await self._plan(
-                PlanCall(req, cost, tokens, conversation, parent, root, timer, span,
-                         fingerprint=fingerprint, give_up_at=give_up_at, decode_allowed=decode_allowed)
-            )  # fmt: skip
+            call = PlanCall(req, cost, tokens, conversation, parent, root, timer, span,
+                            fingerprint=fingerprint, give_up_at=give_up_at, decode_allowed=decode_allowed,
+                            fork_on_claim_lost=bool(found))  # fmt: skip
+            try:
+                plan = await self._plan(call)
+            except _Sibling:
+                # Another turn continuing the same history (a sibling of a fork) holds its
+                # retention: this one becomes a conversation of its own, forked from it, so
+                # that neither fences the other's commit.
+                forked = replace(
+                    call, conversation=new_conversation(tenant), parent=found, fork_on_claim_lost=False
+                )
+                plan = await self._plan(forked)
+                parent = found
+        if tenant and not req.conversation:
+            outcome = "forked" if parent else "continued" if found else "new"
+            self._parts.metrics.child(self._parts.metrics.conversations_found, outcome).inc()
+            structlog.contextvars.bind_contextvars(conversation_found=outcome)
         if req.request_id:
             self._parts.memory.remember_plan(scope, req.model, req.request_id, fingerprint, plan)
 
@@ -132,11 +157,14 @@ class Planner:
 
     async def _conversation_of(
         self, req: PlanRequest, tenant: str, tokens: Tokens, root: int, timer: CallTimer
-    ) -> str:
-        """The conversation of a request that names only its tenant: the one whose retention's
-        whole chain is the longest prefix of the prompt's (the prompt continues it), else a new
-        one. Found only among the tenant's own retentions, under the prompt's cache salt (the
-        chain's root): never another tenant's, never KV computed under another salt."""
+    ) -> tuple[str, str, str]:
+        """The conversation of a request that names only its tenant, the one it forks from and
+        the one it continues ("" for none): the conversation whose retention's whole chain is
+        the longest prefix of the prompt's is continued (the prompt extends it), unless another
+        turn has claimed that retention (a sibling of a fork reads it): then a new conversation
+        forks from it; none matches, a new one. Found only among the tenant's own retentions,
+        under the prompt's cache salt (the chain's root): never another tenant's, never KV
+        computed under another salt."""
         found: RetentionInfo | None = None
         if self._reuse_allowed(req):
             try:
@@ -155,14 +183,12 @@ class Planner:
                 if err.reason != ErrorReason.REGISTRY_UNAVAILABLE:
                     raise
                 # The plan degrades on its own; this turn starts a conversation of its own.
-        structlog.contextvars.bind_contextvars(conversation_found=found is not None)
-        self._parts.metrics.child(
-            self._parts.metrics.conversations_found, "found" if found is not None else "new"
-        ).inc()
-        if found is not None:
-            return found.name.rsplit("/", 2)[0]
-        # 96 random bits: a new conversation, named by the router, in the caller's tenant.
-        return f"tenants/{tenant}/conversations/{NEW_CONVERSATION_PREFIX}{os.urandom(12).hex()}"
+        if found is None:
+            return new_conversation(tenant), "", ""
+        conversation = found.name.rsplit("/", 2)[0]
+        if found.claimed:
+            return new_conversation(tenant), conversation, ""
+        return conversation, "", conversation
 
     async def _plan(self, call: PlanCall) -> Plan:
         use_hint = True
@@ -202,6 +228,8 @@ class Planner:
                 if claim is None and verdict is decided:
                     use_hint = False
                     continue
+            if call.fork_on_claim_lost and claim is None and reason is Reason.CLAIM_LOST:
+                raise _Sibling
             return self._issuer.issue(ctx, reason, verdict, claim)
 
     def _hint_outcome(self, outcome: str) -> None:

@@ -114,6 +114,7 @@ def retention_from_pb(r: pb.Retention) -> Retention:
         pin_expire_at=pin,
         holder=holder_from_pb(params) if params is not None else None,
         transcript=transcript_from_pb(r.transcript) if r.HasField("transcript") else None,
+        prompt_blocks=r.prompt_blocks,
     )
 
 
@@ -155,6 +156,7 @@ def retention_to_pb(r: Retention, *, transcript: bool = False) -> pb.Retention:
         kv_transfer_params=KvTransferParams.FromString(r.kv_transfer_params),
         kv_bytes=r.kv_bytes,
         state=pb.RETENTION_STATE_CLAIMED if r.claim is not None else pb.RETENTION_STATE_ACTIVE,
+        prompt_blocks=r.prompt_blocks,
         create_time=to_timestamp(r.create_time),
         expire_time=to_timestamp(r.expire_at),
     )

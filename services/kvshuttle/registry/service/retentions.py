@@ -60,6 +60,8 @@ class RegistryRetentions:
         # A node's retained_bytes is a sum of these.
         if not 0 <= retention.kv_bytes <= self._limits.max_kv_bytes:
             raise InvalidArgument("retention.kv_bytes", f"must be 0..{self._limits.max_kv_bytes}")
+        if retention.prompt_blocks > len(retention.block_hashes):
+            raise InvalidArgument("retention.prompt_blocks", "must be at most the number of block_hashes")
         if retention.transcript is not None:
             self._check_transcript(retention.transcript)
 

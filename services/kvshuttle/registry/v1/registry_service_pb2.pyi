@@ -541,6 +541,7 @@ class Retention(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
     TRANSCRIPT_FIELD_NUMBER: _builtins.int
+    PROMPT_BLOCKS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Output only. `tenants/{tenant}/conversations/{conversation}/retentions/{generation}`."""
     node: _builtins.str
@@ -557,6 +558,13 @@ class Retention(_message.Message):
     """KV bytes the retention holds; at most 2^46."""
     state: Global___RetentionState.ValueType
     """Output only."""
+    prompt_blocks: _builtins.int
+    """How many leading block_hashes another request may share with it: those of the turn's prompt
+    before its last token (0: only the whole chain). FindRetention finds the retention by the
+    chain's last hash and by this block's, so a prompt that repeats the previous prompt but not
+    the answer (a chat whose answer was re-tokenized or re-rendered) still finds it. At most
+    the number of block_hashes.
+    """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """kvshuttle's prefix-hash chain over the retained tokens, one per full block:
@@ -617,10 +625,11 @@ class Retention(_message.Message):
         create_time: _timestamp_pb2.Timestamp | None = ...,
         expire_time: _timestamp_pb2.Timestamp | None = ...,
         transcript: Global___Transcript | None = ...,
+        prompt_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim", "create_time", b"create_time", "expire_time", b"expire_time", "kv_transfer_params", b"kv_transfer_params", "pin_expire_time", b"pin_expire_time", "transcript", b"transcript"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_size", b"block_size", "claim", b"claim", "create_time", b"create_time", "expire_time", b"expire_time", "generation", b"generation", "kv_bytes", b"kv_bytes", "kv_transfer_params", b"kv_transfer_params", "model", b"model", "name", b"name", "node", b"node", "num_tokens", b"num_tokens", "pin_expire_time", b"pin_expire_time", "state", b"state", "transcript", b"transcript"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_size", b"block_size", "claim", b"claim", "create_time", b"create_time", "expire_time", b"expire_time", "generation", b"generation", "kv_bytes", b"kv_bytes", "kv_transfer_params", b"kv_transfer_params", "model", b"model", "name", b"name", "node", b"node", "num_tokens", b"num_tokens", "pin_expire_time", b"pin_expire_time", "prompt_blocks", b"prompt_blocks", "state", b"state", "transcript", b"transcript"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1198,7 +1207,7 @@ class FindRetentionResponse(_message.Message):
     RETENTION_FIELD_NUMBER: _builtins.int
     MATCHED_BLOCKS_FIELD_NUMBER: _builtins.int
     matched_blocks: _builtins.int
-    """With block_hashes: how many of them the retention's chain covers (all of its own)."""
+    """With block_hashes: how many of them the retention's chain covers."""
     @_builtins.property
     def retention(self) -> Global___Retention: ...
     def __init__(

@@ -324,9 +324,10 @@ class RegistryServiceServicer:
 
     def FindRetention(self, request, context):
         """FindRetention finds a tenant's live retention by what it holds, for a turn that names no
-        conversation: by `block_hashes`, the retention whose whole chain is the longest prefix of
-        the given chain (of the given model and block size); by `transcript_key`, the latest
-        retention whose transcript has that key. Never another tenant's: the index is per tenant,
+        conversation: by `block_hashes`, the retention that shares the longest prefix with the
+        given chain (of the given model and block size) ending at its chain's end or at its
+        prompt's last full block (`prompt_blocks`); by `transcript_key`, the latest retention whose
+        transcript has that key. Never another tenant's: the index is per tenant,
         and a caller may ask only for its own. NOT_FOUND (RETENTION_NOT_FOUND) when none matches.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -133,9 +133,10 @@ class RegistryServiceStub:
     """
     FindRetention: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.FindRetentionRequest, _registry_service_pb2.FindRetentionResponse]
     """FindRetention finds a tenant's live retention by what it holds, for a turn that names no
-    conversation: by `block_hashes`, the retention whose whole chain is the longest prefix of
-    the given chain (of the given model and block size); by `transcript_key`, the latest
-    retention whose transcript has that key. Never another tenant's: the index is per tenant,
+    conversation: by `block_hashes`, the retention that shares the longest prefix with the
+    given chain (of the given model and block size) ending at its chain's end or at its
+    prompt's last full block (`prompt_blocks`); by `transcript_key`, the latest retention whose
+    transcript has that key. Never another tenant's: the index is per tenant,
     and a caller may ask only for its own. NOT_FOUND (RETENTION_NOT_FOUND) when none matches.
     """
     ListRetentions: _grpc.UnaryUnaryMultiCallable[_registry_service_pb2.ListRetentionsRequest, _registry_service_pb2.ListRetentionsResponse]
@@ -266,9 +267,10 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     """
     FindRetention: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.FindRetentionRequest, _registry_service_pb2.FindRetentionResponse]  # type: ignore[assignment]
     """FindRetention finds a tenant's live retention by what it holds, for a turn that names no
-    conversation: by `block_hashes`, the retention whose whole chain is the longest prefix of
-    the given chain (of the given model and block size); by `transcript_key`, the latest
-    retention whose transcript has that key. Never another tenant's: the index is per tenant,
+    conversation: by `block_hashes`, the retention that shares the longest prefix with the
+    given chain (of the given model and block size) ending at its chain's end or at its
+    prompt's last full block (`prompt_blocks`); by `transcript_key`, the latest retention whose
+    transcript has that key. Never another tenant's: the index is per tenant,
     and a caller may ask only for its own. NOT_FOUND (RETENTION_NOT_FOUND) when none matches.
     """
     ListRetentions: _aio.UnaryUnaryMultiCallable[_registry_service_pb2.ListRetentionsRequest, _registry_service_pb2.ListRetentionsResponse]  # type: ignore[assignment]
@@ -480,9 +482,10 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_registry_service_pb2.FindRetentionResponse, _abc.Awaitable[_registry_service_pb2.FindRetentionResponse]]:
         """FindRetention finds a tenant's live retention by what it holds, for a turn that names no
-        conversation: by `block_hashes`, the retention whose whole chain is the longest prefix of
-        the given chain (of the given model and block size); by `transcript_key`, the latest
-        retention whose transcript has that key. Never another tenant's: the index is per tenant,
+        conversation: by `block_hashes`, the retention that shares the longest prefix with the
+        given chain (of the given model and block size) ending at its chain's end or at its
+        prompt's last full block (`prompt_blocks`); by `transcript_key`, the latest retention whose
+        transcript has that key. Never another tenant's: the index is per tenant,
         and a caller may ask only for its own. NOT_FOUND (RETENTION_NOT_FOUND) when none matches.
         """
 

@@ -214,6 +214,7 @@ class GrpcRegistryPort:
             kv_transfer_params=from_vllm(new.kv_transfer_params, "decode_kv_transfer_params"),
             kv_bytes=new.kv_bytes,
             pin_expire_time=to_timestamp(new.pin_expire_at),
+            prompt_blocks=new.prompt_blocks,
         )
         if new.transcript is not None:
             t = new.transcript

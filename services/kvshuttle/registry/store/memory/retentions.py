@@ -185,7 +185,7 @@ class MemoryRetentions:
                 if name is None:
                     continue
                 record = state.retentions[name]
-                if record.expire_at > now and record.block_hashes == chain[: i + 1]:
+                if record.expire_at > now and record.block_hashes[: i + 1] == chain[: i + 1]:
                     return Found(snapshot_retention(record), i + 1)
         elif transcript_key is not None:
             name = state.transcript_keys.get(tenant, {}).get((model, transcript_key))

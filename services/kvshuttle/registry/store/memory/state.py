@@ -72,8 +72,9 @@ class MemoryState:
         # Incarnations grow across registry restarts too (callers seed the base from the clock).
         self.next_incarnation = incarnation_base + 1
         self.claimed = 0
-        # What find_retention looks up, per tenant: (model, block size, last chain hash) and
-        # (model, transcript key) -> the retention name (the latest put wins a shared key).
+        # What find_retention looks up, per tenant: (model, block size, the chain's last hash or
+        # its prompt's) and (model, transcript key) -> the retention name (the latest put wins a
+        # shared key).
         self.chain_ends: dict[str, dict[tuple[str, int, int], str]] = {}
         self.transcript_keys: dict[str, dict[tuple[str, bytes], str]] = {}
         # Transcript bytes per tenant and in all, and how many transcripts are kept.
@@ -115,8 +116,8 @@ class MemoryState:
     def index(self, record: Retention) -> None:
         """Make the live `record` findable by its chain's end and its transcript's key."""
         tenant = record.tenant
-        if record.block_hashes:
-            key = (record.model, record.block_size, record.block_hashes[-1])
+        for k in record.lookup_blocks():
+            key = (record.model, record.block_size, record.block_hashes[k - 1])
             self.chain_ends.setdefault(tenant, {})[key] = record.name
         if record.transcript is not None:
             self.transcript_keys.setdefault(tenant, {})[(record.model, record.transcript.lookup_key)] = (
@@ -129,13 +130,9 @@ class MemoryState:
 
     def unindex(self, record: Retention) -> None:
         tenant = record.tenant
-        if record.block_hashes:
-            _drop(
-                self.chain_ends,
-                tenant,
-                (record.model, record.block_size, record.block_hashes[-1]),
-                record.name,
-            )
+        for k in record.lookup_blocks():
+            key = (record.model, record.block_size, record.block_hashes[k - 1])
+            _drop(self.chain_ends, tenant, key, record.name)
         if record.transcript is not None:
             _drop(self.transcript_keys, tenant, (record.model, record.transcript.lookup_key), record.name)
             size = record.transcript.nbytes

@@ -120,13 +120,14 @@ def key_field(model: str, lookup_key: bytes) -> bytes:
 
 
 def lookup_args(record: Retention) -> list[str | bytes]:
-    """The index and unindex scripts' ARGV for `record`: its name, its chain-end field and its
-    transcript-key field (b"" for none)."""
-    end = b""
-    if record.block_hashes:
-        end = end_field(record.model, record.block_size, record.block_hashes[-1])
+    """The index and unindex scripts' ARGV for `record`: its name, its chain-end field, its
+    transcript-key field and its prompt-end field (b"" for none)."""
+    ends = [
+        end_field(record.model, record.block_size, record.block_hashes[k - 1]) for k in record.lookup_blocks()
+    ]
+    end, prompt_end = [*ends, b"", b""][:2]
     key = b"" if record.transcript is None else key_field(record.model, record.transcript.lookup_key)
-    return [record.name, end, key]
+    return [record.name, end, key, prompt_end]
 
 
 def spec_json(spec: NodeSpec) -> str:
@@ -204,6 +205,7 @@ def retention_of(h: dict[str, bytes]) -> Retention:
         claim=claim,
         holder=_holder_of(h.get("holder")),
         transcript=_transcript_of(h.get("tx")),
+        prompt_blocks=int(h.get("pb", b"0")),
     )
 
 

@@ -1,6 +1,7 @@
 """The Redis store's find_retention (kvshuttle.registry.store.redis.store): a tenant's retentions
 found by what they hold, through the tenant's two index hashes (kvshuttle.registry.store.redis.keys
-`lookup`): chain ends, (model, block size, last hash) -> retention name, and transcript keys,
+`lookup`): chain ends, (model, block size, the chain's last hash or its prompt's) -> retention
+name, and transcript keys,
 (model, key) -> retention name. Each entry is a hint: the record it names decides (it exists, it
 is still the one that owns the entry, its lease has not lapsed, it holds what was asked for). An
 entry whose record is gone or no longer owns it is skipped and deleted (only if it still names
@@ -48,13 +49,13 @@ class RedisLookup:
         if chain is not None:
             fields = [end_field(model, block_size, h) for h in chain]
             names = await self._hmget(keys[0], fields)
-            # From the longest prefix: the first whose record's whole chain is chain[:i + 1].
+            # From the longest prefix: the first whose record's chain starts with chain[:i + 1].
             for i in range(len(chain) - 1, -1, -1):
                 raw = names[i]
                 if raw is None:
                     continue
                 record = await self._verified(tenant, as_str(raw), now, (fields[i], b""))
-                if record is not None and record.block_hashes == chain[: i + 1]:
+                if record is not None and record.block_hashes[: i + 1] == chain[: i + 1]:
                     return Found(record, i + 1)
         elif transcript_key is not None:
             field = key_field(model, transcript_key)
@@ -81,12 +82,12 @@ class RedisLookup:
         if name.startswith(f"tenants/{tenant}/"):
             record = await self._shared.read_retention(name)
         if record is None or not _owns(record, entry):
-            await self._shared.run("unindex", self._keys.lookup(tenant), [name, *entry])
+            await self._shared.run("unindex", self._keys.lookup(tenant), [name, *entry, b""])
             return None
         return record if record.expire_at > now else None
 
 
 def _owns(record: Retention, entry: tuple[bytes, bytes]) -> bool:
     """Whether `record`'s own index entries include `entry`'s field."""
-    _, end, key = lookup_args(record)
-    return (entry[0] != b"" and end == entry[0]) or (entry[1] != b"" and key == entry[1])
+    _, end, key, prompt_end = lookup_args(record)
+    return (entry[0] != b"" and entry[0] in (end, prompt_end)) or (entry[1] != b"" and key == entry[1])

@@ -131,6 +131,7 @@ class RedisRetentions:
                 str(retention.kv_bytes),
                 holder_json(retention.holder),
                 transcript_bytes(steps.kept),
+                str(retention.prompt_blocks),
             ],
         )
         tag = as_str(out[0])

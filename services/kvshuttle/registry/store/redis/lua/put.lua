@@ -32,6 +32,7 @@ local function attempt()
   if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'pin', ARGV[6]) end
   if ARGV[19] ~= '' then redis.call('HSET', KEYS[1], 'holder', ARGV[19]) end
   if ARGV[20] ~= '' then redis.call('HSET', KEYS[1], 'tx', ARGV[20]) end
+  if ARGV[21] ~= '0' then redis.call('HSET', KEYS[1], 'pb', ARGV[21]) end
   if ARGV[2] ~= '' then
     redis.call('DEL', KEYS[2])
     redis.call('HSET', KEYS[2], 'op', 'put', 'fp', ARGV[3], 'name', ARGV[11], 'ct', ARGV[1],

@@ -2,7 +2,7 @@
 -- scripts share: reading, matching and removing the record, and a remembered first answer.
 
 local R_FIELDS = {'name','node','gen','model','bs','nt','bh','kp','kvb','pin','ct','exp','holder',
-                  'tx','cid','chold','ctime','cexp','clease'}
+                  'tx','pb','cid','chold','ctime','cexp','clease'}
 local C_FIELDS = {'cid','chold','ctime','cexp','clease'}
 local function tohash(flat)
   local h = {}
