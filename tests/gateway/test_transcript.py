@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvshuttle.gateway.openai.prompt import Prompt, transcript_spec
+from kvshuttle.gateway.prompts.tokenizer import ChatTokenizer
 from kvshuttle.gateway.prompts.transcript import (
     answer_ids,
     answer_sha256,
@@ -16,6 +18,7 @@ from kvshuttle.gateway.prompts.transcript import (
     previous_turn_end,
     splice,
 )
+from kvshuttle.gateway.turns.record import DecodeOutput
 
 # A toy vocabulary: id -> text (EOS decodes to its special token text).
 VOCAB = {0: "<eos>", 1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!"}
@@ -81,3 +84,39 @@ def test_keys_are_apart_for_every_salt_model_and_text(salt: str, model: str, tex
     # Where the salt ends and the model starts is part of the key.
     if model:
         assert lookup_key(salt + model[0], model[1:], text) != key
+
+
+def test_an_empty_answer_splices_the_prompt_alone() -> None:
+    """A turn whose answer ids did not decode to its text keeps its prompt's ids alone: the next
+    chat starts with them, and its answer text is tokenized with the rest."""
+    rest = ANSWER + "</assistant><user>more</user><assistant>"
+    found = splice(PROMPT + rest, PROMPT, [10, 11, 12], answer_sha256(""), 0)
+    assert found is not None
+    assert list(found.ids) == [10, 11, 12] and found.rest == rest
+    assert splice("<user>hi!</user><assistant>" + rest, PROMPT, [10, 11, 12], answer_sha256(""), 0) is None
+
+
+def test_a_turn_keeps_decodes_ids_or_else_its_prompts(chat_tokenizer: ChatTokenizer) -> None:
+    ids = chat_tokenizer.tokenizer.encode("Hello world", add_special_tokens=False).ids
+    prompt = Prompt([1, 2, 3], "<prompt text>", lookup_key=b"k" * 32)
+    kept = transcript_spec(
+        chat_tokenizer, prompt, DecodeOutput(text="Hello world", token_ids=ids, finish_reason="stop")
+    )
+    assert kept is not None
+    assert (kept.num_tokens, kept.answer_chars, kept.answer_sha256) == (
+        3 + len(ids),
+        11,
+        answer_sha256("Hello world"),
+    )
+    # Ids that decode to other text, or none: the prompt's ids alone, an empty answer.
+    for out in (
+        DecodeOutput(text="Hello there", token_ids=ids, finish_reason="stop"),
+        DecodeOutput(text="Hello world", token_ids=[], ids_complete=False, finish_reason="stop"),
+    ):
+        alone = transcript_spec(chat_tokenizer, prompt, out)
+        assert alone is not None
+        assert (alone.num_tokens, alone.answer_chars, alone.answer_sha256) == (3, 0, answer_sha256(""))
+    # Decode did not finish (the client left): none.
+    assert transcript_spec(chat_tokenizer, prompt, DecodeOutput(text="Hel", token_ids=ids[:1])) is None
+    # A prompt that keeps no transcript (a completions prompt): none.
+    assert transcript_spec(chat_tokenizer, Prompt([1, 2, 3]), DecodeOutput(finish_reason="stop")) is None

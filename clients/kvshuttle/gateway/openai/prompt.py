@@ -158,20 +158,22 @@ async def _spliced(
 
 def transcript_spec(tok: ChatTokenizer, prompt: Prompt, out: DecodeOutput) -> pb.TranscriptSpec | None:
     """The transcript a finished chat turn commits: its prompt ids and decode's output ids, when
-    decode finished with complete ids that decode to exactly its text; None otherwise (its next
-    turn is then tokenized as usual)."""
-    if not prompt.lookup_key or out.finish_reason is None or not out.ids_complete:
+    decode finished with complete ids that decode to exactly its text; else its prompt ids alone
+    (an empty answer: the next turn's answer text is tokenized again, after the prompt's exact
+    ids); None for a turn decode did not finish."""
+    if not prompt.lookup_key or out.finish_reason is None:
         return None
-    kept = answer_ids(
-        out.token_ids, out.text, lambda ids: tok.tokenizer.decode(list(ids), skip_special_tokens=False)
-    )
-    if kept is None:
-        return None
+    kept = None
+    if out.ids_complete:
+        kept = answer_ids(
+            out.token_ids, out.text, lambda ids: tok.tokenizer.decode(list(ids), skip_special_tokens=False)
+        )
+    answer = out.text if kept is not None else ""
     return pb.TranscriptSpec(
         lookup_key=prompt.lookup_key,
-        num_tokens=len(prompt.ids) + len(kept),
-        answer_sha256=answer_sha256(out.text),
-        answer_chars=len(out.text),
+        num_tokens=len(prompt.ids) + len(kept or ()),
+        answer_sha256=answer_sha256(answer),
+        answer_chars=len(answer),
     )
 
 
