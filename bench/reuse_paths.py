@@ -51,7 +51,9 @@ PATHS = ("id", "no-id", "no-id-2-replicas", "no-id-retokenize")
 def conversation(
     urls: list[str], model: str, name: str | None, common: str, text: Text, rng: random.Random, turns: int
 ) -> list[dict[str, Any]]:
-    """One conversation, turn i on urls[i % len(urls)]; `name` None: no conversation id."""
+    """One conversation, turn i on urls[i % len(urls)]; `name` None: no conversation id. `common`
+    starts with the path's own word: the same conversation on two paths shares no block (else a
+    path without an id would find the other path's retention, a fork, and measure that)."""
     messages = [{"role": "user", "content": f"{common}\n{text(800)}\n{text(rng.randint(120, 160))}"}]
     rows: list[dict[str, Any]] = []
     prev: dict[str, Any] | None = None
@@ -151,7 +153,7 @@ def main() -> None:
                 urls = [stack.gateway_url, replica_url] if path == "no-id-2-replicas" else [stack.gateway_url]
                 model_name = "m-retokenize" if path == "no-id-retokenize" else "m"
                 name = f"c{i}-{path}" if path == "id" else None
-                got = conversation(urls, model_name, name, common, texts[(path, i)],
+                got = conversation(urls, model_name, name, f"{path}: {common}", texts[(path, i)],
                                    random.Random(-i - 1), args.turns)  # fmt: skip
                 rows[path].extend(got)
                 print(f"{path:>17} conversation {i}: {[r.get('reused_share') for r in got]}", flush=True)

@@ -12,6 +12,7 @@ import pytest
 from tests.router.domain_cluster import MODEL, Cluster
 
 from kvshuttle.core.errors import InvalidArgument, NotFound
+from kvshuttle.router.finding import NEW_CONVERSATION_PREFIX
 from kvshuttle.router.model import (
     CommitRequest,
     Decision,
@@ -21,7 +22,6 @@ from kvshuttle.router.model import (
     TranscriptSpec,
     TurnTimings,
 )
-from kvshuttle.router.planner import NEW_CONVERSATION_PREFIX
 from kvshuttle.router.router import Router
 
 ACME, OTHER = "tenants/acme", "tenants/other"

@@ -259,12 +259,7 @@ class Committer:
             ttl=pin - now,
             pin_expire_at=pin,
             transcript=transcript,
-            # The prompt's full blocks before its last token (re-tokenizing a chat can change the
-            # prompt's last token, where the generation prompt meets the answer), when they are
-            # in the retention's block size.
-            prompt_blocks=min((state.prompt_tokens - 1) // bs, num_tokens // bs)
-            if state.prompt_full_blocks
-            else 0,
+            prompt_blocks=_prompt_blocks(state, num_tokens),
         )
         try:
             stored = await self._registry(self._parts.port.put_retention(new), timer)
@@ -393,6 +388,17 @@ def _with_answer_tokens(
     first = max(min(prompt_tokens, n) // bs, -(-n // bs) - MAX_KNOWN_BLOCKS)
     # A copy: a view would keep the whole commit's array alive past the hint's byte bound.
     return replace(retention, known_from_block=first, known_tokens=tokens[first * bs : n].copy())
+
+
+def _prompt_blocks(state: TurnState, num_tokens: int) -> int:
+    """The leading blocks the registry also finds the retention by: the prompt's full blocks but
+    the last one before its last token (re-tokenizing a chat changes the tokens where the
+    generation prompt meets the answer, up to a few before the prompt's end; which block the
+    retention is found by costs no reuse: the plan verifies the prompt token by token). 0 when
+    the prompt's blocks are not in the retention's block size."""
+    if not state.prompt_full_blocks:
+        return 0
+    return max(0, min((state.prompt_tokens - 1) // state.block_size - 1, num_tokens // state.block_size))
 
 
 def _not_stored(err: Unavailable, node: str) -> CommitResult:

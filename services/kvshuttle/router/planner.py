@@ -26,7 +26,6 @@ writes the decided plan down (its signed handle, params, counters and span).
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -38,9 +37,10 @@ from kvshuttle.core.names import check_id
 from kvshuttle.core.nodes import NodeRole
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.router import checks
-from kvshuttle.router.chains import NO_CHAIN, Chain, Tokens
+from kvshuttle.router.chains import NO_CHAIN, Chain
 from kvshuttle.router.claiming import Claimer
 from kvshuttle.router.cost import price_extend
+from kvshuttle.router.finding import ConversationFinder, new_conversation
 from kvshuttle.router.model import (
     ClaimInfo,
     NodeInfo,
@@ -61,14 +61,6 @@ from kvshuttle.router.verify import (
 
 log = structlog.get_logger("kvshuttle.router")
 
-# The ids of conversations the router starts for requests that name none.
-NEW_CONVERSATION_PREFIX = "anon-"
-
-
-def new_conversation(tenant: str) -> str:
-    """A new conversation, named by the router (96 random bits), in the caller's tenant."""
-    return f"tenants/{tenant}/conversations/{NEW_CONVERSATION_PREFIX}{os.urandom(12).hex()}"
-
 
 class _Sibling(Exception):
     """A plan of a found conversation lost its retention's claim to another turn."""
@@ -87,6 +79,7 @@ class Planner:
         self._parts = parts
         self._issuer = PlanIssuer(parts)
         self._claimer = Claimer(parts)
+        self._finder = ConversationFinder(parts)
 
     async def plan_turn(self, req: PlanRequest) -> Plan:
         timer = CallTimer()
@@ -116,7 +109,9 @@ class Planner:
                 return earlier
         found = ""  # the conversation the prompt continues, when the router found it
         if not conversation and tenant:
-            conversation, parent, found = await self._conversation_of(req, tenant, tokens, root, timer)
+            conversation, parent, found = await self._finder.conversation_of(
+                req, tenant, tokens, root, timer, reuse=self._reuse_allowed(req)
+            )
         if conversation and self._parts.shuttle is not None:
             self._parts.shuttle.turn_arrived(conversation)  # the gap since its last commit here
 
@@ -154,41 +149,6 @@ class Planner:
             **own,
         )
         return plan
-
-    async def _conversation_of(
-        self, req: PlanRequest, tenant: str, tokens: Tokens, root: int, timer: CallTimer
-    ) -> tuple[str, str, str]:
-        """The conversation of a request that names only its tenant, the one it forks from and
-        the one it continues ("" for none): the conversation whose retention's whole chain is
-        the longest prefix of the prompt's is continued (the prompt extends it), unless another
-        turn has claimed that retention (a sibling of a fork reads it): then a new conversation
-        forks from it; none matches, a new one. Found only among the tenant's own retentions,
-        under the prompt's cache salt (the chain's root): never another tenant's, never KV
-        computed under another salt."""
-        found: RetentionInfo | None = None
-        if self._reuse_allowed(req):
-            try:
-                nodes = await timer.registry(self._parts.nodes.nodes(req.model))
-                pool = candidates(nodes, NodeRole.PREFILL, req.model)
-                if pool:
-                    block_size = pool[0].block_size
-                    chain = self._parts.chains.chain("", tokens, block_size, root=root, remember=False)
-                    if len(chain):
-                        found = await timer.registry(
-                            self._parts.port.find_by_chain(
-                                tenant, req.model, block_size, chain[:MAX_BLOCK_HASHES]
-                            )
-                        )
-            except Unavailable as err:
-                if err.reason != ErrorReason.REGISTRY_UNAVAILABLE:
-                    raise
-                # The plan degrades on its own; this turn starts a conversation of its own.
-        if found is None:
-            return new_conversation(tenant), "", ""
-        conversation = found.name.rsplit("/", 2)[0]
-        if found.claimed:
-            return new_conversation(tenant), conversation, ""
-        return conversation, "", conversation
 
     async def _plan(self, call: PlanCall) -> Plan:
         use_hint = True
