@@ -4,6 +4,7 @@ found again by its key. Over the registry's domain in process, on a fake clock."
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from dataclasses import replace
 
@@ -255,3 +256,34 @@ async def test_a_prompt_that_repeats_the_previous_prompt_but_not_its_answer_cont
     second = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=retokenized, tenant=ACME))
     assert (second.conversation, second.decision) == (first.conversation, Decision.REUSE)
     assert (1000 - 1) // 16 * 16 <= second.reusable_tokens <= 1000
+
+
+async def test_a_retention_this_replica_is_moving_is_waited_for_not_forked_from(cluster: Cluster) -> None:
+    """The claim on a found retention is this replica's own park: the turn continues the
+    conversation (the plan waits for the move), where a sibling's claim would fork it."""
+    router = cluster.router()
+    parent, seq = await turn(router, cluster, cluster.tokens(1000))
+    port = cluster.port(router)
+    real_find = port.find_by_chain
+
+    async def claimed(*args: object) -> object:
+        found = await real_find(*args)  # type: ignore[arg-type]
+        return None if found is None else replace(found, claimed=True)
+
+    port.find_by_chain = claimed  # type: ignore[method-assign, assignment]
+    moved: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    moved.set_result(None)
+    moving = {parent.conversation: moved}
+
+    class Moves:  # this replica's moves in flight, as the shuttle answers them
+        def move_in_flight(self, conversation: str) -> asyncio.Future[None] | None:
+            return moving.get(conversation)
+
+    finder = router._planner._finder
+    finder._parts = replace(finder._parts, shuttle=Moves())  # type: ignore[arg-type]
+    own = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=seq + [1] * 40, tenant=ACME))
+    assert (own.conversation, own.decision) == (parent.conversation, Decision.REUSE)
+    # A claim that is not this replica's move: a sibling's, and the turn forks.
+    moving.clear()
+    sibling = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=seq + [2] * 40, tenant=ACME))
+    assert sibling.conversation not in (parent.conversation, "")

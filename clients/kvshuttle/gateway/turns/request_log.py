@@ -12,6 +12,7 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from kvshuttle.core.digest import log_digest
 from kvshuttle.gateway.metrics import GatewayMetrics
 from kvshuttle.gateway.turns.record import Turn
 
@@ -68,6 +69,8 @@ class RequestLog:
     def add_turn(self, turn: Turn) -> None:
         """What the turn planned and measured, as far as it got."""
         self.decision, self.reason, self.fallback = turn.decision, turn.reason, turn.fallback
+        if turn.conversation and not self.conversation:  # found by the router, or started by it
+            self.conversation = log_digest(turn.conversation)
         self.generation, self.reused_tokens = turn.generation, turn.reused_tokens
         if turn.outcome:
             self.outcome = turn.outcome
