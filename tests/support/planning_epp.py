@@ -79,9 +79,7 @@ class PlanningEpp:
             self.tokenizer, treq, max_tokens=2**20, background=BackgroundTasks(), transcripts=transcripts
         )
         conversation = (
-            f"tenants/{DEFAULT_TENANT}/conversations/{treq.conversation_id}"
-            if treq.conversation_id
-            else prompt.conversation
+            f"tenants/{DEFAULT_TENANT}/conversations/{treq.conversation_id}" if treq.conversation_id else ""
         )
         plan = await self.router.plan_turn(
             self.served_name,

@@ -269,8 +269,8 @@ class Picker:
             background=self._background,
             transcripts=transcripts,
         )
-        if finding and prompt.conversation:
-            conversation = prompt.conversation
+        # As the gateway: a transcript found without an id is not named in the plan (the router
+        # finds its conversation again by the prompt, forking siblings that find the same one).
         structlog.contextvars.bind_contextvars(
             model=treq.model, conversation=log_digest(conversation) if conversation else ""
         )

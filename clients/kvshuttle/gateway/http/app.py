@@ -361,8 +361,9 @@ class Gateway:
             raise GatewayError(
                 502, "the plan was made for another prompt", type_="server_error", code="prompt_mismatch"
             )
-        if finding and prompt.conversation:
-            conversation = prompt.conversation
+        # A transcript found without an id names a conversation, but the plan does not take it:
+        # the router finds it again by the prompt (the transcript's ids make the chain match), and
+        # a fork's siblings, which all find the same one, get conversations of their own there.
         rec.conversation = log_digest(conversation) if conversation else ""
         ids = prompt.ids
         rec.tokenize_ms = round((time.perf_counter() - tokenizing) * 1e3, 3)

@@ -41,8 +41,6 @@ class Prompt:
     text: str | None = None
     # Leading ids taken from a retained turn's transcript (0: none).
     history_tokens: int = 0
-    # The conversation of that transcript ("" for none).
-    conversation: str = ""
     # The key this turn's own transcript is committed under (b"": it keeps none).
     lookup_key: bytes = b""
 
@@ -75,7 +73,7 @@ async def prompt_ids(
     refuses the messages. A sampled cached tokenization is re-checked in `background`. With
     `transcripts`, a chat that extends a retained turn exactly is spliced onto its transcript."""
     text: str | None = None
-    spliced, found = 0, ""
+    spliced = 0
     if treq.kind == "completions":
         if treq.prompt_ids is not None:
             ids = treq.prompt_ids
@@ -103,7 +101,7 @@ async def prompt_ids(
             else None
         )
         if joined is not None:
-            onto, found = joined
+            onto = joined
             rest = await _encode_chat(tok, onto.rest, background) if onto.rest else []
             ids, spliced = [*onto.ids, *rest], len(onto.ids)
         elif treq.add_special_tokens:
@@ -121,15 +119,15 @@ async def prompt_ids(
     # A chat with add_special_tokens has ids its text lacks (BOS): it keeps no transcript.
     own = text if text is not None and not treq.add_special_tokens else None
     key = transcripts.key(own) if transcripts is not None and own is not None else b""
-    return Prompt(ids, own, spliced, found, key)
+    return Prompt(ids, own, spliced, key)
 
 
 async def _spliced(
     tok: ChatTokenizer, treq: TurnRequest, text: str, transcripts: Transcripts
-) -> tuple[Splice, str] | None:
+) -> Splice | None:
     """The splice of the chat `text` onto the transcript of its previous turn (its messages up
-    to the last assistant message, rendered as that turn's prompt was), and the conversation
-    that holds it; None when there is none or it does not extend exactly."""
+    to the last assistant message, rendered as that turn's prompt was); None when there is none
+    or it does not extend exactly."""
     end = previous_turn_end(treq.messages)
     if not end:
         return None
@@ -152,8 +150,7 @@ async def _spliced(
     )
     if found is None or not found.conversation.startswith(f"{transcripts.tenant}/"):
         return None
-    onto = splice(text, previous, found.token_ids, found.answer_sha256, found.answer_chars)
-    return None if onto is None else (onto, found.conversation)
+    return splice(text, previous, found.token_ids, found.answer_sha256, found.answer_chars)
 
 
 def transcript_spec(tok: ChatTokenizer, prompt: Prompt, out: DecodeOutput) -> pb.TranscriptSpec | None:
