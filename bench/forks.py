@@ -104,20 +104,22 @@ def main() -> None:
         forked = children(stack.gateway_url, history, tasks, None)
         recomputed = children(stack.gateway_url, history, tasks, "recompute")
     results = {"fork": summary(forked), "recompute": summary(recomputed)}
-    print(
-        f"\n{args.children} children of a {len(answer['prompt'])}-token parent (its answer: {len(answer['ids'])})"
-    )
+    parent_tokens, answer_tokens = len(answer["prompt"]), len(answer["ids"])
+    print(f"\n{args.children} children of a {parent_tokens}-token parent (its answer: {answer_tokens})")
     print(f"{'':>10} {'reusing':>8} {'reused':>8} {'TTFT p50':>9} {'TTFT max':>9}  reasons")
     for name, s in results.items():
-        print(f"{name:>10} {s['reusing']:>5}/{s['children']:<2} {s['reused_tokens']:8d} {s['ttft_ms_p50']:7.0f}ms "
+        share = f"{s['reusing']}/{s['children']}"
+        print(f"{name:>10} {share:>8} {s['reused_tokens']:8d} {s['ttft_ms_p50']:7.0f}ms "
               f"{s['ttft_ms_max']:7.0f}ms  {', '.join(s['reasons'])}")  # fmt: skip
     out = save("forks", {
         "wall_s": round(time.perf_counter() - started, 1),
-        "workload": {"children": args.children, "parent_prompt_tokens": len(answer["prompt"]),
-                     "parent_answer_tokens": len(answer["ids"]), "child_task_tokens": 60, "child_answer": 32,
-                     "block_size": BS, "prefill_prefix_caching": False, "model": "small", "conversation_id": None},
+        "workload": {"children": args.children, "parent_prompt_tokens": parent_tokens,
+                     "parent_answer_tokens": answer_tokens, "child_task_tokens": 60, "child_answer": 32,
+                     "block_size": BS, "prefill_prefix_caching": False, "model": "small",
+                     "conversation_id": None},
         "summary": results, "children": {"fork": forked, "recompute": recomputed},
-        "target": "every child reuses the parent's prefix (issue 31 item 3): not met while reads are single use"},
+        "target": "every child reuses the parent's prefix (issue 31 item 3): not met while reads are "
+                  "single use"},
         args=args)  # fmt: skip
     print(f"saved {out}")
 
