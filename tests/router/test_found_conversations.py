@@ -287,3 +287,16 @@ async def test_a_retention_this_replica_is_moving_is_waited_for_not_forked_from(
     moving.clear()
     sibling = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=seq + [2] * 40, tenant=ACME))
     assert sibling.conversation not in (parent.conversation, "")
+
+
+async def test_a_prompt_of_no_conversation_is_hashed_once(cluster: Cluster) -> None:
+    """The chain the conversation was found by is the plan's: the prompt is hashed once."""
+    router = cluster.router()
+    chains = router._parts.chains
+    first, seq = await turn(router, cluster, cluster.tokens(1000))  # a new conversation
+    assert chains.misses == 1  # the plan's and the commit's chains started from the finder's
+    plan = await router.plan_turn(
+        PlanRequest(model=MODEL, prompt_token_ids=seq + cluster.tokens(50), tenant=ACME)
+    )
+    assert plan.conversation == first.conversation  # found: hashed once more, reused by the plan
+    assert chains.misses == 2

@@ -10,7 +10,8 @@ the turn's cache salt is the tenant's (kvshuttle.gateway.prompts.salts), and Pla
 gateway's router port (conversation affinity over replicas included). The conversation is the
 gateway's (kvshuttle.gateway.openai.protocol.conversation_id): the body's `conversation_id` or the
 `X-Conversation-ID` header, else the body's `session_id` or the `x-session-id` header (vLLM's
-session id, llm-d's session affinity).
+session id, llm-d's session affinity), else the one the router finds the prompt continues (or
+starts) for the tenant (`find_conversations`).
 
 The subset hint (`x-gateway-destination-endpoint-subset`) goes to the router as
 `hints.decode_endpoints`: the router places decode only on a registered, live, healthy decode
@@ -252,7 +253,7 @@ class Picker:
         salt = self._salts.salt(tenant, treq.cache_salt)
         # As the gateway: a retained turn's transcript, found by the history's text, starts the
         # prompt (the sidecar finds the same, and runs the plan only on the same ids), and
-        # without a conversation id the conversation is the transcript's or the router's.
+        # without a conversation id the router finds the conversation by the prompt.
         finding = self._settings.find_conversations and not conversation
         exact = self._settings.models[treq.model].history == "exact_tokens"
         transcripts = (

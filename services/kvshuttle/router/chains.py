@@ -106,6 +106,11 @@ class ChainCache:
             self._put(key, _Entry(tokens if _frozen(tokens) else tokens.copy(), chain, block_size, root))
         return chain
 
+    def adopt(self, key: str, tokens: Tokens, chain: Chain, block_size: int, *, root: int) -> None:
+        """Remember `chain`, computed for `tokens` before `key` was known, as `key`'s: the next
+        chain of `key` then hashes only what follows (a prompt's conversation found by its chain)."""
+        self._put(key, _Entry(tokens if _frozen(tokens) else tokens.copy(), chain, block_size, root))
+
     def __len__(self) -> int:
         return len(self._entries)
 

@@ -14,7 +14,7 @@ from kvshuttle.core.errors import Unavailable
 from kvshuttle.core.limits import MAX_BLOCK_HASHES
 from kvshuttle.core.nodes import NodeRole
 from kvshuttle.core.reasons import ErrorReason
-from kvshuttle.router.chains import Tokens
+from kvshuttle.router.chains import Chain, Tokens
 from kvshuttle.router.model import PlanRequest, RetentionInfo
 from kvshuttle.router.parts import RouterParts
 from kvshuttle.router.placement import candidates
@@ -45,13 +45,32 @@ class ConversationFinder:
         fork reads it; not this replica's own move of it): then a new conversation forks from
         it. None matches (or reuse is off): a new one."""
         found: RetentionInfo | None = None
+        chain: Chain | None = None
+        block_size = 0
         if reuse:
             try:
-                found = await self._find(req, tenant, tokens, root, timer)
+                nodes = await timer.registry(self._parts.nodes.nodes(req.model))
+                pool = candidates(nodes, NodeRole.PREFILL, req.model)
+                if pool:  # none: the plan answers NO_PREFILL_NODE
+                    block_size = pool[0].block_size
+                    chain = self._parts.chains.chain("", tokens, block_size, root=root, remember=False)
+                    # The registry looks up at most MAX_BLOCK_HASHES (a prompt of tiny blocks has more).
+                    found = await timer.registry(
+                        self._parts.port.find_by_chain(
+                            tenant, req.model, block_size, chain[:MAX_BLOCK_HASHES]
+                        )
+                    )
             except Unavailable as err:
                 if err.reason != ErrorReason.REGISTRY_UNAVAILABLE:
                     raise
                 # The plan degrades on its own; this turn starts a conversation of its own.
+        conversation, parent, continued = self._settle(tenant, found)
+        if chain is not None:
+            # Hashed once: the plan's chain of the conversation starts from this one.
+            self._parts.chains.adopt(conversation, tokens, chain, block_size, root=root)
+        return conversation, parent, continued
+
+    def _settle(self, tenant: str, found: RetentionInfo | None) -> tuple[str, str, str]:
         if found is None:
             return new_conversation(tenant), "", ""
         conversation = found.name.rsplit("/", 2)[0]
@@ -61,19 +80,3 @@ class ConversationFinder:
         # Unclaimed, or claimed by this replica's own move (a park or a prefetch), which the plan
         # waits for and then reads where it landed.
         return conversation, "", conversation
-
-    async def _find(
-        self, req: PlanRequest, tenant: str, tokens: Tokens, root: int, timer: CallTimer
-    ) -> RetentionInfo | None:
-        nodes = await timer.registry(self._parts.nodes.nodes(req.model))
-        pool = candidates(nodes, NodeRole.PREFILL, req.model)
-        if not pool:
-            return None  # the plan answers NO_PREFILL_NODE
-        block_size = pool[0].block_size
-        chain = self._parts.chains.chain("", tokens, block_size, root=root, remember=False)
-        if not len(chain):
-            return None
-        # The registry looks up at most MAX_BLOCK_HASHES (a prompt of tiny blocks has more).
-        return await timer.registry(
-            self._parts.port.find_by_chain(tenant, req.model, block_size, chain[:MAX_BLOCK_HASHES])
-        )

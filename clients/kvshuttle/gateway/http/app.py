@@ -339,8 +339,8 @@ class Gateway:
         tokenizing = time.perf_counter()
         served = self.settings.served_name(treq.model)
         salt = self._salts.salt(tenant, treq.cache_salt)
-        # Without a conversation id, a turn's own conversation is found from what it holds (its
-        # transcript's, else the router's by the prompt's chain), when finding is on.
+        # Without a conversation id, when finding is on, the router finds the turn's conversation
+        # by the prompt (which a transcript starts with decode's own ids), or starts one.
         finding = self.settings.find_conversations and not conversation
         transcripts = (
             Transcripts(self._router, f"tenants/{tenant}", served, salt, conversation)
