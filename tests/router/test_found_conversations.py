@@ -300,3 +300,10 @@ async def test_a_prompt_of_no_conversation_is_hashed_once(cluster: Cluster) -> N
     )
     assert plan.conversation == first.conversation  # found: hashed once more, reused by the plan
     assert chains.misses == 2
+
+
+async def test_a_prompt_shorter_than_a_block_starts_a_conversation(cluster: Cluster) -> None:
+    router = cluster.router()
+    plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=[5, 6, 7], tenant=ACME))
+    assert plan.conversation.startswith(f"{ACME}/conversations/{NEW_CONVERSATION_PREFIX}")
+    assert cluster.port(router).calls.get("find_by_chain", 0) == 0  # nothing to look up by

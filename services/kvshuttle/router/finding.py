@@ -54,6 +54,7 @@ class ConversationFinder:
                 if pool:  # none: the plan answers NO_PREFILL_NODE
                     block_size = pool[0].block_size
                     chain = self._parts.chains.chain("", tokens, block_size, root=root, remember=False)
+                if chain is not None and len(chain):  # a prompt shorter than a block finds nothing
                     # The registry looks up at most MAX_BLOCK_HASHES (a prompt of tiny blocks has more).
                     found = await timer.registry(
                         self._parts.port.find_by_chain(
