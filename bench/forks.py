@@ -3,12 +3,13 @@ over a long context, then its children all at once, each the parent's history an
 task of its own, sent as a chat client sends them (no conversation id), against the same children
 recomputing (each with a cache salt of its own, so nothing is found or read).
 
-Issue 31's fork target is every child reusing the parent's prefix. Reads of a retention are single
-use today (the design is in issue 31's notes), so this measures where that leaves a fork: the
-first child continues the parent's conversation and reads its KV, the others fork conversations of
-their own and recompute.
+Issue 31's fork target is every child reusing the parent's prefix. Each child is found by its
+prompt and forks a conversation of its own; the first parks the parent's retention from decode
+into its agent's DRAM pool (decode frees its blocks at the first read), and every child reads it
+there under a shared claim (kvshuttle.router.fork_reads). `--no-share` runs the router with
+`share_forks` off: the first child reads decode's copy and the others recompute (FORK_UNSAFE).
 
-    python -m bench.forks [--children 8] [--parent-tokens 4000]
+    python -m bench.forks [--children 8] [--parent-tokens 4000] [--no-share]
 
 Prints a table, writes bench/results/forks-<utc time>.json.
 """
@@ -32,6 +33,8 @@ from tokenizers import Tokenizer
 
 from bench.multiturn_reuse import BS, PROFILE, Text, stream_chat
 from bench.report import save
+
+POOL_BYTES = 1 << 30  # each agent's DRAM pool, as deploy/demo.py's
 
 
 def children(
@@ -82,6 +85,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--children", type=int, default=8)
     ap.add_argument("--parent-tokens", type=int, default=4000)
+    ap.add_argument("--no-share", action="store_true", help="the router's share_forks off")
     ap.add_argument("--work", default=".run/bench-forks")
     args = ap.parse_args()
     work = Path(args.work)
@@ -92,7 +96,13 @@ def main() -> None:
     pair = VllmPair(model, log_dir=work / "vllm", block_size=BS, prefill_prefix_caching=False)
     tasks = [f"Subtask {i}: {text(60)}" for i in range(args.children)]
     started = time.perf_counter()
-    with pair, KvshuttleStack(pair, work_dir=work / "services", profile=profile) as stack:
+    env = {"router": {"POLICY__SHARE_FORKS": "false"}} if args.no_share else {}
+    with (
+        pair,
+        KvshuttleStack(
+            pair, work_dir=work / "services", profile=profile, pool_bytes=POOL_BYTES, extra_env=env
+        ) as stack,
+    ):
         parent = [
             {"role": "system", "content": text(args.parent_tokens)},
             {"role": "user", "content": "Plan the work, then hand each part to a subagent."},
@@ -116,10 +126,10 @@ def main() -> None:
         "workload": {"children": args.children, "parent_prompt_tokens": parent_tokens,
                      "parent_answer_tokens": answer_tokens, "child_task_tokens": 60, "child_answer": 32,
                      "block_size": BS, "prefill_prefix_caching": False, "model": "small",
-                     "conversation_id": None},
+                     "conversation_id": None, "share_forks": not args.no_share, "pool_bytes": POOL_BYTES},
         "summary": results, "children": {"fork": forked, "recompute": recomputed},
-        "target": "every child reuses the parent's prefix (issue 31 item 3): not met while reads are "
-                  "single use"},
+        "target": "every child reuses the parent's prefix (issue 31 item 3)",
+        "met": results["fork"]["reusing"] == args.children},
         args=args)  # fmt: skip
     print(f"saved {out}")
 

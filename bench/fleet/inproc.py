@@ -37,7 +37,9 @@ def retention_info(r: reg.Retention) -> RetentionInfo:
         block_hashes=np.frombuffer(r.block_hashes.tobytes(), dtype=np.uint64),
         kv_transfer_params=to_vllm(KvTransferParams.FromString(r.kv_transfer_params)),
         expire_at=r.expire_at,
-        claimed=r.claim is not None,
+        claimed=r.claim is not None or bool(r.shared),
+        shared_claims=len(r.shared),
+        claim_holder=r.claim.holder if r.claim is not None else "",
     )
 
 
@@ -113,10 +115,12 @@ class InProcessPort:
         )
         return dict(found)
 
-    async def claim(self, name: str, *, holder: str, claim_ttl: float, request_id: str) -> ClaimInfo:
+    async def claim(
+        self, name: str, *, holder: str, claim_ttl: float, request_id: str, shared: bool = False
+    ) -> ClaimInfo:
         self._count("claim")
         r = await self.registry.claim_retention(
-            request_id=request_id, name=name, holder=holder, claim_ttl=claim_ttl
+            request_id=request_id, name=name, holder=holder, claim_ttl=claim_ttl, shared=shared
         )
         assert r.claim is not None
         return ClaimInfo(retention_info(r), r.claim.claim_id, r.claim.expire_at)

@@ -34,6 +34,7 @@ from kvshuttle.vllm.nixl_wire import (
     heartbeat_message,
     read_done_message,
 )
+from kvshuttle.vllm.shared_reads import shared_read_id
 
 ENGINE = PoolLayout(regions=2, blocks=16, block_bytes=8 * 1024)
 POOL = PoolLayout(regions=2, blocks=6, block_bytes=8 * 1024)
@@ -237,6 +238,34 @@ async def test_a_read_and_its_notification_release_the_slots(
             assert np.array_equal(reader.block(region, i), memory.block(region, slot))
     await eventually(lambda: not pool.allocations(), what="the slots released")
     assert not server.served and server.reads == 1
+
+
+async def test_shared_readers_read_the_same_slots_and_free_nothing(
+    server: PoolServer,
+    pool: BlockPool,
+    memory: NixlPoolMemory,
+    reader: NixlPoolMemory,
+    context: zmq.asyncio.Context,
+) -> None:
+    parked = _parked(pool, memory)
+    read_id = server.publish(NAME, 3 * 32)["remote_request_id"]
+    served = await fetch_handshake(context, "127.0.0.1", server.port, reply_timeout=5)
+    for claim in ("claim-1", "claim-2"):  # two forks, each with its own shared claim
+        shared = shared_read_id(read_id, claim)
+        await _send(reader, served, heartbeat_message([shared]))
+        notification = read_done_message(shared, 1)
+        state = await asyncio.to_thread(_read, reader, served, list(parked.slots), notification)
+        assert state == "DONE"
+        for region in range(POOL.regions):
+            for i, slot in enumerate(parked.slots):
+                assert np.array_equal(reader.block(region, i), memory.block(region, slot))
+    await eventually(lambda: server.shared_reads == 2, what="both shared read-dones")
+    assert pool.get(NAME).state is SlotState.PARKED and server.active(NAME)
+    assert server.reads == 0 and read_id in server.served
+    # A single-use reader's read-done (its plain read id) still frees the slots.
+    await _send(reader, served, read_done_message(read_id, 1))
+    await eventually(lambda: not pool.allocations(), what="the slots released")
+    assert server.reads == 1
 
 
 async def test_slots_wait_for_every_consumer_and_ignore_strangers(

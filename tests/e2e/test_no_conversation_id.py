@@ -64,13 +64,16 @@ def test_the_sdk_without_extra_body_reuses_the_previous_prompt_and_answer(
         # Decode holds the KV of the prompt and the answer but its last token.
         assert reused >= 0.95 * (prompt + answer) - 32, turns
 
-    # The conversation the router started: its retention's transcript is the last turn's prompt
-    # and answer, and every turn's prompt is a prefix of it (each spliced onto the one before).
+    # The conversations the router started: the last retention's transcript is the last turn's
+    # prompt and answer, and every turn's prompt is a prefix of it (each spliced onto the one
+    # before).
     registry = rpb_grpc.RegistryServiceStub(grpc.insecure_channel(stack.registry_addr))
     listed = registry.ListRetentions(
         rpb.ListRetentionsRequest(parent="tenants/default", page_size=100), metadata=stack.admin_metadata
     )
-    (retention,) = [r for r in listed.retentions if r.generation == TURNS]
+    # Each turn forked a conversation of its own from the one before (kvshuttle.router.fork_reads):
+    # the last turn's retention is the longest.
+    retention = max(listed.retentions, key=lambda r: r.num_tokens)
     assert "/conversations/anon-" in retention.name
     got = registry.GetRetention(rpb.GetRetentionRequest(name=retention.name), metadata=stack.admin_metadata)
     transcript = list(got.retention.transcript.token_ids)

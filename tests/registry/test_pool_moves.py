@@ -14,10 +14,12 @@ from tests.support.registry_model import (
     POOL_HOLDER,
     POOLED,
     StoreFactory,
+    claimed,
     move,
     pool_spec,
     put,
     spec,
+    state,
 )
 
 from kvshuttle.core.errors import Aborted, FailedPrecondition, InvalidArgument, KvshuttleError, NotFound
@@ -31,7 +33,7 @@ from kvshuttle.core.nodes import (
 )
 from kvshuttle.registry.block_index import BlockIndex
 from kvshuttle.registry.limits import RegistryLimits
-from kvshuttle.registry.model import ChangeKind, Holder, Move, Retention, RetentionState
+from kvshuttle.registry.model import ChangeKind, Holder, Move, RetentionState
 from kvshuttle.registry.service.registry import Registry
 from kvshuttle.registry.store.contract import StoreLimits
 
@@ -52,27 +54,6 @@ async def registry(clock: FakeClock, make_store: StoreFactory) -> Registry:
     await registry.register_node(spec(), ttl=60)
     await registry.register_node(pool_spec(), ttl=60)
     return registry
-
-
-async def claimed(registry: Registry, generation: int = 1, **kw: Any) -> Retention:
-    await put(registry, generation, **kw)
-    return await registry.claim_retention(
-        request_id="", name=f"{CONV}/retentions/{generation}", holder="router/park", claim_ttl=10
-    )
-
-
-async def state(registry: Registry) -> tuple[Any, ...]:
-    """Everything a move or an eviction may change."""
-    nodes = [
-        (n.name, n.retained_bytes, n.retention_count)
-        for n in (await registry.list_nodes(role=None, model="", page_size=0, page_token=""))[0]
-    ]
-    retentions, _ = await registry.list_retentions(parent="tenants/acme", node="", page_size=0, page_token="")
-    try:
-        fence = (await registry.get_conversation(CONV)).fence_generation
-    except NotFound:
-        fence = 0
-    return nodes, [repr(r) for r in retentions], fence, registry.counts_by_kind()
 
 
 # ---- pool nodes -----------------------------------------------------------------------------

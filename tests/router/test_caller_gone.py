@@ -47,7 +47,9 @@ class SlowClaims(GrpcRegistryPort):
         self.started = asyncio.Event()
         self.go = asyncio.Event()
 
-    async def claim(self, name: str, *, holder: str, claim_ttl: float, request_id: str) -> ClaimInfo:
+    async def claim(
+        self, name: str, *, holder: str, claim_ttl: float, request_id: str, shared: bool = False
+    ) -> ClaimInfo:
         self.started.set()
         if self.hold:
             await self.go.wait()

@@ -93,7 +93,9 @@ class FlakyPort(InProcessPort):
         await self._gate("lookup_blocks")
         return await super().lookup_blocks(chain, model, role)
 
-    async def claim(self, name: str, *, holder: str, claim_ttl: float, request_id: str) -> ClaimInfo:
+    async def claim(
+        self, name: str, *, holder: str, claim_ttl: float, request_id: str, shared: bool = False
+    ) -> ClaimInfo:
         await self._gate("claim")
         return await super().claim(name, holder=holder, claim_ttl=claim_ttl, request_id=request_id)
 

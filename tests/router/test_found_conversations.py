@@ -1,6 +1,8 @@
 """Turns that name only their tenant: the router finds the conversation a prompt continues by its
 chain (never another tenant's, never under another salt), or starts one; a commit's transcript is
-found again by its key. Over the registry's domain in process, on a fake clock."""
+found again by its key. Over the registry's domain in process, on a fake clock. Continuing a
+found conversation is the rule with forks not sharing (policy share_forks off); with them
+sharing, every found turn forks from it (tests/router/test_fork_reads.py)."""
 
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ async def turn(
 
 
 async def test_a_prompt_continues_the_conversation_whose_retention_it_extends(cluster: Cluster) -> None:
-    router = cluster.router()
+    router = cluster.router(share_forks=False)
     first, seq = await turn(router, cluster, cluster.tokens(1000))
     assert first.conversation.startswith(f"{ACME}/conversations/{NEW_CONVERSATION_PREFIX}")
     assert (first.decision, first.reason) == (Decision.RECOMPUTE, Reason.NO_RETENTION)
@@ -196,7 +198,7 @@ async def test_siblings_of_a_fork_each_get_a_conversation_of_their_own(cluster: 
     parent's conversation, the second, finding its retention claimed, forks a conversation of its
     own (it recomputes: the retention is single use). Both commits are stored; each child's next
     turn finds its own."""
-    router = cluster.router()
+    router = cluster.router(share_forks=False)
     parent, seq = await turn(router, cluster, cluster.tokens(1000))
     one, two = seq + cluster.tokens(50), seq + cluster.tokens(50)
     first = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=one, tenant=ACME))
@@ -224,7 +226,7 @@ async def test_a_sibling_that_loses_the_claim_forks_instead_of_recomputing_into_
 ) -> None:
     """Both siblings found the retention unclaimed; the second's claim loses: it plans again as
     a fork, and its commit is stored under its own conversation."""
-    router = cluster.router()
+    router = cluster.router(share_forks=False)
     parent, seq = await turn(router, cluster, cluster.tokens(1000))
     port = cluster.port(router)
     stale = port.find_by_chain
@@ -249,7 +251,7 @@ async def test_a_prompt_that_repeats_the_previous_prompt_but_not_its_answer_cont
     """A chat re-tokenized from text (or whose answer was re-rendered: a tool call) repeats the
     previous prompt, not decode's answer ids: the conversation is still found, by the prompt's
     last full block, and the turn reuses the previous prompt."""
-    router = cluster.router()
+    router = cluster.router(share_forks=False)
     prompt = cluster.tokens(1000)
     first, _ = await turn(router, cluster, prompt)
     retokenized = prompt + cluster.tokens(80)  # another answer's ids, then the new message
@@ -261,7 +263,7 @@ async def test_a_prompt_that_repeats_the_previous_prompt_but_not_its_answer_cont
 async def test_a_retention_this_replica_is_moving_is_waited_for_not_forked_from(cluster: Cluster) -> None:
     """The claim on a found retention is this replica's own park: the turn continues the
     conversation (the plan waits for the move), where a sibling's claim would fork it."""
-    router = cluster.router()
+    router = cluster.router(share_forks=False)
     parent, seq = await turn(router, cluster, cluster.tokens(1000))
     port = cluster.port(router)
     real_find = port.find_by_chain
@@ -291,7 +293,7 @@ async def test_a_retention_this_replica_is_moving_is_waited_for_not_forked_from(
 
 async def test_a_prompt_of_no_conversation_is_hashed_once(cluster: Cluster) -> None:
     """The chain the conversation was found by is the plan's: the prompt is hashed once."""
-    router = cluster.router()
+    router = cluster.router(share_forks=False)
     chains = router._parts.chains
     first, seq = await turn(router, cluster, cluster.tokens(1000))  # a new conversation
     assert chains.misses == 1  # the plan's and the commit's chains started from the finder's

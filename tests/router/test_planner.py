@@ -109,7 +109,9 @@ class ScriptedPort:
         self.calls.append("lookup_blocks")
         return {}
 
-    async def claim(self, name: str, *, holder: str, claim_ttl: float, request_id: str) -> ClaimInfo:
+    async def claim(
+        self, name: str, *, holder: str, claim_ttl: float, request_id: str, shared: bool = False
+    ) -> ClaimInfo:
         self.calls.append(f"claim {name}")
         if name in self.refused:
             raise self.refused[name]

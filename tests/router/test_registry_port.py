@@ -26,7 +26,9 @@ class StubClient:
         self.answer = answer
         self.asked: list[tuple[Any, ...]] = []
 
-    async def claim_retention(self, name: str, holder: str, claim_ttl: float, *, request_id: str) -> Any:
+    async def claim_retention(
+        self, name: str, holder: str, claim_ttl: float, *, request_id: str, shared: bool = False
+    ) -> Any:
         self.asked.append((name, holder, claim_ttl, request_id))
         return self.answer
 

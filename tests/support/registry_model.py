@@ -7,6 +7,7 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
+from kvshuttle.core.errors import NotFound
 from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.core.nodes import (
     POOL_CAPACITY_LABEL,
@@ -126,3 +127,25 @@ def move(claim_id: str = "", **kw: Any) -> Move:
     }
     fields.update(kw)
     return Move(**fields)
+
+
+async def claimed(registry: Registry, generation: int = 1, **kw: Any) -> Retention:
+    """The conversation's retention `generation`, put and claimed by a reader (a park)."""
+    await put(registry, generation, **kw)
+    return await registry.claim_retention(
+        request_id="", name=f"{CONV}/retentions/{generation}", holder="router/park", claim_ttl=10
+    )
+
+
+async def state(registry: Registry) -> tuple[Any, ...]:
+    """Everything a move or an eviction may change."""
+    nodes = [
+        (n.name, n.retained_bytes, n.retention_count)
+        for n in (await registry.list_nodes(role=None, model="", page_size=0, page_token=""))[0]
+    ]
+    retentions, _ = await registry.list_retentions(parent="tenants/acme", node="", page_size=0, page_token="")
+    try:
+        fence = (await registry.get_conversation(CONV)).fence_generation
+    except NotFound:
+        fence = 0
+    return nodes, [repr(r) for r in retentions], fence, registry.counts_by_kind()

@@ -41,6 +41,7 @@ from kvshuttle.router.cost import LinkModel
 from kvshuttle.vllm.nixl_compat import Expected
 from kvshuttle.vllm.nixl_layout import RemoteLayout
 from kvshuttle.vllm.nixl_wire import NixlAgentMetadata, NixlHandshakePayload, NixlIncompatible, clock_offset
+from kvshuttle.vllm.shared_reads import read_of
 
 __all__ = ["StandinDataPlane", "StandinReadServer", "StandinSlotReader", "handshake_of"]
 
@@ -206,15 +207,15 @@ class StandinReadServer(PublishedReads):
     async def _read(self, request: web.Request) -> web.Response:
         body = await request.json()
         self._sweep()
-        read_id = str(body.get("holding"))
-        served = self.current(read_id)
+        request_id = str(body.get("holding"))
+        served = self.current(read_of(request_id)[0])  # a shared reader names it with its suffix
         if served is None:
             return web.json_response({"error": "no such holding"}, status=404)
         wanted = [int(b) for b in body.get("block_ids", [])]
         found = set(wanted) <= set(served.slots)
         blocks = [list(self._contents[slot]) for slot in wanted] if found else []
         if body.get("notify", True) is not False:
-            self.read_done(request.remote or "", read_id, 1)
+            self.read_done(request.remote or "", request_id, 1)
         if not found:
             return web.json_response({"error": "not the holding's blocks"}, status=404)
         return web.json_response({"blocks": blocks})

@@ -174,14 +174,18 @@ class RegistryClient(ServiceClient):
         claim_ttl: DurationLike | None = None,
         *,
         request_id: str | None = None,
+        shared: bool = False,
         timeout: float | None = None,
     ) -> pb.ClaimRetentionResponse:
-        """Take retention `name` for one reader, `holder`, pinned for `claim_ttl`.
+        """Take retention `name` for one reader, `holder`, pinned for `claim_ttl`; with
+        `shared`, as one of several readers of a pool-held retention.
 
         ABORTED (RETENTION_ALREADY_CLAIMED) when someone else holds it. Retried on UNAVAILABLE
         under its request_id, so a lost response does not lose the claim.
         """
-        request = pb.ClaimRetentionRequest(request_id=new_request_id(request_id), name=name, holder=holder)
+        request = pb.ClaimRetentionRequest(
+            request_id=new_request_id(request_id), name=name, holder=holder, shared=shared
+        )
         if claim_ttl is not None:
             request.claim_ttl.CopyFrom(to_duration(claim_ttl))
         return await self._unary("ClaimRetention", request, pb.ClaimRetentionResponse, timeout)

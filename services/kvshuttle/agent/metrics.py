@@ -113,6 +113,15 @@ class AgentCollector(Collector):
             )
         if agent.mover is not None:
             yield from _move_metrics(agent.mover.stats)
+        if agent.server is not None:
+            reads = CounterMetricFamily(
+                "kvshuttle_agent_pool_reads",
+                "Readers done with the pool's KV: single (its slots freed) or shared (a fork's read; kept).",
+                labels=["kind"],
+            )
+            reads.add_metric(["single"], agent.server.reads)
+            reads.add_metric(["shared"], agent.server.shared_reads)
+            yield reads
 
 
 def _move_metrics(stats: MoveStats) -> Iterator[_Family]:

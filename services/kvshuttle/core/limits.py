@@ -29,6 +29,7 @@ __all__ = [
     "MAX_PROMPT_TOKENS",
     "MAX_READY_DECODES",
     "MAX_SEQUENCE_TOKENS",
+    "MAX_SHARED_CLAIMS",
 ]
 
 # Characters of one id in a resource name (tenant, conversation, node).
@@ -46,6 +47,9 @@ MAX_KV_TRANSFER_PARAMS_EXTRA_KEYS: Final = 32
 MAX_KV_TRANSFER_PARAMS_EXTRA_BYTES: Final = 4096
 # Hashes in one retention's chain or one block lookup.
 MAX_BLOCK_HASHES: Final = 65_536
+# Shared claims live at once on one retention (ClaimRetentionRequest.shared): forks of one
+# history read together; more wait for a recompute rather than grow a record without bound.
+MAX_SHARED_CLAIMS: Final = 64
 # Tokens one engine block may hold.
 MAX_BLOCK_SIZE: Final = 4096
 # Tokens one retention may hold.

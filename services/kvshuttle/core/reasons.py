@@ -39,6 +39,8 @@ class ErrorReason(StrEnum):
     RETENTION_ALREADY_CLAIMED = "RETENTION_ALREADY_CLAIMED"  # another reader claimed it
     RETENTION_CLAIMED = "RETENTION_CLAIMED"  # claimed: it cannot be renewed
     CLAIM_MISMATCH = "CLAIM_MISMATCH"  # the claim id given is not the retention's claim
+    # A shared claim asked of a retention whose holder frees it at its first read (decode).
+    RETENTION_NOT_SHAREABLE = "RETENTION_NOT_SHAREABLE"
     PIN_EXPIRED = "PIN_EXPIRED"  # the engine's own pin on the blocks has passed
     FENCING_GENERATION_STALE = "FENCING_GENERATION_STALE"  # a newer generation was stored
     # A request_id seen before with another request body (AIP-155): metadata["field"] "request_id".
@@ -93,6 +95,7 @@ SERVICE_REASONS: Final[dict[str, frozenset[ErrorReason]]] = {
             ErrorReason.RETENTION_ALREADY_CLAIMED,
             ErrorReason.RETENTION_CLAIMED,
             ErrorReason.CLAIM_MISMATCH,
+            ErrorReason.RETENTION_NOT_SHAREABLE,
             ErrorReason.PIN_EXPIRED,
             ErrorReason.FENCING_GENERATION_STALE,
             ErrorReason.CONVERSATION_NOT_FOUND,

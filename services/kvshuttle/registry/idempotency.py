@@ -127,9 +127,10 @@ def _transcript_parts(transcript: Transcript | None) -> list[bytes]:
     ]
 
 
-def claim_fingerprint(holder: str) -> bytes:
-    """What identifies a claim of a retention (the name is in the key): who claims it."""
-    return fingerprint(b"kvs.claim", [holder])
+def claim_fingerprint(holder: str, *, shared: bool = False) -> bytes:
+    """What identifies a claim of a retention (the name is in the key): who claims it, and
+    whether it shares it."""
+    return fingerprint(b"kvs.claim", [holder, b"shared"] if shared else [holder])
 
 
 def move_fingerprint(move: Move) -> bytes:

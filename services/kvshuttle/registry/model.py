@@ -127,6 +127,14 @@ class Retention:
     # Leading block_hashes of the turn's prompt before its last token (0: none told): what
     # find_retention finds the retention by besides its whole chain.
     prompt_blocks: int = 0
+    # Shared claims (the forks of one history reading a pool-held retention at once); while any
+    # is live the retention is neither removed at its expire_at nor evicted. Lapsed ones are
+    # dropped by the store as it meets them (live_shared).
+    shared: tuple[Claim, ...] = ()
+
+    def live_shared(self, now: float) -> tuple[Claim, ...]:
+        """The shared claims still live at `now`."""
+        return tuple(c for c in self.shared if c.expire_at > now)
 
     def lookup_blocks(self) -> tuple[int, ...]:
         """How many leading hashes of its chain find_retention finds it by: the whole chain's,
@@ -146,7 +154,7 @@ class Retention:
 
     @property
     def state(self) -> RetentionState:
-        return RetentionState.CLAIMED if self.claim is not None else RetentionState.ACTIVE
+        return RetentionState.CLAIMED if self.claim is not None or self.shared else RetentionState.ACTIVE
 
 
 class ChangeKind(StrEnum):

@@ -26,6 +26,7 @@ import structlog
 from opentelemetry import trace
 
 from kvshuttle.core.errors import Aborted, FailedPrecondition, NotFound, Unavailable
+from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.router.model import ClaimInfo, Reason, RetentionInfo
 from kvshuttle.router.parts import RouterParts
 from kvshuttle.router.plan_issue import PlanCall, PlanContext
@@ -41,7 +42,10 @@ class Claimer:
         # Claims of cancelled calls being given back (held so that they run to the end).
         self._giving_back: set[asyncio.Task[None]] = set()
 
-    async def claim(self, ctx: PlanContext, retention: RetentionInfo) -> tuple[ClaimInfo | None, Reason]:
+    async def claim(
+        self, ctx: PlanContext, retention: RetentionInfo, *, shared: bool = False
+    ) -> tuple[ClaimInfo | None, Reason]:
+        """The claim of `retention` (`shared`: as one of the forks reading it from a pool)."""
         req = ctx.call.req
         # The registry scopes claim ids by retention; a digest keeps the id within its bounds. The
         # request's fingerprint is in it: another prompt planned under the same request id makes
@@ -60,6 +64,7 @@ class Claimer:
                     holder=f"router:{req.request_id or 'plan'}",
                     claim_ttl=self._parts.policy.claim_ttl_s,
                     request_id=request_id,
+                    shared=shared,
                 )
             )
             try:
@@ -72,6 +77,8 @@ class Claimer:
                 return None, Reason.FORK_UNSAFE if ctx.fork else Reason.CLAIM_LOST
             except (FailedPrecondition, NotFound) as err:
                 span.set_attribute("kvshuttle.claim", err.reason)
+                if err.reason == ErrorReason.RETENTION_NOT_SHAREABLE:  # moved back to a decode node
+                    return None, Reason.FORK_UNSAFE
                 return None, Reason.EXPIRED
             if self._caller_gone(ctx.call):
                 span.set_attribute("kvshuttle.claim", "given_back")

@@ -136,7 +136,10 @@ class Committer:
                         state, tokens, chain, params if retains else None, timer, req.turn_end, transcript
                     )
             finally:
-                if state.claimed and not result.retention:
+                # A fork's put went to its own conversation: the parent's claim ends here too.
+                if state.claimed and (
+                    not result.retention or not state.claimed.startswith(f"{state.conversation}/")
+                ):
                     if result.not_stored == "registry_unavailable":
                         log.warning(
                             "commit.release_failed",

@@ -103,6 +103,8 @@ class RouterSettings(BaseSettings):
             raise ValueError("policy: degraded_nodes_max_age_s and node_miss_refresh_s must be at least 0")
         if policy.commit_registry_timeout_s <= 0:
             raise ValueError("policy: commit_registry_timeout_s must be positive")
+        if policy.found_fork_window_s < policy.parking.min_ttl_s:
+            raise ValueError("policy: found_fork_window_s must be at least parking.min_ttl_s")
         _check_parking(policy)
         _check_next_turn(policy)
         w = policy.weights

@@ -41,9 +41,10 @@ class ConversationFinder:
         """The conversation of a request that names only its tenant, the one it forks from and
         the one it continues ("" for none). The conversation whose retention shares the longest
         prefix with the prompt (ending at the retention's chain end or its prompt's last full
-        block) is continued, unless another turn has claimed that retention (a sibling of a
-        fork reads it; not this replica's own move of it): then a new conversation forks from
-        it. None matches (or reuse is off): a new one."""
+        block) is found. With forks sharing (policy share_forks) a new conversation forks from
+        it. Without, it is continued, unless another turn has claimed that retention (a sibling
+        of a fork reads it; not this replica's own move of it): then a new conversation forks
+        from it. None matches (or reuse is off): a new one."""
         found: RetentionInfo | None = None
         chain: Chain | None = None
         block_size = 0
@@ -75,6 +76,11 @@ class ConversationFinder:
         if found is None:
             return new_conversation(tenant), "", ""
         conversation = found.name.rsplit("/", 2)[0]
+        if self._parts.policy.share_forks:
+            # Every turn found so forks from it: the retention stays for the other turns that
+            # continue the same history (kvshuttle.router.fork_reads), and no turn's commit
+            # replaces what a sibling reads.
+            return new_conversation(tenant), conversation, ""
         shuttle = self._parts.shuttle
         if found.claimed and (shuttle is None or shuttle.move_in_flight(conversation) is None):
             return new_conversation(tenant), conversation, ""

@@ -117,12 +117,21 @@ class RetentionInfo:
     # vLLM's kv_transfer_params dict as decode returned it.
     kv_transfer_params: dict[str, object]
     expire_at: float
-    claimed: bool
+    claimed: bool  # by one reader, or by shared readers (shared_claims)
     # The retained tokens from block known_from_block to num_tokens, as this replica's commit
     # stored them (the turn's answer blocks): known only on its hint, none from the registry.
     # They let a plan cut a prefix that departs inside one of those blocks at its last equal token.
     known_from_block: int = 0
     known_tokens: npt.NDArray[np.uint32] = field(default_factory=lambda: np.zeros(0, dtype=np.uint32))
+    # Live shared claims (forks of the history reading it from a pool at once).
+    shared_claims: int = 0
+    # Who holds its single-use claim ("" when none): a turn's plan, or a router's shuttle moving it.
+    claim_holder: str = ""
+
+    @property
+    def claimed_once(self) -> bool:
+        """Claimed by one reader: nobody else reads it, shared or not."""
+        return self.claimed and not self.shared_claims
 
 
 @dataclass(frozen=True, slots=True)

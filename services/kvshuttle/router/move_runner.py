@@ -16,10 +16,12 @@ lapse: the retention is never readable while half moved.
 
 from __future__ import annotations
 
+import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Final
 
 import structlog
 
@@ -43,6 +45,7 @@ from kvshuttle.router.ports import AgentPort, RegistryPort
 from kvshuttle.router.verify import knows_side_channel, whole_params
 
 __all__ = [
+    "MOVE_HOLDER_PREFIX",
     "PARK_INSTEAD",
     "SKIPPED",
     "MoveFields",
@@ -55,6 +58,9 @@ __all__ = [
 ]
 
 log = structlog.get_logger("kvshuttle.router")
+
+# The holder a move's claim names (any replica's shuttle): a plan waits for such a claim to end.
+MOVE_HOLDER_PREFIX: Final = "router:shuttle:"
 
 
 class MoveKind(StrEnum):
@@ -69,6 +75,9 @@ class MoveReason(StrEnum):
     THINK_TIME = "think_time"
     # When the learnt gaps after the turn's end say (kvshuttle.router.next_turn).
     NEXT_TURN = "next_turn"
+    # Before forks of the history read it: a decode engine frees its blocks at the first read,
+    # a pool's survive reads (kvshuttle.router.fork_reads).
+    FORK = "fork"
 
 
 class Outcome(StrEnum):
@@ -136,6 +145,8 @@ class ScheduledMove:
     target: str = ""  # a prefetch's prefill node
     seq: int = 0
     turn_end: TurnEnd = TurnEnd.UNSPECIFIED  # how the committed answer ended
+    # The moved retention's lease at most (a park for the forks of a found history).
+    max_ttl_s: float = math.inf
 
 
 @dataclass(slots=True)
@@ -171,7 +182,7 @@ class MoveRunner:
     async def attempt(self, entry: ScheduledMove, fields: MoveFields) -> Outcome:
         """Carry out one due move; `fields` gathers what its log line says."""
         p, now = self._parking, self._clock.now()
-        ttl = p.max_idle_s - (now - entry.active_at)
+        ttl = min(p.max_idle_s - (now - entry.active_at), entry.max_ttl_s)
         fields.ttl_s = ttl
         if ttl < p.min_ttl_s:
             return Outcome.SKIPPED_IDLE_OVER
@@ -219,7 +230,7 @@ class MoveRunner:
         try:
             claim = await self._port.claim(
                 current.name,
-                holder=f"router:shuttle:{entry.kind.value}",
+                holder=f"{MOVE_HOLDER_PREFIX}{entry.kind.value}",
                 claim_ttl=self._policy.claim_ttl_s,
                 request_id=f"shuttle-{attempt}",
             )

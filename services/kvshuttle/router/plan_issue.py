@@ -38,6 +38,7 @@ from kvshuttle.router.verify import (
     prefill_params,
     release_params,
 )
+from kvshuttle.vllm.shared_reads import shared_read_id
 
 __all__ = ["PlanCall", "PlanContext", "PlanIssuer", "Verdict"]
 
@@ -66,6 +67,9 @@ class PlanCall:
     # first makes this turn a fork of it (Planner), rather than a recompute that its sibling's
     # commit would fence.
     fork_on_claim_lost: bool = False
+    # `parent` is the conversation the router found by the prompt (not the caller's hint): a
+    # park of its retention for the forks keeps it for policy.found_fork_window_s only.
+    parent_found: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +116,8 @@ class Verdict:
     # The turn recomputes and supersedes the retention it claims (`claim`): prefill reads none
     # of it and notifies `holder`, which frees its blocks (kvshuttle.router.planner).
     release: bool = False
+    # A fork reads `claim` from a pool under a shared claim (kvshuttle.router.fork_reads).
+    shared: bool = False
 
 
 class PlanIssuer:
@@ -137,6 +143,8 @@ class PlanIssuer:
             reusable = local_hits = reusable // ctx.block_size * ctx.block_size
         elif prefix is not None and verdict.holder is not None:
             decision, params = Decision.REUSE, prefill_params(claim.retention, prefix, verdict.holder)
+            if verdict.shared:  # its own read of the pool's allocation, which frees nothing
+                params["remote_request_id"] = shared_read_id(str(params["remote_request_id"]), claim.claim_id)
         else:
             raise AssertionError(f"a claim without a holder ({reason})")
         cached = max(reusable, local_hits)

@@ -41,6 +41,7 @@ from kvshuttle.router.chains import NO_CHAIN, Chain
 from kvshuttle.router.claiming import Claimer
 from kvshuttle.router.cost import price_extend
 from kvshuttle.router.finding import ConversationFinder, new_conversation
+from kvshuttle.router.fork_reads import ForkReads
 from kvshuttle.router.model import (
     ClaimInfo,
     NodeInfo,
@@ -80,6 +81,7 @@ class Planner:
         self._issuer = PlanIssuer(parts)
         self._claimer = Claimer(parts)
         self._finder = ConversationFinder(parts)
+        self._forks = ForkReads(parts)
 
     async def plan_turn(self, req: PlanRequest) -> Plan:
         timer = CallTimer()
@@ -119,7 +121,8 @@ class Planner:
         with self._parts.tracer.start_as_current_span("plan") as span:
             call = PlanCall(req, cost, tokens, conversation, parent, root, timer, span,
                             fingerprint=fingerprint, give_up_at=give_up_at, decode_allowed=decode_allowed,
-                            fork_on_claim_lost=bool(found))  # fmt: skip
+                            fork_on_claim_lost=bool(found),
+                            parent_found=bool(parent) and not req.parent_conversation)  # fmt: skip
             try:
                 plan = await self._plan(call)
             except _Sibling:
@@ -166,7 +169,7 @@ class Planner:
             reason, claim = verdict.reason, None
             if verdict.claim is not None:
                 try:
-                    claim, reason = await self._claimer.claim(ctx, verdict.claim)
+                    claim, reason = await self._claimer.claim(ctx, verdict.claim, shared=verdict.shared)
                     if verdict.release:
                         # A release lost (another turn claimed it) only leaves the retention be.
                         reason = verdict.reason
@@ -239,10 +242,15 @@ class Planner:
         )
         if hint is not None:
             fence, retention = hint.generation, hint
+        elif moving is None:
+            retention = await self._forks.after_move_elsewhere(conversation, retention, timer)
         fork = False
         if retention is None and call.parent:
             _, retention = await timer.registry(self._parts.port.get_conversation(call.parent))
+            retention = await self._forks.readable(call, retention, nodes)
             fork = retention is not None
+            if retention is not None:
+                retention = self._known(call.parent, retention)
         if retention is not None and retention.block_size != block_size:
             # This prefill cannot read KV of another block size (MODEL_MISMATCH); the chain in
             # the retention's still lets verify() say how much matched.
@@ -377,6 +385,14 @@ class Planner:
     def _reuse_allowed(self, req: PlanRequest) -> bool:
         return self._parts.policy.reuse_enabled and not req.disable_reuse
 
+    def _known(self, conversation: str, retention: RetentionInfo) -> RetentionInfo:
+        """`retention` with the tokens this replica's commit of it knows (its hint's), which let
+        a fork's prefix be cut at its last equal token too."""
+        hint = self._parts.memory.hints.get(conversation)
+        if hint is None or (hint.name, hint.num_tokens) != (retention.name, retention.num_tokens):
+            return retention
+        return replace(retention, known_from_block=hint.known_from_block, known_tokens=hint.known_tokens)
+
     def _hint(self, req: PlanRequest, conversation: str, block_size: int) -> RetentionInfo | None:
         """The retention this replica last stored for the conversation, when reuse is on."""
         if not conversation or not self._reuse_allowed(req):
@@ -401,7 +417,8 @@ class Planner:
         reason: Reason | None = None
         # Prefill reads from the holder as registered; one the router cannot address is down.
         holder = next((x for x in ctx.nodes if x.name == retention.node and x.healthy), None)
-        if retention.claimed:
+        shared = self._forks.shares(ctx.fork, holder)
+        if retention.claimed and (retention.claimed_once or not shared):
             reason = Reason.FORK_UNSAFE if ctx.fork else Reason.CLAIM_LOST
         elif retention.model != call.req.model or ctx.prefill.block_size != retention.block_size:
             reason = Reason.MODEL_MISMATCH
@@ -418,7 +435,9 @@ class Planner:
         elif reuse_cost is None or reuse_cost.total_ms >= ctx.recompute_cost.total_ms:
             reason = Reason.COST
         if reason is None:
-            verdict = Verdict(Reason.REUSE_CHEAPER, prefix, reuse_cost, claim=retention, holder=holder)
+            verdict = Verdict(
+                Reason.REUSE_CHEAPER, prefix, reuse_cost, claim=retention, holder=holder, shared=shared
+            )
         elif self._releases(ctx, reason, holder):
             verdict = Verdict(reason, prefix, reuse_cost, claim=retention, holder=holder, release=True)
         else:
@@ -511,7 +530,9 @@ class Planner:
             await self._give_back(ctx, got, claim)
             return Verdict(Reason.NODE_DOWN, prefix), None, Reason.NODE_DOWN
         reuse_cost = call.cost.reuse(n, prefix.tokens, ctx.local_hits, ctx.prefill.name)
-        moved = Verdict(Reason.REUSE_CHEAPER, prefix, reuse_cost, claim=got, holder=holder)
+        moved = Verdict(
+            Reason.REUSE_CHEAPER, prefix, reuse_cost, claim=got, holder=holder, shared=verdict.shared
+        )
         return moved, replace(claim, retention=got), Reason.REUSE_CHEAPER
 
     async def _give_back(self, ctx: PlanContext, got: RetentionInfo, claim: ClaimInfo) -> None:

@@ -178,6 +178,19 @@ class RouterPolicy:
     # A recomputing turn releases the retention it supersedes (kvshuttle.router.planner): its
     # holder frees the blocks now, not at decoder_kv_blocks_ttl. Off: they stay pinned until then.
     release_superseded: bool = True
+    # Forks of one history share its retention (kvshuttle.router.fork_reads): a turn that forks
+    # (a parent hint, or a turn of no conversation continuing a found one) reads a pool-held
+    # retention under a shared claim, after parking a decode-held one first. Off: the first
+    # fork consumes it and the others recompute (FORK_UNSAFE).
+    share_forks: bool = True
+    # ...parking a decode-held one first (off: only what the shuttle parked anyway is shared).
+    # A park costs one more move than a read of decode's copy, on every turn of a conversation
+    # without an id; it buys reuse for every fork of it.
+    park_for_forks: bool = True
+    # A history the router found (a turn of no conversation) and parked for its forks is kept
+    # in the pool this long (its registry ttl), not parking.max_idle_s: each such turn is a new
+    # conversation, so a linear one would leave a pooled copy of each turn's history behind.
+    found_fork_window_s: float = 120.0
     # Cut the verified prefix at its last verified token, not at its last full block, where the
     # retention's tokens there are known (its commit's answer blocks, on this replica's hint).
     token_granular_reuse: bool = True

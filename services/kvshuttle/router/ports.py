@@ -43,7 +43,12 @@ class RegistryPort(Protocol):
         """Node name -> leading blocks of `chain` it holds."""
         ...
 
-    async def claim(self, name: str, *, holder: str, claim_ttl: float, request_id: str) -> ClaimInfo: ...
+    async def claim(
+        self, name: str, *, holder: str, claim_ttl: float, request_id: str, shared: bool = False
+    ) -> ClaimInfo:
+        """Claim the retention for one reader, or (`shared`) as one of the readers of a
+        pool-held one."""
+        ...
 
     async def put_retention(self, new: NewRetention) -> RetentionInfo:
         """Store decode's retained KV; returns it as stored."""

@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import contextvars
 import heapq
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -117,6 +118,41 @@ class Shuttle:
     def move_in_flight(self, conversation: str) -> asyncio.Task[Outcome] | None:
         """The move of the conversation's retention while it runs (None: there is none)."""
         return self._moving_for.get(conversation)
+
+    def park_for_forks(
+        self, conversation: str, retention: RetentionInfo, *, kv_bytes: int, max_ttl_s: float = math.inf
+    ) -> asyncio.Task[Outcome] | None:
+        """Park `retention` now, for the forks of its history to read it together (reason
+        `fork`; its lease at most `max_ttl_s`): the move of the conversation's retention already
+        running, else a new one, else None (parking off, the shuttle closing or max_in_flight
+        moves running)."""
+        running = self._moving_for.get(conversation)
+        if running is not None:
+            return running
+        if self._closed or not self._parking.enabled or len(self._moving) >= self._parking.max_in_flight:
+            return None
+        scheduled = self._entries.get(conversation)
+        now = self._clock.now()
+        if scheduled is not None and scheduled.retention == retention.name:
+            entry = self._take(conversation)
+            entry = replace(entry, kind=MoveKind.PARK, reason=MoveReason.FORK, target="", max_ttl_s=max_ttl_s)
+        else:  # committed by another replica: its lease runs max_idle_s from now
+            entry = ScheduledMove(
+                conversation=conversation,
+                retention=retention.name,
+                generation=retention.generation,
+                model=retention.model,
+                node=retention.node,
+                kv_bytes=kv_bytes,
+                num_tokens=retention.num_tokens,
+                active_at=now,
+                due_at=now,
+                kind=MoveKind.PARK,
+                reason=MoveReason.FORK,
+                max_ttl_s=max_ttl_s,
+            )
+        self._start(entry, MoveReason.FORK)
+        return self._moving_for[conversation]
 
     # ---- what the conversations do next ----------------------------------------------------
 

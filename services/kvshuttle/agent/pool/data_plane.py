@@ -147,6 +147,8 @@ class ReadServer(Protocol):
     engine_id: str  # what the side channel's handshake names (fresh per server)
     host: str
     port: int  # bound once started
+    reads: int  # allocations freed by their reader's read-done
+    shared_reads: int  # shared readers' read-done (kvshuttle.vllm.shared_reads): nothing freed
 
     @property
     def serving(self) -> bool: ...
@@ -157,7 +159,7 @@ class ReadServer(Protocol):
 
     def publish(self, name: str, num_tokens: int) -> dict[str, Any]:
         """kv_transfer_params that make a prefill read `name`'s sealed slots from this server;
-        the slots are released once read."""
+        the slots are released once read (unless read shared)."""
 
     def withdraw(self, name: str) -> None: ...
 

@@ -7,7 +7,10 @@ cluster's own, bench/emulator/http/pool_plane.py).
 that name the server; the router keeps them in the registry (the retention moved to the agent's
 pool node) and hands them to a prefill once it claimed the retention there: the registry's
 claim is the single-use guard. The reader reads the slots and notifies the read id with its
-number of consumers, which releases them once that many arrived.
+number of consumers, which releases them once that many arrived. A reader holding a shared
+claim (the forks of one history) notifies the read id with its own suffix
+(kvshuttle.vllm.shared_reads): its heartbeats and read-done hold the allocation like any
+reader's, and its read-done frees nothing.
 
 Deadlines: prefill compares `remote_blocks_expiry_time` with its perf_counter rebased by the
 clock offset it measured in the handshake, i.e. in the clock of whoever answered the handshake:
@@ -29,6 +32,7 @@ import structlog
 from kvshuttle.agent.pool.blocks import Allocation, BlockPool, SlotState
 from kvshuttle.agent.pool.side_channel import Handshake
 from kvshuttle.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvshuttle.vllm.shared_reads import read_of
 
 __all__ = ["PREFILL_EXPIRY_MARGIN", "PublishedReads", "Served"]
 
@@ -86,6 +90,7 @@ class PublishedReads:
         self._served: dict[str, Served] = {}  # by read id
         self._by_name: dict[str, str] = {}  # allocation name -> read id
         self.reads = 0  # allocations released by their read-done notifications
+        self.shared_reads = 0  # shared readers' read-done notifications (nothing released)
 
     @property
     def served(self) -> dict[str, Served]:
@@ -145,21 +150,27 @@ class PublishedReads:
     def heartbeat(self, read_ids: Iterable[str]) -> None:
         """A reader waits to read `read_ids`: hold their allocations `lease + grace` longer."""
         hold = self._monotonic() + self._lease + self._grace
-        for read_id in read_ids:
-            if (served := self._served.get(read_id)) is not None and self._current(served) is not None:
+        for request_id in read_ids:
+            served = self._served.get(read_of(request_id)[0])
+            if served is not None and self._current(served) is not None:
                 served.active_until = max(served.active_until, hold)
                 allocation = self._pool.get(served.name)
                 if allocation.expire_at < hold:
                     self._pool.renew(served.name, expire_at=hold)
 
-    def read_done(self, peer: str, read_id: str, consumers: int) -> None:
-        """One of `consumers` readers of `read_id` is done: released once all of them are."""
+    def read_done(self, peer: str, request_id: str, consumers: int) -> None:
+        """One of `consumers` readers of `request_id` is done: released once all of them are,
+        unless they read it shared (then it stays for the next reader)."""
+        read_id, shared = read_of(request_id)
         served = self._served.get(read_id)
         if served is None:
-            log.warning("agent.serve.unknown_read", peer=peer, request_id=read_id[:64])
+            log.warning("agent.serve.unknown_read", peer=peer, request_id=request_id[:64])
+            return
+        served.active_until = max(served.active_until, self._monotonic() + self._lease + self._grace)
+        if shared:
+            self.shared_reads += 1
             return
         served.notified += 1
-        served.active_until = max(served.active_until, self._monotonic() + self._lease + self._grace)
         if served.notified >= consumers:
             self._release(served, "read")
 

@@ -155,8 +155,9 @@ def retention_to_pb(r: Retention, *, transcript: bool = False) -> pb.Retention:
         block_hashes=r.block_hashes,
         kv_transfer_params=KvTransferParams.FromString(r.kv_transfer_params),
         kv_bytes=r.kv_bytes,
-        state=pb.RETENTION_STATE_CLAIMED if r.claim is not None else pb.RETENTION_STATE_ACTIVE,
+        state=pb.RETENTION_STATE_CLAIMED if r.claim is not None or r.shared else pb.RETENTION_STATE_ACTIVE,
         prompt_blocks=r.prompt_blocks,
+        shared_claims=len(r.shared),
         create_time=to_timestamp(r.create_time),
         expire_time=to_timestamp(r.expire_at),
     )

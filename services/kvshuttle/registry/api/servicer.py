@@ -160,6 +160,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             name=request.name,
             holder=request.holder,
             claim_ttl=duration_seconds(request.claim_ttl, "claim_ttl"),
+            shared=request.shared,
         )
         return pb.ClaimRetentionResponse(retention=convert.retention_to_pb(retention))
 

@@ -132,10 +132,10 @@ class Registry:
         return await self._retentions.renew_retention(name, ttl)
 
     async def claim_retention(
-        self, *, request_id: str, name: str, holder: str, claim_ttl: float | None
+        self, *, request_id: str, name: str, holder: str, claim_ttl: float | None, shared: bool = False
     ) -> Retention:
         return await self._retentions.claim_retention(
-            request_id=request_id, name=name, holder=holder, claim_ttl=claim_ttl
+            request_id=request_id, name=name, holder=holder, claim_ttl=claim_ttl, shared=shared
         )
 
     async def release_retention(self, name: str, *, claim_id: str, force: bool, keep: bool = False) -> None:

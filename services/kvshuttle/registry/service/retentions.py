@@ -120,7 +120,7 @@ class RegistryRetentions:
         return retention
 
     async def claim_retention(
-        self, *, request_id: str, name: str, holder: str, claim_ttl: float | None
+        self, *, request_id: str, name: str, holder: str, claim_ttl: float | None, shared: bool = False
     ) -> Retention:
         self._request_id(request_id)
         self._retention_name(name)
@@ -128,7 +128,7 @@ class RegistryRetentions:
         lease = self._limits.claim_ttl.pick(claim_ttl, "claim_ttl")
         try:
             retention, changes = await self._store.claim_retention(
-                name, holder, lease, self._clock.now(), request_id=request_id
+                name, holder, lease, self._clock.now(), request_id=request_id, shared=shared
             )
         except Exception as exc:
             self._stats.claims[getattr(exc, "reason", "ERROR")] += 1

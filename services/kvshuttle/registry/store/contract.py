@@ -96,15 +96,25 @@ class RegistryStore(Protocol):
     ) -> tuple[Retention, list[RetentionChange]]: ...
 
     async def claim_retention(
-        self, name: str, holder: str, claim_ttl: float, now: float, *, request_id: str
-    ) -> tuple[Retention, list[RetentionChange]]: ...
+        self, name: str, holder: str, claim_ttl: float, now: float, *, request_id: str, shared: bool = False
+    ) -> tuple[Retention, list[RetentionChange]]:
+        """Claim the retention for `holder` until now + claim_ttl; the answer's `claim` is this
+        claim. Single-use (`shared` false): the retention's expire_at becomes the claim's, and it
+        is removed when that lapses. Shared: only on a retention a POOL node holds
+        (RETENTION_NOT_SHAREABLE), beside other live shared claims (at most MAX_SHARED_CLAIMS),
+        never beside a single-use one (RETENTION_ALREADY_CLAIMED either way); the expire_at
+        stays the retention's own lease, and the retention outlives it while the claim lives."""
+        ...
 
     async def release_retention(
         self, name: str, claim_id: str, force: bool, now: float, *, keep: bool = False
     ) -> list[RetentionChange]:
         """Remove the retention (a claimed one: with its claim_id, or force); with `keep`, end
         its claim `claim_id` instead and give it back its pre-claim lease (removed as EXPIRED
-        when that has passed)."""
+        when that has passed). A live shared claim's id (keep or not) ends that claim only: the
+        retention stays, unless its own lease has passed and no other shared claim is left
+        (EXPIRED). Without force, a shared-claimed retention is removed by nobody else
+        (CLAIM_MISMATCH)."""
         ...
 
     async def move_retention(

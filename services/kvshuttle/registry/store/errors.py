@@ -85,6 +85,14 @@ def already_claimed(name: str) -> Aborted:
     )
 
 
+def not_shareable(name: str) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"retention {name} is not held by a pool node: its holder frees it at its first read",
+        reason=ErrorReason.RETENTION_NOT_SHAREABLE,
+        metadata={"retention": name, "field": "shared"},
+    )
+
+
 def retention_expired(name: str) -> FailedPrecondition:
     return FailedPrecondition(
         f"retention {name} expired",

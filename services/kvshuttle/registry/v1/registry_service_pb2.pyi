@@ -68,7 +68,9 @@ class _RetentionStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Retent
     RETENTION_STATE_ACTIVE: _RetentionState.ValueType  # 1
     """Live and claimable."""
     RETENTION_STATE_CLAIMED: _RetentionState.ValueType  # 2
-    """Taken by one reader; pinned until the claim's expire_time, then removed."""
+    """Taken by one reader (pinned until the claim's expire_time, then removed), or read by
+    shared readers (`shared_claims`; kept while any of them reads, then live again).
+    """
 
 class RetentionState(_RetentionState, metaclass=_RetentionStateEnumTypeWrapper):
     """RetentionState says whether a retention can still be claimed."""
@@ -77,7 +79,9 @@ RETENTION_STATE_UNSPECIFIED: RetentionState.ValueType  # 0
 RETENTION_STATE_ACTIVE: RetentionState.ValueType  # 1
 """Live and claimable."""
 RETENTION_STATE_CLAIMED: RetentionState.ValueType  # 2
-"""Taken by one reader; pinned until the claim's expire_time, then removed."""
+"""Taken by one reader (pinned until the claim's expire_time, then removed), or read by
+shared readers (`shared_claims`; kept while any of them reads, then live again).
+"""
 Global___RetentionState: _TypeAlias = RetentionState  # noqa: Y015
 
 class _RetentionChange:
@@ -542,6 +546,7 @@ class Retention(_message.Message):
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
     TRANSCRIPT_FIELD_NUMBER: _builtins.int
     PROMPT_BLOCKS_FIELD_NUMBER: _builtins.int
+    SHARED_CLAIMS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Output only. `tenants/{tenant}/conversations/{conversation}/retentions/{generation}`."""
     node: _builtins.str
@@ -564,6 +569,11 @@ class Retention(_message.Message):
     chain's last hash and by this block's, so a prompt that repeats the previous prompt but not
     the answer (a chat whose answer was re-tokenized or re-rendered) still finds it. At most
     the number of block_hashes.
+    """
+    shared_claims: _builtins.int
+    """Output only. How many shared claims (ClaimRetentionRequest.shared) are live on it: readers
+    of a pool-held retention that share it (the forks of one history). Their claims are in
+    `claim` only in the answer to each one's own ClaimRetention.
     """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -626,10 +636,11 @@ class Retention(_message.Message):
         expire_time: _timestamp_pb2.Timestamp | None = ...,
         transcript: Global___Transcript | None = ...,
         prompt_blocks: _builtins.int = ...,
+        shared_claims: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["claim", b"claim", "create_time", b"create_time", "expire_time", b"expire_time", "kv_transfer_params", b"kv_transfer_params", "pin_expire_time", b"pin_expire_time", "transcript", b"transcript"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_size", b"block_size", "claim", b"claim", "create_time", b"create_time", "expire_time", b"expire_time", "generation", b"generation", "kv_bytes", b"kv_bytes", "kv_transfer_params", b"kv_transfer_params", "model", b"model", "name", b"name", "node", b"node", "num_tokens", b"num_tokens", "pin_expire_time", b"pin_expire_time", "prompt_blocks", b"prompt_blocks", "state", b"state", "transcript", b"transcript"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_size", b"block_size", "claim", b"claim", "create_time", b"create_time", "expire_time", b"expire_time", "generation", b"generation", "kv_bytes", b"kv_bytes", "kv_transfer_params", b"kv_transfer_params", "model", b"model", "name", b"name", "node", b"node", "num_tokens", b"num_tokens", "pin_expire_time", b"pin_expire_time", "prompt_blocks", b"prompt_blocks", "shared_claims", b"shared_claims", "state", b"state", "transcript", b"transcript"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -941,6 +952,7 @@ class ClaimRetentionRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     HOLDER_FIELD_NUMBER: _builtins.int
     CLAIM_TTL_FIELD_NUMBER: _builtins.int
+    SHARED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id; a repeated request returns the claimed retention while it lives
     (RETENTION_NOT_FOUND once it was released or lapsed: the claim ended). The same id with
@@ -950,6 +962,16 @@ class ClaimRetentionRequest(_message.Message):
     """`tenants/{tenant}/conversations/{conversation}/retentions/{generation}`."""
     holder: _builtins.str
     """Who reads (a turn handle); shown in the claim."""
+    shared: _builtins.bool
+    """A shared claim, for one of several readers of one retention (the forks of one history):
+    only on a retention held by an agent's pool node, whose sealed slots survive reads
+    (FAILED_PRECONDITION, RETENTION_NOT_SHAREABLE otherwise). Shared claims coexist with each
+    other, at most 64 at once, never with a single-use claim: either kind on a retention the
+    other holds is ABORTED (RETENTION_ALREADY_CLAIMED). Each one holds the retention against
+    expiry and eviction until it ends: a release with its claim_id ends that claim only (the
+    retention stays; EXPIRED once its own lease has passed and no other shared claim is
+    left), and it lapses after claim_ttl. The retention's expire_time stays its own lease.
+    """
     @_builtins.property
     def claim_ttl(self) -> _duration_pb2.Duration:
         """How long the read may take; the retention is pinned for this long."""
@@ -961,10 +983,11 @@ class ClaimRetentionRequest(_message.Message):
         name: _builtins.str = ...,
         holder: _builtins.str = ...,
         claim_ttl: _duration_pb2.Duration | None = ...,
+        shared: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["claim_ttl", b"claim_ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim_ttl", b"claim_ttl", "holder", b"holder", "name", b"name", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claim_ttl", b"claim_ttl", "holder", b"holder", "name", b"name", "request_id", b"request_id", "shared", b"shared"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

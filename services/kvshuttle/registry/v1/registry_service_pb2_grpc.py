@@ -48,6 +48,7 @@ class RegistryServiceStub:
     RETENTION_ALREADY_CLAIMED: another reader claimed it first.
     RETENTION_CLAIMED: a claimed retention cannot be renewed.
     CLAIM_MISMATCH: the claim id given is not the retention's claim (or it is not claimed).
+    RETENTION_NOT_SHAREABLE: a shared claim of a retention no pool node holds.
     PIN_EXPIRED: the engine's own pin on the blocks has passed.
     FENCING_GENERATION_STALE: the conversation already saw this generation or a later one.
     CONVERSATION_NOT_FOUND: the conversation has no fence and no retention.
@@ -187,6 +188,7 @@ class RegistryServiceServicer:
     RETENTION_ALREADY_CLAIMED: another reader claimed it first.
     RETENTION_CLAIMED: a claimed retention cannot be renewed.
     CLAIM_MISMATCH: the claim id given is not the retention's claim (or it is not claimed).
+    RETENTION_NOT_SHAREABLE: a shared claim of a retention no pool node holds.
     PIN_EXPIRED: the engine's own pin on the blocks has passed.
     FENCING_GENERATION_STALE: the conversation already saw this generation or a later one.
     CONVERSATION_NOT_FOUND: the conversation has no fence and no retention.
@@ -498,6 +500,7 @@ class RegistryService:
     RETENTION_ALREADY_CLAIMED: another reader claimed it first.
     RETENTION_CLAIMED: a claimed retention cannot be renewed.
     CLAIM_MISMATCH: the claim id given is not the retention's claim (or it is not claimed).
+    RETENTION_NOT_SHAREABLE: a shared claim of a retention no pool node holds.
     PIN_EXPIRED: the engine's own pin on the blocks has passed.
     FENCING_GENERATION_STALE: the conversation already saw this generation or a later one.
     CONVERSATION_NOT_FOUND: the conversation has no fence and no retention.

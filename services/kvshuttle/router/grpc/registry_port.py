@@ -81,6 +81,8 @@ def retention_info(r: pb.Retention) -> RetentionInfo:
         kv_transfer_params=to_vllm(r.kv_transfer_params),
         expire_at=from_timestamp(r.expire_time),
         claimed=r.state == pb.RETENTION_STATE_CLAIMED,
+        shared_claims=r.shared_claims,
+        claim_holder=r.claim.holder if r.HasField("claim") else "",
     )
 
 
@@ -186,9 +188,13 @@ class GrpcRegistryPort:
         )
         return {m.node: m.matched_blocks for m in response.matches}
 
-    async def claim(self, name: str, *, holder: str, claim_ttl: float, request_id: str) -> ClaimInfo:
+    async def claim(
+        self, name: str, *, holder: str, claim_ttl: float, request_id: str, shared: bool = False
+    ) -> ClaimInfo:
         try:
-            response = await self._client.claim_retention(name, holder, claim_ttl, request_id=request_id)
+            response = await self._client.claim_retention(
+                name, holder, claim_ttl, request_id=request_id, shared=shared
+            )
         except KvshuttleRpcError as err:
             raise _refused(err) from err
         r = response.retention

@@ -27,6 +27,7 @@ from kvshuttle.registry.store.errors import (
     node_not_registered,
     pin_expired,
     retention_claimed,
+    retention_expired,
     retention_not_found,
     too_many,
 )
@@ -81,7 +82,7 @@ class MemoryRetentions:
         record = snapshot_retention(retention)
         record.create_time = now
         record.expire_at = expire_at
-        record.claim = None
+        record.claim, record.shared = None, ()
         if record.transcript is not None and not self._state.transcript_fits(tenant, record.transcript):
             record.transcript = None  # past the transcript bounds: the retention is kept without
         self._state.retentions[record.name] = record
@@ -136,7 +137,7 @@ class MemoryRetentions:
         record.create_time = first.create_time
         record.expire_at = first.expire_at
         record.pin_expire_at = first.pin_expire_at
-        record.claim = None
+        record.claim, record.shared = None, ()
         return PutResult(record, first.replaced)
 
     async def get_retention(self, name: str) -> Retention:
@@ -157,7 +158,8 @@ class MemoryRetentions:
         record = self._state.retention(name)
         if record.claim is not None:
             raise retention_claimed(name)
-        self._state.check_claimable(record, now)
+        if record.expire_at <= now:  # shared readers do not keep it from a renewal
+            raise retention_expired(name)
         expire_at = now + min(ttl, max_ttl)
         if record.pin_expire_at is not None:
             expire_at = min(expire_at, record.pin_expire_at)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvshuttle.registry.idempotency import IdempotencyCache
-from kvshuttle.registry.model import ChangeKind, Node, Retention, RetentionChange, Transcript
+from kvshuttle.registry.model import ChangeKind, Claim, Node, Retention, RetentionChange, Transcript
 from kvshuttle.registry.store.contract import FENCE_OVERHEAD, StoreLimits
 from kvshuttle.registry.store.errors import already_claimed, retention_expired, retention_not_found
 
@@ -44,6 +44,15 @@ def snapshot_node(node: Node) -> Node:
 
 def snapshot_retention(retention: Retention) -> Retention:
     return Retention(*_RETENTION_FIELDS(retention))
+
+
+def prune_shared(record: Retention, now: float) -> tuple[Claim, ...]:
+    """`record`'s live shared claims, the lapsed ones dropped."""
+    if record.shared:
+        live = record.live_shared(now)
+        if len(live) != len(record.shared):
+            record.shared = live
+    return record.shared
 
 
 class MemoryState:
@@ -91,7 +100,7 @@ class MemoryState:
 
     @staticmethod
     def check_claimable(record: Retention, now: float) -> None:
-        if record.claim is not None:
+        if record.claim is not None or prune_shared(record, now):
             raise already_claimed(record.name)
         if record.expire_at <= now:
             raise retention_expired(record.name)

@@ -39,7 +39,7 @@ from kvshuttle.registry.store.contract import StoreLimits
 from kvshuttle.registry.store.memory.claims import MemoryClaims
 from kvshuttle.registry.store.memory.nodes import MemoryNodes
 from kvshuttle.registry.store.memory.retentions import MemoryRetentions
-from kvshuttle.registry.store.memory.state import NODE, RETENTION, MemoryState, snapshot_node
+from kvshuttle.registry.store.memory.state import NODE, RETENTION, MemoryState, prune_shared, snapshot_node
 
 __all__ = ["InMemoryStore"]
 
@@ -123,9 +123,11 @@ class InMemoryStore:
     # ---- claims ----------------------------------------------------------------------------
 
     async def claim_retention(
-        self, name: str, holder: str, claim_ttl: float, now: float, *, request_id: str
+        self, name: str, holder: str, claim_ttl: float, now: float, *, request_id: str, shared: bool = False
     ) -> tuple[Retention, list[RetentionChange]]:
-        return await self._claims.claim_retention(name, holder, claim_ttl, now, request_id=request_id)
+        return await self._claims.claim_retention(
+            name, holder, claim_ttl, now, request_id=request_id, shared=shared
+        )
 
     async def release_retention(
         self, name: str, claim_id: str, force: bool, now: float, *, keep: bool = False
@@ -155,7 +157,11 @@ class InMemoryStore:
                     nodes.append(NodeExpiry(snapshot, tuple(state.remove_node(name, now))))
             elif kind == RETENTION:
                 record = state.retentions.get(name)
-                if record is not None and record.expire_at <= now:
+                if record is None or record.expire_at > now:
+                    continue
+                if shared := prune_shared(record, now):  # readers hold it past its lease
+                    state.push(max(c.expire_at for c in shared), RETENTION, name)
+                else:
                     retentions.append(state.remove_retention(name, ChangeKind.EXPIRED, now))
             else:
                 fence = state.fences.get(name)

@@ -1,17 +1,20 @@
 """The Redis store's claim operations (kvshuttle.registry.store.redis.store): the single-use claim with
-its pin, release and giving a claim back, move to another node, evict."""
+its pin, shared claims of a pool-held retention, release and giving a claim back, move to another
+node, evict."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Sequence
+from typing import Any, cast
 
 from kvshuttle.core.errors import (
     FailedPrecondition,
     KvshuttleError,
 )
 from kvshuttle.core.fingerprint import request_id_reused
+from kvshuttle.core.limits import MAX_SHARED_CLAIMS
+from kvshuttle.core.nodes import NodeRole
 from kvshuttle.core.reasons import ErrorReason
 from kvshuttle.registry.idempotency import claim_fingerprint, move_fingerprint
 from kvshuttle.registry.model import (
@@ -50,15 +53,17 @@ class RedisClaims:
 
     @reachable
     async def claim_retention(
-        self, name: str, holder: str, claim_ttl: float, now: float, *, request_id: str
+        self, name: str, holder: str, claim_ttl: float, now: float, *, request_id: str, shared: bool = False
     ) -> tuple[Retention, list[RetentionChange]]:
         conversation = conversation_of(name)
-        fingerprint = claim_fingerprint(holder).hex() if request_id else ""
+        key = self._keys.conversation(conversation)
+        fingerprint = claim_fingerprint(holder, shared=shared).hex() if request_id else ""
         idem_key = self._keys.idempotency(conversation, "claim", name, request_id)
         claim_id = uuid.uuid4().hex
+        node, pool = await self._pool_held(key) if shared else ("", False)
         out = await self._run(
             "claim",
-            [self._keys.conversation(conversation), idem_key],
+            [key, idem_key],
             [
                 name,
                 time_arg(now),
@@ -68,25 +73,39 @@ class RedisClaims:
                 holder,
                 time_arg(now + claim_ttl),
                 *self._shared.idem_args(now),
+                "1" if shared else "",
+                node,
+                "1" if pool else "",
+                MAX_SHARED_CLAIMS,
             ],
         )
         tag = as_str(out[0])
         if tag == "reused":
             raise request_id_reused()
         if tag == "repeat":
-            return retention_of(pairs(out[1])), []
+            return _claimed(retention_of(pairs(out[1])), as_str(out[2]), now), []
         if tag == "err":
             if as_str(out[1]) == "CLAIM_ENDED":
                 raise request_ended(name, "claim", request_id)
             raise claim_error(name, out)
-        record = retention_of(pairs(out[1]))
-        await self._redis.zadd(self._keys.claimed, {name: 0})
-        await self._shared.hint(self._keys.retention_deadlines, name, record.expire_at)
+        record = _claimed(retention_of(pairs(out[1])), claim_id, now)
+        changes = [RetentionChange(ChangeKind.CLAIMED, record, now)]
+        if not shared:  # a shared claim leaves the deadline (the sweep keeps it) and the counts
+            await self._redis.zadd(self._keys.claimed, {name: 0})
+            await self._shared.hint(self._keys.retention_deadlines, name, record.expire_at)
+            self._shared.account(changes)
         if request_id:
             await self._bounds.remember(idem_key, [fingerprint, claim_id], now)
-        changes = [RetentionChange(ChangeKind.CLAIMED, record, now)]
-        self._shared.account(changes)
         return record, changes
+
+    async def _pool_held(self, key: str) -> tuple[str, bool]:
+        """The node holding the conversation's retention ("" none) and whether it is a pool node.
+        Another slot: the claim script checks the retention is still on that node."""
+        raw = await cast("Awaitable[bytes | None]", self._redis.hget(key, "node"))
+        if raw is None:
+            return "", False
+        node = await self._shared.read_node(as_str(raw))
+        return as_str(raw), node is not None and node.spec.role is NodeRole.POOL
 
     @reachable
     async def release_retention(
@@ -123,6 +142,8 @@ class RedisClaims:
                 metadata={"retention": name},
             )
         record = retention_of(pairs(out[1]))
+        if tag == "unshared":  # one reader done: the deadline and the counts stay
+            return [RetentionChange(ChangeKind.UNCLAIMED, record, now)]
         if tag == "unclaimed":
             await self._redis.zrem(self._keys.claimed, name)
             await self._shared.hint(self._keys.retention_deadlines, name, record.expire_at)
@@ -246,7 +267,7 @@ class RedisClaims:
         out = await self._run(
             "evict",
             [self._keys.conversation(conversation_of(name))],
-            [name, node, self._shared.forget_at(now)],
+            [name, node, self._shared.forget_at(now), time_arg(now)],
         )
         if as_str(out[0]) == "err":
             reason = as_str(out[1])
@@ -268,3 +289,11 @@ class RedisClaims:
         changes = [RetentionChange(ChangeKind.EVICTED, record, now)]
         self._shared.account(changes)
         return changes
+
+
+def _claimed(record: Retention, claim_id: str, now: float) -> Retention:
+    """`record` as a claim answers it: its live shared claims, and `claim` the one claimed
+    (single-use or shared; the script found it live)."""
+    record.shared = record.live_shared(now)
+    record.claim = next(c for c in (record.claim, *record.shared) if c is not None and c.claim_id == claim_id)
+    return record

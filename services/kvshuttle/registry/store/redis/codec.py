@@ -33,6 +33,7 @@ from kvshuttle.registry.model import (
 )
 from kvshuttle.registry.store.errors import (
     already_claimed,
+    not_shareable,
     retention_claimed,
     retention_expired,
     retention_not_found,
@@ -177,6 +178,16 @@ def node_of(h: dict[str, bytes]) -> Node:
     )
 
 
+def _shared_of(raw: bytes | None) -> tuple[Claim, ...]:
+    """The record's `sh` field: its shared claims (as lua/lib/retention.lua writes them)."""
+    if not raw:
+        return ()
+    return tuple(
+        Claim(cid, holder, float(ctime), float(cexp), lease_expire_at=float(lease))
+        for cid, holder, ctime, cexp, lease in json.loads(raw)
+    )
+
+
 def retention_of(h: dict[str, bytes]) -> Retention:
     claim = None
     if "cid" in h:
@@ -206,6 +217,7 @@ def retention_of(h: dict[str, bytes]) -> Retention:
         holder=_holder_of(h.get("holder")),
         transcript=_transcript_of(h.get("tx")),
         prompt_blocks=int(h.get("pb", b"0")),
+        shared=_shared_of(h.get("sh")),
     )
 
 
@@ -226,6 +238,8 @@ def claim_error(name: str, out: Sequence[Any]) -> KvshuttleError:
         return retention_claimed(name)
     if reason == "RETENTION_ALREADY_CLAIMED":
         return already_claimed(name)
+    if reason == "RETENTION_NOT_SHAREABLE":
+        return not_shareable(name)
     return retention_expired(name)
 
 

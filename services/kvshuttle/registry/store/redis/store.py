@@ -4,15 +4,16 @@
 Every store operation's deciding step is ONE Lua script (kvshuttle.registry.store.redis.scripts, run by
 EVALSHA through `register_script`), so the rule it enforces holds on the server no matter how
 many replicas call at once: put-and-replace under the conversation's fence, the single-use
-claim with its pin, release (and giving a claim back), renew, move, evict, node registration,
-heartbeat and removal. No rule is read in Python and written back.
+claim with its pin, shared claims, release (and giving a claim back), renew, move, evict, node
+registration, heartbeat and removal. No rule is read in Python and written back.
 
 Keys (P is the configured prefix; the braces are Redis Cluster hash tags):
 
 - `P:{tenants/t/conversations/c}`: the conversation: its fence and `forget` time, its retention
-  (one at a time; the fields of the Retention and its claim), a tombstone of the last removed
-  retention. `P:{tenants/t/conversations/c}:i:<op>:<target>:<request_id>`: a remembered first
-  answer (AIP-155), in the same slot. So every retention script touches one slot.
+  (one at a time; the fields of the Retention, its single-use claim and, in `sh`, its shared
+  claims, at most MAX_SHARED_CLAIMS live), a tombstone of the last removed retention.
+  `P:{tenants/t/conversations/c}:i:<op>:<target>:<request_id>`: a remembered first answer
+  (AIP-155), in the same slot. So every retention script touches one slot.
 - `P:{nodes/n}`: the node's lease record; `...:held` (retention name -> kv_bytes: its retentions,
   whose count and byte sum are the node's counts) and `...:lost` (retentions of a removed
   incarnation whose NODE_LOST cascade is not done yet), one slot per node.
@@ -48,8 +49,13 @@ idempotent and each index a hint that the deciding record overrides:
   clears it from `lost`. A replica dying mid-cascade leaves `lost` non-empty and the node's
   deadline in place: the next sweep of that node finishes the cascade.
 - move: the conversation's script, then detach from the old node and attach to the new one.
+- shared claim: the retention's node read, then whether it is a pool node (its record, another
+  slot), then the conversation's script, which refuses it if the retention is on another node
+  by then (ALREADY_CLAIMED: it was moved, under a single-use claim). The retention's deadline
+  stays its lease: the sweep decides then.
 - expiry sweeps (`expire_due`): DUE reads the due members of a deadline set; for each, the
-  record's own script decides (expired and removed, still alive, or gone), so with several
+  record's own script decides (expired and removed, still alive, or gone; past its lease, a
+  retention with a live shared claim is alive until the latest one lapses), so with several
   replicas sweeping each expiry is removed, and emitted, exactly once: by the replica whose
   script removed it; the others see it gone. Deadlines only move earlier by the writers (ZADD
   LT plus a version bump); a sweeper resets a deadline later only if its version is unchanged
@@ -221,9 +227,11 @@ class RedisStore:
     # ---- claims ----------------------------------------------------------------------------
 
     async def claim_retention(
-        self, name: str, holder: str, claim_ttl: float, now: float, *, request_id: str
+        self, name: str, holder: str, claim_ttl: float, now: float, *, request_id: str, shared: bool = False
     ) -> tuple[Retention, list[RetentionChange]]:
-        return await self._claims.claim_retention(name, holder, claim_ttl, now, request_id=request_id)
+        return await self._claims.claim_retention(
+            name, holder, claim_ttl, now, request_id=request_id, shared=shared
+        )
 
     async def release_retention(
         self, name: str, claim_id: str, force: bool, now: float, *, keep: bool = False

@@ -1,8 +1,10 @@
 -- The retention record's fields (R_FIELDS, a claim's C_FIELDS) and the steps the conversation
--- scripts share: reading, matching and removing the record, and a remembered first answer.
+-- scripts share: reading, matching and removing the record, its shared claims, and a remembered
+-- first answer. `sh` holds the shared claims as JSON [[cid, holder, ctime, cexp, clease], ...]
+-- (times as the strings Python sent), absent when there are none.
 
 local R_FIELDS = {'name','node','gen','model','bs','nt','bh','kp','kvb','pin','ct','exp','holder',
-                  'tx','pb','cid','chold','ctime','cexp','clease'}
+                  'tx','pb','cid','chold','ctime','cexp','clease','sh'}
 local C_FIELDS = {'cid','chold','ctime','cexp','clease'}
 local function tohash(flat)
   local h = {}
@@ -43,4 +45,21 @@ local function idem_first(key, now, op, fp)
   end
   if h.op ~= op or h.fp ~= fp then return {'reused'} end
   return h
+end
+local function live_shared(k, now)  -- the shared claims, the lapsed ones left out
+  local raw = redis.call('HGET', k, 'sh')
+  local live = {}
+  if raw then
+    for _, c in ipairs(cjson.decode(raw)) do
+      if tonumber(c[4]) > now then live[#live + 1] = c end
+    end
+  end
+  return live
+end
+local function set_shared(k, claims)
+  if #claims == 0 then
+    redis.call('HDEL', k, 'sh')
+  else
+    redis.call('HSET', k, 'sh', cjson.encode(claims))
+  end
 end
