@@ -16,7 +16,12 @@ interleaved, 2 clients.
 Per reuse turn: reused tokens as a share of what the previous turn left retained (its prompt and
 answer but the last token, which has no KV), recomputed minus new tokens, TTFT.
 
-    python -m bench.reuse_paths [--turns 4] [--conversations 4]
+    python -m bench.reuse_paths [--turns 4] [--conversations 4] [--pool-mib 0]
+
+With `--pool-mib`, each agent has a DRAM pool of that size: a turn of no conversation forks from
+the one it continues and parks its decode-held retention into the pool before reading it there
+(kvshuttle.router.fork_reads), where a named conversation's turn reads decode's copy; TTFT shows
+what that park costs each turn.
 
 Prints a table, writes bench/results/reuse_paths-<utc time>.json.
 """
@@ -120,6 +125,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--pool-mib", type=int, default=0, help="each agent's DRAM pool (0: none)")
     ap.add_argument("--work", default=".run/bench-reuse-paths")
     args = ap.parse_args()
     work = Path(args.work)
@@ -140,7 +146,16 @@ def main() -> None:
             jobs.put((path, i))
     rows: dict[str, list[dict[str, Any]]] = {p: [] for p in PATHS}
     started = time.perf_counter()
-    with pair, KvshuttleStack(pair, work_dir=work / "services", profile=profile, extra_env=extra) as stack:
+    with (
+        pair,
+        KvshuttleStack(
+            pair,
+            work_dir=work / "services",
+            profile=profile,
+            extra_env=extra,
+            pool_bytes=args.pool_mib * 2**20,
+        ) as stack,
+    ):
         replica, replica_url = second_gateway(stack, work / "services")
         texts = {(p, i): Text(tok, random.Random(i)) for p in PATHS for i in range(args.conversations)}
 
@@ -177,7 +192,7 @@ def main() -> None:
         "workload": {"common_prefix": 300, "conversation_prefix": 800, "user_turn": [120, 160],
                      "answer": [60, 100], "conversations": args.conversations, "clients": args.clients,
                      "turns": args.turns, "block_size": BS, "prefill_prefix_caching": False,
-                     "model": "small"},
+                     "model": "small", "pool_mib": args.pool_mib},
         "summary": results, "turns": rows,
         "target": "from turn 2: reused >= 95% of the previous prompt + answer (minus block rounding)"},
         args=args)  # fmt: skip

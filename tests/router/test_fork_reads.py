@@ -9,6 +9,7 @@ import asyncio
 import pytest
 from tests.router.shuttle_cluster import CONV, MODEL, POOL_PORT, Cluster, moves, pool_params, shuttle, tick
 
+from kvshuttle.core.errors import NotFound
 from kvshuttle.core.nodes import NodeRole
 from kvshuttle.registry.model import Holder, Move
 from kvshuttle.router.model import CommitRequest, Decision, Plan, PlanRequest, Reason
@@ -231,3 +232,28 @@ async def test_a_turn_waits_for_another_replica_s_move_of_its_retention(cluster:
 def claim_source(retention: object) -> dict[str, object]:
     params = to_vllm(KvTransferParams.FromString(retention.kv_transfer_params))  # type: ignore[attr-defined]
     return {**params, "remote_num_tokens": retention.num_tokens}  # type: ignore[attr-defined]
+
+
+async def test_a_found_history_the_router_started_goes_with_the_last_fork_s_commit(cluster: Cluster) -> None:
+    """Turns of no conversation: each forks from the history it continues, which the router
+    started. Once the last fork reading it stored its own, it is removed (its forks continue it);
+    a conversation a client named stays for its own next turn (the test above)."""
+    router = cluster.router(park_after_idle_s=300)
+    prompt = cluster.tokens(1000)
+    first = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt, tenant="tenants/acme"))
+    seq = await commit(cluster, router, first, prompt)
+    parent = f"{first.conversation}/retentions/1"
+    forks = []
+    for i in range(3):
+        child = seq + [200 + i] * 40
+        plan = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=child, tenant="tenants/acme"))
+        assert (plan.decision, plan.reusable_tokens) == (Decision.REUSE, len(seq))
+        forks.append((plan, child))
+    for plan, child in forks[:2]:
+        await commit(cluster, router, plan, child)
+        assert (await cluster.registry.get_retention(parent)).shared  # the last fork still reads it
+    await commit(cluster, router, *forks[2])
+    with pytest.raises(NotFound):
+        await cluster.registry.get_retention(parent)
+    for plan, _ in forks:  # each fork's own history stays
+        assert (await cluster.registry.get_conversation(plan.conversation)).retention is not None

@@ -136,18 +136,7 @@ class Committer:
                         state, tokens, chain, params if retains else None, timer, req.turn_end, transcript
                     )
             finally:
-                # A fork's put went to its own conversation: the parent's claim ends here too.
-                if state.claimed and (
-                    not result.retention or not state.claimed.startswith(f"{state.conversation}/")
-                ):
-                    if result.not_stored == "registry_unavailable":
-                        log.warning(
-                            "commit.release_failed",
-                            reason=ErrorReason.REGISTRY_UNAVAILABLE,
-                            retention=log_name(state.claimed),
-                        )
-                    else:
-                        await timer.registry(self._release(state, "commit"))
+                await self._end_claim(state, result, timer)
             self._tell_shuttle(state, result, req.turn_end)
             self._observe(state, req.timings)
             self._finish(state, "committed")
@@ -365,6 +354,29 @@ class Committer:
         if not task.cancelled() and (err := task.exception()) is not None:
             # The reason only: an error's message may name the conversation (tenant data).
             log.info("commit.late_call_failed", reason=getattr(err, "reason", type(err).__name__))
+
+    async def _end_claim(self, state: TurnState, result: CommitResult, timer: CallTimer) -> None:
+        """The committed turn's claim, ended: by the put that replaced the claimed retention,
+        else released here (a fork's put went to its own conversation). A found history that
+        forks read (superseded_parent) is removed once the last of them stored its own."""
+        if not state.claimed or (result.retention and state.claimed.startswith(f"{state.conversation}/")):
+            return
+        if result.not_stored == "registry_unavailable":
+            log.warning(
+                "commit.release_failed",
+                reason=ErrorReason.REGISTRY_UNAVAILABLE,
+                retention=log_name(state.claimed),
+            )
+            return
+        await timer.registry(self._release(state, "commit"))
+        if state.superseded_parent and result.retention:
+            try:  # refused while another fork's shared claim reads it: the last one removes it
+                await timer.registry(
+                    self._registry(self._parts.port.release(state.claimed, claim_id=""), CallTimer())
+                )
+                structlog.contextvars.bind_contextvars(superseded_parent="removed")
+            except (FailedPrecondition, Unavailable) as err:
+                structlog.contextvars.bind_contextvars(superseded_parent=str(err.reason).lower())
 
     async def _release(self, state: TurnState, rpc: str) -> None:
         """Release the retention the turn claimed. Best effort when the registry does not answer:

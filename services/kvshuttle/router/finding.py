@@ -20,10 +20,15 @@ from kvshuttle.router.parts import RouterParts
 from kvshuttle.router.placement import candidates
 from kvshuttle.router.timing import CallTimer
 
-__all__ = ["NEW_CONVERSATION_PREFIX", "ConversationFinder", "new_conversation"]
+__all__ = ["NEW_CONVERSATION_PREFIX", "ConversationFinder", "new_conversation", "router_started"]
 
 # The ids of conversations the router starts for requests that name none.
 NEW_CONVERSATION_PREFIX = "anon-"
+
+
+def router_started(conversation: str) -> bool:
+    """Whether the router started `conversation` (new_conversation's), not a client."""
+    return conversation.rsplit("/", 1)[-1].startswith(NEW_CONVERSATION_PREFIX)
 
 
 def new_conversation(tenant: str) -> str:

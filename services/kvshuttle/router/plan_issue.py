@@ -18,6 +18,7 @@ from kvshuttle.core.digest import log_digest
 from kvshuttle.core.endpoints import EndpointSet
 from kvshuttle.router.chains import Chain
 from kvshuttle.router.cost import CostModel
+from kvshuttle.router.finding import router_started
 from kvshuttle.router.model import (
     ClaimInfo,
     Decision,
@@ -181,6 +182,9 @@ class PlanIssuer:
             decode_side_channel_host=decode.side_channel_host,
             decode_side_channel_port=decode.side_channel_port,
             expected_think_time_s=req.expected_think_time_s,
+            superseded_parent=bool(
+                claim and verdict.shared and call.parent_found and router_started(call.parent)
+            ),
         )
         plan = Plan(
             turn=self._parts.codec.encode(state),

@@ -64,6 +64,10 @@ class TurnState:
     # The plan's sampling decision: a commit sent without trace context joins the plan's trace
     # only as sampled as the plan was. Defaulted (sampled) for handles issued before it existed.
     trace_sampled: bool = True
+    # `claimed` is a history the router found for this fork and started itself (an anon-
+    # conversation), read shared: once this fork's commit stored its own, the commit removes it
+    # unless other forks still read it (their histories continue it).
+    superseded_parent: bool = False
 
 
 _FIELDS = tuple(f.name for f in fields(TurnState))
