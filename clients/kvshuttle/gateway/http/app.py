@@ -425,9 +425,11 @@ class Gateway:
 
     def _holds(self, turn: Turn) -> bool:
         """Whether the answer ends only once the turn's commit has landed: for a sidecar's turns
-        (planned elsewhere), and for a turn that keeps a transcript, which the client's next
-        request, on whichever replica, finds only once it is stored."""
-        return self._hold_for_commit or turn.transcript is not None
+        (planned elsewhere), and for a turn of no conversation id (or one that keeps a
+        transcript), which the client's next request, on whichever replica, finds by what it
+        holds only once it is stored (and whose parent the commit may remove: its forks
+        continue it)."""
+        return self._hold_for_commit or turn.transcript is not None or bool(turn.tenant)
 
     def _think_time(self, treq: TurnRequest, header: str | None) -> float | None:
         """The client's hint, else the agent default for a request that declares tools."""
