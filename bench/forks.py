@@ -17,12 +17,14 @@ Prints a table, writes bench/results/forks-<utc time>.json.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import shutil
 import statistics
 import threading
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,18 +40,30 @@ POOL_BYTES = 1 << 30  # each agent's DRAM pool, as deploy/demo.py's
 
 
 def children(
-    url: str, parent: list[dict[str, Any]], tasks: list[str], salt: str | None
+    url: str,
+    parent: list[dict[str, Any]],
+    tasks: list[str],
+    salt: str | None,
+    *,
+    max_tokens: int = 32,
+    expected: Callable[[list[int], int], list[int]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every child at once (one thread each); `salt`: each child's own cache salt (recompute)."""
+    """Every child at once (one thread each); `salt`: each child's own cache salt (recompute);
+    `expected`: a clean recompute's answer to a prompt's ids, each child's checked against it.
+    One child's failure is a row of its own (`error`), not the end of the run."""
     rows: list[dict[str, Any]] = [{} for _ in tasks]
 
     def child(i: int) -> None:
         body: dict[str, Any] = {"model": "m", "messages": [*parent, {"role": "user", "content": tasks[i]}],
-                                "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+                                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
                                 "return_token_ids": True, "stream": True}  # fmt: skip
         if salt is not None:
             body["cache_salt"] = f"{salt}-{i}"
-        got = stream_chat(f"{url}/v1/chat/completions", body)
+        try:
+            got = stream_chat(f"{url}/v1/chat/completions", body)
+        except Exception as exc:
+            rows[i] = {"child": i, "error": f"{type(exc).__name__}: {exc}"}
+            return
         h = got["headers"]
         rows[i] = {
             "child": i,
@@ -57,8 +71,10 @@ def children(
             "reused": int(h.get("x-kvshuttle-reused-tokens", 0)),
             "decision": h.get("x-kvshuttle-decision"),
             "reason": h.get("x-kvshuttle-reason"),
-            "ttft_ms": round(got["ttft_s"] * 1e3, 1),
+            "ttft_ms": None if got["ttft_s"] is None else round(got["ttft_s"] * 1e3, 1),
         }
+        if expected is not None:
+            rows[i]["answer_ok"] = got["ids"] == expected(got["prompt"], max_tokens)
 
     threads = [threading.Thread(target=child, args=(i,)) for i in range(len(tasks))]
     for t in threads:
@@ -68,16 +84,26 @@ def children(
     return rows
 
 
+def percentile(values: list[float], q: float) -> float:
+    """Nearest rank."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    ttft = [r["ttft_ms"] for r in rows]
+    done = [r for r in rows if "error" not in r]
+    ttft = [r["ttft_ms"] for r in done if r["ttft_ms"] is not None] or [math.nan]
     return {
         "children": len(rows),
-        "reusing": sum(r["decision"] == "reuse" for r in rows),
-        "reused_tokens": sum(r["reused"] for r in rows),
-        "prompt_tokens": sum(r["prompt"] for r in rows),
+        "errors": len(rows) - len(done),
+        "reusing": sum(r["decision"] == "reuse" for r in done),
+        "reused_tokens": sum(r["reused"] for r in done),
+        "prompt_tokens": sum(r["prompt"] for r in done),
+        "wrong_answers": sum(not r["answer_ok"] for r in done if "answer_ok" in r),
         "ttft_ms_p50": float(statistics.median(ttft)),
+        "ttft_ms_p90": percentile(ttft, 0.9),
         "ttft_ms_max": max(ttft),
-        "reasons": sorted({str(r["reason"]) for r in rows}),
+        "reasons": sorted({str(r["reason"]) for r in done}),
     }
 
 

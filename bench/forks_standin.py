@@ -28,105 +28,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import shutil
 import statistics
-import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from deploy.local.stack import KvshuttleStack
-from deploy.profiles.schema import EngineProfile
 from tokenizers import Tokenizer
 
+from bench.cluster.engines import router_profile
 from bench.emulator.http.config import engine_profile
 from bench.emulator.http.launcher import StandinPair
 from bench.emulator.http.tokenizer import make_tokenizer
+from bench.forks import children, summary
 from bench.multiturn_reuse import Text, stream_chat
 from bench.report import ROOT, save
 
 DEFAULT_PROFILE = ROOT / "deploy" / "profiles" / "llama-3.1-8b-h100-tp1.toml"
 TASK_TOKENS, PARENT_ANSWER, CHILD_ANSWER = 60, 64, 32
-
-
-def router_profile(p: EngineProfile, model: str, s: float) -> dict[str, Any]:
-    """The profile's cost model as the router takes it, on the engines' clock (`s`: time scale),
-    for the served model `model` (as bench/cluster/engines.py's EmulatedCluster.router_profile)."""
-    return {
-        "model": model,
-        "kv_bytes_per_token": p.kv_bytes_per_token,
-        "min_reuse_tokens": p.min_reuse_tokens,
-        "prefill": {
-            "fixed_ms": p.prefill.fixed_ms * s,
-            "per_token_ms": p.prefill.per_token_ms * s,
-            "per_cached_token_ms": p.prefill.per_cached_token_ms * s,
-            "per_pair_ns": p.prefill.per_pair_ns * s,
-        },
-        "link": {"bandwidth_gb_s": p.link.bandwidth_gb_s / s, "fixed_ms": p.link.fixed_ms * s},
-    }
-
-
-def children(
-    url: str, parent: list[dict[str, Any]], tasks: list[str], salt: str | None, pair: StandinPair
-) -> list[dict[str, Any]]:
-    """Every child at once (one thread each), as bench.forks.children, each answer also checked
-    against a clean recompute's; `salt`: each child's own cache salt (recompute)."""
-    rows: list[dict[str, Any]] = [{} for _ in tasks]
-
-    def child(i: int) -> None:
-        body: dict[str, Any] = {"model": "m", "messages": [*parent, {"role": "user", "content": tasks[i]}],
-                                "max_tokens": CHILD_ANSWER, "temperature": 0, "ignore_eos": True,
-                                "return_token_ids": True, "stream": True}  # fmt: skip
-        if salt is not None:
-            body["cache_salt"] = f"{salt}-{i}"
-        try:
-            got = stream_chat(f"{url}/v1/chat/completions", body)
-        except Exception as exc:  # one child's failure is a row, not the end of the run
-            rows[i] = {"child": i, "error": f"{type(exc).__name__}: {exc}"}
-            return
-        h = got["headers"]
-        rows[i] = {
-            "child": i,
-            "prompt": len(got["prompt"]),
-            "reused": int(h.get("x-kvshuttle-reused-tokens", 0)),
-            "decision": h.get("x-kvshuttle-decision"),
-            "reason": h.get("x-kvshuttle-reason"),
-            "ttft_ms": None if got["ttft_s"] is None else round(got["ttft_s"] * 1e3, 1),
-            "answer_ok": got["ids"] == pair.expected(got["prompt"], CHILD_ANSWER),
-        }
-
-    threads = [threading.Thread(target=child, args=(i,)) for i in range(len(tasks))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return rows
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest rank."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
-def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    done = [r for r in rows if "error" not in r]
-    ttft = [r["ttft_ms"] for r in done if r["ttft_ms"] is not None] or [math.nan]
-    return {
-        "children": len(rows),
-        "errors": len(rows) - len(done),
-        "reusing": sum(r["decision"] == "reuse" for r in done),
-        "reused_tokens": sum(r["reused"] for r in done),
-        "prompt_tokens": sum(r["prompt"] for r in done),
-        "wrong_answers": sum(not r["answer_ok"] for r in done),
-        "ttft_ms_p50": float(statistics.median(ttft)),
-        "ttft_ms_p90": percentile(ttft, 0.9),
-        "ttft_ms_max": max(ttft),
-        "reasons": sorted({str(r["reason"]) for r in done}),
-    }
 
 
 def stats(pair: StandinPair) -> dict[str, dict[str, int]]:
@@ -200,7 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stack = KvshuttleStack(
         pair,
         work_dir=work / "services",
-        profile=router_profile(profile, "m", args.time_scale),
+        profile=router_profile(profile, args.time_scale, model="m"),
         block_size=profile.engine.block_size,
         kv_bytes_per_token=profile.kv_bytes_per_token,
         pool_bytes=pool_bytes,
@@ -226,7 +148,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             counters.append(stats(pair))
             for arm, salt in (("fork", None), ("recompute", "recompute")):
                 t0 = time.perf_counter()
-                rows[arm] = children(stack.gateway_url, history, tasks, salt, pair)
+                rows[arm] = children(stack.gateway_url, history, tasks, salt, max_tokens=CHILD_ANSWER,
+                                     expected=pair.expected)  # fmt: skip
                 walls[arm] = round(time.perf_counter() - t0, 2)
                 counters.append(stats(pair))
         finally:

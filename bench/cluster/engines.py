@@ -129,21 +129,8 @@ class EmulatedCluster:
         }
 
     def router_profile(self) -> dict[str, Any]:
-        """The profile's cost model (kvshuttle.router.cost) on the emulated clock: the router
-        measures the engines in real seconds, which are the profile's times `time_scale`."""
-        p, s = self.profile, self.time_scale
-        return {
-            "model": p.model,
-            "kv_bytes_per_token": p.kv_bytes_per_token,
-            "min_reuse_tokens": p.min_reuse_tokens,
-            "prefill": {
-                "fixed_ms": p.prefill.fixed_ms * s,
-                "per_token_ms": p.prefill.per_token_ms * s,
-                "per_cached_token_ms": p.prefill.per_cached_token_ms * s,
-                "per_pair_ns": p.prefill.per_pair_ns * s,
-            },
-            "link": {"bandwidth_gb_s": p.link.bandwidth_gb_s / s, "fixed_ms": p.link.fixed_ms * s},
-        }
+        """The profile's cost model (kvshuttle.router.cost) on the emulated clock."""
+        return router_profile(self.profile, self.time_scale)
 
     async def __aenter__(self) -> EmulatedCluster:
         await self.standin.start()
@@ -168,4 +155,23 @@ def least_loaded(nodes: list[Node]) -> Node:
     return min(nodes, key=lambda node: (node.in_flight, node.sent))
 
 
-__all__ = ["EmulatedCluster", "Node", "Role", "RoundRobin", "least_loaded"]
+__all__ = ["EmulatedCluster", "Node", "Role", "RoundRobin", "least_loaded", "router_profile"]
+
+
+def router_profile(p: EngineProfile, time_scale: float, model: str = "") -> dict[str, Any]:
+    """`p`'s cost model (kvshuttle.router.cost) on the emulated clock, for served model `model`
+    (default the profile's): the router measures the engines in real seconds, which are the
+    profile's times `time_scale`."""
+    s = time_scale
+    return {
+        "model": model or p.model,
+        "kv_bytes_per_token": p.kv_bytes_per_token,
+        "min_reuse_tokens": p.min_reuse_tokens,
+        "prefill": {
+            "fixed_ms": p.prefill.fixed_ms * s,
+            "per_token_ms": p.prefill.per_token_ms * s,
+            "per_cached_token_ms": p.prefill.per_cached_token_ms * s,
+            "per_pair_ns": p.prefill.per_pair_ns * s,
+        },
+        "link": {"bandwidth_gb_s": p.link.bandwidth_gb_s / s, "fixed_ms": p.link.fixed_ms * s},
+    }

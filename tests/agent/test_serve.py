@@ -209,6 +209,13 @@ async def _send(reader: NixlPoolMemory, served: Handshake, message: bytes) -> No
     await asyncio.to_thread(send)
 
 
+def _assert_read(reader: NixlPoolMemory, memory: NixlPoolMemory, parked: Allocation) -> None:
+    """The reader's blocks 0.. hold `parked`'s slots, byte for byte, in every region."""
+    for region in range(POOL.regions):
+        for i, slot in enumerate(parked.slots):
+            assert np.array_equal(reader.block(region, i), memory.block(region, slot))
+
+
 async def test_a_read_and_its_notification_release_the_slots(
     server: PoolServer,
     pool: BlockPool,
@@ -233,9 +240,7 @@ async def test_a_read_and_its_notification_release_the_slots(
     state = await asyncio.to_thread(_read, reader, served, list(parked.slots), notification)
 
     assert state == "DONE"
-    for region in range(POOL.regions):
-        for i, slot in enumerate(parked.slots):
-            assert np.array_equal(reader.block(region, i), memory.block(region, slot))
+    _assert_read(reader, memory, parked)
     await eventually(lambda: not pool.allocations(), what="the slots released")
     assert not server.served and server.reads == 1
 
@@ -256,9 +261,7 @@ async def test_shared_readers_read_the_same_slots_and_free_nothing(
         notification = read_done_message(shared, 1)
         state = await asyncio.to_thread(_read, reader, served, list(parked.slots), notification)
         assert state == "DONE"
-        for region in range(POOL.regions):
-            for i, slot in enumerate(parked.slots):
-                assert np.array_equal(reader.block(region, i), memory.block(region, slot))
+        _assert_read(reader, memory, parked)
     await eventually(lambda: server.shared_reads == 2, what="both shared read-dones")
     assert pool.get(NAME).state is SlotState.PARKED and server.active(NAME)
     assert server.reads == 0 and read_id in server.served

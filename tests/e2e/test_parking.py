@@ -11,7 +11,9 @@ it (here). The agent kill runs last: it takes decode's agent down and brings it 
 
 from __future__ import annotations
 
+import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,8 +22,9 @@ import grpc
 import pytest
 from deploy.local.launch import VllmPair
 from deploy.local.stack import KvshuttleStack
+from prometheus_client.parser import text_string_to_metric_families
 from tests.e2e.stacks import running_stack
-from tests.support.turns import reference, tokens, turn
+from tests.support.turns import post, reference, tokens, turn
 
 from kvshuttle.agent.v1 import agent_service_pb2 as apb
 from kvshuttle.agent.v1 import agent_service_pb2_grpc as apb_grpc
@@ -120,6 +123,53 @@ def test_a_think_time_hint_prefetches_into_the_prefill_side_agent(
     assert h2["X-Kvshuttle-Decision"] == "reuse"
     assert int(h2["X-Kvshuttle-Reused-Tokens"]) == len(first) + len(out1) - 1
     assert out2 == reference(vllm_pair, prompt)
+
+
+def test_forks_of_one_history_all_read_it_from_the_pool(stack: KvshuttleStack, vllm_pair: VllmPair) -> None:
+    """Three requests of no conversation id continue one history at once (a fork's children):
+    each reads the history's KV from decode's agent under a shared claim (the pool's read-done of
+    a shared read frees nothing), and each answers as a clean recompute of its prompt does."""
+    parent = tokens(600, 41)
+    body, _ = post(f"{stack.gateway_url}/v1/completions", completion(parent))
+    answer = list(body["choices"][0]["token_ids"])
+    history = parent + answer
+    shared_before = agent_metric(stack, 1, "kvshuttle_agent_pool_reads_total", kind="shared")
+    prompts = [history + tokens(40, 42 + i) for i in range(3)]
+    got: list[tuple[dict[str, Any], Any]] = [({}, None)] * len(prompts)
+
+    def child(i: int) -> None:
+        got[i] = post(f"{stack.gateway_url}/v1/completions", completion(prompts[i]))
+
+    threads = [threading.Thread(target=child, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for prompt, (body, headers) in zip(prompts, got, strict=True):
+        assert (headers["X-Kvshuttle-Decision"], headers["X-Kvshuttle-Reason"]) == ("reuse", "reuse_cheaper")
+        assert int(headers["X-Kvshuttle-Reused-Tokens"]) == len(history) - 1
+        assert list(body["choices"][0]["token_ids"]) == reference(vllm_pair, prompt)
+    shared = agent_metric(stack, 1, "kvshuttle_agent_pool_reads_total", kind="shared")
+    assert shared - shared_before == len(prompts)
+
+
+def completion(prompt: list[int]) -> dict[str, Any]:
+    """A completions request of no conversation id, greedy, as tests.support.turns.turn's."""
+    return {"model": "m", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+
+
+def agent_metric(stack: KvshuttleStack, agent: int, name: str, **labels: str) -> float:
+    """A sample of the agent's /metrics (0 when absent)."""
+    url = f"http://127.0.0.1:{stack.agent_metrics_ports[agent]}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def test_an_agent_killed_with_parked_kv_degrades_to_recompute_and_its_retentions_go(

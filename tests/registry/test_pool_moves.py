@@ -20,6 +20,7 @@ from tests.support.registry_model import (
     put,
     spec,
     state,
+    with_pool_node,
 )
 
 from kvshuttle.core.errors import Aborted, FailedPrecondition, InvalidArgument, KvshuttleError, NotFound
@@ -31,8 +32,6 @@ from kvshuttle.core.nodes import (
     NodeSpec,
     pool_node_name,
 )
-from kvshuttle.registry.block_index import BlockIndex
-from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.model import ChangeKind, Holder, Move, RetentionState
 from kvshuttle.registry.service.registry import Registry
 from kvshuttle.registry.store.contract import StoreLimits
@@ -45,15 +44,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 async def registry(clock: FakeClock, make_store: StoreFactory) -> Registry:
-    registry = Registry(
-        make_store(StoreLimits(max_retentions_per_tenant=10)),
-        clock,
-        BlockIndex(max_blocks_per_node=1000),
-        RegistryLimits(),
-    )
-    await registry.register_node(spec(), ttl=60)
-    await registry.register_node(pool_spec(), ttl=60)
-    return registry
+    return await with_pool_node(make_store(StoreLimits(max_retentions_per_tenant=10)), clock)
 
 
 # ---- pool nodes -----------------------------------------------------------------------------

@@ -15,16 +15,13 @@ from tests.support.registry_model import (
     StoreFactory,
     claimed,
     move,
-    pool_spec,
     put,
-    spec,
     state,
+    with_pool_node,
 )
 
 from kvshuttle.core.errors import Aborted, FailedPrecondition, NotFound
 from kvshuttle.core.limits import MAX_SHARED_CLAIMS
-from kvshuttle.registry.block_index import BlockIndex
-from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.model import ChangeKind, Retention, RetentionState
 from kvshuttle.registry.service.registry import Registry
 from kvshuttle.registry.store.contract import StoreLimits
@@ -37,15 +34,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 async def registry(clock: FakeClock, make_store: StoreFactory) -> Registry:
-    registry = Registry(
-        make_store(StoreLimits(max_retentions_per_tenant=10)),
-        clock,
-        BlockIndex(max_blocks_per_node=1000),
-        RegistryLimits(),
-    )
-    await registry.register_node(spec(), ttl=300)
-    await registry.register_node(pool_spec(), ttl=300)
-    return registry
+    return await with_pool_node(make_store(StoreLimits(max_retentions_per_tenant=10)), clock)
 
 
 async def pooled(registry: Registry, ttl: float = 60) -> Retention:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from bench.fleet.inproc import InProcessPort
 from prometheus_client import CollectorRegistry
@@ -142,3 +142,26 @@ QWEN = load_profiles(Path(__file__).resolve().parents[2] / "deploy" / "profiles"
 
 
 KEY = b"k" * 32
+
+
+class AnswersTurns(Protocol):
+    """A test cluster that makes up answers and decode's params for them."""
+
+    def tokens(self, n: int) -> list[int]: ...
+
+    def decode_params(self, plan: Plan, total_tokens: int) -> dict[str, Any]: ...
+
+
+async def commit_answer(
+    router: Router, cluster: AnswersTurns, plan: Plan, prompt: list[int], *, output: int = 32
+) -> list[int]:
+    """Commit `plan` as a gateway would once decode answered `output` tokens; the sequence."""
+    sequence = prompt + cluster.tokens(output)
+    await router.commit_turn(
+        CommitRequest(
+            turn=plan.turn,
+            token_ids=sequence,
+            decode_kv_transfer_params=cluster.decode_params(plan, len(sequence)),
+        )
+    )
+    return sequence

@@ -118,6 +118,14 @@ class Cluster:
         self.agents = FakeAgents()
         self.incarnations: dict[str, int] = {}
 
+    @classmethod
+    async def prefill_and_decode(cls) -> Cluster:
+        """A prefill node and a decode node, each with its agent's pool."""
+        cluster = cls()
+        await cluster.add_node("nodes/p", NodeRole.PREFILL)
+        await cluster.add_node("nodes/d", NodeRole.DECODE)
+        return cluster
+
     async def add_node(self, name: str, role: NodeRole, *, pool: bool = True) -> None:
         short = name[6:]
         await self._register(

@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from tests.router.domain_cluster import commit_answer
 from tests.router.shuttle_cluster import CONV, MODEL, POOL_PORT, Cluster, moves, pool_params, shuttle, tick
 
 from kvshuttle.core.errors import NotFound
 from kvshuttle.core.nodes import NodeRole
 from kvshuttle.registry.model import Holder, Move
-from kvshuttle.router.model import CommitRequest, Decision, Plan, PlanRequest, Reason
+from kvshuttle.router.model import Decision, Plan, PlanRequest, Reason
 from kvshuttle.router.router import Router
 from kvshuttle.vllm.kv_transfer_params import from_vllm, to_vllm
 from kvshuttle.vllm.shared_reads import read_of
@@ -23,22 +24,7 @@ PARENT = f"{CONV}/retentions/1"
 
 @pytest.fixture
 async def cluster() -> Cluster:
-    c = Cluster()
-    await c.add_node("nodes/p", NodeRole.PREFILL)
-    await c.add_node("nodes/d", NodeRole.DECODE)
-    return c
-
-
-async def commit(cluster: Cluster, router: Router, plan: Plan, prompt: list[int]) -> list[int]:
-    sequence = prompt + cluster.tokens(32)
-    await router.commit_turn(
-        CommitRequest(
-            turn=plan.turn,
-            token_ids=sequence,
-            decode_kv_transfer_params=cluster.decode_params(plan, len(sequence)),
-        )
-    )
-    return sequence
+    return await Cluster.prefill_and_decode()
 
 
 async def parked_parent(cluster: Cluster, router: Router) -> list[int]:
@@ -77,7 +63,7 @@ async def test_named_forks_of_a_pooled_retention_all_read_it(cluster: Cluster) -
     assert (own.decision, own.reason) == (Decision.RECOMPUTE, Reason.CLAIM_LOST)
     await router.abort_turn(own.turn, reason="test")
     for plan, prompt in children:
-        await commit(cluster, router, plan, prompt)
+        await commit_answer(router, cluster, plan, prompt)
         stored = await cluster.registry.get_conversation(plan.conversation)
         assert stored.retention is not None and stored.retention.generation == 1
     after = await cluster.registry.get_retention(PARENT)  # the next fork's to read
@@ -105,7 +91,7 @@ async def test_a_fork_of_a_decode_held_retention_parks_it_first(cluster: Cluster
     assert moves(router, "park", "fork", "moved") == 1
     assert len({p.conversation for p, _ in plans}) == 4
     for plan, prompt in plans:
-        sequence = await commit(cluster, router, plan, prompt)
+        sequence = await commit_answer(router, cluster, plan, prompt)
         # Each child's next turn finds its own history (the longest prefix), and reads it.
         nxt = await router.plan_turn(
             PlanRequest(model=MODEL, prompt_token_ids=sequence + cluster.tokens(20), tenant="tenants/acme")
@@ -241,7 +227,7 @@ async def test_a_found_history_the_router_started_goes_with_the_last_fork_s_comm
     router = cluster.router(park_after_idle_s=300)
     prompt = cluster.tokens(1000)
     first = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=prompt, tenant="tenants/acme"))
-    seq = await commit(cluster, router, first, prompt)
+    seq = await commit_answer(router, cluster, first, prompt)
     parent = f"{first.conversation}/retentions/1"
     forks = []
     for i in range(3):
@@ -250,9 +236,9 @@ async def test_a_found_history_the_router_started_goes_with_the_last_fork_s_comm
         assert (plan.decision, plan.reusable_tokens) == (Decision.REUSE, len(seq))
         forks.append((plan, child))
     for plan, child in forks[:2]:
-        await commit(cluster, router, plan, child)
+        await commit_answer(router, cluster, plan, child)
         assert (await cluster.registry.get_retention(parent)).shared  # the last fork still reads it
-    await commit(cluster, router, *forks[2])
+    await commit_answer(router, cluster, *forks[2])
     with pytest.raises(NotFound):
         await cluster.registry.get_retention(parent)
     for plan, _ in forks:  # each fork's own history stays

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from tests.router.domain_cluster import MODEL, Cluster
+from tests.router.domain_cluster import MODEL, Cluster, commit_answer
 
 from kvshuttle.core.errors import InvalidArgument, NotFound
 from kvshuttle.router.finding import NEW_CONVERSATION_PREFIX
@@ -181,18 +181,6 @@ async def test_a_bad_transcript_is_refused_naming_its_field_and_commits_nothing(
     assert (await router.find_transcript(ACME, MODEL, KEY)).conversation == plan.conversation
 
 
-async def commit(router: Router, cluster: Cluster, plan: Plan, prompt: list[int]) -> list[int]:
-    sequence = prompt + cluster.tokens(32)
-    await router.commit_turn(
-        CommitRequest(
-            turn=plan.turn,
-            token_ids=sequence,
-            decode_kv_transfer_params=cluster.decode_params(plan, len(sequence)),
-        )
-    )
-    return sequence
-
-
 async def test_siblings_of_a_fork_each_get_a_conversation_of_their_own(cluster: Cluster) -> None:
     """Two requests continue one history at once (a fork's children): the first continues the
     parent's conversation, the second, finding its retention claimed, forks a conversation of its
@@ -206,8 +194,8 @@ async def test_siblings_of_a_fork_each_get_a_conversation_of_their_own(cluster: 
     assert (first.conversation, first.decision) == (parent.conversation, Decision.REUSE)
     assert second.conversation not in (parent.conversation, "")
     assert (second.decision, second.reason) == (Decision.RECOMPUTE, Reason.FORK_UNSAFE)
-    seq1 = await commit(router, cluster, first, one)
-    seq2 = await commit(router, cluster, second, two)
+    seq1 = await commit_answer(router, cluster, first, one)
+    seq2 = await commit_answer(router, cluster, second, two)
     assert (await cluster.registry.get_retention(f"{first.conversation}/retentions/2")).num_tokens == len(
         seq1
     )
@@ -241,7 +229,7 @@ async def test_a_sibling_that_loses_the_claim_forks_instead_of_recomputing_into_
     second = await router.plan_turn(PlanRequest(model=MODEL, prompt_token_ids=seq + [2] * 40, tenant=ACME))
     assert second.conversation not in (parent.conversation, "")
     assert (second.decision, second.reason) == (Decision.RECOMPUTE, Reason.FORK_UNSAFE)
-    await commit(router, cluster, second, seq + [2] * 40)
+    await commit_answer(router, cluster, second, seq + [2] * 40)
     assert (await cluster.registry.get_conversation(second.conversation)).retention is not None
 
 

@@ -43,10 +43,7 @@ from kvshuttle.router.router import Router
 
 @pytest.fixture
 async def cluster() -> Cluster:
-    c = Cluster()
-    await c.add_node("nodes/p", NodeRole.PREFILL)
-    await c.add_node("nodes/d", NodeRole.DECODE)
-    return c
+    return await Cluster.prefill_and_decode()
 
 
 async def test_an_idle_conversation_is_parked_and_its_next_turn_reads_from_the_pool(cluster: Cluster) -> None:

@@ -7,6 +7,7 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
+from kvshuttle.core.clock import Clock
 from kvshuttle.core.errors import NotFound
 from kvshuttle.core.hashing import chain_hashes
 from kvshuttle.core.nodes import (
@@ -16,6 +17,8 @@ from kvshuttle.core.nodes import (
     NodeSpec,
     pool_node_name,
 )
+from kvshuttle.registry.block_index import BlockIndex
+from kvshuttle.registry.limits import RegistryLimits
 from kvshuttle.registry.model import Holder, Move, Retention
 from kvshuttle.registry.service.registry import Registry
 from kvshuttle.registry.store.contract import RegistryStore
@@ -149,3 +152,12 @@ async def state(registry: Registry) -> tuple[Any, ...]:
     except NotFound:
         fence = 0
     return nodes, [repr(r) for r in retentions], fence, registry.counts_by_kind()
+
+
+async def with_pool_node(store: RegistryStore, clock: Clock) -> Registry:
+    """A registry over `store` on `clock` with a decode node (spec()) and its pool node
+    (pool_spec()), both leased for 60 s."""
+    registry = Registry(store, clock, BlockIndex(max_blocks_per_node=1000), RegistryLimits())
+    await registry.register_node(spec(), ttl=60)
+    await registry.register_node(pool_spec(), ttl=60)
+    return registry

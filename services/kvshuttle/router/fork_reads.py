@@ -78,13 +78,14 @@ class ForkReads:
         shuttle = self._parts.shuttle
         if retention is None or not self.enabled:
             return retention
-        moving = shuttle.move_in_flight(parent) if shuttle is not None else None
-        if moving is None and shuttle is not None and self._parks(retention, nodes, call.cost):
-            holder = next(x for x in nodes if x.name == retention.node)
-            window = self._parts.policy.found_fork_window_s if call.parent_found else math.inf
-            moving = shuttle.park_for_forks(
-                parent, retention, kv_bytes=retention.num_tokens * holder.kv_bytes_per_token, max_ttl_s=window
-            )
+        moving = None
+        if shuttle is not None:
+            moving = shuttle.move_in_flight(parent)
+            holder = None if moving is not None else self._parked_from(retention, nodes, call.cost)
+            if holder is not None:
+                window = self._parts.policy.found_fork_window_s if call.parent_found else math.inf
+                kv_bytes = retention.num_tokens * holder.kv_bytes_per_token
+                moving = shuttle.park_for_forks(parent, retention, kv_bytes=kv_bytes, max_ttl_s=window)
         if moving is not None:
             await timer.registry(asyncio.wait({moving}, timeout=self._parts.policy.parking.move_wait_s))
             structlog.contextvars.bind_contextvars(waited_for_move=True)
@@ -107,19 +108,23 @@ class ForkReads:
                 break
         return retention
 
-    def _parks(self, retention: RetentionInfo, nodes: Sequence[NodeInfo], cost: CostModel) -> bool:
-        """Whether a fork parks `retention` before reading it: unclaimed on a decode engine
-        whose agent has a pool, and worth it."""
+    def _parked_from(
+        self, retention: RetentionInfo, nodes: Sequence[NodeInfo], cost: CostModel
+    ) -> NodeInfo | None:
+        """The decode engine a fork parks `retention` from before reading it (None: it does
+        not): unclaimed there, its agent has a pool, and the park is worth it."""
         if retention.claimed or not self._parts.policy.park_for_forks:
-            return False
+            return None
         by_name = {x.name: x for x in nodes}
         holder = by_name.get(retention.node)
-        return (
-            holder is not None
-            and holder.role is not NodeRole.POOL
-            and pool_of(by_name, holder.name, retention) is not None
-            and _worth_parking(retention, cost)
-        )
+        if (
+            holder is None
+            or holder.role is NodeRole.POOL
+            or pool_of(by_name, holder.name, retention) is None
+            or not _worth_parking(retention, cost)
+        ):
+            return None
+        return holder
 
 
 def _worth_parking(retention: RetentionInfo, cost: CostModel) -> bool:

@@ -148,6 +148,35 @@ class ScheduledMove:
     # The moved retention's lease at most (a park for the forks of a found history).
     max_ttl_s: float = math.inf
 
+    @classmethod
+    def park(
+        cls,
+        conversation: str,
+        retention: RetentionInfo,
+        *,
+        kv_bytes: int,
+        now: float,
+        reason: MoveReason,
+        turn_end: TurnEnd = TurnEnd.UNSPECIFIED,
+        max_ttl_s: float = math.inf,
+    ) -> ScheduledMove:
+        """A park of `retention`, due now, its conversation active now."""
+        return cls(
+            conversation=conversation,
+            retention=retention.name,
+            generation=retention.generation,
+            model=retention.model,
+            node=retention.node,
+            kv_bytes=kv_bytes,
+            num_tokens=retention.num_tokens,
+            active_at=now,
+            due_at=now,
+            kind=MoveKind.PARK,
+            reason=reason,
+            turn_end=turn_end,
+            max_ttl_s=max_ttl_s,
+        )
+
 
 @dataclass(slots=True)
 class MoveFields:

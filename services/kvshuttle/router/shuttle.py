@@ -132,25 +132,12 @@ class Shuttle:
         if self._closed or not self._parking.enabled or len(self._moving) >= self._parking.max_in_flight:
             return None
         scheduled = self._entries.get(conversation)
-        now = self._clock.now()
         if scheduled is not None and scheduled.retention == retention.name:
             entry = self._take(conversation)
             entry = replace(entry, kind=MoveKind.PARK, reason=MoveReason.FORK, target="", max_ttl_s=max_ttl_s)
         else:  # committed by another replica: its lease runs max_idle_s from now
-            entry = ScheduledMove(
-                conversation=conversation,
-                retention=retention.name,
-                generation=retention.generation,
-                model=retention.model,
-                node=retention.node,
-                kv_bytes=kv_bytes,
-                num_tokens=retention.num_tokens,
-                active_at=now,
-                due_at=now,
-                kind=MoveKind.PARK,
-                reason=MoveReason.FORK,
-                max_ttl_s=max_ttl_s,
-            )
+            entry = ScheduledMove.park(conversation, retention, kv_bytes=kv_bytes, now=self._clock.now(),
+                                       reason=MoveReason.FORK, max_ttl_s=max_ttl_s)  # fmt: skip
         self._start(entry, MoveReason.FORK)
         return self._moving_for[conversation]
 
@@ -185,21 +172,8 @@ class Shuttle:
         its answer ended."""
         if self._closed:
             return
-        now = self._clock.now()
-        entry = ScheduledMove(
-            conversation=conversation,
-            retention=retention.name,
-            generation=retention.generation,
-            model=retention.model,
-            node=retention.node,
-            kv_bytes=kv_bytes,
-            num_tokens=retention.num_tokens,
-            active_at=now,
-            due_at=now,
-            kind=MoveKind.PARK,
-            reason=MoveReason.IDLE,
-            turn_end=turn_end,
-        )
+        entry = ScheduledMove.park(conversation, retention, kv_bytes=kv_bytes, now=self._clock.now(),
+                                   reason=MoveReason.IDLE, turn_end=turn_end)  # fmt: skip
         if self._wants_prefetch(entry, prefill_node, expected_think_time_s, computed_tokens):
             entry.kind, entry.reason, entry.target = MoveKind.PREFETCH, MoveReason.THINK_TIME, prefill_node
             self._put(entry)

@@ -94,11 +94,8 @@ class MemoryClaims:
             return [self._unshare(record, claim_id, now)]
         if keep:
             return [self._unclaim(record, claim_id, now)]
-        if (
-            not force
-            and (record.claim is not None or record.shared)
-            and claim_id != getattr(record.claim, "claim_id", None)
-        ):
+        own = record.claim is not None and record.claim.claim_id == claim_id
+        if not force and not own and (record.claim is not None or record.shared):
             holder = (
                 record.claim.holder if record.claim is not None else f"{len(record.shared)} shared readers"
             )
